@@ -1,0 +1,91 @@
+"""The `mili` command: generate (and, as they land, serve and bench)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from mili.model.demo import DEMO_MODEL
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=DEMO_MODEL,
+                   help=f"local checkpoint folder, hub id (e.g. Qwen/Qwen3-0.6B) or '{DEMO_MODEL}' "
+                        f"(a small random-weight model built offline; default)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                   help="weights and activations dtype (auto: the checkpoint's)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output in tokens (default: the model's, capped by the KV cache)")
+    p.add_argument("--kv-cache-memory", type=int, default=None,
+                   help="bytes for the paged KV cache (default 2 GiB, or env MILI_KV_CACHE_MEMORY)")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one batch")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="token budget of one step (decodes + prefill chunks)")
+    p.add_argument("--seed", type=int, default=0, help="global random seed")
+    p.add_argument("--num-threads", type=int, default=None, help="CPU threads for torch")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                kv_cache_memory=args.kv_cache_memory, page_size=args.page_size, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed, num_threads=args.num_threads)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from mili.llm import LLM
+    from mili.sampling_params import SamplingParams
+
+    kwargs = engine_kwargs(args)
+    llm = LLM(kwargs.pop("model"), **kwargs)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.sample_seed, stop=args.stop or None)
+    prompts = args.prompt or ["Hello, my name is"]
+    if args.chat:
+        kw = {"enable_thinking": args.thinking}
+        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params,
+                        chat_template_kwargs=kw, use_tqdm=False)
+    else:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        if len(prompts) > 1:
+            print(f"--- {prompt!r}")
+        print(out.outputs[0].text)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mili", description="MILI: inference for Qwen3 models")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text for one or more prompts and print it")
+    add_engine_args(gen)
+    gen.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
+    gen.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=True,
+                     help="with --chat: Qwen3 thinking on/off")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
+    gen.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from mili.errors import MiliError
+
+    try:
+        return args.func(args)
+    except MiliError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

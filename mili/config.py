@@ -1,0 +1,121 @@
+"""EngineConfig and ModelConfig: what the engine is asked to run, validated on construction."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from mili.errors import InvalidRequest, ModelLoadError
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16,
+           "float": torch.float32}
+SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return torch.device(device)
+    except RuntimeError as e:
+        raise InvalidRequest(f"unknown device {device!r}", param="device") from e
+
+
+@dataclass
+class ModelConfig:
+    """The shape of a Qwen3 checkpoint, read from its config.json (either spelling, see loader)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    checkpoint_dtype: torch.dtype
+    hf_config: object = field(repr=False, default=None)  # the transformers config (rope parameters)
+
+    @classmethod
+    def from_hf(cls, hf_config) -> "ModelConfig":
+        archs = list(getattr(hf_config, "architectures", None) or [])
+        if getattr(hf_config, "model_type", None) != "qwen3" or not set(archs) & set(SUPPORTED_ARCHITECTURES):
+            raise ModelLoadError(
+                f"unsupported architecture {archs or hf_config.model_type!r}: "
+                f"MILI runs {', '.join(SUPPORTED_ARCHITECTURES)} (model_type 'qwen3')")
+        heads = hf_config.num_attention_heads
+        dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.float32
+        if isinstance(dtype, str):
+            dtype = _DTYPES[dtype]
+        return cls(
+            vocab_size=hf_config.vocab_size,
+            hidden_size=hf_config.hidden_size,
+            intermediate_size=hf_config.intermediate_size,
+            num_hidden_layers=hf_config.num_hidden_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
+            rms_norm_eps=hf_config.rms_norm_eps,
+            max_position_embeddings=hf_config.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            checkpoint_dtype=dtype,
+            hf_config=hf_config,
+        )
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    dtype: str = "auto"  # auto (the checkpoint's) | bfloat16 | float16 | float32
+    device: str = "auto"
+    max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
+    seed: int = 0
+    page_size: int = 16
+    kv_cache_memory: int | None = None  # bytes for the KV pool; None: a default (see kv_cache_bytes)
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    tokenizer: str | None = None  # default: the model folder
+    num_threads: int | None = None  # CPU threads for torch; None: torch's default
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", *_DTYPES):
+            raise InvalidRequest(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}",
+                                 param="dtype")
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise InvalidRequest(f"{name} must be a positive integer, got {getattr(self, name)!r}",
+                                     param=name)
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise InvalidRequest(f"max_model_len must be >= 2, got {self.max_model_len}", param="max_model_len")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise InvalidRequest(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}",
+                                 param="kv_cache_memory")
+        self.torch_device = resolve_device(self.device)
+
+    def torch_dtype(self, model_config: ModelConfig) -> torch.dtype:
+        if self.dtype == "auto":
+            dtype = model_config.checkpoint_dtype
+            # CPUs without fast half support still run bf16 well through oneDNN; float16 does not.
+            if self.torch_device.type == "cpu" and dtype == torch.float16:
+                return torch.bfloat16
+            return dtype
+        return _DTYPES[self.dtype]
+
+    def resolve_max_model_len(self, model_config: ModelConfig) -> int:
+        limit = model_config.max_position_embeddings
+        if self.max_model_len is None:
+            return limit
+        if self.max_model_len > limit:
+            raise InvalidRequest(f"max_model_len {self.max_model_len} exceeds the model's "
+                                 f"max_position_embeddings {limit}", param="max_model_len")
+        return self.max_model_len
+
+
+def default_kv_cache_bytes() -> int:
+    """Default KV pool budget on the CPU: MILI_KV_CACHE_MEMORY or 2 GiB."""
+    return int(os.environ.get("MILI_KV_CACHE_MEMORY", 2 << 30))

@@ -1,0 +1,78 @@
+"""Request and Sequence: the state of one request and of each of its ``n`` output sequences.
+
+A Sequence is WAITING (no KV pages, ``num_computed_tokens`` 0), RUNNING (pages for its computed
+tokens) or FINISHED (pages released). With ``n`` > 1, sequences 1..n-1 are UNBORN until the first one
+has prefilled the prompt; they are then forked from it, sharing its prompt pages.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from mili.sampling_params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    UNBORN = "unborn"
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request: "Request"
+    index: int  # which of the request's n outputs
+    token_ids: list[int]  # prompt + generated
+    prompt_len: int
+    generator: torch.Generator | None
+    stream: object  # mili.tokenizer.detokenizer.TextStream
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    page_table: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # stop | length | abort
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    logprobs: list[dict] | None = None
+    cumulative_logprob: float = 0.0
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SeqStatus.FINISHED
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_total_tokens: int  # prompt + generated may not exceed this (max_model_len or max_tokens)
+    arrival_time: float = field(default_factory=time.monotonic)
+    seqs: list[Sequence] = field(default_factory=list)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
+
+    @property
+    def is_finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+    def unborn(self) -> list[Sequence]:
+        return [s for s in self.seqs if s.status == SeqStatus.UNBORN]

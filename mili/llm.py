@@ -1,0 +1,97 @@
+"""The offline API: ``LLM(model).generate(prompts, SamplingParams(...))`` over the engine."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+from tqdm.auto import tqdm
+
+from mili.config import EngineConfig
+from mili.engine.engine import LLMEngine
+from mili.errors import InvalidRequest
+from mili.outputs import RequestOutput
+from mili.sampling_params import SamplingParams
+from mili.tokenizer.tokenizer import apply_chat_template
+
+PromptType = str | dict
+
+
+class LLM:
+    """Runs a Qwen3 checkpoint in this process.
+
+    ``model`` is a local folder, a hub id (e.g. ``Qwen/Qwen3-0.6B``) or ``"demo"``; other keyword
+    arguments are ``EngineConfig`` fields (page_size, kv_cache_memory, max_num_seqs, ...).
+    """
+
+    def __init__(self, model: str, dtype: str = "auto", device: str = "auto",
+                 max_model_len: int | None = None, seed: int = 0, **engine_kwargs):
+        self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, device=device,
+                                             max_model_len=max_model_len, seed=seed, **engine_kwargs))
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | Seq[PromptType],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for one prompt or a list; outputs come back in input order.
+
+        A prompt is a string or ``{"prompt_token_ids": [...]}`` (or ``{"prompt": "..."}``).
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise InvalidRequest(f"{len(sampling_params)} sampling_params for {len(prompts)} prompts",
+                                 param="sampling_params")
+        return self._run([_prompt_input(p) for p in prompts], list(sampling_params), use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+             chat_template_kwargs: dict | None = None, add_generation_prompt: bool = True,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate the assistant's reply to one conversation or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tok = self.engine.tokenizer
+        prompts = [{"prompt_token_ids": tok.encode(
+            apply_chat_template(tok, conv, add_generation_prompt, chat_template_kwargs),
+            add_special_tokens=False)} for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, prompts: list, params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        ids = []
+        try:
+            for prompt, sp in zip(prompts, params):
+                ids.append(engine.add_request(prompt, sp).request_id)
+        except Exception:
+            for rid in ids:
+                engine.abort_request(rid)
+            raise
+        results: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm) as bar:
+            try:
+                while len(results) < len(ids):
+                    for out in engine.step():
+                        if out.finished:
+                            results[out.request_id] = out
+                            bar.update(1)
+            except BaseException:  # e.g. KeyboardInterrupt: leave the engine clean for the next call
+                for rid in ids:
+                    engine.abort_request(rid)
+                raise
+        return [results[rid] for rid in ids]
+
+
+def _prompt_input(prompt: PromptType) -> str | list[int]:
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+        return list(prompt["prompt_token_ids"])
+    if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+        return prompt["prompt"]
+    raise InvalidRequest("a prompt is a string or a dict with 'prompt_token_ids' or 'prompt'", param="prompts")

@@ -1,0 +1,70 @@
+"""The building blocks of the Qwen3 forward: RMSNorm, rotary embedding, SwiGLU."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from mili.errors import ModelLoadError
+
+
+class RMSNorm(nn.Module):
+    """Computed in float32, cast back before the weight, as HF transformers does."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_inverse_frequencies(hf_config) -> tuple[torch.Tensor, float]:
+    """inv_freq and the cos/sin scale for the checkpoint's RoPE type (default, linear, yarn, ...)."""
+    # transformers 5 normalises both config spellings into rope_parameters; 4.x keeps rope_scaling
+    params = getattr(hf_config, "rope_parameters", None) or {
+        **(getattr(hf_config, "rope_scaling", None) or {}), "rope_theta": getattr(hf_config, "rope_theta", 10000.0)}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        return inv_freq, 1.0
+    if rope_type.startswith("dynamic") or rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ModelLoadError(f"rope type {rope_type!r} is not supported (static types only: "
+                             f"default, {', '.join(k for k in ROPE_INIT_FUNCTIONS if k != 'dynamic')})")
+    return ROPE_INIT_FUNCTIONS[rope_type](hf_config)
+
+
+class RotaryEmbedding(nn.Module):
+    """A cos/sin table over every position, indexed by the batch's explicit positions."""
+
+    def __init__(self, hf_config, max_positions: int, device: torch.device):
+        super().__init__()
+        inv_freq, scale = rope_inverse_frequencies(hf_config)
+        pos = torch.arange(max_positions, dtype=torch.float)
+        freqs = pos[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", (emb.cos() * scale).to(device), persistent=False)
+        self.register_buffer("sin", (emb.sin() * scale).to(device), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q: [T, Hq, D], k: [T, Hkv, D]; rotate-half RoPE in the tensors' dtype, as HF does."""
+        cos = self.cos[positions].to(q.dtype)[:, None, :]
+        sin = self.sin[positions].to(q.dtype)[:, None, :]
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -1,0 +1,139 @@
+"""Finding a checkpoint (local folder, hub id, or the offline demo) and loading its safetensors."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+from mili.errors import ModelLoadError
+from mili.model.qwen3 import STACKED_PARAMS, FusedLinear, Qwen3ForCausalLM
+
+log = logging.getLogger("mili")
+
+_HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.jinja", "*.model", "tokenizer*"]
+# Tensors a checkpoint may carry that the model computes itself.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def resolve_model_path(model: str) -> str:
+    """A local checkpoint folder for ``model``: the demo name, a local path, or a hub id."""
+    from mili.model.demo import DEMO_MODEL, demo_checkpoint
+
+    if model == DEMO_MODEL:
+        return demo_checkpoint()
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{model!r} is a folder but has no config.json")
+        return str(path)
+    if path.exists() or model.startswith((".", "/", "~")) or model.count("/") != 1:
+        raise ModelLoadError(f"model path {model!r} does not exist (and is not a hub id like 'Qwen/Qwen3-0.6B')")
+    return _download(model)
+
+
+def _download(repo_id: str) -> str:
+    from huggingface_hub import snapshot_download
+
+    try:  # honours HF_HOME, HF_HUB_CACHE and HF_HUB_OFFLINE
+        return snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS)
+    except Exception as e:  # offline, not found, gated, network: all mean the same to the user
+        offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false", "False")
+        hint = (" (HF_HUB_OFFLINE is set and it is not in the local cache)" if offline else
+                " (no network, or no such repository; pass a local folder instead)")
+        raise ModelLoadError(f"could not fetch {repo_id!r} from the Hugging Face hub{hint}: "
+                             f"{type(e).__name__}: {e}") from e
+
+
+def load_hf_config(path: str):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path)
+    except Exception as e:
+        raise ModelLoadError(f"cannot read the config of {path!r}: {e}") from e
+
+
+def load_generation_defaults(path: str) -> dict:
+    """The sampling defaults a checkpoint ships (generation_config.json): temperature, top_p, top_k."""
+    file = Path(path) / "generation_config.json"
+    if not file.is_file():
+        return {}
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, ValueError):
+        log.warning("ignoring unreadable %s", file)
+        return {}
+    return {k: config[k] for k in ("temperature", "top_p", "top_k") if config.get(k) is not None}
+
+
+def safetensors_files(path: str) -> list[str]:
+    folder = Path(path)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+    elif (folder / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        files = sorted(p.name for p in folder.glob("*.safetensors"))
+    missing = [f for f in files if not (folder / f).is_file()]
+    if not files or missing:
+        raise ModelLoadError(f"no safetensors weights in {path!r}" + (f" (missing {missing})" if missing else ""))
+    return [str(folder / f) for f in files]
+
+
+def _target(model: Qwen3ForCausalLM, name: str, params: dict[str, torch.nn.Parameter]):
+    """(parameter, row offset, row count or None for the whole) that checkpoint tensor ``name`` fills."""
+    for ckpt_name, (fused_name, shard) in STACKED_PARAMS.items():
+        if f".{ckpt_name}." in name:
+            fused = name.replace(f".{ckpt_name}.", f".{fused_name}.")
+            if fused in params:
+                module: FusedLinear = model.get_submodule(fused.rsplit(".", 1)[0])
+                return fused, params[fused], module.shard_offset(shard), module.shard_sizes[shard]
+    if name in params:
+        return name, params[name], 0, None
+    return None
+
+
+@torch.no_grad()
+def load_weights(model: Qwen3ForCausalLM, path: str) -> None:
+    """Copy every checkpoint tensor into ``model`` (converting the dtype); fail on missing or mismatched."""
+    params = dict(model.named_parameters())
+    expected = {(n, 0) for n in params}
+    for n, p in params.items():
+        module = model.get_submodule(n.rsplit(".", 1)[0])
+        if isinstance(module, FusedLinear):
+            expected.discard((n, 0))
+            expected |= {(n, module.shard_offset(s)) for s in range(len(module.shard_sizes))}
+    loaded: set[tuple[str, int]] = set()
+    files = safetensors_files(path)
+    with tqdm(total=len(expected), desc="Loading weights", unit="tensor", leave=False,
+              disable=os.environ.get("MILI_NO_PROGRESS") == "1") as bar:
+        for file in files:
+            with safe_open(file, framework="pt") as f:  # memory-mapped
+                for name in f.keys():
+                    if name.endswith(_IGNORED_SUFFIXES) or (
+                            name == "lm_head.weight" and model.config.tie_word_embeddings):
+                        continue
+                    target = _target(model, name, params)
+                    if target is None:
+                        log.warning("ignoring checkpoint tensor %s (not part of Qwen3ForCausalLM)", name)
+                        continue
+                    pname, param, offset, rows = target
+                    tensor = f.get_tensor(name)
+                    dest = param if rows is None else param[offset:offset + rows]
+                    if tensor.shape != dest.shape:
+                        raise ModelLoadError(f"weight {name} has shape {tuple(tensor.shape)}, the config "
+                                             f"implies {tuple(dest.shape)}")
+                    dest.copy_(tensor)
+                    loaded.add((pname, offset))
+                    bar.update(1)
+    missing = sorted(n for n, _ in expected - loaded)
+    if missing:
+        raise ModelLoadError(f"checkpoint {path!r} lacks {len(missing)} weights, e.g. {missing[:3]}")

@@ -1,0 +1,118 @@
+"""Qwen3 dense (Qwen3ForCausalLM) over a paged KV cache, in one readable file.
+
+Differences from the HF module, all numerically neutral: q/k/v and gate/up projections are fused,
+the batch is flat ([T] tokens of many sequences, positions explicit), attention goes through a
+backend that reads and writes the paged pool, and logits are computed only for sampled positions.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mili.config import ModelConfig
+from mili.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from mili.runtime.attention.base import AttentionBackend, ForwardBatch
+
+# HF checkpoint name -> (fused parameter, shard index)
+STACKED_PARAMS = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+
+
+class FusedLinear(nn.Linear):
+    """A linear layer whose output is several checkpoint matrices stacked (q|k|v or gate|up)."""
+
+    def __init__(self, in_features: int, shard_sizes: list[int], bias: bool, dtype: torch.dtype):
+        super().__init__(in_features, sum(shard_sizes), bias=bias, dtype=dtype)
+        self.shard_sizes = shard_sizes
+
+    def shard_offset(self, shard: int) -> int:
+        return sum(self.shard_sizes[:shard])
+
+
+class Qwen3Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        bias = bool(getattr(cfg.hf_config, "attention_bias", False))
+        self.qkv_proj = FusedLinear(cfg.hidden_size, [q_size, kv_size, kv_size], bias, dtype)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=bias, dtype=dtype)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype)
+        self.backend = backend
+
+    def forward(self, h: torch.Tensor, batch: ForwardBatch, rotary: RotaryEmbedding,
+                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        t = h.shape[0]
+        q, k, v = self.qkv_proj(h).split(self.qkv_proj.shard_sizes, dim=-1)
+        q = self.q_norm(q.view(t, self.num_heads, self.head_dim))
+        k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))
+        q, k = rotary(batch.positions, q, k)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        o = self.backend.forward(q, k, v, k_cache, v_cache, batch)
+        return self.o_proj(o.reshape(t, -1))
+
+
+class Qwen3MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        inter = cfg.intermediate_size
+        self.gate_up_proj = FusedLinear(cfg.hidden_size, [inter, inter], False, dtype)
+        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=False, dtype=dtype)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(h)))
+
+
+class Qwen3DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype):
+        super().__init__()
+        self.self_attn = Qwen3Attention(cfg, backend, dtype)
+        self.mlp = Qwen3MLP(cfg, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, h, batch, rotary, k_cache, v_cache):
+        h = h + self.self_attn(self.input_layernorm(h), batch, rotary, k_cache, v_cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Qwen3Model(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(
+            Qwen3DecoderLayer(cfg, backend, dtype) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+
+class Qwen3ForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype):
+        super().__init__()
+        self.config = cfg
+        self.model = Qwen3Model(cfg, backend, dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
+        self.rotary: RotaryEmbedding | None = None  # built by init_rotary once weights are on the device
+
+    def init_rotary(self, max_positions: int, device: torch.device) -> None:
+        self.rotary = RotaryEmbedding(self.config.hf_config, max_positions, device)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+
+    def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """The final hidden states of the rows in ``batch.logits_indices``: [S, hidden]."""
+        h = self.model.embed_tokens(batch.input_ids)
+        for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches):
+            h = layer(h, batch, self.rotary, k_cache, v_cache)
+        return self.model.norm(h[batch.logits_indices])
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head_weight)

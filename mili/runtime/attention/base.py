@@ -1,0 +1,40 @@
+"""The attention backend protocol and the batch metadata every forward pass carries explicitly."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    """One forward pass over a mixed batch: decodes first (one query token each), then prefill chunks.
+
+    Sequence ``i`` contributes ``query_lens[i]`` new tokens at positions
+    ``context_lens[i] - query_lens[i] .. context_lens[i] - 1``; after this step its KV cache holds
+    ``context_lens[i]`` tokens, laid out over the pages ``page_table[i, :]``.
+    """
+
+    input_ids: torch.Tensor  # [T] token ids of the new tokens, all sequences concatenated
+    positions: torch.Tensor  # [T]
+    slot_mapping: torch.Tensor  # [T] flat slot (page * page_size + offset) where each new K/V goes
+    page_table: torch.Tensor  # [B, max_pages] page ids per sequence (padded with 0)
+    query_lens: list[int]  # [B]
+    context_lens: list[int]  # [B]
+    num_decodes: int  # sequences 0 .. num_decodes-1 have query_len 1
+    logits_indices: torch.Tensor  # [S] rows of the T tokens whose logits are needed
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+
+class AttentionBackend(Protocol):
+    """Writes this step's K/V into the paged pool and attends over each sequence's pages."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """q: [T, Hq, D], k/v: [T, Hkv, D], caches: [num_pages, page_size, Hkv, D] -> [T, Hq, D]."""
+        ...

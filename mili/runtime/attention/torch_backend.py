@@ -1,0 +1,74 @@
+"""The torch attention backend: paged attention with torch ops (the CPU path, and a reference).
+
+Decodes are attended together (their pages gathered into one padded tensor, masked by length);
+each prefill chunk is attended on its own, over its cached prefix plus the chunk, causally.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mili.runtime.attention.base import ForwardBatch
+
+
+def gather_pages(cache: torch.Tensor, page_table: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """The first ``num_tokens`` cached entries of each row of ``page_table``: [B, num_tokens, H, D]."""
+    num_pages = -(-num_tokens // cache.shape[1])
+    pages = cache[page_table[:, :num_pages]]  # [B, P, page_size, H, D]
+    return pages.flatten(1, 2)[:, :num_tokens]
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+
+
+class TorchAttentionBackend:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        out = torch.empty_like(q)
+        nd = batch.num_decodes
+        if nd:
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, batch)
+        start = nd
+        for i in range(nd, batch.num_seqs):
+            qlen, ctx = batch.query_lens[i], batch.context_lens[i]
+            end = start + qlen
+            if ctx == qlen:  # no cached prefix: attend over the chunk's own K/V
+                ks, vs = k[start:end], v[start:end]
+            else:
+                table = batch.page_table[i:i + 1]
+                ks = gather_pages(k_cache, table, ctx)[0]
+                vs = gather_pages(v_cache, table, ctx)[0]
+            out[start:end] = self._prefill(q[start:end], ks, vs)
+            start = end
+        return out
+
+    @staticmethod
+    def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [Lq, Hq, D] are the last Lq of the Lk positions in k/v: [Lk, Hkv, D]."""
+        lq, lk = q.shape[0], k.shape[0]
+        if lq == lk:
+            mask, causal = None, True
+        else:  # query j sits at position lk - lq + j and sees keys 0 .. lk - lq + j
+            rows = torch.arange(lq, device=q.device)[:, None] + (lk - lq)
+            mask, causal = torch.arange(lk, device=q.device)[None, :] <= rows, False
+        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                           attn_mask=mask, is_causal=causal, enable_gqa=True)
+        return o.transpose(0, 1)
+
+    @staticmethod
+    def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                batch: ForwardBatch) -> torch.Tensor:
+        nd = q.shape[0]
+        ctx = torch.tensor(batch.context_lens[:nd], device=q.device)
+        max_len = max(batch.context_lens[:nd])
+        table = batch.page_table[:nd]
+        ks = gather_pages(k_cache, table, max_len).transpose(1, 2)  # [B, Hkv, L, D]
+        vs = gather_pages(v_cache, table, max_len).transpose(1, 2)
+        mask = (torch.arange(max_len, device=q.device)[None, :] < ctx[:, None])[:, None, None, :]
+        o = F.scaled_dot_product_attention(q[:, :, None, :], ks, vs, attn_mask=mask, enable_gqa=True)
+        return o[:, :, 0, :]

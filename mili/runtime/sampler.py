@@ -1,0 +1,240 @@
+"""Batched sampling: logprobs, min_tokens, penalties, greedy / temperature / min_p / top_k / top_p.
+
+Processing order follows vLLM v1: logprobs come from the raw model logits; then min_tokens blocks stop
+tokens; then repetition / presence / frequency penalties; greedy rows take the argmax of the penalised
+logits; the other rows are divided by their temperature, truncated (min_p, then top_k, then top_p) and
+sampled with the exponential race ``argmax(probs / q)``, ``q ~ Exp(1)``. A row with its own generator draws
+its own ``q``, so a seeded sequence's tokens do not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mili.sampling_params import SamplingParams
+
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class TokenLogprobs:
+    sampled_logprob: float  # logprob of the sampled token
+    sampled_rank: int  # 1-based rank of the sampled token in the raw distribution
+    top: list[tuple[int, float]]  # the top-N (token_id, logprob), best first; N = params.logprobs
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # one per row
+    logprobs: list[TokenLogprobs | None]  # None for rows whose params.logprobs is None
+
+
+def _pad(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
+    """[len(rows), max_len] long tensor, right-padded with ``pad``; ids above ``pad`` are clamped to it."""
+    width = max(1, max(len(r) for r in rows))
+    return torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long,
+                        device=device).clamp_(0, pad)
+
+
+def _rows(idx: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(idx, dtype=torch.long, device=device)
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-step sampling state as tensors on ``device``. Fields that no row uses are None."""
+
+    num_rows: int
+    vocab_size: int
+    greedy_rows: torch.Tensor  # long [G]: rows decoded greedily
+    random_rows: torch.Tensor  # long [R]: rows sampled; the tensors below marked [R] are in this order
+    temperature: torch.Tensor | None  # float [R]; None when every sampled row has temperature 1
+    min_p: torch.Tensor | None  # float [R] (0 where disabled)
+    top_k: torch.Tensor | None  # long [R] (vocab_size where disabled)
+    top_p: torch.Tensor | None  # float [R] (1 where disabled)
+    seeded: list[tuple[int, torch.Generator]]  # (index into random_rows, that row's generator)
+    unseeded: torch.Tensor  # long: indices into random_rows that use the global RNG
+    # min_tokens: logits[blocked_rows[j], blocked_tokens[j]] = -inf
+    blocked_rows: torch.Tensor | None
+    blocked_tokens: torch.Tensor | None
+    # Penalties, for the rows in penalty_rows only ([P] / [P, L]); ids padded with vocab_size.
+    penalty_rows: torch.Tensor | None
+    repetition_penalty: torch.Tensor | None
+    presence_penalty: torch.Tensor | None
+    frequency_penalty: torch.Tensor | None
+    seen_ids: torch.Tensor | None  # prompt + output ids (repetition penalty)
+    output_ids: torch.Tensor | None  # output ids (presence / frequency penalties)
+    # Logprobs: the rows that want them, and N per row (entries of num_logprobs follow logprob_rows).
+    logprob_rows: torch.Tensor | None
+    num_logprobs: list[int]
+    max_logprobs: int
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], generators: list[torch.Generator | None],
+              prompt_token_ids: list[list[int]], output_token_ids: list[list[int]],
+              vocab_size: int, device: torch.device) -> "SamplingMetadata":
+        n = len(params)
+        assert len(generators) == len(prompt_token_ids) == len(output_token_ids) == n
+        greedy = [i for i, p in enumerate(params) if p.greedy]
+        rand = [i for i, p in enumerate(params) if not p.greedy]
+        rp = [params[i] for i in rand]
+
+        def per_random(values: list, dtype: torch.dtype, needed: bool) -> torch.Tensor | None:
+            return torch.tensor(values, dtype=dtype, device=device) if needed else None
+
+        temps = [p.temperature for p in rp]
+        top_k = [vocab_size if p.top_k < 0 else min(p.top_k, vocab_size) for p in rp]
+        seeded = [(j, generators[i]) for j, i in enumerate(rand) if generators[i] is not None]
+
+        blocked = [(i, t) for i, p in enumerate(params) if len(output_token_ids[i]) < p.min_tokens
+                   for t in sorted(p.stop_ids()) if t < vocab_size]
+        pen = [i for i, p in enumerate(params) if p.uses_penalties]
+        lp = [i for i, p in enumerate(params) if p.logprobs is not None]
+        num_lp = [params[i].logprobs for i in lp]
+
+        def per_pen(attr: str) -> torch.Tensor | None:
+            return torch.tensor([getattr(params[i], attr) for i in pen], dtype=torch.float32,
+                                device=device) if pen else None
+
+        return cls(
+            num_rows=n, vocab_size=vocab_size,
+            greedy_rows=_rows(greedy, device), random_rows=_rows(rand, device),
+            temperature=per_random(temps, torch.float32, any(t != 1.0 for t in temps)),
+            min_p=per_random([p.min_p for p in rp], torch.float32, any(p.min_p > 0 for p in rp)),
+            top_k=per_random(top_k, torch.long, any(k < vocab_size for k in top_k)),
+            top_p=per_random([p.top_p for p in rp], torch.float32, any(p.top_p < 1 for p in rp)),
+            seeded=seeded,
+            unseeded=_rows([j for j, i in enumerate(rand) if generators[i] is None], device),
+            blocked_rows=_rows([b[0] for b in blocked], device) if blocked else None,
+            blocked_tokens=_rows([b[1] for b in blocked], device) if blocked else None,
+            penalty_rows=_rows(pen, device) if pen else None,
+            repetition_penalty=per_pen("repetition_penalty"),
+            presence_penalty=per_pen("presence_penalty"),
+            frequency_penalty=per_pen("frequency_penalty"),
+            seen_ids=_pad([prompt_token_ids[i] + output_token_ids[i] for i in pen], vocab_size, device)
+            if pen else None,
+            output_ids=_pad([output_token_ids[i] for i in pen], vocab_size, device) if pen else None,
+            logprob_rows=_rows(lp, device) if lp else None,
+            num_logprobs=num_lp, max_logprobs=min(max(num_lp, default=0), vocab_size),
+        )
+
+
+def _apply_penalties(logits: torch.Tensor, seen_ids: torch.Tensor, output_ids: torch.Tensor,
+                     repetition: torch.Tensor, presence: torch.Tensor,
+                     frequency: torch.Tensor) -> torch.Tensor:
+    """Penalised copy of ``logits`` [P, V]. Id tensors are padded with V (a scratch column, dropped)."""
+    p, v = logits.shape
+    # Repetition penalty (HF semantics) over every token seen in prompt + output.
+    seen = torch.zeros(p, v + 1, dtype=torch.bool, device=logits.device)
+    seen.scatter_(1, seen_ids, True)
+    rep = repetition.unsqueeze(1)
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen[:, :v], penalised, logits)
+    # OpenAI presence / frequency penalties over output tokens only.
+    counts = torch.zeros(p, v + 1, dtype=logits.dtype, device=logits.device)
+    counts.scatter_add_(1, output_ids, torch.ones_like(output_ids, dtype=logits.dtype))
+    counts = counts[:, :v]
+    return logits - (frequency.unsqueeze(1) * counts + presence.unsqueeze(1) * (counts > 0))
+
+
+def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf, in place) tokens whose probability is below min_p * the row's best probability."""
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return logits.masked_fill_(probs < threshold, _NEG_INF)
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
+                       top_p: torch.Tensor | None) -> torch.Tensor:
+    """Masked copy of ``logits`` [R, V]: keep the top_k best (ties with the k-th kept; k = V disables),
+    then the smallest set of best tokens whose (renormalised) probability reaches top_p (1 disables)."""
+    if top_k is None and top_p is None:
+        return logits
+    v = logits.shape[-1]
+    ascending, order = logits.sort(dim=-1)
+    if top_k is not None:
+        kth_best = ascending.gather(1, (v - top_k).clamp(0, v - 1).unsqueeze(1))
+        ascending.masked_fill_(ascending < kth_best, _NEG_INF)
+    if top_p is not None:
+        # Drop a token when the mass of it and everything worse is <= 1 - p, i.e. when the tokens
+        # strictly better than it already reach p. The best token is always kept; rows with p = 1 are
+        # left alone (the cumsum can be exactly 0 on underflowing tokens).
+        cum = ascending.softmax(dim=-1).cumsum(dim=-1)
+        drop = cum <= (1 - top_p).unsqueeze(1)
+        drop[:, -1] = False
+        drop &= (top_p < 1).unsqueeze(1)
+        ascending.masked_fill_(drop, _NEG_INF)
+    return torch.empty_like(logits).scatter_(1, order, ascending)
+
+
+def _exponential_race(probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """argmax(probs / q) with q ~ Exp(1) i.i.d.: a draw from ``probs`` (the Gumbel-max trick in disguise)."""
+    q = torch.empty_like(probs)
+    if meta.unseeded.numel() == probs.shape[0]:
+        q.exponential_()
+    elif meta.unseeded.numel():
+        q[meta.unseeded] = torch.empty(meta.unseeded.numel(), probs.shape[1], device=probs.device,
+                                       dtype=probs.dtype).exponential_()
+    for j, gen in meta.seeded:  # each seeded row consumes exactly V draws of its own generator
+        q[j].exponential_(generator=gen)
+    # exponential_ can return exactly 0; a 0/0 would be NaN, which argmax would pick.
+    q.clamp_(min=torch.finfo(q.dtype).tiny)
+    return (probs / q).argmax(dim=-1)
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        assert logits.dim() == 2 and logits.shape[0] == meta.num_rows, logits.shape
+        assert logits.shape[1] >= meta.vocab_size, (logits.shape, meta.vocab_size)
+        # A private float32 copy (modified in place); columns past the vocab (padding) are dropped.
+        logits = logits[:, :meta.vocab_size].to(torch.float32, copy=True)
+        raw = logits[meta.logprob_rows] if meta.logprob_rows is not None else None  # (a copy)
+        logits = self._process_logits(logits, meta)
+
+        sampled = torch.empty(meta.num_rows, dtype=torch.long, device=logits.device)
+        if meta.greedy_rows.numel():
+            sampled[meta.greedy_rows] = logits[meta.greedy_rows].argmax(dim=-1)
+        if meta.random_rows.numel():
+            x = logits if meta.random_rows.numel() == meta.num_rows else logits[meta.random_rows]
+            if meta.temperature is not None:
+                x.div_(meta.temperature.unsqueeze(1))
+            if meta.min_p is not None:
+                x = _apply_min_p(x, meta.min_p)
+            x = _apply_top_k_top_p(x, meta.top_k, meta.top_p)
+            sampled[meta.random_rows] = _exponential_race(x.softmax(dim=-1), meta)
+
+        token_ids = sampled.tolist()
+        logprobs: list[TokenLogprobs | None] = [None] * meta.num_rows
+        if raw is not None:
+            logprobs = self._logprobs(raw, sampled[meta.logprob_rows], meta, logprobs)
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+
+    @staticmethod
+    def _process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """min_tokens and penalties, in place on float32 ``logits`` [B, V] (returned)."""
+        if meta.blocked_rows is not None:
+            logits[meta.blocked_rows, meta.blocked_tokens] = _NEG_INF
+        if meta.penalty_rows is not None:
+            rows = meta.penalty_rows
+            logits[rows] = _apply_penalties(logits[rows], meta.seen_ids, meta.output_ids,
+                                            meta.repetition_penalty, meta.presence_penalty,
+                                            meta.frequency_penalty)
+        return logits
+
+    @staticmethod
+    def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, meta: SamplingMetadata,
+                  out: list[TokenLogprobs | None]) -> list[TokenLogprobs | None]:
+        """Fill ``out`` for the logprob rows, from the raw (unprocessed) logits ``raw`` [L, V]."""
+        lps = raw.log_softmax(dim=-1)
+        tok = tokens.unsqueeze(1)
+        sampled_lp = lps.gather(1, tok).squeeze(1).tolist()
+        rank = ((raw > raw.gather(1, tok)).sum(dim=-1) + 1).tolist()
+        top_vals, top_ids = lps.topk(meta.max_logprobs, dim=-1)  # one batched topk, sliced per row
+        top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+        for j, row in enumerate(meta.logprob_rows.tolist()):
+            n = meta.num_logprobs[j]
+            out[row] = TokenLogprobs(sampled_logprob=sampled_lp[j], sampled_rank=rank[j],
+                                     top=list(zip(top_ids[j][:n], top_vals[j][:n])))
+        return out

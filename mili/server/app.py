@@ -1,0 +1,199 @@
+"""The FastAPI app: state shared by the routes, auth, the utility endpoints, and `mili serve`."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+import mili
+from mili.engine.async_engine import AsyncEngine
+from mili.engine.engine import LLMEngine
+from mili.outputs import RequestOutput
+from mili.sampling_params import SamplingParams
+from mili.server.errors import APIError, error_body, install_error_handlers
+from mili.server.metrics import Metrics
+from mili.server.protocol import DetokenizeRequest, TokenizeRequest
+from mili.tokenizer.tokenizer import apply_chat_template
+
+log = logging.getLogger("mili")
+OPEN_PATHS = {"/health", "/metrics"}
+_RECENT = 1000  # requests remembered for /status
+
+
+class ServerState:
+    def __init__(self, engine: LLMEngine, model_name: str, api_key: str | None, max_queued_requests: int):
+        self.llm_engine = engine
+        self.tokenizer = engine.tokenizer
+        self.model_name = model_name
+        self.api_key = api_key
+        self.max_queued_requests = max_queued_requests
+        self.metrics = Metrics(model_name)
+        self.engine = AsyncEngine(engine, on_step=self.metrics.on_step)
+        self.created = int(time.time())
+        self.statuses: OrderedDict[str, dict] = OrderedDict()
+
+    # -- requests ------------------------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist.", "not_found_error", "model",
+                           "model_not_found")
+
+    def check_queue(self) -> None:
+        waiting = len(self.llm_engine.scheduler.waiting)
+        if waiting >= self.max_queued_requests:
+            raise APIError(503, f"the server is busy: {waiting} requests are waiting", "server_error",
+                           None, "queue_full", headers={"Retry-After": "1"})
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool, kwargs: dict | None) -> list[int]:
+        text = apply_chat_template(self.tokenizer, messages, add_generation_prompt, kwargs)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    async def start(self, prompts: list[str | list[int]], params: list[SamplingParams], base_id: str,
+                    ) -> list[AsyncIterator[RequestOutput]]:
+        """Add one engine request per prompt (all or none) and return their output streams."""
+        self.check_queue()
+        ids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
+        added = []
+        try:
+            for rid, prompt, sp in zip(ids, prompts, params):
+                await self.engine.add_request(rid, prompt, sp)
+                added.append(rid)
+        except BaseException:
+            for rid in added:
+                self.engine.discard(rid)
+            raise
+        return [self._tracked(rid, sp) for rid, sp in zip(ids, params)]
+
+    async def _tracked(self, rid: str, params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """The request's stream, recording its progress for /status."""
+        self.statuses[rid] = {"status": "processing", "tokens_generated": 0, "tokens_remaining": params.max_tokens}
+        self.statuses.move_to_end(rid)
+        while len(self.statuses) > _RECENT:
+            self.statuses.popitem(last=False)
+        out = None
+        try:
+            async for out in self.engine.stream(rid):
+                generated = max(len(o.token_ids) for o in out.outputs) if out.outputs else 0
+                self.statuses[rid] = {"status": "completed" if out.finished else "processing",
+                                      "tokens_generated": generated,
+                                      "tokens_remaining": 0 if out.finished else
+                                      (params.max_tokens - generated if params.max_tokens else None)}
+                yield out
+        finally:
+            if out is None or not out.finished:
+                self.statuses[rid] = {**self.statuses.get(rid, {}), "status": "aborted"}
+                self.metrics.forget(rid)
+
+
+async def merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several request streams as their outputs come: (stream index, output)."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, s):
+        try:
+            async for out in s:
+                await q.put((i, out))
+        except BaseException as e:
+            await q.put((i, e))
+        finally:
+            await q.put((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        open_streams = len(streams)
+        while open_streams:
+            i, item = await q.get()
+            if item is None:
+                open_streams -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def until_disconnect(http_request: Request, work):
+    """Await ``work`` (a coroutine), cancelling it if the client goes away first."""
+    task = asyncio.ensure_future(work)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=0.1)
+        if done:
+            return task.result()
+        if await http_request.is_disconnected():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise APIError(499, "client disconnected", "invalid_request_error")
+
+
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def build_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
+              max_queued_requests: int = 1024) -> FastAPI:
+    from mili.server import native, openai
+
+    state = ServerState(engine, model_name, api_key, max_queued_requests)
+    app = FastAPI(title="MILI", version=mili.__version__)
+    app.state.mili = state
+    install_error_handlers(app)
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next):
+        if state.api_key and request.url.path not in OPEN_PATHS:
+            auth = request.headers.get("authorization", "")
+            token = auth[7:] if auth.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
+            if not hmac.compare_digest(token.encode(), state.api_key.encode()):
+                return JSONResponse(error_body("Incorrect or missing API key. Send it as 'Authorization: Bearer "
+                                               "KEY'.", "invalid_request_error", None, "invalid_api_key"), 401)
+        return await call_next(request)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/version")
+    async def version():
+        return {"version": mili.__version__}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt or messages", param="prompt")
+        if body.messages is not None:
+            ids = state.encode_chat([m.for_template() for m in body.messages], body.add_generation_prompt,
+                                    body.chat_template_kwargs)
+        else:
+            ids = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        vocab = engine.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
+        return {"prompt": state.tokenizer.decode(body.tokens)}
+
+    app.include_router(openai.router)
+    app.include_router(native.router)
+    return app

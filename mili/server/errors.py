@@ -1,0 +1,75 @@
+"""Every error a client can cause, in OpenAI's shape, mapped to its HTTP status in one place."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from mili.errors import MiliError
+
+log = logging.getLogger("mili")
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | int | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def to_api_error(e: BaseException) -> APIError:
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, MiliError):
+        return APIError(400, str(e), "invalid_request_error", e.param, e.code)
+    return APIError(500, f"internal error: {type(e).__name__}", "internal_server_error", None, "internal_error")
+
+
+def sse_error(e: BaseException) -> str:
+    """An error after a stream has started: one final SSE chunk."""
+    err = to_api_error(e)
+    return f"data: {json.dumps(error_body(err.message, err.type, err.param, err.code))}\n\n"
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, e: APIError):
+        return JSONResponse(error_body(e.message, e.type, e.param, e.code), e.status, headers=e.headers)
+
+    @app.exception_handler(MiliError)
+    async def mili_error(_: Request, e: MiliError):
+        err = to_api_error(e)
+        return JSONResponse(error_body(err.message, err.type, err.param, err.code), err.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, e: RequestValidationError):
+        first = e.errors()[0] if e.errors() else {}
+        if first.get("type") == "json_invalid":
+            msg = f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg', ''))}"
+            return JSONResponse(error_body(msg, "invalid_request_error", None, "invalid_json"), 400)
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        param = ".".join(loc) or None
+        msg = f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "invalid request")
+        return JSONResponse(error_body(msg, "invalid_request_error", param, "invalid_parameter"), 400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, e: StarletteHTTPException):
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(e.detail), kind, None, e.status_code), e.status_code,
+                            headers=getattr(e, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, e: Exception):
+        log.exception("unexpected error while serving a request")
+        err = to_api_error(e)
+        return JSONResponse(error_body(err.message, err.type, err.param, err.code), err.status)

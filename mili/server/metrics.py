@@ -1,0 +1,82 @@
+"""Prometheus metrics named like vLLM's (``mili:`` prefix), fed from the engine thread after each step."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+log = logging.getLogger("mili.requests")
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+_ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 1, 2.5)
+
+
+class Metrics:
+    def __init__(self, model_name: str):
+        self.registry = r = CollectorRegistry()
+        labels = {"model_name": model_name}
+        self.running = Gauge("mili:num_requests_running", "Requests in the running batch", registry=r)
+        self.waiting = Gauge("mili:num_requests_waiting", "Requests waiting to be scheduled", registry=r)
+        self.kv_usage = Gauge("mili:kv_cache_usage_perc", "Fraction of KV pages in use (0-1)", registry=r)
+        self.prefix_queries = Counter("mili:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                      registry=r)
+        self.prefix_hits = Counter("mili:prefix_cache_hits", "Prompt tokens found in the prefix cache", registry=r)
+        self.preemptions = Counter("mili:num_preemptions", "Sequences preempted", registry=r)
+        self.prompt_tokens = Counter("mili:prompt_tokens", "Prompt tokens processed", registry=r)
+        self.generation_tokens = Counter("mili:generation_tokens", "Tokens generated", registry=r)
+        self.success = Counter("mili:request_success", "Finished requests", ["finished_reason"], registry=r)
+        self.ttft = Histogram("mili:time_to_first_token_seconds", "Time to first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("mili:inter_token_latency_seconds", "Time between tokens", buckets=_ITL_BUCKETS,
+                             registry=r)
+        self.e2e = Histogram("mili:e2e_request_latency_seconds", "Request latency, arrival to finish",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("mili:request_queue_time_seconds", "Time waiting before first scheduled",
+                                    buckets=_LATENCY_BUCKETS, registry=r)
+        self.info = Gauge("mili:model_info", "The model served", list(labels), registry=r)
+        self.info.labels(**labels).set(1)
+        self._seen: dict[str, tuple[int, float]] = {}  # request id -> (tokens counted, last token time)
+        self._preemptions_seen = 0
+
+    def on_step(self, engine, outputs) -> None:
+        """Called on the engine thread after every step."""
+        sched = engine.scheduler
+        self.running.set(len(sched.running))
+        self.waiting.set(len(sched.waiting))
+        pool = engine.runner.pool
+        self.kv_usage.set(pool.num_used / pool.num_pages)
+        self.preemptions.inc(sched.num_preemptions - self._preemptions_seen)
+        self._preemptions_seen = sched.num_preemptions
+        now = time.monotonic()
+        for out in outputs:
+            times = out.metrics
+            n_tokens = sum(len(o.token_ids) for o in out.outputs)
+            counted, last = self._seen.get(out.request_id, (0, None))
+            if last is None:  # first output: the prompt was processed and the first token came
+                self.prompt_tokens.inc(len(out.prompt_token_ids))
+                self.prefix_queries.inc(len(out.prompt_token_ids))
+                self.prefix_hits.inc(out.num_cached_tokens)
+                self.ttft.observe(now - times['arrival_time'])
+                self.queue_time.observe(times["first_scheduled_time"] - times["arrival_time"])
+            elif n_tokens > counted:
+                self.itl.observe((now - last) / (n_tokens - counted))
+            self.generation_tokens.inc(n_tokens - counted)
+            self._seen[out.request_id] = (n_tokens, now)
+            if out.finished:
+                self._seen.pop(out.request_id, None)
+                reason = out.outputs[0].finish_reason or "abort"
+                self.success.labels(finished_reason=reason).inc()
+                self.e2e.observe(now - times['arrival_time'])
+                log.info("request %s: %d prompt + %d completion tokens, ttft %.3fs, total %.3fs, %s",
+                         out.request_id, len(out.prompt_token_ids), n_tokens,
+                         (times['first_token_time'] or now) - times['arrival_time'], now - times['arrival_time'],
+                         reason)
+
+    def forget(self, request_id: str) -> None:
+        """An aborted request never finishes through on_step."""
+        self._seen.pop(request_id, None)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,86 @@
+"""The native API of the original design: /generate, /status/{id}, /health, /."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+import mili
+from mili.sampling_params import SamplingParams
+from mili.server.app import ServerState, new_id, sse, until_disconnect
+from mili.server.errors import sse_error
+from mili.server.protocol import GenerateRequest
+
+router = APIRouter()
+
+ENDPOINTS = ["GET /", "GET /health", "GET /version", "GET /metrics", "POST /generate", "GET /status/{request_id}",
+             "POST /tokenize", "POST /detokenize", "GET /v1/models", "POST /v1/completions",
+             "POST /v1/chat/completions"]
+
+
+def _state(http: Request) -> ServerState:
+    return http.app.state.mili
+
+
+@router.get("/")
+async def root():
+    return {"name": "MILI", "version": mili.__version__, "endpoints": ENDPOINTS}
+
+
+@router.get("/health")
+async def health(http: Request):
+    st = _state(http)
+    engine = st.llm_engine
+    pool = engine.runner.pool
+    alive = st.engine.error is None
+    return {"status": "ok" if alive else "error", "model_loaded": True, "model": st.model_name,
+            "vocab_size": engine.model_config.vocab_size, "max_seq_length": engine.max_model_len,
+            "device": str(engine.runner.device), "dtype": str(engine.runner.dtype).removeprefix("torch."),
+            "kv_cache_pages": pool.num_pages, "kv_cache_pages_free": pool.num_free,
+            "num_requests_running": len(engine.scheduler.running),
+            "num_requests_waiting": len(engine.scheduler.waiting)}
+
+
+@router.get("/status/{request_id}")
+async def status(request_id: str, http: Request):
+    entry = _state(http).statuses.get(request_id)
+    return {"request_id": request_id, **(entry or {"status": "not_found"})}
+
+
+@router.post("/generate")
+async def generate(body: GenerateRequest, http: Request):
+    st = _state(http)
+    params = SamplingParams(max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
+                            top_k=body.top_k, seed=body.seed, stop=body.stop)
+    rid = new_id("gen")
+    (stream,) = await st.start([body.prompt], [params], rid)
+
+    def reply(out) -> dict:
+        o = out.outputs[0]
+        prompt_tokens = len(out.prompt_token_ids)
+        return {"request_id": rid, "generated_text": o.text, "tokens": len(o.token_ids),
+                "prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + len(o.token_ids),
+                "finish_reason": o.finish_reason}
+
+    if not body.stream:
+        async def last():
+            out = None
+            async for out in stream:
+                pass
+            return out
+
+        return reply(await until_disconnect(http, last()))
+
+    async def events():
+        try:
+            async for out in stream:
+                o = out.outputs[0]
+                if o.delta or out.finished:
+                    yield sse({"request_id": rid, "text": o.delta, "tokens": len(o.token_ids),
+                               "finished": out.finished, "finish_reason": o.finish_reason})
+            yield sse({**reply(out), "finished": True})
+        except Exception as e:
+            yield sse_error(e)
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")

@@ -1,0 +1,205 @@
+"""The OpenAI-compatible API: /v1/models, /v1/completions, /v1/chat/completions (streamed or not)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from mili.outputs import CompletionOutput, RequestOutput
+from mili.server.app import ServerState, merge, new_id, sse, until_disconnect
+from mili.server.errors import APIError, sse_error
+from mili.server.protocol import ChatCompletionRequest, CompletionRequest
+from mili.tokenizer.reasoning import ReasoningStream, split_reasoning
+
+router = APIRouter()
+
+
+def _state(http: Request) -> ServerState:
+    return http.app.state.mili
+
+
+@router.get("/v1/models")
+async def models(http: Request):
+    st = _state(http)
+    return {"object": "list", "data": [{
+        "id": st.model_name, "object": "model", "created": st.created, "owned_by": "mili",
+        "root": st.llm_engine.model_path, "max_model_len": st.llm_engine.max_model_len}]}
+
+
+def _usage(finals: list[RequestOutput]) -> dict:
+    prompt = sum(len(f.prompt_token_ids) for f in finals)
+    completion = sum(len(o.token_ids) for f in finals for o in f.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(f.num_cached_tokens for f in finals)}}
+
+
+async def _collect(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
+    finals: list[RequestOutput | None] = [None] * len(streams)
+    async for i, out in merge(streams):
+        finals[i] = out
+    return finals
+
+
+def _top(entry: dict, n: int) -> list:
+    return sorted(entry.values(), key=lambda lp: lp.rank)[:n]
+
+
+class _Choice:
+    """Per-choice streaming bookkeeping: how many logprob entries were sent, whether it finished."""
+
+    def __init__(self, reasoning: bool):
+        self.logprobs_sent = 0
+        self.done = False
+        self.started = False
+        self.reasoning = ReasoningStream(reasoning)
+
+
+# -- /v1/completions ---------------------------------------------------------------------------
+def _completion_logprobs(o: CompletionOutput, start: int, n: int, offset: int) -> dict | None:
+    if o.logprobs is None:
+        return None
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for tid, entry in zip(o.token_ids[start:], o.logprobs[start:]):
+        lp = entry[tid]
+        tokens.append(lp.decoded_token)
+        token_lps.append(lp.logprob)
+        tops.append({t.decoded_token: t.logprob for t in _top(entry, n)})
+        offsets.append(offset)
+        offset += len(lp.decoded_token or "")
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, http: Request):
+    st = _state(http)
+    st.check_model(body.model)
+    if body.suffix:
+        raise APIError(400, "suffix is not supported", param="suffix")
+    if body.best_of not in (None, body.n):
+        raise APIError(400, "best_of other than n is not supported", param="best_of")
+    if body.echo and body.logprobs is not None:
+        raise APIError(400, "echo together with logprobs is not supported", param="echo")
+    prompts = body.prompts()
+    params = body.sampling_params(body.max_tokens, body.logprobs, st.llm_engine.generation_defaults)
+    rid, created, n = new_id("cmpl"), int(time.time()), params.n
+    streams = await st.start(prompts, [params] * len(prompts), rid)
+    head = {"id": rid, "object": "text_completion", "created": created, "model": st.model_name}
+    nlp = body.logprobs or 0
+
+    def echo_text(f: RequestOutput) -> str:
+        if not body.echo:
+            return ""
+        return f.prompt if f.prompt is not None else st.tokenizer.decode(f.prompt_token_ids)
+
+    if not body.stream:
+        finals = await until_disconnect(http, _collect(streams))
+        choices = [{"index": i * n + o.index, "text": echo_text(f) + o.text,
+                    "logprobs": _completion_logprobs(o, 0, nlp, 0), "finish_reason": o.finish_reason}
+                   for i, f in enumerate(finals) for o in f.outputs]
+        return {**head, "choices": choices, "usage": _usage(finals)}
+
+    async def events():
+        choices: dict[int, _Choice] = {}
+        finals: dict[int, RequestOutput] = {}
+        try:
+            async for i, out in merge(streams):
+                finals[i] = out
+                for o in out.outputs:
+                    c = choices.setdefault(i * n + o.index, _Choice(False))
+                    text = (echo_text(out) if not c.started else "") + o.delta
+                    c.started = True
+                    lps = _completion_logprobs(o, c.logprobs_sent, nlp, 0)
+                    c.logprobs_sent = len(o.token_ids)
+                    finish = o.finish_reason if not c.done else None
+                    c.done |= o.finished
+                    if text or finish or (lps and lps["tokens"]):
+                        yield sse({**head, "choices": [{"index": i * n + o.index, "text": text, "logprobs": lps,
+                                                        "finish_reason": finish}]})
+            if body.stream_options and body.stream_options.include_usage:
+                yield sse({**head, "choices": [], "usage": _usage(list(finals.values()))})
+        except Exception as e:  # after the stream has started: a final error chunk
+            yield sse_error(e)
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+# -- /v1/chat/completions ----------------------------------------------------------------------
+def _chat_logprobs(o: CompletionOutput, start: int, n: int) -> dict | None:
+    if o.logprobs is None:
+        return None
+
+    def item(lp):
+        token = lp.decoded_token or ""
+        return {"token": token, "logprob": lp.logprob, "bytes": list(token.encode())}
+
+    return {"content": [{**item(entry[tid]), "top_logprobs": [item(t) for t in _top(entry, n)]}
+                        for tid, entry in zip(o.token_ids[start:], o.logprobs[start:])]}
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, http: Request):
+    st = _state(http)
+    st.check_model(body.model)
+    if body.tools:
+        raise APIError(400, "tools are not supported yet", param="tools")
+    kwargs = body.chat_template_kwargs or {}
+    prompt = st.encode_chat([m.for_template() for m in body.messages], body.add_generation_prompt, kwargs)
+    thinking = bool(kwargs.get("enable_thinking", True))
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    params = body.sampling_params(max_tokens, body.logprobs_n(), st.llm_engine.generation_defaults)
+    rid, created = new_id("chatcmpl"), int(time.time())
+    streams = await st.start([prompt], [params], rid)
+    head = {"id": rid, "object": "chat.completion", "created": created, "model": st.model_name}
+    nlp = body.top_logprobs or 0
+
+    if not body.stream:
+        (final,) = await until_disconnect(http, _collect(streams))
+        choices = []
+        for o in final.outputs:
+            reasoning, content = split_reasoning(o.text) if thinking else (None, o.text)
+            message = {"role": "assistant", "content": content}
+            if reasoning is not None:
+                message["reasoning_content"] = message["reasoning"] = reasoning
+            choices.append({"index": o.index, "message": message, "logprobs": _chat_logprobs(o, 0, nlp),
+                            "finish_reason": o.finish_reason})
+        return {**head, "choices": choices, "usage": _usage([final])}
+
+    chunk_head = {**head, "object": "chat.completion.chunk"}
+
+    async def events():
+        choices: dict[int, _Choice] = {}
+        final = None
+        try:
+            async for _, out in merge(streams):
+                final = out
+                for o in out.outputs:
+                    c = choices.setdefault(o.index, _Choice(thinking))
+                    if not c.started:
+                        c.started = True
+                        yield sse({**chunk_head, "choices": [{"index": o.index, "delta": {"role": "assistant",
+                                   "content": ""}, "logprobs": None, "finish_reason": None}]})
+                    if c.done:
+                        continue
+                    reasoning, content = c.reasoning.feed(o.delta, final=o.finished)
+                    lps = _chat_logprobs(o, c.logprobs_sent, nlp)
+                    c.logprobs_sent = len(o.token_ids)
+                    delta = {}
+                    if reasoning:
+                        delta["reasoning_content"] = delta["reasoning"] = reasoning
+                    if content:
+                        delta["content"] = content
+                    c.done = o.finished
+                    if delta or o.finished or (lps and lps["content"]):
+                        yield sse({**chunk_head, "choices": [{"index": o.index, "delta": delta, "logprobs": lps,
+                                                              "finish_reason": o.finish_reason}]})
+            if body.stream_options and body.stream_options.include_usage and final is not None:
+                yield sse({**chunk_head, "choices": [], "usage": _usage([final])})
+        except Exception as e:
+            yield sse_error(e)
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")

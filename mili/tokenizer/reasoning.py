@@ -1,0 +1,45 @@
+"""Qwen3 thinking: split generated text into the ``<think>…</think>`` reasoning and the answer.
+
+``split_reasoning`` is a pure function of the text so far, and both of its parts only ever grow as the
+text grows (the answer's leading newlines are dropped only at its start), so a stream can send the
+difference between consecutive splits and never retract anything.
+"""
+
+from __future__ import annotations
+
+THINK_START, THINK_END = "<think>", "</think>"
+
+
+def split_reasoning(text: str, final: bool = True) -> tuple[str | None, str]:
+    """(reasoning or None, content). Reasoning is what a leading ``<think>`` opens (or, for templates
+    that put ``<think>`` in the prompt, whatever precedes ``</think>``); None when there is none.
+    While not ``final``, text that may still become a leading ``<think>`` is undecided: ("", "")."""
+    stripped = text.lstrip()
+    if not final and THINK_START.startswith(stripped):
+        return "", ""
+    opened = stripped.startswith(THINK_START)
+    end = text.find(THINK_END)
+    if not opened and end == -1:
+        return None, text
+    start = text.index(THINK_START) + len(THINK_START) if opened else 0
+    if end == -1:
+        return text[start:].lstrip("\n"), ""
+    return text[start:end].lstrip("\n") if end >= start else "", text[end + len(THINK_END):].lstrip("\n")
+
+
+class ReasoningStream:
+    """Turns the growing text of one choice into (reasoning delta, content delta) pairs."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+        self.text = ""
+        self._sent_reasoning = 0
+        self._sent_content = 0
+
+    def feed(self, delta: str, final: bool = False) -> tuple[str, str]:
+        self.text += delta
+        reasoning, content = split_reasoning(self.text, final) if self.enabled else (None, self.text)
+        reasoning = reasoning or ""
+        r, c = reasoning[self._sent_reasoning:], content[self._sent_content:]
+        self._sent_reasoning, self._sent_content = len(reasoning), len(content)
+        return r, c

@@ -1,0 +1,136 @@
+"""Loading a checkpoint's tokenizer and EOS ids, rendering chat prompts, and encoding prompts."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from mili.errors import InvalidRequest, ModelLoadError
+
+# apply_chat_template's own parameters: a chat_template_kwargs key with one of these names would
+# collide with (or silently change) how MILI calls it.
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "add_generation_prompt", "tokenize", "return_dict", "return_tensors",
+    "padding", "truncation", "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask",
+    "continue_final_message", "chat_template",
+})
+
+
+def load_tokenizer(path: str):
+    """The (fast, ``tokenizers``-backed) Hugging Face tokenizer stored in the folder ``path``."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # missing files, unknown class, corrupt json: all mean "cannot load"
+        raise ModelLoadError(f"cannot load the tokenizer from {path!r}: {type(e).__name__}: {e}",
+                             param="tokenizer") from e
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return [int(v) for v in value if v is not None]
+    return [int(value)]
+
+
+def load_eos_token_ids(path: str, tokenizer, hf_config) -> list[int]:
+    """The token ids that end generation, in order, without duplicates.
+
+    From ``generation_config.json`` in ``path`` when it names any (Qwen3: ``[<|im_end|>,
+    <|endoftext|>]``), else the model config's ``eos_token_id``, else the tokenizer's EOS token.
+    ``eos_token_id`` may be an int or a list in either file.
+    """
+    ids: list[int] = []
+    gen_path = os.path.join(path, "generation_config.json")
+    if os.path.isfile(gen_path):
+        try:
+            with open(gen_path, encoding="utf-8") as f:
+                ids = _as_id_list(json.load(f).get("eos_token_id"))
+        except (OSError, ValueError, TypeError, AttributeError):
+            ids = []  # an unreadable generation config is optional: fall through to the others
+    if not ids and hf_config is not None:
+        ids = _as_id_list(getattr(hf_config, "eos_token_id", None))
+    if not ids and tokenizer is not None:
+        ids = _as_id_list(getattr(tokenizer, "eos_token_id", None))
+    return list(dict.fromkeys(ids))
+
+
+def _normalize_messages(messages: Any) -> list[dict]:
+    """Check the conversation's shape; text-only content-part lists are flattened to a string."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise InvalidRequest("messages must be a non-empty list of {role, content} objects",
+                             param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise InvalidRequest(f"messages[{i}] must be an object with 'role' and 'content', "
+                                 f"not {type(m).__name__}", param="messages")
+        role = m.get("role")
+        if not isinstance(role, str) or not role:
+            raise InvalidRequest(f"messages[{i}].role must be a non-empty string", param="messages")
+        content = m.get("content")
+        if isinstance(content, list):  # OpenAI content parts: only text parts can be rendered
+            texts = []
+            for part in content:
+                if (isinstance(part, dict) and part.get("type") == "text"
+                        and isinstance(part.get("text"), str)):
+                    texts.append(part["text"])
+                else:
+                    raise InvalidRequest(f"messages[{i}].content: only text content parts "
+                                         "({'type': 'text', 'text': ...}) are supported",
+                                         param="messages")
+            m = {**m, "content": "".join(texts)}
+        elif content is not None and not isinstance(content, str):
+            raise InvalidRequest(f"messages[{i}].content must be a string or null, "
+                                 f"not {type(content).__name__}", param="messages")
+        out.append(m)
+    return out
+
+
+def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+                        chat_template_kwargs: dict | None = None) -> str:
+    """The prompt text for a conversation, rendered with the tokenizer's chat template.
+
+    ``chat_template_kwargs`` go to the template (Qwen3: ``enable_thinking``, ``tools``...).
+    Raises ``InvalidRequest`` (param ``messages``) when there is no template, the messages are
+    malformed, or the template itself rejects them.
+    """
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise InvalidRequest("this model's tokenizer has no chat template; send a plain prompt "
+                             "(completions) instead of messages", param="messages")
+    if chat_template_kwargs is None:
+        chat_template_kwargs = {}
+    if not isinstance(chat_template_kwargs, dict):
+        raise InvalidRequest("chat_template_kwargs must be an object", param="chat_template_kwargs")
+    reserved = sorted(_RESERVED_TEMPLATE_KWARGS.intersection(chat_template_kwargs))
+    if reserved:
+        raise InvalidRequest(f"chat_template_kwargs may not set {', '.join(reserved)}",
+                             param="chat_template_kwargs")
+    conversation = _normalize_messages(messages)
+    try:
+        text = tokenizer.apply_chat_template(conversation, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt,
+                                             **chat_template_kwargs)
+    except Exception as e:  # jinja TemplateError (incl. raise_exception), TypeError, KeyError...
+        raise InvalidRequest(f"the chat template could not render these messages: "
+                             f"{type(e).__name__}: {e}", param="messages") from e
+    if not isinstance(text, str):  # tokenize=False always gives text; guard against odd tokenizers
+        raise InvalidRequest("the chat template did not render to text", param="messages")
+    return text
+
+
+def encode_prompt(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
+    """Token ids of ``text``.
+
+    Pass ``add_special_tokens=False`` for text rendered by a chat template (it already holds every
+    special token it needs). With ``True`` the tokenizer's own specials (a BOS, for tokenizers that
+    add one; Qwen3 adds none) are added, except a BOS the text already starts with.
+    """
+    if add_special_tokens:
+        bos = getattr(tokenizer, "bos_token", None)
+        if bos and text.startswith(bos):
+            add_special_tokens = False
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
