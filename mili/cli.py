@@ -1,4 +1,4 @@
-"""The `mili` command: generate (and, as they land, serve and bench)."""
+"""The `mili` command: serve, generate."""
 
 from __future__ import annotations
 
@@ -56,6 +56,35 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import os
+    import signal
+
+    import uvicorn
+
+    from mili.config import EngineConfig
+    from mili.engine.engine import LLMEngine
+    from mili.server.app import build_app
+
+    engine = LLMEngine(EngineConfig(**engine_kwargs(args)))
+    name = args.served_model_name or args.model
+    api_key = args.api_key or os.environ.get("MILI_API_KEY") or None
+    app = build_app(engine, name, api_key=api_key, max_queued_requests=args.max_queued_requests)
+    logging.getLogger("mili").info("serving %s as %r on http://%s:%d", engine.model_path, name, args.host, args.port)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.shutdown_timeout, access_log=False)
+    server = uvicorn.Server(config)
+    # uvicorn handles SIGTERM/SIGINT (stop accepting, let in-flight requests finish up to the timeout),
+    # then re-raises the signal under the handlers it found: make those no-ops so the exit code is 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    try:
+        server.run()
+    finally:
+        app.state.mili.engine.shutdown()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mili", description="MILI: inference for Qwen3 models")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -72,6 +101,22 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
     gen.add_argument("--stop", action="append", help="a stop string (repeatable)")
     gen.set_defaults(func=cmd_generate)
+
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible and native HTTP APIs")
+    add_engine_args(srv)
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--served-model-name", default=None,
+                     help="the model name clients send (default: the MODEL argument)")
+    srv.add_argument("--api-key", default=None,
+                     help="require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics "
+                          "(default: env MILI_API_KEY; none = open)")
+    srv.add_argument("--max-queued-requests", type=int, default=1024,
+                     help="waiting requests beyond this are refused with 503 and Retry-After")
+    srv.add_argument("--shutdown-timeout", type=float, default=10.0,
+                     help="seconds in-flight requests get to finish on SIGTERM/SIGINT")
+    srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    srv.set_defaults(func=cmd_serve)
     return parser
 
 

@@ -58,6 +58,9 @@ def install_error_handlers(app: FastAPI) -> None:
             msg = f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg', ''))}"
             return JSONResponse(error_body(msg, "invalid_request_error", None, "invalid_json"), 400)
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        if not loc and first.get("type") in ("model_attributes_type", "dict_type", "missing"):
+            msg = "the request body must be a JSON object (send Content-Type: application/json)"
+            return JSONResponse(error_body(msg, "invalid_request_error", None, "invalid_json"), 400)
         param = ".".join(loc) or None
         msg = f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "invalid request")
         return JSONResponse(error_body(msg, "invalid_request_error", param, "invalid_parameter"), 400)

@@ -1,0 +1,32 @@
+"""A real `mili serve` process on loopback, per test module (see helpers.Server)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from helpers import CHAIN, Server, build_checkpoint, build_scripted_checkpoint, metric  # noqa: F401
+
+@pytest.fixture(scope="session")
+def random_model(tmp_path_factory) -> Path:
+    return build_checkpoint(tmp_path_factory.mktemp("e2e") / "random", "gqa4_realvocab")
+
+
+@pytest.fixture(scope="session")
+def scripted_model(tmp_path_factory) -> Path:
+    return build_scripted_checkpoint(tmp_path_factory.mktemp("e2e") / "scripted", CHAIN)
+
+
+@pytest.fixture(scope="module")
+def server(random_model):
+    s = Server(random_model)
+    yield s
+    assert s.stop() == 0, s.output()
+
+
+@pytest.fixture(scope="module")
+def scripted_server(scripted_model):
+    s = Server(scripted_model)
+    yield s
+    assert s.stop() == 0, s.output()

@@ -1,0 +1,101 @@
+"""Many streams at once, clients that leave, a full queue, and SIGTERM with requests in flight."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import threading
+import time
+
+import httpx
+
+from helpers import Server, metric
+
+
+def _wait_for(predicate, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_cancelled_streams_free_their_pages(server):
+    async def one(client, i, drop):
+        body = {"model": "test", "prompt": f"request number {i}", "max_tokens": 48, "ignore_eos": True,
+                "temperature": 0.8, "seed": i, "stream": True}
+        chunks = 0
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunks += 1
+                    if drop and chunks == 3:
+                        return "dropped"  # leaves the context: the connection is closed mid-stream
+                if line == "data: [DONE]":
+                    return "done"
+        return "eof"
+
+    async def main():
+        limits = httpx.Limits(max_connections=64)
+        async with httpx.AsyncClient(base_url=server.url, timeout=120, limits=limits) as client:
+            return await asyncio.gather(*(one(client, i, drop=i % 4 == 0) for i in range(32)))
+
+    results = asyncio.run(main())
+    assert results.count("dropped") == 8 and results.count("done") == 24
+    assert _wait_for(lambda: metric(server.url, "mili:num_requests_running") == 0)
+    health = httpx.get(server.url + "/health").json()
+    assert _wait_for(lambda: httpx.get(server.url + "/health").json()["kv_cache_pages_free"]
+                     == health["kv_cache_pages"]), "KV pages leaked"
+    assert metric(server.url, "mili:num_requests_waiting") == 0
+    assert metric(server.url, 'mili:request_success_total{finished_reason="length"}') >= 24
+
+
+def test_full_queue_is_503_with_retry_after(random_model):
+    """One sequence at a time and room for two waiting: of 16 simultaneous long requests, the ones that
+    find the queue full get 503 with Retry-After at once; every accepted one completes."""
+    s = Server(random_model, "--max-num-seqs", "1", "--max-queued-requests", "2")
+    body = {"prompt": "long one", "max_tokens": 400, "ignore_eos": True}
+
+    async def main():
+        async with httpx.AsyncClient(base_url=s.url, timeout=120, limits=httpx.Limits(max_connections=32)) as c:
+            return await asyncio.gather(*(c.post("/v1/completions", json=body) for _ in range(16)))
+
+    try:
+        replies = asyncio.run(main())
+        refused = [r for r in replies if r.status_code == 503]
+        accepted = [r for r in replies if r.status_code == 200]
+        assert refused and len(accepted) >= 3 and len(refused) + len(accepted) == 16
+        for r in refused:
+            assert r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "queue_full"
+        assert all(r.json()["usage"]["completion_tokens"] == 400 for r in accepted)
+        assert _wait_for(lambda: metric(s.url, "mili:num_requests_running") == 0
+                         and metric(s.url, "mili:num_requests_waiting") == 0)
+        assert httpx.post(s.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+    finally:
+        assert s.stop() == 0, s.output()
+
+
+def test_sigterm_lets_in_flight_requests_finish(random_model):
+    s = Server(random_model, "--shutdown-timeout", "20")
+    received: list[str] = []
+
+    def stream():
+        body = {"prompt": "finish me", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    received.append(line)
+
+    t = threading.Thread(target=stream)
+    t.start()
+    assert _wait_for(lambda: len(received) >= 2)
+    s.proc.send_signal(signal.SIGTERM)
+    t.join(60)
+    assert received[-1] == "data: [DONE]"
+    finals = [json.loads(x[6:]) for x in received[:-1]]
+    assert finals[-1]["choices"][0]["finish_reason"] == "length"
+    assert s.proc.wait(30) == 0, s.output()
+    s.stop()

@@ -1,0 +1,144 @@
+"""Raw HTTP against a real server: every client error in OpenAI's shape, the native API, metrics."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from helpers import Server, metric
+
+
+def _error(r: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert body["error"]["message"]
+    if param is not None:
+        assert body["error"]["param"] == param, body
+    return body["error"]
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -1}, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, "n"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 50}, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": 3}, "presence_penalty"),
+    ("/v1/completions", {"prompt": ""}, "prompt"),
+    ("/v1/completions", {"prompt": []}, "prompt"),
+    ("/v1/completions", {"prompt": [10**9]}, "prompt"),
+    ("/v1/completions", {"max_tokens": 5}, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "many"}, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+    ("/generate", {"prompt": "hi", "max_tokens": 5000}, "max_tokens"),
+    ("/generate", {"prompt": ""}, "prompt"),
+])
+def test_invalid_parameters_are_400(server, path, body, param):
+    _error(httpx.post(server.url + path, json=body, timeout=30), 400, param)
+
+
+def test_malformed_json_and_non_object_bodies(server):
+    err = _error(httpx.post(server.url + "/v1/completions", content=b'{"prompt": "x",',
+                            headers={"content-type": "application/json"}), 400)
+    assert "JSON" in err["message"]
+    _error(httpx.post(server.url + "/v1/chat/completions", content=b"[1, 2]",
+                      headers={"content-type": "application/json"}), 400)
+    _error(httpx.post(server.url + "/v1/completions", content=b"prompt=x"), 400)
+
+
+def test_context_overflow_names_the_numbers(server):
+    long_prompt = [100] * 1000
+    err = _error(httpx.post(server.url + "/v1/completions",
+                            json={"prompt": long_prompt, "max_tokens": 100}), 400, "max_tokens")
+    assert "maximum context length is 1024 tokens" in err["message"]
+    assert "1000 prompt tokens" in err["message"] and "100 completion tokens" in err["message"]
+    assert err["code"] == "context_length_exceeded"
+    _error(httpx.post(server.url + "/v1/completions", json={"prompt": [100] * 1100}), 400, "prompt")
+
+
+def test_unknown_model_and_route(server):
+    err = _error(httpx.post(server.url + "/v1/completions", json={"model": "gpt-4", "prompt": "x"}), 404, "model")
+    assert err["code"] == "model_not_found"
+    _error(httpx.get(server.url + "/v1/nothing-here"), 404)
+    _error(httpx.get(server.url + "/v1/completions"), 405)
+
+
+def test_no_input_breaks_the_server(server):
+    weird = [{"prompt": {"a": 1}}, {"prompt": [[1, 2], "x"]}, {"prompt": "x", "n": 10**6},
+             {"prompt": "x", "stop": [""]}, {"prompt": "x", "seed": "abc"}, {"prompt": "x", "top_k": -5},
+             {"prompt": "x", "stop_token_ids": [-1]}, {"prompt": "x", "min_tokens": 99, "max_tokens": 2},
+             {"prompt": "x", "echo": True, "logprobs": 1}, {"prompt": "x", "repetition_penalty": 0}]
+    for body in weird:
+        r = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+        _error(r, 400)
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "still alive", "max_tokens": 3}, timeout=30)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
+    assert metric(server.url, "mili:num_requests_running") == 0
+
+
+def test_native_api(server):
+    root = httpx.get(server.url + "/").json()
+    assert root["name"] == "MILI" and "POST /generate" in root["endpoints"] and root["version"]
+    health = httpx.get(server.url + "/health").json()
+    assert health["status"] == "ok" and health["model_loaded"] and health["model"] == "test"
+    assert health["vocab_size"] == 151936 and health["max_seq_length"] == 1024
+    r = httpx.post(server.url + "/generate", json={"prompt": "Hello", "max_tokens": 7, "temperature": 0}, timeout=30)
+    body = r.json()
+    assert set(body) >= {"request_id", "generated_text", "tokens", "total_tokens", "prompt_tokens"}
+    assert body["tokens"] <= 7 and body["total_tokens"] == body["prompt_tokens"] + body["tokens"]
+    status = httpx.get(f"{server.url}/status/{body['request_id']}").json()
+    assert status["status"] == "completed" and status["tokens_generated"] == body["tokens"]
+    assert httpx.get(f"{server.url}/status/nope").json()["status"] == "not_found"
+    with httpx.stream("POST", server.url + "/generate", timeout=30,
+                      json={"prompt": "Hello", "max_tokens": 7, "temperature": 0, "stream": True}) as s:
+        events = [line for line in s.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    import json
+
+    chunks = [json.loads(e[6:]) for e in events[:-1]]
+    assert chunks[-1]["finished"] and chunks[-1]["generated_text"] == body["generated_text"]
+    assert "".join(c.get("text", "") for c in chunks[:-1]) == body["generated_text"]
+
+
+def test_tokenize_detokenize_version(server):
+    ids = httpx.post(server.url + "/tokenize", json={"prompt": "Hello world"}).json()
+    assert ids["tokens"] == [9707, 1879] and ids["count"] == 2 and ids["max_model_len"] == 1024
+    chat = httpx.post(server.url + "/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}).json()
+    assert chat["tokens"][0] == 151644  # <|im_start|>
+    assert httpx.post(server.url + "/detokenize", json={"tokens": [9707, 1879]}).json()["prompt"] == "Hello world"
+    _error(httpx.post(server.url + "/detokenize", json={"tokens": [-3]}), 400, "tokens")
+    assert httpx.get(server.url + "/version").json()["version"]
+
+
+def test_metrics_exposition(server):
+    httpx.post(server.url + "/v1/completions", json={"prompt": "count me", "max_tokens": 4, "ignore_eos": True},
+               timeout=30)
+    text = httpx.get(server.url + "/metrics").text
+    for name in ["mili:num_requests_running", "mili:num_requests_waiting", "mili:kv_cache_usage_perc",
+                 "mili:prefix_cache_queries_total", "mili:prefix_cache_hits_total", "mili:num_preemptions_total",
+                 "mili:prompt_tokens_total", "mili:generation_tokens_total",
+                 'mili:request_success_total{finished_reason="length"}',
+                 "mili:time_to_first_token_seconds_bucket", "mili:inter_token_latency_seconds_bucket",
+                 "mili:e2e_request_latency_seconds_count", "mili:request_queue_time_seconds_sum"]:
+        assert name in text, name
+    assert metric(server.url, "mili:generation_tokens_total") >= 4
+
+
+def test_api_key(random_model):
+    s = Server(random_model, "--api-key", "sekret")
+    try:
+        err = _error(httpx.post(s.url + "/v1/completions", json={"prompt": "x"}), 401)
+        assert err["code"] == "invalid_api_key"
+        _error(httpx.get(s.url + "/v1/models", headers={"Authorization": "Bearer wrong"}), 401)
+        _error(httpx.get(s.url + "/"), 401)
+        assert httpx.get(s.url + "/v1/models", headers={"Authorization": "Bearer sekret"}).status_code == 200
+        assert httpx.get(s.url + "/health").status_code == 200
+        assert httpx.get(s.url + "/metrics").status_code == 200
+    finally:
+        assert s.stop() == 0

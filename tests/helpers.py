@@ -1,0 +1,142 @@
+"""Builders shared by the tests: tiny random and scripted Qwen3 checkpoints, the real Qwen3 tokenizer."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+import torch
+
+SHARED = Path(os.environ.get("MILI_SHARED_DIR", Path(__file__).resolve().parents[2] / "shared"))
+QWEN3_TOKENIZER = SHARED / "qwen3-tokenizer"
+
+# Three shapes: GQA with head_dim != hidden/heads and untied embeddings; MHA tied; GQA 4:1 on the
+# real vocabulary size.
+SHAPES = {
+    "gqa_untied": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False),
+    "mha_tied": dict(vocab_size=384, hidden_size=96, intermediate_size=160, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=4, head_dim=24, tie_word_embeddings=True),
+    "gqa4_realvocab": dict(vocab_size=151936, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                           num_attention_heads=8, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True),
+}
+
+
+def build_checkpoint(path: Path, shape: str, seed: int = 0, weight_scale: float = 8.0,
+                     with_tokenizer: bool = True, **overrides) -> Path:
+    """A random Qwen3 checkpoint folder. Non-embedding matrices are scaled up so logits are not flat
+    (HF's default init gives near-ties everywhere, which makes greedy parity meaningless)."""
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(max_position_embeddings=1024, rope_theta=10000.0, eos_token_id=None,
+                      bos_token_id=None, pad_token_id=None, **{**SHAPES[shape], **overrides})
+    model = Qwen3ForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and "embed" not in name:
+                p.mul_(weight_scale)
+            elif "norm" in name:  # non-trivial norm weights exercise the q/k norms
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(path)
+    if with_tokenizer:
+        AutoTokenizer.from_pretrained(QWEN3_TOKENIZER).save_pretrained(path)
+    return path
+
+
+def build_scripted_checkpoint(path: Path, chain: dict[int, int], hidden: int = 32) -> Path:
+    """A real Qwen3 checkpoint whose greedy next token is ``chain[current token]``.
+
+    Each token of the chain gets a one-hot embedding; every layer's residual branch is zeroed (o_proj,
+    down_proj), so the final hidden state is the current token's (normalised) embedding, and an untied
+    lm_head maps it to its successor. Tokens outside the chain get small random embeddings."""
+    from transformers import AutoTokenizer, GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+    tokens = list(dict.fromkeys([*chain, *chain.values()]))
+    assert len(chain) <= hidden
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=151936, hidden_size=hidden, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=2048,
+                      tie_word_embeddings=False, eos_token_id=151645, bos_token_id=None, pad_token_id=151643)
+    model = Qwen3ForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        emb, head = model.model.embed_tokens.weight, model.lm_head.weight
+        emb.normal_(0, 0.01)
+        head.zero_()
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        for i, (current, nxt) in enumerate(chain.items()):
+            emb[current].zero_()
+            emb[current, i] = 1.0
+            head[nxt, i] = 4.0  # a margin of 4 * sqrt(hidden) logits over every other token
+        del tokens
+    model.generation_config = GenerationConfig(eos_token_id=[151645, 151643], pad_token_id=151643)
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(QWEN3_TOKENIZER).save_pretrained(path)
+    return path
+
+
+# The scripted model's greedy answer to a chat prompt: "<think>Let me think</think>\n\nHello!" with
+# thinking on; "Hello!" with it off (the template then ends the prompt with "</think>\n\n").
+CHAIN = {198: 151667, 151667: 10061, 10061: 752, 752: 1744, 1744: 151668, 151668: 271, 271: 9707,
+         9707: 0, 0: 151645}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, model: Path, *args: str, env: dict | None = None):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(model).parent / f"server-{self.port}.log"
+        self.log = open(self.log_path, "w")
+        cmd = [sys.executable, "-m", "mili.cli", "serve", str(model), "--port", str(self.port),
+               "--served-model-name", "test", "--dtype", "float32", "--max-model-len", "1024", *args]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "MILI_NO_PROGRESS": "1", **(env or {})})
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {self.output()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        raise RuntimeError(f"server did not start: {self.output()}")
+
+    def output(self) -> str:
+        self.log.flush()
+        return self.log_path.read_text()
+
+    def stop(self) -> int:
+        """SIGTERM, as an orchestrator would; returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.flush()
+        return self.proc.returncode
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics").text
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
