@@ -23,8 +23,16 @@ def split_reasoning(text: str, final: bool = True) -> tuple[str | None, str]:
         return None, text
     start = text.index(THINK_START) + len(THINK_START) if opened else 0
     if end == -1:
-        return text[start:].lstrip("\n"), ""
+        reasoning = text[start:].lstrip("\n")
+        if not final:  # hold back what may be the start of "</think>"
+            reasoning = reasoning[:len(reasoning) - _partial_suffix(reasoning, THINK_END)]
+        return reasoning, ""
     return text[start:end].lstrip("\n") if end >= start else "", text[end + len(THINK_END):].lstrip("\n")
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
+    return next((k for k in range(min(len(tag) - 1, len(text)), 0, -1) if tag.startswith(text[-k:])), 0)
 
 
 class ReasoningStream:
