@@ -81,6 +81,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     tokenizer: str | None = None  # default: the model folder
     num_threads: int | None = None  # CPU threads for torch; None: torch's default
+    enable_prefix_caching: bool = True  # the radix-tree prefix cache
+    schedule_policy: str = "fcfs"  # fcfs | lpm (longest cached prefix first, with a starvation guard)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *_DTYPES):
@@ -90,6 +92,9 @@ class EngineConfig:
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise InvalidRequest(f"{name} must be a positive integer, got {getattr(self, name)!r}",
                                      param=name)
+        if self.schedule_policy not in ("fcfs", "lpm"):
+            raise InvalidRequest(f"schedule_policy must be fcfs or lpm, got {self.schedule_policy!r}",
+                                 param="schedule_policy")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise InvalidRequest(f"max_model_len must be >= 2, got {self.max_model_len}", param="max_model_len")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:

@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from mili.cache.radix_cache import NoPrefixCache, RadixCache
 from mili.config import EngineConfig, ModelConfig
 from mili.engine.request import Request, Sequence, SeqStatus
 from mili.engine.scheduler import Scheduler
@@ -39,7 +40,10 @@ class LLMEngine:
         self.generation_defaults = load_generation_defaults(self.model_path)  # used by the server
         self.runner = ModelRunner(config, self.model_config, self.model_path)
         self.max_model_len = self.runner.max_model_len
-        self.scheduler = Scheduler(self.runner.pool, config.max_num_seqs, config.max_num_batched_tokens)
+        pool = self.runner.pool
+        self.prefix_cache = RadixCache(pool) if config.enable_prefix_caching else NoPrefixCache()
+        self.scheduler = Scheduler(pool, self.prefix_cache, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.schedule_policy)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
 
@@ -110,8 +114,7 @@ class LLMEngine:
             if s.seq.request.first_scheduled_time is None:
                 s.seq.request.first_scheduled_time = now
         sampled = self.runner.execute(sched)
-        for s in sched.scheduled:
-            s.seq.num_computed_tokens += s.num_new_tokens
+        self.scheduler.after_step(sched.scheduled)
         touched: dict[str, Request] = {}
         if sampled is not None:
             for (seq, _), token, lp in zip(sched.sample_rows, sampled.token_ids, sampled.logprobs):
@@ -161,7 +164,7 @@ class LLMEngine:
         times = {"arrival_time": request.arrival_time, "first_scheduled_time": request.first_scheduled_time,
                  "first_token_time": request.first_token_time, "finished_time": request.finished_time}
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs,
-                             request.is_finished, request.num_cached_tokens, times)
+                             request.is_finished, request.num_cached_tokens or 0, times)
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

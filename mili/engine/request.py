@@ -68,7 +68,7 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
-    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
 
     @property
     def is_finished(self) -> bool:

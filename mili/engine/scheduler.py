@@ -1,18 +1,24 @@
 """Continuous batching: which sequences run this step, and how many tokens each computes.
 
 Each step has a token budget (``max_num_batched_tokens``) shared by decodes (one token each) and
-prefill chunks. Running sequences go first, in arrival order; when the pool is out of pages the newest
-running sequence is preempted (its pages freed, its tokens kept, recomputed later). Waiting sequences
-are admitted in FCFS order only in steps that preempted nothing.
+prefill chunks. Running sequences go first, in arrival order; when the pool is out of pages, cached
+idle pages are evicted first, then the newest running sequence is preempted (its tokens kept, its
+computed pages put in the prefix cache, the rest recomputed later). Waiting sequences are admitted only
+in steps that preempted nothing, FCFS or longest-cached-prefix first (``lpm``); admission starts a
+sequence from the longest prefix the cache holds.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
 from mili.cache.page_pool import PagePool
+from mili.cache.radix_cache import PrefixCache
 from mili.engine.request import Request, Sequence, SeqStatus
+
+LPM_MAX_QUEUE = 128  # above this many waiting, matching them all each step costs more than it saves
 
 
 @dataclass
@@ -40,21 +46,32 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, pool: PagePool, max_num_seqs: int, max_num_batched_tokens: int):
-        self.pool = pool
+    def __init__(self, pool: PagePool, cache: PrefixCache, max_num_seqs: int, max_num_batched_tokens: int,
+                 policy: str = "fcfs", starvation_steps: int = 64):
+        self.pool, self.cache = pool, cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.policy = policy
+        self.starvation_steps = starvation_steps  # lpm: a sequence waiting this long goes first
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.step_count = 0
+        self._arrivals = itertools.count()
+        self._enqueued_at: dict[Sequence, tuple[int, int]] = {}  # seq -> (step, arrival number) it queued
 
     def add(self, request: Request) -> None:
-        self.waiting.append(request.seqs[0])
+        self._enqueue(request.seqs[0])
+
+    def _enqueue(self, seq: Sequence, front: bool = False) -> None:
+        self._enqueued_at.setdefault(seq, (self.step_count, next(self._arrivals)))
+        (self.waiting.appendleft if front else self.waiting.append)(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
+        self.step_count += 1
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         copies: list[tuple[int, int]] = []
@@ -71,19 +88,8 @@ class Scheduler:
             victim = self.running.pop()  # the newest; never one already scheduled (those are < i)
             self._preempt(victim)
             preempted = True
-        while not preempted and self.waiting and budget > 0:
-            seq = self.waiting[0]
-            width = 1 + len(seq.request.unborn()) if seq.index == 0 else 1
-            if len(self.running) + width > self.max_num_seqs:
-                break
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self._reserve(seq, n, copies):
-                break
-            self.waiting.popleft()
-            seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
-            scheduled.append(ScheduledSeq(seq, n))
-            budget -= n
+        if not preempted:
+            budget = self._admit(budget, scheduled, copies)
         scheduled.sort(key=lambda s: s.num_new_tokens != 1)  # stable: decodes first
         sample_rows = []
         for row, s in enumerate(scheduled):
@@ -92,6 +98,51 @@ class Scheduler:
                 sample_rows += [(child, row) for child in self._fork(s)]
         return SchedulerOutput(scheduled, sample_rows, copies)
 
+    def _admit(self, budget: int, scheduled: list[ScheduledSeq], copies: list) -> int:
+        if self.policy == "lpm" and 1 < len(self.waiting) <= LPM_MAX_QUEUE:
+            self._order_by_cached_prefix()
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            width = 1 + len(seq.request.unborn()) if seq.index == 0 else 1
+            if len(self.running) + width > self.max_num_seqs:
+                break
+            self._start_from_cache(seq)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self._reserve(seq, n, copies):
+                self._release(seq)
+                seq.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            self._enqueued_at.pop(seq, None)
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+        return budget
+
+    def _order_by_cached_prefix(self) -> None:
+        """LPM: longest cached prefix first; sequences waiting starvation_steps or more go before all
+        others, in arrival order."""
+        def key(seq):
+            step, arrival = self._enqueued_at[seq]
+            if self.step_count - step >= self.starvation_steps:
+                return (0, arrival)
+            return (1, -len(self.cache.match(seq.token_ids[:-1])), arrival)
+
+        self.waiting = deque(sorted(self.waiting, key=key))
+
+    def _start_from_cache(self, seq: Sequence) -> None:
+        """A sequence with no pages takes the longest cached prefix (at least its last token is computed)."""
+        if seq.page_table:
+            return
+        pages = self.cache.match(seq.token_ids[:-1])
+        self.pool.incref(pages)
+        seq.page_table = pages
+        seq.num_computed_tokens = len(pages) * self.pool.page_size
+        request = seq.request
+        if seq.index == 0 and request.num_cached_tokens is None:  # first admission: what the client sees
+            request.num_cached_tokens = seq.num_computed_tokens
+
     def _reserve(self, seq: Sequence, n: int, copies: list[tuple[int, int]]) -> bool:
         """Give ``seq`` pages for ``n`` more tokens, copying a shared page it would write into."""
         pool, size = self.pool, self.pool.page_size
@@ -99,7 +150,9 @@ class Scheduler:
         partial = seq.num_computed_tokens // size
         cow = seq.num_computed_tokens % size != 0 and pool.ref_counts[seq.page_table[partial]] > 1
         if need + cow > pool.num_free:
-            return False
+            if need + cow > pool.num_free + self.cache.num_evictable():
+                return False
+            self.cache.evict(need + cow - pool.num_free)
         if cow:
             old, (new,) = seq.page_table[partial], pool.allocate(1)
             copies.append((old, new))
@@ -122,16 +175,29 @@ class Scheduler:
             self.running.append(child)
         return children
 
+    def after_step(self, scheduled: list[ScheduledSeq]) -> None:
+        """Account the computed tokens; a prompt whose prefill just completed goes into the cache, so
+        requests sharing it hit even while this one is still decoding."""
+        for s in scheduled:
+            seq = s.seq
+            before = seq.num_computed_tokens
+            seq.num_computed_tokens += s.num_new_tokens
+            if before < seq.prompt_len <= seq.num_computed_tokens:
+                self.cache.insert(seq.token_ids[:seq.num_computed_tokens], seq.page_table)
+
     def _preempt(self, seq: Sequence) -> None:
         self._release(seq)
-        seq.num_computed_tokens = 0
         seq.status = SeqStatus.WAITING
-        self.waiting.appendleft(seq)
+        self._enqueue(seq, front=True)
         self.num_preemptions += 1
 
     def _release(self, seq: Sequence) -> None:
-        self.pool.decref(seq.page_table)
+        """Put the sequence's computed full pages in the cache, then drop its own references."""
+        if seq.page_table:
+            self.cache.insert(seq.token_ids[:seq.num_computed_tokens], seq.page_table)
+            self.pool.decref(seq.page_table)
         seq.page_table = []
+        seq.num_computed_tokens = 0
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End ``seq`` (done, or aborted in any state) and give its pages back."""
@@ -139,11 +205,17 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status == SeqStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
+            self._enqueued_at.pop(seq, None)
         self._release(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = seq.finish_reason or reason
 
+    def num_reclaimable_used(self) -> int:
+        """Pages in use by requests (cached idle pages count as free)."""
+        return self.pool.num_used - self.cache.num_evictable()
+
     def check_integrity(self) -> None:
-        holders = [s.page_table for s in self.running] + [s.page_table for s in self.waiting]
         assert all(not s.page_table for s in self.waiting), "a waiting sequence holds pages"
+        holders = [s.page_table for s in self.running] + self.cache.holders()
         self.pool.check_integrity(holders)
+        self.cache.check_integrity()

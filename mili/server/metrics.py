@@ -47,8 +47,7 @@ class Metrics:
         sched = engine.scheduler
         self.running.set(len(sched.running))
         self.waiting.set(len(sched.waiting))
-        pool = engine.runner.pool
-        self.kv_usage.set(pool.num_used / pool.num_pages)
+        self.kv_usage.set(sched.num_reclaimable_used() / sched.pool.num_pages)  # idle cached pages are free
         self.preemptions.inc(sched.num_preemptions - self._preemptions_seen)
         self._preemptions_seen = sched.num_preemptions
         now = time.monotonic()

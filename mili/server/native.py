@@ -37,6 +37,8 @@ async def health(http: Request):
             "vocab_size": engine.model_config.vocab_size, "max_seq_length": engine.max_model_len,
             "device": str(engine.runner.device), "dtype": str(engine.runner.dtype).removeprefix("torch."),
             "kv_cache_pages": pool.num_pages, "kv_cache_pages_free": pool.num_free,
+            "kv_cache_pages_cached": engine.prefix_cache.num_evictable(),  # idle in the prefix cache
+            "prefix_caching": engine.config.enable_prefix_caching,
             "num_requests_running": len(engine.scheduler.running),
             "num_requests_waiting": len(engine.scheduler.waiting)}
 

@@ -23,10 +23,15 @@ def llm(tiny_checkpoint):
 
 
 def _assert_clean(llm):
-    llm.engine.check_integrity()
-    pool = llm.engine.runner.pool
-    assert pool.num_free == pool.num_pages, "KV pages leaked"
-    assert not llm.engine.scheduler.running and not llm.engine.scheduler.waiting
+    """Nothing runs, and every page is free or idle in the prefix cache (evicting those frees all)."""
+    engine = llm.engine
+    engine.check_integrity()
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+    pool = engine.runner.pool
+    assert pool.num_free + engine.prefix_cache.num_evictable() == pool.num_pages, "KV pages leaked"
+    engine.prefix_cache.evict(pool.num_pages)
+    assert pool.num_free == pool.num_pages
+    engine.check_integrity()
 
 
 def test_preemption_gives_identical_outputs(tiny_checkpoint, llm):
@@ -85,7 +90,8 @@ def test_n_shares_prompt_pages(llm):
     tables = [s.page_table for s in req.seqs]
     assert tables[0][:2] == tables[1][:2] == tables[2][:2], "full prompt pages are shared"
     pool = engine.runner.pool
-    assert all(pool.ref_counts[p] == 3 for p in tables[0][:2])
+    cached = {p for pages in engine.prefix_cache.holders() for p in pages}  # the cache holds one ref too
+    assert all(pool.ref_counts[p] == 3 + (p in cached) for p in tables[0][:2])
     while engine.has_unfinished_requests():
         engine.step()
     outs = [s.output_token_ids for s in req.seqs]
