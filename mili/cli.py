@@ -26,12 +26,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="token budget of one step (decodes + prefill chunks)")
     p.add_argument("--seed", type=int, default=0, help="global random seed")
     p.add_argument("--num-threads", type=int, default=None, help="CPU threads for torch")
+    p.add_argument("--no-prefix-cache", dest="enable_prefix_caching", action="store_false",
+                   help="turn off the radix-tree prefix cache (RadixAttention)")
+    p.add_argument("--schedule-policy", default="fcfs", choices=["fcfs", "lpm"],
+                   help="order of waiting requests: first come first served, or longest cached prefix first "
+                        "(with a starvation guard)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                 kv_cache_memory=args.kv_cache_memory, page_size=args.page_size, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed, num_threads=args.num_threads)
+                max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed, num_threads=args.num_threads,
+                enable_prefix_caching=args.enable_prefix_caching, schedule_policy=args.schedule_policy)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -12,7 +12,8 @@ from mili.outputs import CompletionOutput, RequestOutput
 from mili.server.app import ServerState, merge, new_id, sse, until_disconnect
 from mili.server.errors import APIError, sse_error
 from mili.server.protocol import ChatCompletionRequest, CompletionRequest
-from mili.tokenizer.reasoning import ReasoningStream, split_reasoning
+from mili.tokenizer.reasoning import THINK_START, ReasoningStream, split_reasoning
+from mili.tokenizer.tokenizer import apply_chat_template
 
 router = APIRouter()
 
@@ -48,13 +49,14 @@ def _top(entry: dict, n: int) -> list:
 
 
 class _Choice:
-    """Per-choice streaming bookkeeping: how many logprob entries were sent, whether it finished."""
+    """Per-choice streaming bookkeeping: what was sent (logprob entries, text), whether it finished."""
 
-    def __init__(self, reasoning: bool):
+    def __init__(self, reasoning: bool = False, prompt_opened: bool = False):
         self.logprobs_sent = 0
+        self.text_sent = 0
         self.done = False
         self.started = False
-        self.reasoning = ReasoningStream(reasoning)
+        self.reasoning = ReasoningStream(reasoning, prompt_opened)
 
 
 # -- /v1/completions ---------------------------------------------------------------------------
@@ -108,11 +110,13 @@ async def completions(body: CompletionRequest, http: Request):
             async for i, out in merge(streams):
                 finals[i] = out
                 for o in out.outputs:
-                    c = choices.setdefault(i * n + o.index, _Choice(False))
+                    c = choices.setdefault(i * n + o.index, _Choice())
                     text = (echo_text(out) if not c.started else "") + o.delta
                     c.started = True
-                    lps = _completion_logprobs(o, c.logprobs_sent, nlp, 0)
+                    lps = _completion_logprobs(o, c.logprobs_sent, nlp, c.text_sent)
                     c.logprobs_sent = len(o.token_ids)
+                    if lps and lps["tokens"]:  # offsets continue from the last token sent
+                        c.text_sent = lps["text_offset"][-1] + len(lps["tokens"][-1] or "")
                     finish = o.finish_reason if not c.done else None
                     c.done |= o.finished
                     if text or finish or (lps and lps["tokens"]):
@@ -147,8 +151,11 @@ async def chat_completions(body: ChatCompletionRequest, http: Request):
     if body.tools:
         raise APIError(400, "tools are not supported yet", param="tools")
     kwargs = body.chat_template_kwargs or {}
-    prompt = st.encode_chat([m.for_template() for m in body.messages], body.add_generation_prompt, kwargs)
-    thinking = bool(kwargs.get("enable_thinking", True))
+    text = apply_chat_template(st.tokenizer, [m.for_template() for m in body.messages], body.add_generation_prompt,
+                               kwargs)
+    prompt = st.tokenizer.encode(text, add_special_tokens=False)
+    thinking = kwargs.get("enable_thinking", True) is not False  # as Qwen3's template decides
+    opened = thinking and text.rstrip().endswith(THINK_START)  # templates that open <think> themselves
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = body.sampling_params(max_tokens, body.logprobs_n(), st.llm_engine.generation_defaults)
     rid, created = new_id("chatcmpl"), int(time.time())
@@ -160,7 +167,7 @@ async def chat_completions(body: ChatCompletionRequest, http: Request):
         (final,) = await until_disconnect(http, _collect(streams))
         choices = []
         for o in final.outputs:
-            reasoning, content = split_reasoning(o.text) if thinking else (None, o.text)
+            reasoning, content = split_reasoning(THINK_START * opened + o.text) if thinking else (None, o.text)
             message = {"role": "assistant", "content": content}
             if reasoning is not None:
                 message["reasoning_content"] = message["reasoning"] = reasoning
@@ -177,7 +184,7 @@ async def chat_completions(body: ChatCompletionRequest, http: Request):
             async for _, out in merge(streams):
                 final = out
                 for o in out.outputs:
-                    c = choices.setdefault(o.index, _Choice(thinking))
+                    c = choices.setdefault(o.index, _Choice(thinking, opened))
                     if not c.started:
                         c.started = True
                         yield sse({**chunk_head, "choices": [{"index": o.index, "delta": {"role": "assistant",

@@ -36,11 +36,14 @@ def _partial_suffix(text: str, tag: str) -> int:
 
 
 class ReasoningStream:
-    """Turns the growing text of one choice into (reasoning delta, content delta) pairs."""
+    """Turns the growing text of one choice into (reasoning delta, content delta) pairs.
 
-    def __init__(self, enabled: bool = True):
+    ``prompt_opened``: the chat template already wrote ``<think>`` at the end of the prompt, so the
+    generated text starts inside the reasoning."""
+
+    def __init__(self, enabled: bool = True, prompt_opened: bool = False):
         self.enabled = enabled
-        self.text = ""
+        self.text = THINK_START if enabled and prompt_opened else ""
         self._sent_reasoning = 0
         self._sent_content = 0
 

@@ -293,9 +293,6 @@ def test_completion_logprobs(client):
     assert vals == pytest.approx(lp.token_logprobs, abs=1e-5)
 
 
-@pytest.mark.xfail(strict=True, reason="mili/server/openai.py, completions events(): _completion_logprobs(o, "
-                   "c.logprobs_sent, nlp, 0) restarts text_offset at 0 in every streamed chunk instead of "
-                   "continuing from the text already sent")
 def test_completion_stream_text_offset(client):
     kw = dict(model="test", prompt="Offsets please", max_tokens=8, temperature=0, logprobs=1,
               extra_body={"ignore_eos": True})
@@ -387,10 +384,6 @@ def test_thinking_completions_keep_raw_text(scripted, scripted_server):
     assert r.choices[0].finish_reason == "stop"
 
 
-@pytest.mark.xfail(strict=True, reason="mili/server/openai.py chat_completions: thinking = bool(kwargs.get("
-                   "'enable_thinking', True)) treats null/0/'' as off, but Qwen3's template only turns thinking "
-                   "off for `enable_thinking is false`, so the model thinks and the raw <think> block is returned "
-                   "as content")
 def test_thinking_null_kwarg_never_leaks_tags(scripted):
     r = scripted.chat.completions.create(model="test", messages=MSGS, temperature=0, max_tokens=32,
                                          extra_body={"chat_template_kwargs": {"enable_thinking": None}})

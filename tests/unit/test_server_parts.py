@@ -35,6 +35,10 @@ def test_reasoning_stream_never_retracts():
             assert "<think>" not in c and "</think>" not in c and "<think>" not in r
             r_all, c_all = r_all + r, c_all + c
         assert (r_all, c_all) == split_reasoning(text) == ("Let me think.\n", "Hello!")
+    opened = ReasoningStream(True, prompt_opened=True)  # the template wrote "<think>" into the prompt
+    pieces = ["Let", " me", " think", "</think>", "\n\n", "Hello", "!"]
+    deltas = [opened.feed(p, final=k == len(pieces) - 1) for k, p in enumerate(pieces)]
+    assert "".join(r for r, _ in deltas) == "Let me think" and "".join(c for _, c in deltas) == "Hello!"
     off = ReasoningStream(False)
     assert off.feed("<think>x</think>y", final=True) == ("", "<think>x</think>y")
 

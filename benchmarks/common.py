@@ -1,0 +1,80 @@
+"""Shared by the benchmarks: Qwen3-shaped random checkpoints, a driver over the engine, tables."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("MILI_SHARED_DIR", ROOT.parent / "shared"))
+CACHE = Path(os.environ.get("MILI_BENCH_CACHE", Path.home() / ".cache" / "mili" / "bench"))
+
+
+def qwen3_checkpoint(name: str = "Qwen3-0.6B", dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> str:
+    """A random-weight checkpoint of an official Qwen3 shape, with the real tokenizer; built once."""
+    from transformers import AutoTokenizer, GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+    path = CACHE / f"{name}-random-{str(dtype).removeprefix('torch.')}-s{seed}"
+    if (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file():
+        return str(path)
+    shape = {k: v for k, v in json.loads((SHARED / "qwen3_configs.json").read_text())[name].items()
+             if not k.startswith("_")}
+    shape.pop("torch_dtype", None)
+    config = Qwen3Config(**shape)
+    torch.manual_seed(seed)
+    with torch.device("cpu"):
+        model = Qwen3ForCausalLM(config).to(dtype).eval()
+    model.generation_config = GenerationConfig(eos_token_id=[151645, 151643], pad_token_id=151643)
+    tmp = path.with_name(path.name + ".tmp")
+    model.save_pretrained(tmp)
+    AutoTokenizer.from_pretrained(SHARED / "qwen3-tokenizer").save_pretrained(tmp)
+    os.replace(tmp, path)
+    return str(path)
+
+
+def random_prompt(n: int, seed: int) -> list[int]:
+    """``n`` token ids from the ordinary (non-special) vocabulary."""
+    return torch.randint(0, 151643, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def run_batch(engine, prompts: list[list[int]], params) -> tuple[list, float]:
+    """Add every prompt, step until all finish; returns (final outputs in order, seconds)."""
+    start = time.perf_counter()
+    ids = [engine.add_request(p, params).request_id for p in prompts]
+    done = {}
+    while len(done) < len(ids):
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return [done[i] for i in ids], time.perf_counter() - start
+
+
+def ttft(out) -> float:
+    return out.metrics["first_token_time"] - out.metrics["arrival_time"]
+
+
+def percentile(values: list[float], q: float) -> float:
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
+
+
+def print_table(title: str, header: list[str], rows: list[list]) -> None:
+    cells = [[str(h) for h in header]] + [[f"{c:.3f}" if isinstance(c, float) else str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    print(f"\n{title}")
+    for k, r in enumerate(cells):
+        print("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |")
+        if k == 0:
+            print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+
+
+def machine() -> str:
+    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+            f"{torch.get_num_threads()} threads")
