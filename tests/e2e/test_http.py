@@ -142,3 +142,14 @@ def test_api_key(random_model):
         assert httpx.get(s.url + "/metrics").status_code == 200
     finally:
         assert s.stop() == 0
+
+
+def test_prefix_cache_hits_are_reported(server):
+    long_prompt = list(range(1000, 1200))  # 200 tokens: 12 full pages
+    body = {"prompt": long_prompt, "max_tokens": 2}
+    hits_before = metric(server.url, "mili:prefix_cache_hits_total")
+    first = httpx.post(server.url + "/v1/completions", json=body, timeout=30).json()["usage"]
+    second = httpx.post(server.url + "/v1/completions", json=body, timeout=30).json()["usage"]
+    assert first["prompt_tokens_details"]["cached_tokens"] == 0
+    assert second["prompt_tokens_details"]["cached_tokens"] == 192  # all full pages but the last token's
+    assert metric(server.url, "mili:prefix_cache_hits_total") - hits_before == 192
