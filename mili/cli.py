@@ -1,4 +1,4 @@
-"""The `mili` command: serve, generate."""
+"""The `mili` command: serve, generate, bench."""
 
 from __future__ import annotations
 
@@ -26,6 +26,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="token budget of one step (decodes + prefill chunks)")
     p.add_argument("--seed", type=int, default=0, help="global random seed")
     p.add_argument("--num-threads", type=int, default=None, help="CPU threads for torch")
+    p.add_argument("--quantization", default=None, choices=["int8"],
+                   help="int8: weight-only int8 (one scale per output channel); default: none")
+    p.add_argument("--no-cpu-weight-prepack", dest="cpu_weight_prepack", action="store_false",
+                   help="CPU bf16: keep plain weights instead of oneDNN's prepacked layout")
     p.add_argument("--no-prefix-cache", dest="enable_prefix_caching", action="store_false",
                    help="turn off the radix-tree prefix cache (RadixAttention)")
     p.add_argument("--schedule-policy", default="fcfs", choices=["fcfs", "lpm"],
@@ -37,7 +41,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                 kv_cache_memory=args.kv_cache_memory, page_size=args.page_size, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed, num_threads=args.num_threads,
-                enable_prefix_caching=args.enable_prefix_caching, schedule_policy=args.schedule_policy)
+                enable_prefix_caching=args.enable_prefix_caching, schedule_policy=args.schedule_policy,
+                quantization=args.quantization, cpu_weight_prepack=args.cpu_weight_prepack)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -123,6 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds in-flight requests get to finish on SIGTERM/SIGINT")
     srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     srv.set_defaults(func=cmd_serve)
+
+    from mili.bench import add_parser as add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 

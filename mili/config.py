@@ -83,6 +83,8 @@ class EngineConfig:
     num_threads: int | None = None  # CPU threads for torch; None: torch's default
     enable_prefix_caching: bool = True  # the radix-tree prefix cache
     schedule_policy: str = "fcfs"  # fcfs | lpm (longest cached prefix first, with a starvation guard)
+    quantization: str | None = None  # None | int8 (weight-only, per output channel)
+    cpu_weight_prepack: bool = True  # CPU bf16: weights in oneDNN's blocked layout (faster decode)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *_DTYPES):
@@ -92,6 +94,9 @@ class EngineConfig:
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise InvalidRequest(f"{name} must be a positive integer, got {getattr(self, name)!r}",
                                      param=name)
+        if self.quantization not in (None, "int8"):
+            raise InvalidRequest(f"quantization must be int8 or none, got {self.quantization!r}",
+                                 param="quantization")
         if self.schedule_policy not in ("fcfs", "lpm"):
             raise InvalidRequest(f"schedule_policy must be fcfs or lpm, got {self.schedule_policy!r}",
                                  param="schedule_policy")

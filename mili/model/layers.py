@@ -19,10 +19,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)  # one fused kernel
+        return self.weight * normed.to(x.dtype)
 
 
 def rope_inverse_frequencies(hf_config) -> tuple[torch.Tensor, float]:
@@ -53,11 +51,15 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", (emb.cos() * scale).to(device), persistent=False)
         self.register_buffer("sin", (emb.sin() * scale).to(device), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, Hq, D], k: [T, Hkv, D]; rotate-half RoPE in the tensors' dtype, as HF does."""
-        cos = self.cos[positions].to(q.dtype)[:, None, :]
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for a step's positions ([T, 1, D], in ``dtype``): once per step, not per layer."""
+        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]):
+    """q: [T, Hq, D], k: [T, Hkv, D]; rotate-half RoPE in the tensors' dtype, as HF does."""
+    cos, sin = cos_sin
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

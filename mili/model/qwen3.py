@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mili.config import ModelConfig
-from mili.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from mili.model.layers import RMSNorm, RotaryEmbedding, apply_rotary, silu_and_mul
 from mili.runtime.attention.base import AttentionBackend, ForwardBatch
 
 # HF checkpoint name -> (fused parameter, shard index)
@@ -46,13 +46,13 @@ class Qwen3Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype)
         self.backend = backend
 
-    def forward(self, h: torch.Tensor, batch: ForwardBatch, rotary: RotaryEmbedding,
+    def forward(self, h: torch.Tensor, batch: ForwardBatch, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         t = h.shape[0]
         q, k, v = self.qkv_proj(h).split(self.qkv_proj.shard_sizes, dim=-1)
         q = self.q_norm(q.view(t, self.num_heads, self.head_dim))
         k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))
-        q, k = rotary(batch.positions, q, k)
+        q, k = apply_rotary(q, k, cos_sin)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         o = self.backend.forward(q, k, v, k_cache, v_cache, batch)
         return self.o_proj(o.reshape(t, -1))
@@ -77,8 +77,8 @@ class Qwen3DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
-    def forward(self, h, batch, rotary, k_cache, v_cache):
-        h = h + self.self_attn(self.input_layernorm(h), batch, rotary, k_cache, v_cache)
+    def forward(self, h, batch, cos_sin, k_cache, v_cache):
+        h = h + self.self_attn(self.input_layernorm(h), batch, cos_sin, k_cache, v_cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -96,23 +96,24 @@ class Qwen3ForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = Qwen3Model(cfg, backend, dtype)
-        if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
+        # Tied checkpoints have no lm_head: logits come from the embedding table (unless a CPU linear
+        # swap gives the head a copy of its own in another layout, see model/cpu_linear.py).
+        self.lm_head = (None if cfg.tie_word_embeddings
+                        else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype))
         self.rotary: RotaryEmbedding | None = None  # built by init_rotary once weights are on the device
 
     def init_rotary(self, max_positions: int, device: torch.device) -> None:
         self.rotary = RotaryEmbedding(self.config.hf_config, max_positions, device)
 
-    @property
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """The final hidden states of the rows in ``batch.logits_indices``: [S, hidden]."""
         h = self.model.embed_tokens(batch.input_ids)
+        cos_sin = self.rotary.lookup(batch.positions, h.dtype)
         for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches):
-            h = layer(h, batch, self.rotary, k_cache, v_cache)
+            h = layer(h, batch, cos_sin, k_cache, v_cache)
         return self.model.norm(h[batch.logits_indices])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head_weight)
+        if self.lm_head is None:
+            return F.linear(hidden, self.model.embed_tokens.weight)
+        return self.lm_head(hidden)

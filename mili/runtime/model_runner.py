@@ -9,6 +9,7 @@ import torch
 from mili.cache.page_pool import PagePool
 from mili.config import EngineConfig, ModelConfig, default_kv_cache_bytes
 from mili.errors import InvalidRequest
+from mili.model.cpu_linear import prepack_available, swap_linears
 from mili.model.loader import load_weights
 from mili.model.qwen3 import Qwen3ForCausalLM
 from mili.runtime.attention.base import ForwardBatch
@@ -30,6 +31,10 @@ class ModelRunner:
         self.model = model.to_empty(device=self.device)
         load_weights(self.model, path)
         self.model.eval()
+        if config.quantization == "int8":
+            swap_linears(self.model, "int8")
+        elif self.device.type == "cpu" and config.cpu_weight_prepack and prepack_available(self.dtype):
+            swap_linears(self.model, "packed")
         self.max_model_len = config.resolve_max_model_len(model_config)
         self._allocate_kv_cache()
         self.model.init_rotary(self.max_model_len, self.device)
@@ -116,9 +121,11 @@ class ModelRunner:
         seqs = [seq for seq, _ in sched_out.sample_rows]
         # scheduled index -> row of ``logits`` (which holds only the sampling sequences)
         logits_row = {i: r for r, i in enumerate(i for i, s in enumerate(sched_out.scheduled) if s.samples)}
-        rows = torch.tensor([logits_row[i] for _, i in sched_out.sample_rows], device=self.device)
+        rows = [logits_row[i] for _, i in sched_out.sample_rows]
+        if rows != list(range(logits.shape[0])):  # forked children repeat their parent's row
+            logits = logits.index_select(0, torch.tensor(rows, device=self.device))
         meta = SamplingMetadata.build(
             [s.params for s in seqs], [s.generator for s in seqs],
             [s.token_ids[:s.prompt_len] for s in seqs], [s.output_token_ids for s in seqs],
             self.model_config.vocab_size, self.device)
-        return self.sampler(logits[rows], meta)
+        return self.sampler(logits, meta)

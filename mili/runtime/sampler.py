@@ -190,14 +190,17 @@ class Sampler:
         assert logits.shape[1] >= meta.vocab_size, (logits.shape, meta.vocab_size)
         # A private float32 copy (modified in place); columns past the vocab (padding) are dropped.
         logits = logits[:, :meta.vocab_size].to(torch.float32, copy=True)
-        raw = logits[meta.logprob_rows] if meta.logprob_rows is not None else None  # (a copy)
+        raw = logits.index_select(0, meta.logprob_rows) if meta.logprob_rows is not None else None  # a copy
         logits = self._process_logits(logits, meta)
 
         sampled = torch.empty(meta.num_rows, dtype=torch.long, device=logits.device)
-        if meta.greedy_rows.numel():
-            sampled[meta.greedy_rows] = logits[meta.greedy_rows].argmax(dim=-1)
+        # (index_select rather than logits[rows]: row gathers of [B, 152k] are ~5x faster on the CPU)
+        if meta.greedy_rows.numel() == meta.num_rows:
+            sampled = logits.argmax(dim=-1)
+        elif meta.greedy_rows.numel():
+            sampled[meta.greedy_rows] = logits.index_select(0, meta.greedy_rows).argmax(dim=-1)
         if meta.random_rows.numel():
-            x = logits if meta.random_rows.numel() == meta.num_rows else logits[meta.random_rows]
+            x = logits if meta.random_rows.numel() == meta.num_rows else logits.index_select(0, meta.random_rows)
             if meta.temperature is not None:
                 x.div_(meta.temperature.unsqueeze(1))
             if meta.min_p is not None:

@@ -1,0 +1,65 @@
+"""What int8 weight-only quantization costs in accuracy against bf16, on the same checkpoint and prompts.
+
+Prints the logit error of the first generated position (max and mean |int8 - bf16| over max |bf16|,
+and the share of prompts whose argmax agrees) and the greedy agreement of whole continuations (the
+share of tokens equal before the paths first part, and the mean length of the common prefix).
+
+    python benchmarks/quant_accuracy.py [--prompts 8] [--tokens 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from common import machine, print_table, qwen3_checkpoint, random_prompt
+
+from mili import LLM, SamplingParams
+
+
+def first_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
+    """The logits the model gives for the token after ``prompt`` (through the real engine path)."""
+    engine = llm.engine
+    request = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1))
+    sched = engine.scheduler.schedule()
+    logits = engine.runner.forward_logits(sched.scheduled)
+    engine.scheduler.after_step(sched.scheduled)
+    engine.abort_request(request.request_id)
+    return logits[0].float()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="Qwen3-0.6B")
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--tokens", type=int, default=32)
+    args = p.parse_args()
+    path = qwen3_checkpoint(args.model)
+    engines = {"bf16": LLM(path, dtype="bfloat16", max_model_len=2048, kv_cache_memory=1 << 30,
+                           enable_prefix_caching=False),
+               "int8": LLM(path, dtype="bfloat16", quantization="int8", max_model_len=2048,
+                           kv_cache_memory=1 << 30, enable_prefix_caching=False)}
+    prompts = [random_prompt(args.prompt_len, 500 + i) for i in range(args.prompts)]
+    errors, agree_argmax = [], 0
+    for prompt in prompts:
+        ref, q = first_logits(engines["bf16"], prompt), first_logits(engines["int8"], prompt)
+        errors.append(((q - ref).abs() / ref.abs().max()))
+        agree_argmax += int(q.argmax() == ref.argmax())
+    params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
+    outs = {k: [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                             use_tqdm=False)] for k, llm in engines.items()}
+    common = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(outs["bf16"], outs["int8"])]
+    equal = sum(a == b for x, y in zip(outs["bf16"], outs["int8"]) for a, b in zip(x, y)) / (args.tokens * len(prompts))
+    print(f"int8 weight-only vs bf16: {args.model}-shaped random weights, {args.prompts} prompts of {args.prompt_len} "
+          f"tokens, {args.tokens} greedy tokens; {machine()}")
+    print_table("accuracy", ["measure", "value"], [
+        ["max |logit error| / max |logit|", max(e.max().item() for e in errors)],
+        ["mean |logit error| / max |logit|", sum(e.mean().item() for e in errors) / len(errors)],
+        ["first-token argmax agreement", f"{agree_argmax}/{len(prompts)}"],
+        ["tokens equal position by position", f"{100 * equal:.1f}%"],
+        ["mean common prefix (tokens)", sum(common) / len(common)]])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,255 @@
+"""`mili bench`: latency, throughput and serve benchmarks, each printing a table and its configuration,
+with HF transformers `generate` on the same checkpoint and requests in the same run (``--baseline hf``)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+
+# -- helpers -------------------------------------------------------------------------------------
+def _table(title: str, header: list[str], rows: list[list]) -> None:
+    cells = [header] + [[f"{c:.2f}" if isinstance(c, float) else str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    print(f"\n{title}")
+    for k, r in enumerate(cells):
+        print("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |")
+        if k == 0:
+            print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+
+
+def _pct(values: list[float], q: float) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1] if len(values) > 1 else values[0]
+
+
+def _prompts(n: int, lo: int, hi: int, seed: int, vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
+    return [torch.randint(0, min(vocab, 151643), (k,), generator=g).tolist() for k in lens]
+
+
+def _lengths(n: int, lo: int, hi: int, seed: int) -> list[int]:
+    return torch.randint(lo, hi + 1, (n,), generator=torch.Generator().manual_seed(seed + 1)).tolist()
+
+
+def memory_bandwidth(mib: int = 1024) -> float:
+    """Bytes moved per second by a large copy (read + write), as STREAM counts it."""
+    src = torch.ones(mib * 2**20 // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start, n = time.perf_counter(), 5
+    for _ in range(n):
+        dst.copy_(src)
+    return 2 * src.numel() * 4 * n / (time.perf_counter() - start)
+
+
+def weight_bytes_per_step(model) -> int:
+    """Bytes a decode step reads: every matrix of the linear layers and the lm_head (not the
+    embedding table, of which a step reads one row)."""
+    total = 0
+    for name, module in model.named_modules():
+        if name == "model.embed_tokens":
+            continue
+        for attr in ("weight", "qweight", "packed"):
+            t = getattr(module, attr, None)
+            if isinstance(t, torch.Tensor) and t.dim() == 2:
+                total += t.numel() * t.element_size()
+    if model.lm_head is None:
+        total += model.model.embed_tokens.weight.numel() * model.model.embed_tokens.weight.element_size()
+    return total
+
+
+def _engine(args):
+    from mili.config import EngineConfig
+    from mili.engine.engine import LLMEngine
+
+    return LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+                                  kv_cache_memory=args.kv_cache_memory, quantization=args.quantization,
+                                  max_num_seqs=args.max_num_seqs, num_threads=args.num_threads))
+
+
+def _run(engine, prompts, out_lens) -> tuple[list, float]:
+    from mili.sampling_params import SamplingParams
+
+    start = time.perf_counter()
+    ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=o, ignore_eos=True)).request_id
+           for p, o in zip(prompts, out_lens)]
+    done = {}
+    while len(done) < len(ids):
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return [done[i] for i in ids], time.perf_counter() - start
+
+
+def _hf_model(engine):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(engine.model_path, dtype=engine.runner.dtype).eval()
+
+
+@torch.inference_mode()
+def _hf_generate(model, batch: list[list[int]], new_tokens: int) -> float:
+    """Seconds for HF generate (greedy, exactly new_tokens each), left-padding a batch."""
+    width = max(len(p) for p in batch)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+    start = time.perf_counter()
+    model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                   do_sample=False, pad_token_id=0)
+    return time.perf_counter() - start
+
+
+def _header(args, engine) -> None:
+    print(f"mili bench {args.mode}: model {engine.model_path}, dtype {str(engine.runner.dtype)[6:]}, "
+          f"quantization {args.quantization or 'none'}, device {engine.runner.device}, "
+          f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads")
+
+
+# -- modes ---------------------------------------------------------------------------------------
+def latency(args) -> None:
+    engine = _engine(args)
+    vocab = engine.model_config.vocab_size
+    prompt = _prompts(1, args.input_len, args.input_len, args.seed, vocab)[0]
+    _run(engine, [prompt[:16]], [4])  # warm up
+    rows, ttfts, decodes = [], [], []
+    for _ in range(args.repeat):
+        (first,), t_first = _run(engine, [prompt], [1])
+        engine.prefix_cache.evict(engine.runner.pool.num_pages)  # every repeat is a miss
+        (out,), t_all = _run(engine, [prompt], [args.output_len])
+        engine.prefix_cache.evict(engine.runner.pool.num_pages)
+        ttfts.append(t_first)
+        decodes.append((args.output_len - 1) / (t_all - t_first))
+    bandwidth = memory_bandwidth()
+    step_bytes = weight_bytes_per_step(engine.runner.model)
+    roofline = bandwidth / step_bytes
+    ttft, decode = statistics.median(ttfts), statistics.median(decodes)
+    rows.append(["mili", ttft, args.input_len / ttft, decode, f"{100 * decode / roofline:.0f}%"])
+    if args.baseline == "hf":
+        model = _hf_model(engine)
+        _hf_generate(model, [prompt[:16]], 2)
+        t_first = _hf_generate(model, [prompt], 1)
+        t_all = _hf_generate(model, [prompt], args.output_len)
+        hf_decode = (args.output_len - 1) / (t_all - t_first)
+        rows.append(["HF transformers", t_first, args.input_len / t_first, hf_decode,
+                     f"{100 * hf_decode / roofline:.0f}%"])
+    _header(args, engine)
+    print(f"prompt {args.input_len} tokens, output {args.output_len} tokens, batch 1, greedy; median of "
+          f"{args.repeat}; memory bandwidth (1 GiB copy, read+write) {bandwidth / 1e9:.1f} GB/s; weights read per "
+          f"decode step {step_bytes / 1e9:.3f} GB; roofline {roofline:.1f} tok/s")
+    _table("latency", ["engine", "TTFT s", "prefill tok/s", "decode tok/s", "of roofline"], rows)
+    if args.baseline == "hf":
+        print(f"mili / HF: decode {decode / hf_decode:.2f}x, TTFT {rows[1][1] / ttft:.2f}x faster")
+
+
+def throughput(args) -> None:
+    engine = _engine(args)
+    vocab = engine.model_config.vocab_size
+    prompts = _prompts(args.num_requests, args.min_input, args.max_input, args.seed, vocab)
+    out_lens = _lengths(args.num_requests, args.min_output, args.max_output, args.seed)
+    _run(engine, [prompts[0][:16]], [4])
+    outs, seconds = _run(engine, prompts, out_lens)
+    engine.prefix_cache.evict(engine.runner.pool.num_pages)
+    n_in, n_out = sum(map(len, prompts)), sum(out_lens)
+    assert sum(len(o.outputs[0].token_ids) for o in outs) == n_out
+    rows = [["mili (continuous batching)", seconds, n_out / seconds, (n_in + n_out) / seconds, "1.00x"]]
+    if args.baseline == "hf":
+        model = _hf_model(engine)
+        _hf_generate(model, [prompts[0][:16]], 2)
+        k = min(args.hf_sequential_sample, len(prompts))
+        t_seq = sum(_hf_generate(model, [p], o) for p, o in zip(prompts[:k], out_lens[:k])) * len(prompts) / k
+        rows.append([f"HF one after another (first {k} timed, scaled)", t_seq, n_out / t_seq,
+                     (n_in + n_out) / t_seq, f"{t_seq / seconds:.2f}x"])
+        t_pad = _hf_generate(model, prompts, max(out_lens))  # useful tokens: the requested ones
+        rows.append(["HF one padded batch", t_pad, n_out / t_pad, (n_in + n_out) / t_pad, f"{t_pad / seconds:.2f}x"])
+    _header(args, engine)
+    print(f"{args.num_requests} requests, input {args.min_input}-{args.max_input}, output {args.min_output}-"
+          f"{args.max_output} tokens (uniform, seed {args.seed}), greedy, ignore_eos; {n_in} prompt + {n_out} "
+          f"output tokens")
+    _table("throughput", ["engine", "seconds", "output tok/s", "total tok/s", "mili speed-up"], rows)
+
+
+def serve(args) -> None:
+    import httpx
+
+    prompts = _prompts(args.num_requests, args.min_input, args.max_input, args.seed, 151643)
+    out_lens = _lengths(args.num_requests, args.min_output, args.max_output, args.seed)
+    model = args.served_model or httpx.get(f"{args.url}/v1/models").json()["data"][0]["id"]
+
+    async def one(client, prompt, n, delay):
+        await asyncio.sleep(delay)
+        start = time.perf_counter()
+        stamps = []
+        body = {"model": model, "prompt": prompt, "max_tokens": n, "ignore_eos": True, "temperature": 0,
+                "stream": True}
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]" and json.loads(line[6:])["choices"]:
+                    stamps.append(time.perf_counter())
+        return start, stamps
+
+    async def main():
+        limits = httpx.Limits(max_connections=max(args.concurrency or 0, 64))
+        sem = asyncio.Semaphore(args.concurrency) if args.concurrency else None
+        async with httpx.AsyncClient(base_url=args.url, timeout=None, limits=limits) as client:
+            async def guarded(p, n, d):
+                if sem is None:
+                    return await one(client, p, n, d)
+                async with sem:
+                    return await one(client, p, n, 0)
+            delays = [i / args.request_rate for i in range(len(prompts))] if args.request_rate else [0] * len(prompts)
+            start = time.perf_counter()
+            res = await asyncio.gather(*(guarded(p, n, d) for p, n, d in zip(prompts, out_lens, delays)))
+            return res, time.perf_counter() - start
+
+    results, seconds = asyncio.run(main())
+    ttft = [s[0] - start for start, s in results if s]
+    e2e = [s[-1] - start for start, s in results if s]
+    itl = [b - a for _, s in results for a, b in zip(s, s[1:])]
+    rows = [[name, 1e3 * _pct(v, 50), 1e3 * _pct(v, 90), 1e3 * _pct(v, 99)]
+            for name, v in (("TTFT", ttft), ("inter-token", itl), ("end-to-end", e2e))]
+    print(f"mili bench serve: {args.url} model {model}; {args.num_requests} requests, input {args.min_input}-"
+          f"{args.max_input}, output {args.min_output}-{args.max_output}; "
+          + (f"concurrency {args.concurrency}" if args.concurrency else f"rate {args.request_rate or 'inf'} req/s"))
+    _table("serve (ms)", ["latency", "p50", "p90", "p99"], rows)
+    n_out = sum(out_lens)
+    print(f"throughput: {n_out / seconds:.1f} output tok/s, {(n_out + sum(map(len, prompts))) / seconds:.1f} "
+          f"total tok/s, {len(results) / seconds:.2f} req/s over {seconds:.1f} s (HF baseline: not applicable)")
+
+
+def add_parser(sub) -> None:
+    from mili.model.demo import DEMO_MODEL
+
+    p = sub.add_parser("bench", help="benchmarks: latency | throughput | serve")
+    p.add_argument("mode", choices=["latency", "throughput", "serve"])
+    p.add_argument("model", nargs="?", default=DEMO_MODEL, help="checkpoint (latency, throughput)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--quantization", default=None, choices=[None, "int8"])
+    p.add_argument("--baseline", default=None, choices=[None, "hf"], help="also run HF transformers generate")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--kv-cache-memory", type=int, default=2 << 30)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--input-len", type=int, default=512, help="latency: prompt tokens")
+    p.add_argument("--output-len", type=int, default=128, help="latency: output tokens")
+    p.add_argument("--repeat", type=int, default=3, help="latency: runs (median)")
+    p.add_argument("--num-requests", type=int, default=32)
+    p.add_argument("--min-input", type=int, default=128)
+    p.add_argument("--max-input", type=int, default=128)
+    p.add_argument("--min-output", type=int, default=128)
+    p.add_argument("--max-output", type=int, default=128)
+    p.add_argument("--hf-sequential-sample", type=int, default=4,
+                   help="throughput: HF one-after-another times this many requests and scales to all")
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="serve: the server")
+    p.add_argument("--served-model", default=None)
+    p.add_argument("--concurrency", type=int, default=None, help="serve: requests in flight")
+    p.add_argument("--request-rate", type=float, default=None, help="serve: requests per second")
+    p.set_defaults(func=lambda a: {"latency": latency, "throughput": throughput, "serve": serve}[a.mode](a) or 0)
