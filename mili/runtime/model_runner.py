@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 
 import torch
@@ -17,6 +18,14 @@ from mili.runtime.attention.torch_backend import TorchAttentionBackend
 from mili.runtime.sampler import Sampler, SamplerOutput, SamplingMetadata
 
 log = logging.getLogger("mili")
+
+
+def release_freed_memory() -> None:
+    """glibc keeps freed heap memory for reuse; give it back (a no-op where there is no glibc)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 class ModelRunner:
@@ -35,6 +44,8 @@ class ModelRunner:
             swap_linears(self.model, "int8")
         elif self.device.type == "cpu" and config.cpu_weight_prepack and prepack_available(self.dtype):
             swap_linears(self.model, "packed")
+        if self.device.type == "cpu":
+            release_freed_memory()  # the plain weights a swap replaced go back to the OS
         self.max_model_len = config.resolve_max_model_len(model_config)
         self._allocate_kv_cache()
         self.model.init_rotary(self.max_model_len, self.device)

@@ -58,9 +58,12 @@ class TorchAttentionBackend:
         else:  # query j sits at position lk - lq + j and sees keys 0 .. lk - lq + j
             rows = torch.arange(lq, device=q.device)[:, None] + (lk - lq)
             mask, causal = torch.arange(lk, device=q.device)[None, :] <= rows, False
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                           attn_mask=mask, is_causal=causal, enable_gqa=True)
-        return o.transpose(0, 1)
+        # 4-D inputs: on the CPU, SDPA takes its flash kernel only for [B, H, L, D] (3-D falls back to
+        # the ~10x slower math path)
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                           v.transpose(0, 1)[None], attn_mask=mask, is_causal=causal,
+                                           enable_gqa=True)
+        return o[0].transpose(0, 1)
 
     @staticmethod
     def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
