@@ -92,18 +92,21 @@ def _run(engine, prompts, out_lens) -> tuple[list, float]:
 def _hf_model(engine):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(engine.model_path, dtype=engine.runner.dtype).eval()
+    return AutoModelForCausalLM.from_pretrained(engine.model_path, dtype=engine.runner.dtype).to(
+        engine.runner.device).eval()
 
 
 @torch.inference_mode()
 def _hf_generate(model, batch: list[list[int]], new_tokens: int) -> float:
     """Seconds for HF generate (greedy, exactly new_tokens each), left-padding a batch."""
     width = max(len(p) for p in batch)
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device=model.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=model.device)
     start = time.perf_counter()
     model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                    do_sample=False, pad_token_id=0)
+    if ids.is_cuda:
+        torch.cuda.synchronize()
     return time.perf_counter() - start
 
 

@@ -26,6 +26,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="token budget of one step (decodes + prefill chunks)")
     p.add_argument("--seed", type=int, default=0, help="global random seed")
     p.add_argument("--num-threads", type=int, default=None, help="CPU threads for torch")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
+                   help="attention and norm kernels: auto = Triton on CUDA, torch elsewhere (Triton on the CPU "
+                        "needs TRITON_INTERPRET=1: slow, for testing)")
+    p.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs for decode steps")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="CUDA: share of the GPU's memory for weights, activations and the KV cache")
     p.add_argument("--quantization", default=None, choices=["int8"],
                    help="int8: weight-only int8 (one scale per output channel); default: none")
     p.add_argument("--no-cpu-weight-prepack", dest="cpu_weight_prepack", action="store_false",
@@ -42,7 +48,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 kv_cache_memory=args.kv_cache_memory, page_size=args.page_size, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed, num_threads=args.num_threads,
                 enable_prefix_caching=args.enable_prefix_caching, schedule_policy=args.schedule_policy,
-                quantization=args.quantization, cpu_weight_prepack=args.cpu_weight_prepack)
+                quantization=args.quantization, cpu_weight_prepack=args.cpu_weight_prepack,
+                attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
+                gpu_memory_utilization=args.gpu_memory_utilization)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass, field
 
@@ -83,6 +84,9 @@ class EngineConfig:
     num_threads: int | None = None  # CPU threads for torch; None: torch's default
     enable_prefix_caching: bool = True  # the radix-tree prefix cache
     schedule_policy: str = "fcfs"  # fcfs | lpm (longest cached prefix first, with a starvation guard)
+    attention_backend: str = "auto"  # auto (triton on CUDA, torch elsewhere) | torch | triton
+    enforce_eager: bool = False  # CUDA: no CUDA graphs for decode
+    gpu_memory_utilization: float = 0.9  # CUDA: share of the card for weights + activations + KV pool
     quantization: str | None = None  # None | int8 (weight-only, per output channel)
     cpu_weight_prepack: bool = True  # CPU bf16: weights in oneDNN's blocked layout (faster decode)
 
@@ -94,6 +98,12 @@ class EngineConfig:
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise InvalidRequest(f"{name} must be a positive integer, got {getattr(self, name)!r}",
                                      param=name)
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise InvalidRequest(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}",
+                                 param="attention_backend")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise InvalidRequest(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}",
+                                 param="gpu_memory_utilization")
         if self.quantization not in (None, "int8"):
             raise InvalidRequest(f"quantization must be int8 or none, got {self.quantization!r}",
                                  param="quantization")
@@ -106,6 +116,21 @@ class EngineConfig:
             raise InvalidRequest(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}",
                                  param="kv_cache_memory")
         self.torch_device = resolve_device(self.device)
+
+    def resolve_attention_backend(self) -> str:
+        """torch | triton: auto picks Triton on CUDA. Triton elsewhere needs TRITON_INTERPRET=1."""
+        on_cuda = self.torch_device.type == "cuda"
+        name = self.attention_backend
+        if name == "auto":
+            name = "triton" if on_cuda and importlib.util.find_spec("triton") is not None else "torch"
+        if name == "triton":
+            if importlib.util.find_spec("triton") is None:
+                raise InvalidRequest("attention_backend triton needs the triton package (pip install triton)",
+                                     param="attention_backend")
+            if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+                raise InvalidRequest("the Triton backend runs on CUDA, or on the CPU under TRITON_INTERPRET=1",
+                                     param="attention_backend")
+        return name
 
     def torch_dtype(self, model_config: ModelConfig) -> torch.dtype:
         if self.dtype == "auto":

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+# Triton reads TRITON_INTERPRET when it is first imported (transformers may import it early): set it
+# before anything else, so the kernel tests run on the CPU. MILI_TEST_GPU=1 runs them compiled on a GPU.
+if os.environ.get("MILI_TEST_GPU") != "1":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 

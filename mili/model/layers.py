@@ -1,4 +1,4 @@
-"""The building blocks of the Qwen3 forward: RMSNorm, rotary embedding, SwiGLU."""
+"""The building blocks of the Qwen3 forward: RMSNorm, the rotary table, SwiGLU."""
 
 from __future__ import annotations
 
@@ -8,19 +8,21 @@ from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from mili.errors import ModelLoadError
+from mili.kernels.reference import TorchOps
 
 
 class RMSNorm(nn.Module):
-    """Computed in float32, cast back before the weight, as HF transformers does."""
+    """Computed in float32, cast back before the weight, as HF transformers does; ``ops`` is the
+    kernel set (torch or Triton). ``forward(x, residual)`` adds the residual first and returns both."""
 
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype | None = None):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype | None = None, ops=TorchOps):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
         self.eps = eps
+        self.ops = ops
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)  # one fused kernel
-        return self.weight * normed.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        return self.ops.rms_norm(x, self.weight, self.eps, residual)
 
 
 def rope_inverse_frequencies(hf_config) -> tuple[torch.Tensor, float]:
@@ -51,20 +53,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", (emb.cos() * scale).to(device), persistent=False)
         self.register_buffer("sin", (emb.sin() * scale).to(device), persistent=False)
 
-    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for a step's positions ([T, 1, D], in ``dtype``): once per step, not per layer."""
-        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
-
-
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]):
-    """q: [T, Hq, D], k: [T, Hkv, D]; rotate-half RoPE in the tensors' dtype, as HF does."""
-    cos, sin = cos_sin
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 cos and sin [T, head_dim] for a step's positions: once per step, not per layer."""
+        return self.cos[positions], self.sin[positions]
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,9 @@
 
 Differences from the HF module, all numerically neutral: q/k/v and gate/up projections are fused,
 the batch is flat ([T] tokens of many sequences, positions explicit), attention goes through a
-backend that reads and writes the paged pool, and logits are computed only for sampled positions.
+backend that reads and writes the paged pool, the residual stream is carried beside the hidden
+state (so a kernel can fuse the add into the next norm), norms and RoPE come from an ops set (torch
+or Triton), and logits are computed only for sampled positions.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from mili.config import ModelConfig
-from mili.model.layers import RMSNorm, RotaryEmbedding, apply_rotary, silu_and_mul
+from mili.kernels.reference import TorchOps
+from mili.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 from mili.runtime.attention.base import AttentionBackend, ForwardBatch
 
 # HF checkpoint name -> (fused parameter, shard index)
@@ -34,7 +37,7 @@ class FusedLinear(nn.Linear):
 
 
 class Qwen3Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, ops=TorchOps):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
@@ -42,17 +45,17 @@ class Qwen3Attention(nn.Module):
         bias = bool(getattr(cfg.hf_config, "attention_bias", False))
         self.qkv_proj = FusedLinear(cfg.hidden_size, [q_size, kv_size, kv_size], bias, dtype)
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=bias, dtype=dtype)
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype)
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype)
-        self.backend = backend
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, ops)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, ops)
+        self.backend, self.ops = backend, ops
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         t = h.shape[0]
         q, k, v = self.qkv_proj(h).split(self.qkv_proj.shard_sizes, dim=-1)
-        q = self.q_norm(q.view(t, self.num_heads, self.head_dim))
-        k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))
-        q, k = apply_rotary(q, k, cos_sin)
+        q, k = self.ops.qk_norm_rope(q.view(t, self.num_heads, self.head_dim),
+                                     k.view(t, self.num_kv_heads, self.head_dim),
+                                     self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, *cos_sin)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         o = self.backend.forward(q, k, v, k_cache, v_cache, batch)
         return self.o_proj(o.reshape(t, -1))
@@ -70,32 +73,38 @@ class Qwen3MLP(nn.Module):
 
 
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, ops=TorchOps):
         super().__init__()
-        self.self_attn = Qwen3Attention(cfg, backend, dtype)
+        self.self_attn = Qwen3Attention(cfg, backend, dtype, ops)
         self.mlp = Qwen3MLP(cfg, dtype)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
 
-    def forward(self, h, batch, cos_sin, k_cache, v_cache):
-        h = h + self.self_attn(self.input_layernorm(h), batch, cos_sin, k_cache, v_cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h, residual, batch, cos_sin, k_cache, v_cache):
+        """HF's ``h = h + attn(norm(h)); h = h + mlp(norm(h))``, with each add fused into the next norm."""
+        if residual is None:
+            h, residual = self.input_layernorm(h), h
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(h, batch, cos_sin, k_cache, v_cache)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class Qwen3Model(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, ops=TorchOps):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(
-            Qwen3DecoderLayer(cfg, backend, dtype) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+            Qwen3DecoderLayer(cfg, backend, dtype, ops) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
 
 
 class Qwen3ForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, ops=TorchOps):
         super().__init__()
         self.config = cfg
-        self.model = Qwen3Model(cfg, backend, dtype)
+        self.model = Qwen3Model(cfg, backend, dtype, ops)
         # Tied checkpoints have no lm_head: logits come from the embedding table (unless a CPU linear
         # swap gives the head a copy of its own in another layout, see model/cpu_linear.py).
         self.lm_head = (None if cfg.tie_word_embeddings
@@ -107,11 +116,12 @@ class Qwen3ForCausalLM(nn.Module):
 
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """The final hidden states of the rows in ``batch.logits_indices``: [S, hidden]."""
-        h = self.model.embed_tokens(batch.input_ids)
-        cos_sin = self.rotary.lookup(batch.positions, h.dtype)
+        h, residual = self.model.embed_tokens(batch.input_ids), None
+        cos_sin = self.rotary.lookup(batch.positions)
         for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches):
-            h = layer(h, batch, cos_sin, k_cache, v_cache)
-        return self.model.norm(h[batch.logits_indices])
+            h, residual = layer(h, residual, batch, cos_sin, k_cache, v_cache)
+        rows = batch.logits_indices
+        return self.model.norm(h[rows], residual[rows])[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:

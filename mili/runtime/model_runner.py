@@ -10,6 +10,7 @@ import torch
 from mili.cache.page_pool import PagePool
 from mili.config import EngineConfig, ModelConfig, default_kv_cache_bytes
 from mili.errors import InvalidRequest
+from mili.kernels.reference import TorchOps
 from mili.model.cpu_linear import prepack_available, swap_linears
 from mili.model.loader import load_weights
 from mili.model.qwen3 import Qwen3ForCausalLM
@@ -35,8 +36,11 @@ class ModelRunner:
         self.dtype = config.torch_dtype(model_config)
         if config.num_threads and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
+        self.max_model_len = config.resolve_max_model_len(model_config)
+        self.attention_backend = config.resolve_attention_backend()
+        backend, ops = self._backend_and_ops()
         with torch.device("meta"):
-            model = Qwen3ForCausalLM(model_config, TorchAttentionBackend(), self.dtype)
+            model = Qwen3ForCausalLM(model_config, backend, self.dtype, ops)
         self.model = model.to_empty(device=self.device)
         load_weights(self.model, path)
         self.model.eval()
@@ -46,20 +50,78 @@ class ModelRunner:
             swap_linears(self.model, "packed")
         if self.device.type == "cpu":
             release_freed_memory()  # the plain weights a swap replaced go back to the OS
-        self.max_model_len = config.resolve_max_model_len(model_config)
-        self._allocate_kv_cache()
         self.model.init_rotary(self.max_model_len, self.device)
+        self._allocate_kv_cache()
+        if hasattr(backend, "max_pages_per_seq"):
+            backend.max_pages_per_seq = self.max_pages_per_seq
         self.sampler = Sampler()
+        self.graphs = None
+        if self.device.type == "cuda" and self.attention_backend == "triton" and not config.enforce_eager:
+            from mili.runtime.cuda_graph import CudaGraphRunner
+
+            self.graphs = CudaGraphRunner(self)
+
+    @property
+    def max_pages_per_seq(self) -> int:
+        return -(-self.max_model_len // self.config.page_size)
+
+    def _backend_and_ops(self):
+        if self.attention_backend == "triton":
+            from mili.kernels.triton.ops import TritonOps
+            from mili.runtime.attention.triton_backend import TritonAttentionBackend
+
+            return TritonAttentionBackend(self.max_pages_per_seq), TritonOps
+        return TorchAttentionBackend(), TorchOps
+
+    def _kv_budget(self, bytes_per_page: int) -> int:
+        if self.config.kv_cache_memory is not None:
+            return self.config.kv_cache_memory
+        if self.device.type != "cuda":
+            return default_kv_cache_bytes()
+        # CUDA: gpu_memory_utilization of the card, less the weights and a profiled activation peak
+        free, total = torch.cuda.mem_get_info(self.device)
+        peak = self._profile_activation_peak(bytes_per_page)
+        budget = int(total * self.config.gpu_memory_utilization) - torch.cuda.memory_allocated(self.device) - peak
+        log.info("GPU memory: %.1f GiB total, %.1f GiB free after weights, activation peak %.2f GiB, KV budget "
+                 "%.1f GiB", total / 2**30, free / 2**30, peak / 2**30, budget / 2**30)
+        return max(budget, 0)
+
+    @torch.inference_mode()
+    def _profile_activation_peak(self, bytes_per_page: int) -> int:
+        """Peak memory of a full-budget prefill (max_num_batched_tokens) above the weights."""
+        tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
+        pages = -(-tokens // self.config.page_size)
+        cfg = self.model_config
+        shape = (pages, self.config.page_size, cfg.num_key_value_heads, cfg.head_dim)
+        kv = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+               torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(cfg.num_hidden_layers)]
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        dev = self.device
+        i32 = dict(dtype=torch.int32, device=dev)
+        batch = ForwardBatch(
+            input_ids=torch.zeros(tokens, dtype=torch.long, device=dev),
+            positions=torch.arange(tokens, device=dev), slot_mapping=torch.arange(tokens, device=dev),
+            page_table=torch.arange(pages, device=dev)[None], query_lens=[tokens], context_lens=[tokens],
+            num_decodes=int(tokens == 1), logits_indices=torch.tensor([tokens - 1], device=dev),
+            context_lens_t=torch.tensor([tokens], **i32), query_lens_t=torch.tensor([tokens], **i32),
+            query_start_t=torch.tensor([0], **i32))
+        self.model.compute_logits(self.model(batch, kv))
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        del kv
+        torch.cuda.empty_cache()
+        return peak
 
     def _allocate_kv_cache(self) -> None:
         cfg, page_size = self.model_config, self.config.page_size
         bytes_per_page = (2 * cfg.num_hidden_layers * page_size * cfg.num_key_value_heads * cfg.head_dim
                           * self.dtype.itemsize)
-        budget = self.config.kv_cache_memory or default_kv_cache_bytes()
-        pages_per_seq = -(-self.max_model_len // page_size)
-        num_pages = min(budget // bytes_per_page, pages_per_seq * self.config.max_num_seqs)
+        budget = self._kv_budget(bytes_per_page)
+        num_pages = min(budget // bytes_per_page, self.max_pages_per_seq * self.config.max_num_seqs)
         if num_pages < 1:
-            raise InvalidRequest(f"kv_cache_memory {budget} bytes is less than one page "
+            raise InvalidRequest(f"the KV cache budget ({budget} bytes) is less than one page "
                                  f"({bytes_per_page} bytes)", param="kv_cache_memory")
         capacity = num_pages * page_size
         if capacity < self.max_model_len:
@@ -108,16 +170,30 @@ class ModelRunner:
         page_table = torch.tensor(table, dtype=torch.long)
         seq_of_token = torch.repeat_interleave(torch.arange(len(scheduled)), torch.tensor(query_lens))
         slots = page_table[seq_of_token, pos // page_size] * page_size + pos % page_size
+        kernel_lens = {}
+        if self.attention_backend == "triton":  # the kernels read lengths from device tensors
+            starts = [0]
+            for n in query_lens[:-1]:
+                starts.append(starts[-1] + n)
+            kernel_lens = {name: torch.tensor(values, dtype=torch.int32, device=dev) for name, values in
+                           (("context_lens_t", context_lens), ("query_lens_t", query_lens), ("query_start_t", starts))}
         return ForwardBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
             positions=pos.to(dev), slot_mapping=slots.to(dev), page_table=page_table.to(dev),
             query_lens=query_lens, context_lens=context_lens, num_decodes=num_decodes,
-            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev))
+            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev), **kernel_lens)
 
     @torch.inference_mode()
     def forward_logits(self, scheduled) -> torch.Tensor:
         """Run the model over a step; the last-token logits of each sequence that samples: [S, V]."""
         batch = self.prepare(scheduled)
+        if self.graphs is not None:
+            logits = self.graphs.run(batch)  # all rows of a decode batch; None when no graph fits
+            if logits is not None:
+                sampling = [i for i, s in enumerate(scheduled) if s.samples]
+                if len(sampling) != len(scheduled):
+                    logits = logits[torch.tensor(sampling, device=self.device)]
+                return logits.float()
         hidden = self.model(batch, self.kv_caches)
         return self.model.compute_logits(hidden).float()
 

@@ -1,0 +1,1 @@
+"""Triton kernels (import only where triton is installed: CUDA, or the CPU under TRITON_INTERPRET=1)."""

@@ -25,6 +25,11 @@ class ForwardBatch:
     context_lens: list[int]  # [B]
     num_decodes: int  # sequences 0 .. num_decodes-1 have query_len 1
     logits_indices: torch.Tensor  # [S] rows of the T tokens whose logits are needed
+    # The same lengths as device tensors, for kernels (int32): [B] each; query_start_t[b] = sum of
+    # query_lens[:b]
+    context_lens_t: torch.Tensor | None = None
+    query_lens_t: torch.Tensor | None = None
+    query_start_t: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

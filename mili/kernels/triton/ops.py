@@ -1,0 +1,17 @@
+"""The Triton ops set: fused RMSNorm (+ residual) and fused q/k-norm + RoPE, same interface as TorchOps."""
+
+from __future__ import annotations
+
+from mili.kernels import reference
+from mili.kernels.triton import norm_rope
+
+
+class TritonOps:
+    rms_norm = staticmethod(norm_rope.rms_norm)
+
+    @staticmethod
+    def qk_norm_rope(q, k, q_weight, k_weight, eps, cos, sin):
+        half = q.shape[-1] // 2
+        if q.shape[-1] % 2 or half & (half - 1):  # the kernel wants head_dim = 2 x a power of two
+            return reference.qk_norm_rope(q, k, q_weight, k_weight, eps, cos, sin)
+        return norm_rope.qk_norm_rope(q, k, q_weight, k_weight, eps, cos, sin)

@@ -1,0 +1,90 @@
+"""CUDA graphs for decode steps: captured once per batch size of a ladder, replayed with the batch
+padded up to the nearest captured size. Prefill (and any batch with a prefill chunk) runs eagerly.
+
+Padding rows write nothing (slot -1, which the store kernel skips) and attend to one token of page 0,
+so they never touch a real sequence's pages; their logits are dropped.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+
+import torch
+
+from mili.runtime.attention.base import ForwardBatch
+
+log = logging.getLogger("mili")
+
+LADDER = [1, 2, 4, 8] + list(range(16, 513, 16))
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """The batch sizes to capture: the ladder up to max_num_seqs, and max_num_seqs itself."""
+    sizes = [b for b in LADDER if b < max_num_seqs]
+    return sizes + [max_num_seqs]
+
+
+def padded_batch_size(n: int, sizes: list[int]) -> int | None:
+    """The smallest captured size that holds ``n`` sequences, or None."""
+    i = bisect.bisect_left(sizes, n)
+    return sizes[i] if i < len(sizes) else None
+
+
+class CudaGraphRunner:
+    def __init__(self, runner):
+        self.runner = runner
+        self.sizes = graph_batch_sizes(runner.config.max_num_seqs)
+        dev, top = runner.device, self.sizes[-1]
+        i32 = dict(dtype=torch.int32, device=dev)
+        self.input_ids = torch.zeros(top, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(top, dtype=torch.long, device=dev)
+        self.slots = torch.full((top,), -1, dtype=torch.long, device=dev)
+        self.page_table = torch.zeros(top, runner.max_pages_per_seq, dtype=torch.long, device=dev)
+        self.context_lens = torch.ones(top, **i32)
+        self.query_lens = torch.ones(top, **i32)
+        self.query_start = torch.arange(top, **i32)
+        self.rows = torch.arange(top, device=dev)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        pool = torch.cuda.graph_pool_handle()
+        with torch.inference_mode():
+            for bs in reversed(self.sizes):  # largest first: the smaller ones reuse its memory
+                batch = self._batch(bs)
+                self._forward(batch)  # compile the kernels outside the capture
+                torch.cuda.synchronize(dev)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    logits = self._forward(batch)
+                self.graphs[bs] = (graph, logits)
+        log.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
+
+    def _batch(self, bs: int) -> ForwardBatch:
+        return ForwardBatch(
+            input_ids=self.input_ids[:bs], positions=self.positions[:bs], slot_mapping=self.slots[:bs],
+            page_table=self.page_table[:bs], query_lens=[1] * bs, context_lens=[1] * bs, num_decodes=bs,
+            logits_indices=self.rows[:bs], context_lens_t=self.context_lens[:bs],
+            query_lens_t=self.query_lens[:bs], query_start_t=self.query_start[:bs])
+
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        model = self.runner.model
+        return model.compute_logits(model(batch, self.runner.kv_caches))
+
+    def run(self, batch: ForwardBatch) -> torch.Tensor | None:
+        """Logits of every row of an all-decode ``batch``, by replaying a graph; None if none fits."""
+        n = batch.num_seqs
+        bs = padded_batch_size(n, self.sizes)
+        if batch.num_decodes != n or bs is None:
+            return None
+        width = batch.page_table.shape[1]
+        self.input_ids[:n].copy_(batch.input_ids)
+        self.positions[:n].copy_(batch.positions)
+        self.slots[:n].copy_(batch.slot_mapping)
+        self.slots[n:bs].fill_(-1)
+        self.page_table[:n, :width].copy_(batch.page_table)
+        self.page_table[n:bs].zero_()
+        self.context_lens[:n].copy_(batch.context_lens_t)
+        self.context_lens[n:bs].fill_(1)
+        self.positions[n:bs].zero_()
+        graph, logits = self.graphs[bs]
+        graph.replay()
+        return logits[:n]

@@ -1,0 +1,131 @@
+"""The Triton kernels against their torch references: on the CPU under TRITON_INTERPRET=1 (set by
+tests/conftest.py), or compiled on a GPU with MILI_TEST_GPU=1.
+
+Shapes are small so the interpreter stays fast; they cover several head dims (128 included), GQA
+ratios, page sizes, ragged lengths and a cached prefix plus a chunk.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+    pytest.skip("Triton needs a GPU or TRITON_INTERPRET=1", allow_module_level=True)
+
+from mili.kernels import reference as ref  # noqa: E402
+from mili.kernels.triton import attention as tk  # noqa: E402
+from mili.kernels.triton import norm_rope as tn  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+       torch.float16: dict(atol=2e-3, rtol=2e-3)}
+
+
+def _pool(num_pages, page, hkv, d, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(num_pages, page, hkv, d, generator=g).to(dtype).to(DEVICE)
+    v = torch.randn(num_pages, page, hkv, d, generator=g).to(dtype).to(DEVICE)
+    return k, v
+
+
+def _tables(context_lens, page, num_pages, seed=1):
+    """Random, non-overlapping page tables (pages deliberately out of order)."""
+    g = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(num_pages, generator=g).tolist()
+    width = max(-(-c // page) for c in context_lens)
+    rows, k = [], 0
+    for c in context_lens:
+        n = -(-c // page)
+        rows.append(perm[k:k + n] + [0] * (width - n))
+        k += n
+    return torch.tensor(rows, dtype=torch.int32, device=DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d,hq,hkv,page", [(128, 4, 2, 16), (64, 8, 1, 32), (32, 4, 4, 16), (128, 2, 2, 16)])
+def test_paged_decode(dtype, d, hq, hkv, page):
+    ctx = [1, 17, 40, 150]  # ragged, some in one page, one across many (several splits)
+    k_cache, v_cache = _pool(64, page, hkv, d, dtype)
+    table = _tables(ctx, page, 64)
+    q = torch.randn(len(ctx), hq, d).to(dtype).to(DEVICE)
+    scale = d ** -0.5
+    got = tk.paged_decode(q, k_cache, v_cache, table, torch.tensor(ctx, dtype=torch.int32, device=DEVICE), scale)
+    want = ref.paged_attention(q, k_cache, v_cache, table, [1] * len(ctx), ctx, scale)
+    torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+
+
+def test_decode_splits_cover_long_contexts():
+    n, per = tk.decode_splits(100)
+    assert n * per >= 100 and (n - 1) * per < 100 and n <= 8
+    assert tk.decode_splits(1) == (1, 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d,hq,hkv,page", [(128, 4, 2, 16), (64, 6, 2, 32), (32, 2, 2, 16)])
+def test_paged_prefill_prefix_plus_chunk(dtype, d, hq, hkv, page):
+    query_lens = [5, 33, 1, 70]
+    context_lens = [5, 60, 19, 70]  # no prefix; 27 cached + 33; a one-token chunk; a whole prompt
+    k_cache, v_cache = _pool(48, page, hkv, d, dtype, seed=3)
+    table = _tables(context_lens, page, 48, seed=4)
+    t = sum(query_lens)
+    q = torch.randn(t, hq, d).to(dtype).to(DEVICE)
+    starts = torch.tensor([0] + list(torch.cumsum(torch.tensor(query_lens), 0)[:-1]), dtype=torch.int32,
+                          device=DEVICE)
+    scale = d ** -0.5
+    got = tk.paged_prefill(q, k_cache, v_cache, table, starts, torch.tensor(query_lens, dtype=torch.int32,
+                           device=DEVICE), torch.tensor(context_lens, dtype=torch.int32, device=DEVICE),
+                           max(query_lens), scale, block_m=16)
+    want = ref.paged_attention(q, k_cache, v_cache, table, query_lens, context_lens, scale)
+    torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_skips_padding(dtype):
+    k_cache, v_cache = (torch.zeros(6, 16, 2, 64, dtype=dtype, device=DEVICE) for _ in range(2))
+    k = torch.randn(5, 2, 64).to(dtype).to(DEVICE)
+    v = torch.randn(5, 2, 64).to(dtype).to(DEVICE)
+    slots = torch.tensor([3, 17, 95, -1, 40], device=DEVICE)
+    tk.store_kv(k, v, k_cache, v_cache, slots)
+    want_k, want_v = (torch.zeros_like(k_cache) for _ in range(2))
+    ref.store_kv(k, v, want_k, want_v, slots)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    assert want_k.view(-1, 2, 64)[3].abs().sum() > 0 and k_cache.abs().sum() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [64, 128, 96])
+def test_rms_norm_with_and_without_residual(dtype, n):
+    x = torch.randn(7, n).to(dtype).to(DEVICE)
+    r = torch.randn(7, n).to(dtype).to(DEVICE)
+    w = (torch.rand(n) + 0.5).to(dtype).to(DEVICE)
+    torch.testing.assert_close(tn.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6), **TOL[dtype])
+    got, got_r = tn.rms_norm(x, w, 1e-6, r)
+    want, want_r = ref.rms_norm(x, w, 1e-6, r)
+    # the residual add rounds like torch's: exactly in float32, within one bf16 ulp (the interpreter's
+    # float32 -> bf16 conversion does not round to nearest even)
+    torch.testing.assert_close(got_r, want_r, atol=0, rtol=0 if dtype == torch.float32 else 2 ** -7)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d,hq,hkv", [(128, 4, 2), (64, 2, 2), (32, 8, 1)])
+def test_qk_norm_rope(dtype, d, hq, hkv):
+    t = 9
+    qkv = torch.randn(t, (hq + 2 * hkv) * d).to(dtype).to(DEVICE)
+    q, k, _ = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)  # strided views, as in the model
+    q, k = q.view(t, hq, d), k.view(t, hkv, d)
+    qw, kw = (torch.rand(d) + 0.5).to(dtype).to(DEVICE), (torch.rand(d) + 0.5).to(dtype).to(DEVICE)
+    pos = torch.arange(100, 100 + t, dtype=torch.float32)
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    emb = torch.cat([pos[:, None] * inv] * 2, dim=-1)
+    cos, sin = emb.cos().to(DEVICE), emb.sin().to(DEVICE)
+    got_q, got_k = tn.qk_norm_rope(q, k, qw, kw, 1e-6, cos, sin)
+    want_q, want_k = ref.qk_norm_rope(q, k, qw, kw, 1e-6, cos, sin)
+    # bf16: four roundings deep, the interpreter's rounding can leave one ulp (1/16 at |x| ~ 8)
+    tol = TOL[dtype] if dtype == torch.float32 else dict(atol=1 / 16, rtol=2e-2)
+    torch.testing.assert_close(got_q, want_q, **tol)
+    torch.testing.assert_close(got_k, want_k, **tol)
