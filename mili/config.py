@@ -130,6 +130,9 @@ class EngineConfig:
             if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
                 raise InvalidRequest("the Triton backend runs on CUDA, or on the CPU under TRITON_INTERPRET=1",
                                      param="attention_backend")
+            if self.page_size < 16 or self.page_size & (self.page_size - 1):
+                raise InvalidRequest(f"the Triton backend needs page_size a power of two >= 16 (a key block "
+                                     f"is one page), got {self.page_size}", param="page_size")
         return name
 
     def torch_dtype(self, model_config: ModelConfig) -> torch.dtype:

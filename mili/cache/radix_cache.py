@@ -8,9 +8,11 @@ Invariants (checked by ``check_integrity``):
   * a child's key is the tuple of its first page_size tokens, and its parent pointer is right;
   * the tree holds exactly one reference on each of its pages (the pool's ref count counts it);
   * a page is in at most one node.
-A request that matched a node also matched all of that node's ancestors and holds references on their
-pages, so a tree page whose ref count is 1 (the tree's own) is reclaimable: every such page can be
-evicted, leaves first, without touching a page some request uses.
+Eviction goes leaves first: a leaf's idle pages (ref count 1, the tree's own reference only) form a
+suffix of it (requests reference prefixes), and they are trimmed; a node becomes a leaf once its
+children are gone. A cached page idle under a child still in use (two requests that computed the
+same prefix side by side) is not reclaimable until that child is; ``num_evictable`` counts exactly
+what this order can free.
 """
 
 from __future__ import annotations
@@ -130,18 +132,34 @@ class RadixCache:
 
     # -- eviction --------------------------------------------------------------------------------
     def num_evictable(self) -> int:
-        ref = self.pool.ref_counts
-        return sum(1 for p in self._pages if ref[p] == 1)
+        """Pages ``evict`` can free: a node's idle tail counts once every child below it is reclaimable."""
+        whole: dict[int, bool] = {}  # id(node) -> its whole subtree is reclaimable
+        total = 0
+        order, stack = [], [self.root]
+        while stack:  # iterative post-order: chat histories make deep chains
+            node = stack.pop()
+            order.append(node)
+            stack.extend(node.children.values())
+        for node in reversed(order):  # children before parents
+            if not all(whole[id(c)] for c in node.children.values()):
+                whole[id(node)] = False
+                continue
+            tail = self._idle_tail_of(node)
+            whole[id(node)] = tail == len(node.pages)
+            total += tail
+        return total
 
-    def _idle_tail(self, node: _Node) -> int:
-        """How many of a leaf's last pages only the cache references (requests reference prefixes, so
-        the idle pages of a leaf are a suffix of it); 0 for inner nodes."""
-        if node.children or node is self.root:
-            return 0
+    def _idle_tail_of(self, node: _Node) -> int:
+        """How many of a node's last pages only the cache references (requests reference prefixes, so
+        a node's idle pages are a suffix of it)."""
         ref, n = self.pool.ref_counts, 0
         while n < len(node.pages) and ref[node.pages[-1 - n]] == 1:
             n += 1
         return n
+
+    def _idle_tail(self, node: _Node) -> int:
+        """The idle tail of a leaf (what eviction can trim now); 0 for inner nodes and the root."""
+        return 0 if node.children or node is self.root else self._idle_tail_of(node)
 
     def evict(self, num_pages: int) -> int:
         leaves = [(n.last_access, id(n), n) for n in self._nodes() if self._idle_tail(n)]

@@ -80,8 +80,8 @@ class AsyncEngine:
 
         try:
             request = await loop.run_in_executor(None, add)
-        except BaseException:
-            self._streams.pop(request_id, None)
+        except BaseException:  # invalid, or cancelled (the add may still happen: abort it too)
+            self.discard(request_id)
             raise
         self._wake.set()
         return request

@@ -114,6 +114,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self._enqueued_at.pop(seq, None)
+            if seq.index == 0 and seq.request.num_cached_tokens is None:  # what the client is told
+                seq.request.num_cached_tokens = seq.num_computed_tokens
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             scheduled.append(ScheduledSeq(seq, n))
@@ -139,9 +141,6 @@ class Scheduler:
         self.pool.incref(pages)
         seq.page_table = pages
         seq.num_computed_tokens = len(pages) * self.pool.page_size
-        request = seq.request
-        if seq.index == 0 and request.num_cached_tokens is None:  # first admission: what the client sees
-            request.num_cached_tokens = seq.num_computed_tokens
 
     def _reserve(self, seq: Sequence, n: int, copies: list[tuple[int, int]]) -> bool:
         """Give ``seq`` pages for ``n`` more tokens, copying a shared page it would write into."""
@@ -153,6 +152,8 @@ class Scheduler:
             if need + cow > pool.num_free + self.cache.num_evictable():
                 return False
             self.cache.evict(need + cow - pool.num_free)
+            if need + cow > pool.num_free:  # never allocate on a promise: preempt instead
+                return False
         if cow:
             old, (new,) = seq.page_table[partial], pool.allocate(1)
             copies.append((old, new))
@@ -209,10 +210,6 @@ class Scheduler:
         self._release(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = seq.finish_reason or reason
-
-    def num_reclaimable_used(self) -> int:
-        """Pages in use by requests (cached idle pages count as free)."""
-        return self.pool.num_used - self.cache.num_evictable()
 
     def check_integrity(self) -> None:
         assert all(not s.page_table for s in self.waiting), "a waiting sequence holds pages"

@@ -112,7 +112,9 @@ class ModelRunner:
         peak = torch.cuda.max_memory_allocated(self.device) - before
         del kv
         torch.cuda.empty_cache()
-        return peak
+        # the sampler at a full batch: float32 logits, a sorted copy with int64 indices, probabilities
+        sampler = self.config.max_num_seqs * cfg.vocab_size * 4 * 5
+        return peak + sampler
 
     def _allocate_kv_cache(self) -> None:
         cfg, page_size = self.model_config, self.config.page_size

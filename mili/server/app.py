@@ -8,6 +8,7 @@ import json
 import logging
 import time
 import uuid
+import weakref
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 
@@ -37,6 +38,7 @@ class ServerState:
         self.api_key = api_key
         self.max_queued_requests = max_queued_requests
         self.metrics = Metrics(model_name)
+        self.metrics.on_step(engine, [])  # the first snapshot for /health, before the engine thread runs
         self.engine = AsyncEngine(engine, on_step=self.metrics.on_step)
         self.created = int(time.time())
         self.statuses: OrderedDict[str, dict] = OrderedDict()
@@ -71,7 +73,12 @@ class ServerState:
             for rid in added:
                 self.engine.discard(rid)
             raise
-        return [self._tracked(rid, sp) for rid, sp in zip(ids, params)]
+        streams = [self._tracked(rid, sp) for rid, sp in zip(ids, params)]
+        for rid, stream in zip(ids, streams):
+            # a response whose body is never iterated (client gone before it started) still ends its
+            # request: when the stream object goes, the request is aborted (a no-op once finished)
+            weakref.finalize(stream, self.engine.discard, rid)
+        return streams
 
     async def _tracked(self, rid: str, params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """The request's stream, recording its progress for /status."""
@@ -91,7 +98,6 @@ class ServerState:
         finally:
             if out is None or not out.finished:
                 self.statuses[rid] = {**self.statuses.get(rid, {}), "status": "aborted"}
-                self.metrics.forget(rid)
 
 
 async def merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:

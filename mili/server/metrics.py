@@ -40,14 +40,21 @@ class Metrics:
         self.info = Gauge("mili:model_info", "The model served", list(labels), registry=r)
         self.info.labels(**labels).set(1)
         self._seen: dict[str, tuple[int, float]] = {}  # request id -> (tokens counted, last token time)
+        self.snapshot: dict = {}
         self._preemptions_seen = 0
 
     def on_step(self, engine, outputs) -> None:
         """Called on the engine thread after every step."""
-        sched = engine.scheduler
+        sched, pool = engine.scheduler, engine.scheduler.pool
+        cached = engine.prefix_cache.num_evictable()
         self.running.set(len(sched.running))
         self.waiting.set(len(sched.waiting))
-        self.kv_usage.set(sched.num_reclaimable_used() / sched.pool.num_pages)  # idle cached pages are free
+        self.kv_usage.set((pool.num_used - cached) / pool.num_pages)  # idle cached pages count as free
+        # what /health reports, read on the event loop without touching engine state
+        self.snapshot = {"kv_cache_pages": pool.num_pages, "kv_cache_pages_free": pool.num_free,
+                         "kv_cache_pages_cached": cached, "num_requests_running": len(sched.running),
+                         "num_requests_waiting": len(sched.waiting)}
+
         self.preemptions.inc(sched.num_preemptions - self._preemptions_seen)
         self._preemptions_seen = sched.num_preemptions
         now = time.monotonic()
@@ -75,9 +82,8 @@ class Metrics:
                          (times['first_token_time'] or now) - times['arrival_time'], now - times['arrival_time'],
                          reason)
 
-    def forget(self, request_id: str) -> None:
-        """An aborted request never finishes through on_step."""
-        self._seen.pop(request_id, None)
+        for rid in [r for r in self._seen if r not in engine.requests]:  # aborted since the last step
+            del self._seen[rid]
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 import mili
 from mili.sampling_params import SamplingParams
@@ -31,16 +31,14 @@ async def root():
 async def health(http: Request):
     st = _state(http)
     engine = st.llm_engine
-    pool = engine.runner.pool
     alive = st.engine.error is None
-    return {"status": "ok" if alive else "error", "model_loaded": True, "model": st.model_name,
+    body = {"status": "ok" if alive else "error", "model_loaded": True, "model": st.model_name,
             "vocab_size": engine.model_config.vocab_size, "max_seq_length": engine.max_model_len,
             "device": str(engine.runner.device), "dtype": str(engine.runner.dtype).removeprefix("torch."),
-            "kv_cache_pages": pool.num_pages, "kv_cache_pages_free": pool.num_free,
-            "kv_cache_pages_cached": engine.prefix_cache.num_evictable(),  # idle in the prefix cache
             "prefix_caching": engine.config.enable_prefix_caching,
-            "num_requests_running": len(engine.scheduler.running),
-            "num_requests_waiting": len(engine.scheduler.waiting)}
+            # published by the engine thread after each step (never read from live engine state here)
+            **st.metrics.snapshot}
+    return JSONResponse(body, status_code=200 if alive else 503)
 
 
 @router.get("/status/{request_id}")

@@ -68,7 +68,9 @@ def _completion_logprobs(o: CompletionOutput, start: int, n: int, offset: int) -
         lp = entry[tid]
         tokens.append(lp.decoded_token)
         token_lps.append(lp.logprob)
-        tops.append({t.decoded_token: t.logprob for t in _top(entry, n)})
+        # the top n, and the sampled token whatever its rank: up to n + 1 entries, as OpenAI documents
+        tops.append({t.decoded_token: t.logprob for t in sorted(entry.values(), key=lambda t: t.rank)
+                     if t.rank <= n or t is lp})
         offsets.append(offset)
         offset += len(lp.decoded_token or "")
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}

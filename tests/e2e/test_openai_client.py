@@ -388,3 +388,15 @@ def test_thinking_null_kwarg_never_leaks_tags(scripted):
     r = scripted.chat.completions.create(model="test", messages=MSGS, temperature=0, max_tokens=32,
                                          extra_body={"chat_template_kwargs": {"enable_thinking": None}})
     assert r.choices[0].message.content == "Hello!"
+
+
+def test_completion_top_logprobs_always_hold_the_sampled_token(client):
+    """OpenAI: up to logprobs + 1 entries, the sampled token's among them even when it ranks lower."""
+    r = client.completions.create(model="test", prompt="Sample widely", max_tokens=16, temperature=1.5, seed=3,
+                                  logprobs=1, extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    outside = 0
+    for tok, val, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert 1 <= len(top) <= 2 and top.get(tok) == pytest.approx(val, abs=1e-5)
+        outside += len(top) == 2
+    assert outside > 0  # at temperature 1.5 some sampled tokens are not the most likely one

@@ -71,6 +71,7 @@ def test_error_after_stream_started_is_a_final_sse_chunk(client, monkeypatch):
     assert error["code"] == "internal_error"
     assert len(lines) >= 3 and "choices" in json.loads(lines[0][6:])  # text came before the failure
     # the dead engine is reported, and new requests get a clear error rather than hanging
-    assert c.get("/health").json()["status"] == "error"
+    dead = c.get("/health")
+    assert dead.status_code == 503 and dead.json()["status"] == "error"
     r = c.post("/v1/completions", json={"prompt": [1], "max_tokens": 2})
     assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error"
