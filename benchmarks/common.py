@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 import os
 import platform
-import statistics
-import time
 from pathlib import Path
 
 import torch
+
+from mili.bench import percentile, print_table, run_batch  # noqa: F401  (shared with mili bench)
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("MILI_SHARED_DIR", ROOT.parent / "shared"))
@@ -43,36 +43,8 @@ def random_prompt(n: int, seed: int) -> list[int]:
     return torch.randint(0, 151643, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def run_batch(engine, prompts: list[list[int]], params) -> tuple[list, float]:
-    """Add every prompt, step until all finish; returns (final outputs in order, seconds)."""
-    start = time.perf_counter()
-    ids = [engine.add_request(p, params).request_id for p in prompts]
-    done = {}
-    while len(done) < len(ids):
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return [done[i] for i in ids], time.perf_counter() - start
-
-
 def ttft(out) -> float:
     return out.metrics["first_token_time"] - out.metrics["arrival_time"]
-
-
-def percentile(values: list[float], q: float) -> float:
-    if len(values) == 1:
-        return values[0]
-    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
-
-
-def print_table(title: str, header: list[str], rows: list[list]) -> None:
-    cells = [[str(h) for h in header]] + [[f"{c:.3f}" if isinstance(c, float) else str(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    print(f"\n{title}")
-    for k, r in enumerate(cells):
-        print("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |")
-        if k == 0:
-            print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
 
 
 def machine() -> str:

@@ -92,7 +92,7 @@ def main() -> None:
                      r["seconds"]])
     print_table("TTFT in seconds ('later' = every request after the first of its conversation / prompt)",
                 ["workload", "cache", "TTFT p50 later", "TTFT p90 later", "TTFT p50 all", "total tok/s",
-                 "output tok/s", "hit rate", "wall s"], rows)
+                 "output tok/s", "hit rate", "wall s"], rows, digits=3)
     for name in ("shared", "chat"):
         off, on = results[name, "cache off"], results[name, "cache on"]
         # bf16 rounds a prefix computed by decode steps differently from the same prefix prefilled at once,

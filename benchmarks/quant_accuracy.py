@@ -58,7 +58,7 @@ def main() -> None:
         ["mean |logit error| / max |logit|", sum(e.mean().item() for e in errors) / len(errors)],
         ["first-token argmax agreement", f"{agree_argmax}/{len(prompts)}"],
         ["tokens equal position by position", f"{100 * equal:.1f}%"],
-        ["mean common prefix (tokens)", sum(common) / len(common)]])
+        ["mean common prefix (tokens)", sum(common) / len(common)]], digits=3)
 
 
 if __name__ == "__main__":

@@ -15,8 +15,9 @@ import torch
 
 
 # -- helpers -------------------------------------------------------------------------------------
-def _table(title: str, header: list[str], rows: list[list]) -> None:
-    cells = [header] + [[f"{c:.2f}" if isinstance(c, float) else str(c) for c in r] for r in rows]
+def print_table(title: str, header: list[str], rows: list[list], digits: int = 2) -> None:
+    cells = [[str(h) for h in header]] + [[f"{c:.{digits}f}" if isinstance(c, float) else str(c) for c in r]
+                                          for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
     print(f"\n{title}")
     for k, r in enumerate(cells):
@@ -25,8 +26,24 @@ def _table(title: str, header: list[str], rows: list[list]) -> None:
             print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
 
 
-def _pct(values: list[float], q: float) -> float:
-    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1] if len(values) > 1 else values[0]
+def percentile(values: list[float], q: float) -> float:
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
+
+
+def run_batch(engine, prompts: list[list[int]], params) -> tuple[list, float]:
+    """Add every prompt (``params``: one SamplingParams or one per prompt), step until all finish;
+    returns (the final outputs in order, seconds)."""
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    start = time.perf_counter()
+    ids = [engine.add_request(p, sp).request_id for p, sp in zip(prompts, params)]
+    done = {}
+    while len(done) < len(ids):
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return [done[i] for i in ids], time.perf_counter() - start
 
 
 def _prompts(n: int, lo: int, hi: int, seed: int, vocab: int) -> list[list[int]]:
@@ -78,15 +95,8 @@ def _engine(args):
 def _run(engine, prompts, out_lens) -> tuple[list, float]:
     from mili.sampling_params import SamplingParams
 
-    start = time.perf_counter()
-    ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=o, ignore_eos=True)).request_id
-           for p, o in zip(prompts, out_lens)]
-    done = {}
-    while len(done) < len(ids):
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return [done[i] for i in ids], time.perf_counter() - start
+    return run_batch(engine, prompts, [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True)
+                                       for o in out_lens])
 
 
 def _hf_model(engine):
@@ -147,7 +157,7 @@ def latency(args) -> None:
     print(f"prompt {args.input_len} tokens, output {args.output_len} tokens, batch 1, greedy; median of "
           f"{args.repeat}; memory bandwidth (1 GiB copy, read+write) {bandwidth / 1e9:.1f} GB/s; weights read per "
           f"decode step {step_bytes / 1e9:.3f} GB; roofline {roofline:.1f} tok/s")
-    _table("latency", ["engine", "TTFT s", "prefill tok/s", "decode tok/s", "of roofline"], rows)
+    print_table("latency", ["engine", "TTFT s", "prefill tok/s", "decode tok/s", "of roofline"], rows)
     if args.baseline == "hf":
         print(f"mili / HF: decode {decode / hf_decode:.2f}x, TTFT {rows[1][1] / ttft:.2f}x faster")
 
@@ -176,7 +186,7 @@ def throughput(args) -> None:
     print(f"{args.num_requests} requests, input {args.min_input}-{args.max_input}, output {args.min_output}-"
           f"{args.max_output} tokens (uniform, seed {args.seed}), greedy, ignore_eos; {n_in} prompt + {n_out} "
           f"output tokens")
-    _table("throughput", ["engine", "seconds", "output tok/s", "total tok/s", "mili speed-up"], rows)
+    print_table("throughput", ["engine", "seconds", "output tok/s", "total tok/s", "mili speed-up"], rows)
 
 
 def serve(args) -> None:
@@ -216,12 +226,12 @@ def serve(args) -> None:
     ttft = [s[0] - start for start, s in results if s]
     e2e = [s[-1] - start for start, s in results if s]
     itl = [b - a for _, s in results for a, b in zip(s, s[1:])]
-    rows = [[name, 1e3 * _pct(v, 50), 1e3 * _pct(v, 90), 1e3 * _pct(v, 99)]
+    rows = [[name, 1e3 * percentile(v, 50), 1e3 * percentile(v, 90), 1e3 * percentile(v, 99)]
             for name, v in (("TTFT", ttft), ("inter-token", itl), ("end-to-end", e2e))]
     print(f"mili bench serve: {args.url} model {model}; {args.num_requests} requests, input {args.min_input}-"
           f"{args.max_input}, output {args.min_output}-{args.max_output}; "
           + (f"concurrency {args.concurrency}" if args.concurrency else f"rate {args.request_rate or 'inf'} req/s"))
-    _table("serve (ms)", ["latency", "p50", "p90", "p99"], rows)
+    print_table("serve (ms)", ["latency", "p50", "p90", "p99"], rows)
     n_out = sum(out_lens)
     print(f"throughput: {n_out / seconds:.1f} output tok/s, {(n_out + sum(map(len, prompts))) / seconds:.1f} "
           f"total tok/s, {len(results) / seconds:.2f} req/s over {seconds:.1f} s (HF baseline: not applicable)")

@@ -1,0 +1,24 @@
+"""mili bench, all three modes, small: each prints its table (serve against a real server)."""
+
+from __future__ import annotations
+
+from mili.cli import main
+
+
+def test_bench_latency_and_throughput_with_hf_baseline(random_model, capsys):
+    assert main(["bench", "latency", str(random_model), "--dtype", "float32", "--input-len", "16",
+                 "--output-len", "4", "--repeat", "1", "--baseline", "hf", "--max-model-len", "256"]) == 0
+    out = capsys.readouterr().out
+    assert "| mili" in out and "| HF transformers" in out and "roofline" in out and "mili / HF" in out
+    assert main(["bench", "throughput", str(random_model), "--dtype", "float32", "--num-requests", "4",
+                 "--min-input", "8", "--max-input", "16", "--min-output", "2", "--max-output", "4",
+                 "--baseline", "hf", "--hf-sequential-sample", "2", "--max-model-len", "256"]) == 0
+    out = capsys.readouterr().out
+    assert "mili (continuous batching)" in out and "HF one padded batch" in out
+
+
+def test_bench_serve(server, capsys):
+    assert main(["bench", "serve", "--url", server.url, "--num-requests", "6", "--concurrency", "3",
+                 "--min-input", "8", "--max-input", "16", "--min-output", "4", "--max-output", "6"]) == 0
+    out = capsys.readouterr().out
+    assert "| TTFT" in out and "| inter-token" in out and "| end-to-end" in out and "output tok/s" in out
