@@ -24,6 +24,9 @@ SHAPES = {
                        num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False),
     "mha_tied": dict(vocab_size=384, hidden_size=96, intermediate_size=160, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=4, head_dim=24, tie_word_embeddings=True),
+    # heavy enough (~50M parameters, ~10 ms a decode step) that a request lasts about a second
+    "slow": dict(vocab_size=4096, hidden_size=768, intermediate_size=2048, num_hidden_layers=8,
+                 num_attention_heads=12, num_key_value_heads=4, head_dim=64, tie_word_embeddings=True),
     "gqa4_realvocab": dict(vocab_size=151936, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
                            num_attention_heads=8, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True),
 }

@@ -10,7 +10,7 @@ import time
 
 import httpx
 
-from helpers import Server, metric
+from helpers import Server, build_checkpoint, metric
 
 
 def _wait_for(predicate, timeout=20.0):
@@ -57,11 +57,12 @@ def test_cancelled_streams_free_their_pages(server):
     assert metric(server.url, 'mili:request_success_total{finished_reason="length"}') >= 24
 
 
-def test_full_queue_is_503_with_retry_after(random_model):
-    """One sequence at a time and room for two waiting: of 16 simultaneous long requests, the ones that
-    find the queue full get 503 with Retry-After at once; every accepted one completes."""
-    s = Server(random_model, "--max-num-seqs", "1", "--max-queued-requests", "2")
-    body = {"prompt": "long one", "max_tokens": 400, "ignore_eos": True}
+def test_full_queue_is_503_with_retry_after(tmp_path):
+    """One sequence at a time and room for two waiting: of 16 simultaneous requests that each take about
+    a second, the ones that find the queue full get 503 with Retry-After at once; every accepted one
+    completes."""
+    s = Server(build_checkpoint(tmp_path / "slow", "slow"), "--max-num-seqs", "1", "--max-queued-requests", "2")
+    body = {"prompt": [5, 6, 7, 8], "max_tokens": 100, "ignore_eos": True}
 
     async def main():
         async with httpx.AsyncClient(base_url=s.url, timeout=120, limits=httpx.Limits(max_connections=32)) as c:
@@ -74,7 +75,7 @@ def test_full_queue_is_503_with_retry_after(random_model):
         assert refused and len(accepted) >= 3 and len(refused) + len(accepted) == 16
         for r in refused:
             assert r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "queue_full"
-        assert all(r.json()["usage"]["completion_tokens"] == 400 for r in accepted)
+        assert all(r.json()["usage"]["completion_tokens"] == 100 for r in accepted)
         assert _wait_for(lambda: metric(s.url, "mili:num_requests_running") == 0
                          and metric(s.url, "mili:num_requests_waiting") == 0)
         assert httpx.post(s.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200

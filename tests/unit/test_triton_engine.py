@@ -29,10 +29,14 @@ def test_engine_on_triton_matches_hf(tiny_checkpoint):
 
 
 def test_backend_choice(tiny_checkpoint, monkeypatch):
-    assert LLM(str(tiny_checkpoint), dtype="float32").engine.runner.attention_backend == "torch"  # auto on CPU
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with pytest.raises(InvalidRequest, match="TRITON_INTERPRET"):
-        LLM(str(tiny_checkpoint), attention_backend="triton")
+    auto = LLM(str(tiny_checkpoint), dtype="float32").engine.runner.attention_backend
+    assert auto == ("triton" if torch.cuda.is_available() else "torch")
+    with pytest.raises(InvalidRequest, match="power of two >= 16"):
+        LLM(str(tiny_checkpoint), attention_backend="triton", page_size=8)
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        with pytest.raises(InvalidRequest, match="TRITON_INTERPRET"):
+            LLM(str(tiny_checkpoint), attention_backend="triton")
     with pytest.raises(InvalidRequest, match="attention_backend"):
         LLM(str(tiny_checkpoint), attention_backend="flash")
 
