@@ -42,6 +42,7 @@ class ServerState:
         self.engine = AsyncEngine(engine, on_step=self.metrics.on_step)
         self.created = int(time.time())
         self.statuses: OrderedDict[str, dict] = OrderedDict()
+        self.adding = 0  # requests between the queue check and the engine (event-loop thread only)
 
     # -- requests ------------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -50,7 +51,9 @@ class ServerState:
                            "model_not_found")
 
     def check_queue(self) -> None:
-        waiting = len(self.llm_engine.scheduler.waiting)
+        # requests past this check but not yet in the engine (waiting for its lock) count as waiting:
+        # under load many arrive within one engine step
+        waiting = len(self.llm_engine.scheduler.waiting) + self.adding
         if waiting >= self.max_queued_requests:
             raise APIError(503, f"the server is busy: {waiting} requests are waiting", "server_error",
                            None, "queue_full", headers={"Retry-After": "1"})
@@ -65,6 +68,7 @@ class ServerState:
         self.check_queue()
         ids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
         added = []
+        self.adding += len(prompts)
         try:
             for rid, prompt, sp in zip(ids, prompts, params):
                 await self.engine.add_request(rid, prompt, sp)
@@ -73,6 +77,8 @@ class ServerState:
             for rid in added:
                 self.engine.discard(rid)
             raise
+        finally:
+            self.adding -= len(prompts)
         streams = [self._tracked(rid, sp) for rid, sp in zip(ids, params)]
         for rid, stream in zip(ids, streams):
             # a response whose body is never iterated (client gone before it started) still ends its

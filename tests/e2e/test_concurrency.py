@@ -72,7 +72,7 @@ def test_full_queue_is_503_with_retry_after(tmp_path):
         replies = asyncio.run(main())
         refused = [r for r in replies if r.status_code == 503]
         accepted = [r for r in replies if r.status_code == 200]
-        assert refused and len(accepted) >= 3 and len(refused) + len(accepted) == 16
+        assert refused and len(accepted) >= 2 and len(refused) + len(accepted) == 16
         for r in refused:
             assert r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "queue_full"
         assert all(r.json()["usage"]["completion_tokens"] == 100 for r in accepted)
