@@ -11,7 +11,7 @@ from mili.engine.engine import LLMEngine
 from mili.errors import InvalidRequest
 from mili.outputs import RequestOutput
 from mili.sampling_params import SamplingParams
-from mili.tokenizer.tokenizer import apply_chat_template
+from mili.tokenizer.tokenizer import encode_chat
 
 PromptType = str | dict
 
@@ -57,9 +57,8 @@ class LLM:
         """Generate the assistant's reply to one conversation or a list of them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.engine.tokenizer
-        prompts = [{"prompt_token_ids": tok.encode(
-            apply_chat_template(tok, conv, add_generation_prompt, chat_template_kwargs),
-            add_special_tokens=False)} for conv in conversations]
+        prompts = [{"prompt_token_ids": encode_chat(tok, conv, add_generation_prompt, chat_template_kwargs)[1]}
+                   for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, prompts: list, params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:

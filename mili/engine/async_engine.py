@@ -67,8 +67,10 @@ class AsyncEngine:
             loop.call_soon_threadsafe(q.put_nowait, item)
 
     # -- the async side ------------------------------------------------------------------------
-    async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams):
-        """Validate and queue a request (raises InvalidRequest etc.); returns the engine's Request."""
+    async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                          on_added: Callable[[], None] | None = None):
+        """Validate and queue a request (raises InvalidRequest etc.); returns the engine's Request.
+        ``on_added`` runs on the worker thread, under the engine lock, once the request is queued."""
         if self.error is not None:
             raise EngineDeadError(f"the engine stopped: {self.error}")
         loop = asyncio.get_running_loop()
@@ -76,7 +78,10 @@ class AsyncEngine:
 
         def add():
             with self._lock:
-                return self.engine.add_request(prompt, params, request_id)
+                request = self.engine.add_request(prompt, params, request_id)
+                if on_added is not None:
+                    on_added()
+                return request
 
         try:
             request = await loop.run_in_executor(None, add)
@@ -118,9 +123,6 @@ class AsyncEngine:
         """Abort a request whose stream will never be read."""
         self._streams.pop(request_id, None)
         self.abort(request_id)
-
-    def num_streams(self) -> int:
-        return len(self._streams)
 
     def shutdown(self, timeout: float = 5.0) -> None:
         self._stopping = True

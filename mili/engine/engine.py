@@ -23,7 +23,7 @@ from mili.runtime.model_runner import ModelRunner
 from mili.runtime.sampler import TokenLogprobs
 from mili.sampling_params import SamplingParams
 from mili.tokenizer.detokenizer import TextStream
-from mili.tokenizer.tokenizer import load_eos_token_ids, load_tokenizer
+from mili.tokenizer.tokenizer import encode_prompt, load_eos_token_ids, load_tokenizer
 
 log = logging.getLogger("mili")
 
@@ -55,7 +55,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use", param="request_id")
         if isinstance(prompt, str):
-            text, token_ids = prompt, self.tokenizer.encode(prompt)
+            text, token_ids = prompt, encode_prompt(self.tokenizer, prompt)
         else:
             text, token_ids = None, list(prompt)
         vocab = self.model_config.vocab_size

@@ -40,10 +40,6 @@ class SchedulerOutput:
     sample_rows: list[tuple[Sequence, int]]
     page_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
 
 class Scheduler:
     def __init__(self, pool: PagePool, cache: PrefixCache, max_num_seqs: int, max_num_batched_tokens: int,

@@ -23,7 +23,7 @@ from mili.sampling_params import SamplingParams
 from mili.server.errors import APIError, error_body, install_error_handlers
 from mili.server.metrics import Metrics
 from mili.server.protocol import DetokenizeRequest, TokenizeRequest
-from mili.tokenizer.tokenizer import apply_chat_template
+from mili.tokenizer.tokenizer import encode_chat, encode_prompt
 
 log = logging.getLogger("mili")
 OPEN_PATHS = {"/health", "/metrics"}
@@ -58,27 +58,23 @@ class ServerState:
             raise APIError(503, f"the server is busy: {waiting} requests are waiting", "server_error",
                            None, "queue_full", headers={"Retry-After": "1"})
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool, kwargs: dict | None) -> list[int]:
-        text = apply_chat_template(self.tokenizer, messages, add_generation_prompt, kwargs)
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
     async def start(self, prompts: list[str | list[int]], params: list[SamplingParams], base_id: str,
                     ) -> list[AsyncIterator[RequestOutput]]:
         """Add one engine request per prompt (all or none) and return their output streams."""
         self.check_queue()
         ids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
         added = []
-        self.adding += len(prompts)
+        admission = _Admission(self, len(prompts))
         try:
             for rid, prompt, sp in zip(ids, prompts, params):
-                await self.engine.add_request(rid, prompt, sp)
+                await self.engine.add_request(rid, prompt, sp, on_added=admission.one_added)
                 added.append(rid)
         except BaseException:
             for rid in added:
                 self.engine.discard(rid)
             raise
         finally:
-            self.adding -= len(prompts)
+            admission.close()
         streams = [self._tracked(rid, sp) for rid, sp in zip(ids, params)]
         for rid, stream in zip(ids, streams):
             # a response whose body is never iterated (client gone before it started) still ends its
@@ -104,6 +100,23 @@ class ServerState:
         finally:
             if out is None or not out.finished:
                 self.statuses[rid] = {**self.statuses.get(rid, {}), "status": "aborted"}
+
+
+class _Admission:
+    """Requests past the queue check but not in the engine yet count as waiting (``state.adding``);
+    each is uncounted in the same locked section that queues it in the engine, so never twice."""
+
+    def __init__(self, state: ServerState, n: int):
+        self.state, self.left = state, n
+        state.adding += n
+
+    def one_added(self) -> None:  # on the engine's worker thread, under its lock
+        self.left -= 1
+        self.state.adding -= 1
+
+    def close(self) -> None:  # the ones that never made it (invalid, cancelled)
+        self.state.adding -= self.left
+        self.left = 0
 
 
 async def merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -193,10 +206,10 @@ def build_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
         if body.messages is not None:
-            ids = state.encode_chat([m.for_template() for m in body.messages], body.add_generation_prompt,
-                                    body.chat_template_kwargs)
+            _, ids = encode_chat(state.tokenizer, [m.for_template() for m in body.messages],
+                                 body.add_generation_prompt, body.chat_template_kwargs)
         else:
-            ids = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            ids = encode_prompt(state.tokenizer, body.prompt, body.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
 
     @app.post("/detokenize")

@@ -13,7 +13,7 @@ from mili.server.app import ServerState, merge, new_id, sse, until_disconnect
 from mili.server.errors import APIError, sse_error
 from mili.server.protocol import ChatCompletionRequest, CompletionRequest
 from mili.tokenizer.reasoning import THINK_START, ReasoningStream, split_reasoning
-from mili.tokenizer.tokenizer import apply_chat_template
+from mili.tokenizer.tokenizer import encode_chat
 
 router = APIRouter()
 
@@ -153,9 +153,8 @@ async def chat_completions(body: ChatCompletionRequest, http: Request):
     if body.tools:
         raise APIError(400, "tools are not supported yet", param="tools")
     kwargs = body.chat_template_kwargs or {}
-    text = apply_chat_template(st.tokenizer, [m.for_template() for m in body.messages], body.add_generation_prompt,
+    text, prompt = encode_chat(st.tokenizer, [m.for_template() for m in body.messages], body.add_generation_prompt,
                                kwargs)
-    prompt = st.tokenizer.encode(text, add_special_tokens=False)
     thinking = kwargs.get("enable_thinking", True) is not False  # as Qwen3's template decides
     opened = thinking and text.rstrip().endswith(THINK_START)  # templates that open <think> themselves
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens

@@ -134,3 +134,10 @@ def encode_prompt(tokenizer, text: str, add_special_tokens: bool = True) -> list
         if bos and text.startswith(bos):
             add_special_tokens = False
     return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+
+def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+                chat_template_kwargs: dict | None = None) -> tuple[str, list[int]]:
+    """The chat template's text for ``messages`` and its token ids (its specials are in the text)."""
+    text = apply_chat_template(tokenizer, messages, add_generation_prompt, chat_template_kwargs)
+    return text, encode_prompt(tokenizer, text, add_special_tokens=False)
