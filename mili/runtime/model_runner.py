@@ -213,8 +213,12 @@ class ModelRunner:
         rows = [logits_row[i] for _, i in sched_out.sample_rows]
         if rows != list(range(logits.shape[0])):  # forked children repeat their parent's row
             logits = logits.index_select(0, torch.tensor(rows, device=self.device))
+        # the token lists only where a row needs them (penalties; min_tokens counts outputs): copying
+        # every prompt each step would cost O(context) per token
+        penalties = any(s.params.uses_penalties for s in seqs)
+        counts = penalties or any(s.params.min_tokens for s in seqs)
         meta = SamplingMetadata.build(
             [s.params for s in seqs], [s.generator for s in seqs],
-            [s.token_ids[:s.prompt_len] for s in seqs], [s.output_token_ids for s in seqs],
-            self.model_config.vocab_size, self.device)
+            [s.token_ids[:s.prompt_len] if penalties else [] for s in seqs],
+            [s.output_token_ids if counts else [] for s in seqs], self.model_config.vocab_size, self.device)
         return self.sampler(logits, meta)

@@ -12,6 +12,7 @@ disable_created_metrics()  # no *_created series, as vLLM
 log = logging.getLogger("mili.requests")
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+GAUGE_PERIOD_S = 0.25  # while busy, gauges and /health refresh this often (and whenever a request ends)
 _ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 1, 2.5)
 
 
@@ -41,10 +42,19 @@ class Metrics:
         self.info.labels(**labels).set(1)
         self._seen: dict[str, tuple[int, float]] = {}  # request id -> (tokens counted, last token time)
         self.snapshot: dict = {}
+        self._gauges_at = float("-inf")
         self._preemptions_seen = 0
 
     def on_step(self, engine, outputs) -> None:
         """Called on the engine thread after every step."""
+        now = time.monotonic()
+        if not outputs or any(o.finished for o in outputs) or now - self._gauges_at >= GAUGE_PERIOD_S:
+            self._gauges_at = now
+            self._update_gauges(engine)
+        self._count(engine, outputs, now)
+
+    def _update_gauges(self, engine) -> None:
+        """Gauges and the /health snapshot (a walk of the prefix tree: not every step)."""
         sched, pool = engine.scheduler, engine.scheduler.pool
         cached = engine.prefix_cache.num_evictable()
         self.running.set(len(sched.running))
@@ -55,9 +65,10 @@ class Metrics:
                          "kv_cache_pages_cached": cached, "num_requests_running": len(sched.running),
                          "num_requests_waiting": len(sched.waiting)}
 
+    def _count(self, engine, outputs, now: float) -> None:
+        sched = engine.scheduler
         self.preemptions.inc(sched.num_preemptions - self._preemptions_seen)
         self._preemptions_seen = sched.num_preemptions
-        now = time.monotonic()
         for out in outputs:
             times = out.metrics
             n_tokens = sum(len(o.token_ids) for o in out.outputs)
@@ -81,7 +92,6 @@ class Metrics:
                          out.request_id, len(out.prompt_token_ids), n_tokens,
                          (times['first_token_time'] or now) - times['arrival_time'], now - times['arrival_time'],
                          reason)
-
         for rid in [r for r in self._seen if r not in engine.requests]:  # aborted since the last step
             del self._seen[rid]
 
