@@ -100,10 +100,10 @@ def _free_port() -> int:
 
 
 class Server:
-    def __init__(self, model: Path, *args: str, env: dict | None = None):
+    def __init__(self, model: Path | str, *args: str, env: dict | None = None, log_dir: Path | None = None):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = Path(model).parent / f"server-{self.port}.log"
+        self.log_path = (log_dir or Path(model).parent) / f"server-{self.port}.log"
         self.log = open(self.log_path, "w")
         cmd = [sys.executable, "-m", "mili.cli", "serve", str(model), "--port", str(self.port),
                "--served-model-name", "test", "--dtype", "float32", "--max-model-len", "1024", *args]

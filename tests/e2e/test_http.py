@@ -153,3 +153,17 @@ def test_prefix_cache_hits_are_reported(server):
     assert first["prompt_tokens_details"]["cached_tokens"] == 0
     assert second["prompt_tokens_details"]["cached_tokens"] == 192  # all full pages but the last token's
     assert metric(server.url, "mili:prefix_cache_hits_total") - hits_before == 192
+
+
+def test_demo_model_serves(tmp_path):
+    """The README's main command: `mili serve` on the offline demo model, built on first use."""
+    s = Server("demo", env={"MILI_CACHE_DIR": str(tmp_path)}, log_dir=tmp_path)
+    try:
+        models = httpx.get(s.url + "/v1/models").json()["data"]
+        assert [m["id"] for m in models] == ["test"]
+        r = httpx.post(s.url + "/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 8, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 8
+        assert (tmp_path / "demo-v1" / "config.json").is_file()
+    finally:
+        assert s.stop() == 0, s.output()
