@@ -106,7 +106,6 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self._reserve(seq, n, copies):
                 self._release(seq)
-                seq.num_computed_tokens = 0
                 break
             self.waiting.popleft()
             self._enqueued_at.pop(seq, None)

@@ -30,9 +30,12 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
 
 
 def store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
-    keep = slot_mapping >= 0
-    k_cache.view(-1, *k_cache.shape[2:])[slot_mapping[keep]] = k[keep]
-    v_cache.view(-1, *v_cache.shape[2:])[slot_mapping[keep]] = v[keep]
+    """k, v: [T, Hkv, D] written at flat slots (page * page_size + offset); slot < 0 is skipped."""
+    if (slot_mapping < 0).any():  # padding rows (CUDA graphs)
+        keep = slot_mapping >= 0
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,

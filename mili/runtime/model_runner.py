@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import itertools
 import logging
 
 import torch
@@ -174,9 +175,7 @@ class ModelRunner:
         slots = page_table[seq_of_token, pos // page_size] * page_size + pos % page_size
         kernel_lens = {}
         if self.attention_backend == "triton":  # the kernels read lengths from device tensors
-            starts = [0]
-            for n in query_lens[:-1]:
-                starts.append(starts[-1] + n)
+            starts = [0, *itertools.accumulate(query_lens[:-1])]
             kernel_lens = {name: torch.tensor(values, dtype=torch.int32, device=dev) for name, values in
                            (("context_lens_t", context_lens), ("query_lens_t", query_lens), ("query_start_t", starts))}
         return ForwardBatch(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from mili.kernels.reference import store_kv
 from mili.runtime.attention.base import ForwardBatch
 
 
@@ -19,12 +20,6 @@ def gather_pages(cache: torch.Tensor, page_table: torch.Tensor, num_tokens: int)
     # index_select on a 2-D view: ~5x faster on the CPU than advanced indexing cache[page_table]
     pages = cache.view(cache.shape[0], -1).index_select(0, ids)
     return pages.view(page_table.shape[0], num_pages * cache.shape[1], *cache.shape[2:])[:, :num_tokens]
-
-
-def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
 
 
 class TorchAttentionBackend:
