@@ -76,7 +76,7 @@ def weight_bytes_per_step(model) -> int:
             continue
         for attr in ("weight", "qweight", "packed"):
             t = getattr(module, attr, None)
-            if isinstance(t, torch.Tensor) and t.dim() == 2:
+            if isinstance(t, torch.Tensor) and t.dim() >= 2:
                 total += t.numel() * t.element_size()
     if model.lm_head is None:
         total += model.model.embed_tokens.weight.numel() * model.model.embed_tokens.weight.element_size()
@@ -89,7 +89,8 @@ def _engine(args):
 
     return LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                                   kv_cache_memory=args.kv_cache_memory, quantization=args.quantization,
-                                  max_num_seqs=args.max_num_seqs, num_threads=args.num_threads))
+                                  max_num_seqs=args.max_num_seqs, num_threads=args.num_threads,
+                                  cpu_kernels=args.cpu_kernels))
 
 
 def _run(engine, prompts, out_lens) -> tuple[list, float]:
@@ -123,6 +124,7 @@ def _hf_generate(model, batch: list[list[int]], new_tokens: int) -> float:
 def _header(args, engine) -> None:
     print(f"mili bench {args.mode}: model {engine.model_path}, dtype {str(engine.runner.dtype)[6:]}, "
           f"quantization {args.quantization or 'none'}, device {engine.runner.device}, "
+          f"CPU kernels {'on' if engine.runner.cpu_kernels else 'off'}, "
           f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads")
 
 
@@ -245,6 +247,8 @@ def add_parser(sub) -> None:
     p.add_argument("model", nargs="?", default=DEMO_MODEL, help="checkpoint (latency, throughput)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantization", default=None, choices=[None, "int8"])
+    p.add_argument("--no-cpu-kernels", dest="cpu_kernels", action="store_false",
+                   help="torch ops and oneDNN instead of MILI's CPU kernels")
     p.add_argument("--baseline", default=None, choices=[None, "hf"], help="also run HF transformers generate")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--kv-cache-memory", type=int, default=2 << 30)

@@ -34,8 +34,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="CUDA: share of the GPU's memory for weights, activations and the KV cache")
     p.add_argument("--quantization", default=None, choices=["int8"],
                    help="int8: weight-only int8 (one scale per output channel); default: none")
+    p.add_argument("--no-cpu-kernels", dest="cpu_kernels", action="store_false",
+                   help="CPU bf16: torch ops and oneDNN instead of MILI's C kernels (AMX linear layers, fused "
+                        "norms, paged decode attention; built on first use with the system C compiler)")
     p.add_argument("--no-cpu-weight-prepack", dest="cpu_weight_prepack", action="store_false",
-                   help="CPU bf16: keep plain weights instead of oneDNN's prepacked layout")
+                   help="CPU bf16 without MILI's kernels: plain weights instead of oneDNN's prepacked layout")
     p.add_argument("--no-prefix-cache", dest="enable_prefix_caching", action="store_false",
                    help="turn off the radix-tree prefix cache (RadixAttention)")
     p.add_argument("--schedule-policy", default="fcfs", choices=["fcfs", "lpm"],
@@ -48,7 +51,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 kv_cache_memory=args.kv_cache_memory, page_size=args.page_size, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed, num_threads=args.num_threads,
                 enable_prefix_caching=args.enable_prefix_caching, schedule_policy=args.schedule_policy,
-                quantization=args.quantization, cpu_weight_prepack=args.cpu_weight_prepack,
+                quantization=args.quantization, cpu_kernels=args.cpu_kernels,
+                cpu_weight_prepack=args.cpu_weight_prepack,
                 attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
                 gpu_memory_utilization=args.gpu_memory_utilization)
 

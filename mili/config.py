@@ -88,7 +88,8 @@ class EngineConfig:
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode
     gpu_memory_utilization: float = 0.9  # CUDA: share of the card for weights + activations + KV pool
     quantization: str | None = None  # None | int8 (weight-only, per output channel)
-    cpu_weight_prepack: bool = True  # CPU bf16: weights in oneDNN's blocked layout (faster decode)
+    cpu_kernels: bool = True  # CPU bf16: MILI's C kernels (AMX linear, fused ops, paged decode attention)
+    cpu_weight_prepack: bool = True  # CPU bf16 without those kernels: weights in oneDNN's blocked layout
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *_DTYPES):

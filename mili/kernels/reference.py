@@ -29,6 +29,12 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU on a fused [gate | up] projection."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
     """k, v: [T, Hkv, D] written at flat slots (page * page_size + offset); slot < 0 is skipped."""
     if (slot_mapping < 0).any():  # padding rows (CUDA graphs)
@@ -59,7 +65,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 class TorchOps:
-    """Norm and RoPE ops for the torch path (the CPU)."""
+    """Norm, RoPE and SwiGLU ops for the torch path."""
 
     rms_norm = staticmethod(rms_norm)
     qk_norm_rope = staticmethod(qk_norm_rope)
+    silu_and_mul = staticmethod(silu_and_mul)

@@ -2,6 +2,9 @@
 
 * ``PackedLinear``: bf16 weights reordered once into oneDNN's blocked layout (what torch.compile's
   freezing pass does), ~1.4x faster matrix-vector products than aten's linear on plain weights.
+* ``AmxLinear``: bf16 weights packed for MILI's own AMX kernel (``kernels/cpu``), which streams them
+  at ~29 GB/s where oneDNN reaches ~22 (benchmarks/NOTES.md). A tied lm_head gets the packed table and
+  the embedding reads its rows from it (``PackedEmbedding``), so the table is stored once.
 * ``Int8Linear``: weight-only int8 with one scale per output channel (symmetric, round to nearest),
   through aten's ``_weight_int8pack_mm``: half the bytes of bf16 per decode step.
 """
@@ -13,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mili.errors import InvalidRequest
+from mili.kernels.cpu import ops as cpu_ops
 
 
 class _SwappedLinear(nn.Module):
@@ -39,15 +43,46 @@ class PackedLinear(_SwappedLinear):
         return torch.ops.mkldnn._linear_pointwise(x2d, self.packed, self.bias, "none", [], "")
 
 
-class Int8Linear(_SwappedLinear):
+class AmxLinear(_SwappedLinear):
     def __init__(self, weight, bias=None, shard_sizes=None):
+        super().__init__(weight, bias, shard_sizes)
+        self.register_buffer("packed", cpu_ops.pack_weight(weight.detach()))
+
+    def _matmul(self, x2d):
+        out = cpu_ops.linear(x2d, self.packed, self.out_features)
+        return out if self.bias is None else out + self.bias
+
+
+class PackedEmbedding(nn.Module):
+    """The embedding of a tied model whose table lives, packed, in the lm_head (an AmxLinear)."""
+
+    def __init__(self, head: AmxLinear):
+        super().__init__()
+        self.head = [head]  # a list: not a submodule, so the table is not registered twice
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return cpu_ops.unpack_rows(self.head[0].packed, ids)
+
+
+class Int8Linear(_SwappedLinear):
+    def __init__(self, weight, bias=None, shard_sizes=None, kernels: bool = False):
         super().__init__(weight, bias, shard_sizes)
         w = weight.detach().float()
         scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
-        self.register_buffer("qweight", torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8))
-        self.register_buffer("scales", scales.to(weight.dtype))
+        qweight = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+        # MILI's AMX int8 kernel (activations quantized per row too), or aten's weight-only kernel
+        self.amx = kernels and self.in_features % 64 == 0
+        if self.amx:
+            self.register_buffer("qweight", cpu_ops.pack_int8(qweight))
+            self.register_buffer("scales", F.pad(scales, (0, -len(scales) % 16)).contiguous())
+        else:
+            self.register_buffer("qweight", qweight)
+            self.register_buffer("scales", scales.to(weight.dtype))
 
     def _matmul(self, x2d):
+        if self.amx:
+            out = cpu_ops.linear_int8(x2d, self.qweight, self.scales, self.out_features)
+            return out if self.bias is None else out + self.bias
         x2d = x2d.to(self.scales.dtype)
         if x2d.shape[0] > 8:  # prefill: the int8 kernel is slow on many rows; dequantize once instead
             return F.linear(x2d, self.qweight.to(x2d.dtype) * self.scales[:, None], self.bias)
@@ -59,17 +94,31 @@ def prepack_available(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
 
 
-def swap_linears(model: nn.Module, kind: str) -> None:
-    """Replace every nn.Linear of ``model`` (and its lm_head, tied or not) with ``kind``: packed | int8."""
-    cls = {"packed": PackedLinear, "int8": Int8Linear}.get(kind)
-    if cls is None:
+def swap_linears(model: nn.Module, kind: str, kernels: bool = False) -> None:
+    """Replace every nn.Linear of ``model`` (and its lm_head, tied or not) with ``kind``: amx | packed |
+    int8. With amx, a layer the kernel can't take (in_features not a multiple of 32) is packed instead;
+    int8 uses MILI's AMX int8 kernel when ``kernels``."""
+    if kind not in ("amx", "packed", "int8"):
         raise InvalidRequest(f"unknown linear kind {kind!r}", param="quantization")
+
+    def make(weight, bias=None, shard_sizes=None):
+        if kind == "int8":
+            return Int8Linear(weight, bias, shard_sizes, kernels=kernels)
+        if kind == "amx" and cpu_ops.linear_supported(weight):
+            return AmxLinear(weight, bias, shard_sizes)
+        return PackedLinear(weight, bias, shard_sizes)
+
     for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):  # FusedLinear too (its shard sizes are kept)
-                setattr(module, child_name, cls(child.weight, child.bias, getattr(child, "shard_sizes", None)))
-    # A tied head stays on the embedding table (plain layout): a packed copy would cost another
-    # vocab x hidden matrix of memory (311 MB for Qwen3-0.6B) for ~4 ms per decode step. int8 halves
-    # the bytes the head reads, so it gets its own (smaller) copy.
-    if model.lm_head is None and kind == "int8":
-        model.lm_head = cls(model.model.embed_tokens.weight)
+                setattr(module, child_name, make(child.weight, child.bias, getattr(child, "shard_sizes", None)))
+    if model.lm_head is not None:
+        return
+    embed = model.model.embed_tokens
+    if kind == "int8":  # int8 halves the bytes the head reads: it gets its own (smaller) copy
+        model.lm_head = make(embed.weight)
+    elif kind == "amx" and cpu_ops.linear_supported(embed.weight):  # the table, stored once, packed
+        model.lm_head = AmxLinear(embed.weight)
+        model.model.embed_tokens = PackedEmbedding(model.lm_head)
+    # Otherwise a tied head stays on the plain table: a packed copy would cost another vocab x hidden
+    # matrix of memory (311 MB for Qwen3-0.6B) for ~4 ms per decode step.

@@ -56,8 +56,3 @@ class RotaryEmbedding(nn.Module):
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 cos and sin [T, head_dim] for a step's positions: once per step, not per layer."""
         return self.cos[positions], self.sin[positions]
-
-
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up

@@ -3,8 +3,8 @@
 Differences from the HF module, all numerically neutral: q/k/v and gate/up projections are fused,
 the batch is flat ([T] tokens of many sequences, positions explicit), attention goes through a
 backend that reads and writes the paged pool, the residual stream is carried beside the hidden
-state (so a kernel can fuse the add into the next norm), norms and RoPE come from an ops set (torch
-or Triton), and logits are computed only for sampled positions.
+state (so a kernel can fuse the add into the next norm), norms, RoPE and SwiGLU come from an ops
+set (torch, Triton or MILI's CPU kernels), and logits are computed only for sampled positions.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from torch import nn
 
 from mili.config import ModelConfig
 from mili.kernels.reference import TorchOps
-from mili.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from mili.model.layers import RMSNorm, RotaryEmbedding
 from mili.runtime.attention.base import AttentionBackend, ForwardBatch
 
 # HF checkpoint name -> (fused parameter, shard index)
@@ -62,21 +62,22 @@ class Qwen3Attention(nn.Module):
 
 
 class Qwen3MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, ops=TorchOps):
         super().__init__()
+        self.ops = ops
         inter = cfg.intermediate_size
         self.gate_up_proj = FusedLinear(cfg.hidden_size, [inter, inter], False, dtype)
         self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=False, dtype=dtype)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(h)))
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(h)))
 
 
 class Qwen3DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, ops=TorchOps):
         super().__init__()
         self.self_attn = Qwen3Attention(cfg, backend, dtype, ops)
-        self.mlp = Qwen3MLP(cfg, dtype)
+        self.mlp = Qwen3MLP(cfg, dtype, ops)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
 

@@ -39,6 +39,7 @@ class ModelRunner:
             torch.set_num_threads(config.num_threads)
         self.max_model_len = config.resolve_max_model_len(model_config)
         self.attention_backend = config.resolve_attention_backend()
+        self.cpu_kernels = self._use_cpu_kernels()
         backend, ops = self._backend_and_ops()
         with torch.device("meta"):
             model = Qwen3ForCausalLM(model_config, backend, self.dtype, ops)
@@ -46,7 +47,9 @@ class ModelRunner:
         load_weights(self.model, path)
         self.model.eval()
         if config.quantization == "int8":
-            swap_linears(self.model, "int8")
+            swap_linears(self.model, "int8", kernels=self.cpu_kernels)
+        elif self.cpu_kernels:
+            swap_linears(self.model, "amx")
         elif self.device.type == "cpu" and config.cpu_weight_prepack and prepack_available(self.dtype):
             swap_linears(self.model, "packed")
         if self.device.type == "cpu":
@@ -66,12 +69,29 @@ class ModelRunner:
     def max_pages_per_seq(self) -> int:
         return -(-self.max_model_len // self.config.page_size)
 
+    def _use_cpu_kernels(self) -> bool:
+        """MILI's C kernels: on the CPU, in bf16, with the torch attention path, where they build."""
+        if not (self.config.cpu_kernels and self.device.type == "cpu" and self.dtype == torch.bfloat16
+                and self.attention_backend == "torch"):
+            return False
+        from mili.kernels import cpu
+
+        lib, why = cpu.load()
+        if lib is None:
+            log.info("CPU kernels off (%s): torch ops and oneDNN instead", why)
+        return lib is not None
+
     def _backend_and_ops(self):
         if self.attention_backend == "triton":
             from mili.kernels.triton.ops import TritonOps
             from mili.runtime.attention.triton_backend import TritonAttentionBackend
 
             return TritonAttentionBackend(self.max_pages_per_seq), TritonOps
+        if self.cpu_kernels:
+            from mili.kernels.cpu.ops import CpuOps
+            from mili.runtime.attention.cpu_backend import CpuAttentionBackend
+
+            return CpuAttentionBackend(), CpuOps
         return TorchAttentionBackend(), TorchOps
 
     def _kv_budget(self, bytes_per_page: int) -> int:

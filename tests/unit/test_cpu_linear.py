@@ -39,9 +39,9 @@ def test_int8_close_to_bf16(rows):
 def test_engine_with_swaps(tiny_checkpoint):
     prompt = {"prompt_token_ids": list(range(5, 60))}
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
-    plain = LLM(str(tiny_checkpoint), dtype="bfloat16", cpu_weight_prepack=False)
-    packed = LLM(str(tiny_checkpoint), dtype="bfloat16")
-    int8 = LLM(str(tiny_checkpoint), dtype="bfloat16", quantization="int8")
+    plain = LLM(str(tiny_checkpoint), dtype="bfloat16", cpu_kernels=False, cpu_weight_prepack=False)
+    packed = LLM(str(tiny_checkpoint), dtype="bfloat16", cpu_kernels=False)
+    int8 = LLM(str(tiny_checkpoint), dtype="bfloat16", quantization="int8", cpu_kernels=False)
     assert isinstance(packed.engine.runner.model.model.layers[0].self_attn.qkv_proj, PackedLinear)
     assert isinstance(int8.engine.runner.model.lm_head, Int8Linear)
     assert packed.engine.runner.model.model.layers[0].self_attn.qkv_proj.shard_sizes == [128, 64, 64]

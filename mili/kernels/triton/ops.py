@@ -8,6 +8,7 @@ from mili.kernels.triton import norm_rope
 
 class TritonOps:
     rms_norm = staticmethod(norm_rope.rms_norm)
+    silu_and_mul = staticmethod(reference.silu_and_mul)
 
     @staticmethod
     def qk_norm_rope(q, k, q_weight, k_weight, eps, cos, sin):

@@ -1,0 +1,103 @@
+"""MILI's CPU kernels (``kernels.c``): AMX matrix multiplies over packed bf16 or int8 weights, fused RMSNorm,
+q/k-norm + RoPE, SwiGLU, and decode attention reading the paged pool in place.
+
+Why C: decoding one token must stream every weight once, and the fastest path torch offers on this
+class of CPU (oneDNN on prepacked weights) streams ~22 GB/s of the ~30 the memory gives; the AMX kernel
+here streams ~29 (benchmarks/NOTES.md, step 8). The small ops cost ~30 us each through torch's dispatch
+and a few us here.
+
+The library is built on first use with the system C compiler (``$CC`` or ``cc``) and cached under
+``$MILI_CACHE_DIR/kernels`` (default ``~/.cache/mili``), keyed by the source, the compiler and the CPU.
+Where it can't be used (no compiler, no AMX/AVX-512 BF16, not Linux x86-64) :func:`load` says why and
+the engine runs torch ops instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("kernels.c")
+REQUIRED_CPU_FLAGS = ("avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
+log = logging.getLogger("mili")
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+SIGNATURES = {  # name -> argument types (all return void but mili_amx_init)
+    "mili_linear": [_P, _P, _P, _I, _I, _I, ctypes.c_int],
+    "mili_linear_int8": [_P, _P, _P, _P, _I, _I, _I, ctypes.c_int],
+    "mili_rms_norm": [_P, _I, _P, _P, _P, _P, _I, _I, _F, ctypes.c_int],
+    "mili_qk_norm_rope": [_P, _I, _I, _I, _I, _I, _P, _P, _F, _P, _P, ctypes.c_int],
+    "mili_silu_and_mul": [_P, _P, _I, _I, ctypes.c_int],
+    "mili_decode_attention": [_P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, ctypes.c_int],
+}
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("MILI_CACHE_DIR") or Path.home() / ".cache" / "mili").expanduser() / "kernels"
+
+
+def _build(compiler: str, flags: set[str]) -> Path:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + " ".join(sorted(flags)).encode()).hexdigest()
+    target = _cache_dir() / f"mili_kernels_{key[:16]}.so"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    cmd = [compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(SOURCE), "-o", tmp, "-lm"]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        os.unlink(tmp)
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr.strip()[-2000:]}")
+    os.replace(tmp, target)  # atomic: processes building at once each land a whole file
+    return target
+
+
+@functools.cache
+def load() -> tuple[ctypes.CDLL | None, str]:
+    """(the library, "") or (None, why it can't be used here). Built and loaded once per process."""
+    import torch  # first: the library's libgomp must resolve to the one torch loaded
+
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return None, f"the CPU kernels are for Linux x86-64 (this is {platform.system()} {platform.machine()})"
+    flags = _cpu_flags()
+    missing = [f for f in REQUIRED_CPU_FLAGS if f not in flags]
+    if missing:
+        return None, f"this CPU lacks {', '.join(missing)}"
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        return None, "no C compiler (set $CC or install gcc)"
+    try:
+        lib = ctypes.CDLL(str(_build(compiler, flags)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        return None, f"building the CPU kernels failed: {exc}"
+    if lib.mili_amx_init() != 0:
+        return None, "the kernel refused this process AMX state (arch_prctl XTILEDATA)"
+    for name, argtypes in SIGNATURES.items():
+        getattr(lib, name).argtypes = argtypes
+        getattr(lib, name).restype = None
+    del torch
+    return lib, ""
+
+
+def available() -> bool:
+    return load()[0] is not None

@@ -1,0 +1,331 @@
+/* MILI's CPU kernels for bf16 on x86-64 with AMX and AVX-512 BF16 (Sapphire Rapids and later).
+ *
+ * Built on first use by mili/kernels/cpu/__init__.py (cc -O3 -march=native -fopenmp) and called through
+ * ctypes. The library links libgomp by its soname, so it shares the OpenMP runtime torch already loaded
+ * (one thread pool). Every function takes the thread count to use.
+ *
+ * Layouts: bf16 values are uint16_t. A linear layer's weight [N, K] is packed once as
+ * [N/16][K/2][16][2]: for each block of 16 output rows, K/2 rows of 64 bytes, each holding 16 pairs of
+ * consecutive k. That is exactly AMX's "B" tile layout (16 pair-rows x 16 columns x 2), so a block's
+ * weights stream from memory in one sequential run, 1 KB per tile load.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+typedef uint16_t bf16;
+
+static inline float bf16_to_float(bf16 v) {
+  uint32_t u = (uint32_t)v << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+static inline bf16 float_to_bf16(float f) { /* round to nearest even, as torch does */
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  if ((u & 0x7fffffff) > 0x7f800000) return 0x7fc0; /* NaN */
+  return (bf16)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+}
+
+/* Linux hands AMX tile state to a process only when asked (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA). */
+int mili_amx_init(void) { return (int)syscall(SYS_arch_prctl, 0x1023, 18); }
+
+typedef struct {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+} tile_config;
+
+/* Tiles 0-3: C (2 row chunks x 2 column blocks, fp32), 4-5: A (x rows), 6-7: B (weights). */
+static void configure_tiles(int rows) {
+  tile_config c;
+  memset(&c, 0, sizeof c);
+  c.palette = 1;
+  for (int t = 0; t < 8; t++) {
+    c.colsb[t] = 64;
+    c.rows[t] = t >= 6 ? 16 : rows;
+  }
+  _tile_loadconfig(&c);
+}
+
+/* The 16 x 16 result tile t of rows `rows` into y (stride N) as bf16: float32 as is (bf16 inputs), or
+ * int32 times the row's and the column's scales (int8 inputs). */
+static inline void store_tile(int rows, const void *c, bf16 *y, int64_t N, const float *sx, const float *sw) {
+  for (int r = 0; r < rows; r++) {
+    __m512 v;
+    if (sx) /* int8: scale by the activation row's and the weight columns' scales */
+      v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512((const int32_t *)c + r * 16)),
+                        _mm512_mul_ps(_mm512_set1_ps(sx[r]), _mm512_loadu_ps(sw)));
+    else
+      v = _mm512_loadu_ps((const float *)c + r * 16);
+    _mm256_storeu_si256((__m256i *)(y + r * N), (__m256i)_mm512_cvtneps_pbh(v));
+  }
+}
+
+#define TILE_STORE(t, rows, y, sx, sw)         \
+  do {                                         \
+    _tile_stored(t, cbuf, 64);                 \
+    store_tile(rows, cbuf, y, N, sx, sw);      \
+  } while (0)
+
+/* y[M, N] = x[M, K] @ W^T over AMX tiles, for bf16 (xsize 2, tdpbf16ps) or int8 (xsize 1, tdpbssd, then
+ * scaled by sx[M] and sw[N]). W packed as 16-row blocks of 64-byte rows (see the top; int8: [N/16][K/4]
+ * [16][4]); x rows are read 16 at a time, so x must hold whole 16-row chunks when M > 16. Each thread
+ * takes whole 16-column blocks (two at a time) and all rows (two chunks at a time): each weight tile is
+ * used for up to 32 rows, and for M <= 16 the weights are streamed exactly once. */
+static void amx_matmul(const uint8_t *w, const uint8_t *x, bf16 *y, int64_t M, int64_t N, int64_t K, int xsize,
+                       const float *sx, const float *sw, int nthreads) {
+  const int64_t nblocks = N / 16, nchunks = (M + 15) / 16, ldx = K * xsize, kstep = 64 / xsize;
+  const int rows = M < 16 ? (int)M : 16, tail = M > 16 && M % 16 ? (int)(M % 16) : 16;
+#pragma omp parallel num_threads(nthreads)
+  {
+    configure_tiles(rows);
+    int32_t cbuf[256];
+#pragma omp for schedule(static)
+    for (int64_t nb = 0; nb < nblocks; nb += 2) {
+      const int two_n = nb + 1 < nblocks;
+      const uint8_t *w0 = w + nb * 16 * ldx, *w1 = w0 + 16 * ldx;
+      for (int64_t mc = 0; mc < nchunks; mc += 2) {
+        const int two_m = mc + 1 < nchunks;
+        const uint8_t *x0 = x + mc * 16 * ldx, *x1 = x0 + 16 * ldx;
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        for (int64_t k = 0; k < K; k += kstep) {
+          const int64_t wk = k * 16 * xsize;
+          if (mc == 0) /* first pass over these weights: fetch ahead of the tile loads */
+            for (int j = 0; j < 1024; j += 64) {
+              _mm_prefetch((const char *)(w0 + wk) + 2048 + j, _MM_HINT_T0);
+              if (two_n) _mm_prefetch((const char *)(w1 + wk) + 2048 + j, _MM_HINT_T0);
+            }
+          _tile_loadd(4, x0 + k * xsize, ldx);
+          _tile_loadd(6, w0 + wk, 64);
+          if (two_n) _tile_loadd(7, w1 + wk, 64);
+          if (two_m) _tile_loadd(5, x1 + k * xsize, ldx);
+          if (xsize == 2) {
+            _tile_dpbf16ps(0, 4, 6);
+            if (two_n) _tile_dpbf16ps(1, 4, 7);
+            if (two_m) _tile_dpbf16ps(2, 5, 6);
+            if (two_m && two_n) _tile_dpbf16ps(3, 5, 7);
+          } else {
+            _tile_dpbssd(0, 4, 6);
+            if (two_n) _tile_dpbssd(1, 4, 7);
+            if (two_m) _tile_dpbssd(2, 5, 6);
+            if (two_m && two_n) _tile_dpbssd(3, 5, 7);
+          }
+        }
+        const int r0 = mc == nchunks - 1 ? tail : 16, r1 = mc + 1 == nchunks - 1 ? tail : 16;
+        const float *sx0 = sx ? sx + mc * 16 : NULL, *sx1 = sx ? sx0 + 16 : NULL;
+        const float *sw0 = sw ? sw + nb * 16 : NULL, *sw1 = sw ? sw0 + 16 : NULL;
+        bf16 *y0 = y + mc * 16 * N + nb * 16, *y1 = y0 + 16 * N;
+        TILE_STORE(0, M < 16 ? rows : r0, y0, sx0, sw0);
+        if (two_n) TILE_STORE(1, M < 16 ? rows : r0, y0 + 16, sx0, sw1);
+        if (two_m) {
+          TILE_STORE(2, r1, y1, sx1, sw0);
+          if (two_n) TILE_STORE(3, r1, y1 + 16, sx1, sw1);
+        }
+      }
+    }
+    _tile_release();
+  }
+}
+
+/* bf16: y[M, N] = x[M, K] @ W^T, W packed [N/16][K/2][16][2]. K % 32 == 0, N % 16 == 0. */
+void mili_linear(const bf16 *w, const bf16 *x, bf16 *y, int64_t M, int64_t N, int64_t K, int nthreads) {
+  const uint8_t *xs = (const uint8_t *)x;
+  uint8_t *whole = NULL; /* x in whole 16-row chunks (zero padded) when M > 16 is not a multiple of 16 */
+  if (M > 16 && M % 16) {
+    const int64_t mp = (M + 15) / 16 * 16;
+    whole = calloc(mp * K, sizeof(bf16));
+    memcpy(whole, x, M * K * sizeof(bf16));
+    xs = whole;
+  }
+  amx_matmul((const uint8_t *)w, xs, y, M, N, K, 2, NULL, NULL, nthreads);
+  free(whole);
+}
+
+/* int8 weights with one float scale per output row (sw[N]), W packed [N/16][K/4][16][4]; x is
+ * quantized here to int8 with one scale per row (symmetric, round to nearest). K % 64 == 0. */
+void mili_linear_int8(const int8_t *w, const float *sw, const bf16 *x, bf16 *y, int64_t M, int64_t N, int64_t K,
+                      int nthreads) {
+  const int64_t mp = M <= 16 ? M : (M + 15) / 16 * 16;
+  int8_t *xq = calloc(mp * K, 1);
+  float *sx = calloc(mp, sizeof(float));
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (M * K >= 65536)
+  for (int64_t m = 0; m < M; m++) {
+    float amax = 0.f;
+    for (int64_t k = 0; k < K; k++) amax = fmaxf(amax, fabsf(bf16_to_float(x[m * K + k])));
+    const float scale = amax > 0.f ? amax / 127.f : 1.f, inv = 1.f / scale;
+    sx[m] = scale;
+    for (int64_t k = 0; k < K; k++) xq[m * K + k] = (int8_t)lrintf(bf16_to_float(x[m * K + k]) * inv);
+  }
+  amx_matmul((const uint8_t *)w, (const uint8_t *)xq, y, M, N, K, 1, sx, sw, nthreads);
+  free(xq);
+  free(sx);
+}
+
+/* RMSNorm over rows of length D as the torch reference computes it: s = x (+ residual, rounded to bf16
+ * and written to res_out), out = bf16(w * bf16(s / sqrt(mean(s^2) + eps))). x rows at stride ldx. */
+void mili_rms_norm(const bf16 *x, int64_t ldx, const bf16 *residual, const bf16 *w, bf16 *out, bf16 *res_out,
+                   int64_t T, int64_t D, float eps, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (T * D >= 65536)
+  for (int64_t t = 0; t < T; t++) {
+    const bf16 *xr = x + t * ldx;
+    float sum = 0.f;
+    for (int64_t i = 0; i < D; i++) {
+      float s = bf16_to_float(xr[i]);
+      if (residual) {
+        bf16 sb = float_to_bf16(s + bf16_to_float(residual[t * D + i]));
+        res_out[t * D + i] = sb;
+        s = bf16_to_float(sb);
+      }
+      sum += s * s;
+    }
+    const float inv = 1.0f / sqrtf(sum / (float)D + eps);
+    const bf16 *src = residual ? res_out + t * D : xr;
+    for (int64_t i = 0; i < D; i++)
+      out[t * D + i] = float_to_bf16(bf16_to_float(w[i]) * bf16_to_float(float_to_bf16(bf16_to_float(src[i]) * inv)));
+  }
+}
+
+/* In place on the fused qkv output (rows of stride ld): per-head RMSNorm of the Hq query heads (weight
+ * qw) and the Hkv key heads after them (weight kw), then rotate-half RoPE with float32 cos/sin [T, D]. */
+void mili_qk_norm_rope(bf16 *qkv, int64_t ld, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const bf16 *qw,
+                       const bf16 *kw, float eps, const float *cos_t, const float *sin_t, int nthreads) {
+  const int64_t half = D / 2;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (T >= 16)
+  for (int64_t t = 0; t < T; t++) {
+    float v[1024]; /* head_dim <= 1024 (checked by the caller) */
+    for (int64_t h = 0; h < Hq + Hkv; h++) {
+      bf16 *head = qkv + t * ld + h * D;
+      const bf16 *w = h < Hq ? qw : kw;
+      float sum = 0.f;
+      for (int64_t i = 0; i < D; i++) {
+        float a = bf16_to_float(head[i]);
+        sum += a * a;
+      }
+      const float inv = 1.0f / sqrtf(sum / (float)D + eps);
+      for (int64_t i = 0; i < D; i++)
+        v[i] = bf16_to_float(float_to_bf16(bf16_to_float(w[i]) * bf16_to_float(float_to_bf16(bf16_to_float(head[i]) * inv))));
+      const float *c = cos_t + t * D, *s = sin_t + t * D;
+      for (int64_t i = 0; i < half; i++) {
+        head[i] = float_to_bf16(v[i] * c[i] - v[i + half] * s[i]);
+        head[i + half] = float_to_bf16(v[i + half] * c[i + half] + v[i] * s[i + half]);
+      }
+    }
+  }
+}
+
+/* out[t, i] = bf16(silu(gate[t, i])) * up[t, i] (rounded as torch's bf16 ops), rows = [gate (I) | up (I)]. */
+void mili_silu_and_mul(const bf16 *gate_up, bf16 *out, int64_t T, int64_t I, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (T * I >= 65536)
+  for (int64_t t = 0; t < T; t++)
+    for (int64_t i = 0; i < I; i++) {
+      const float g = bf16_to_float(gate_up[t * 2 * I + i]), u = bf16_to_float(gate_up[t * 2 * I + I + i]);
+      out[t * I + i] = float_to_bf16(bf16_to_float(float_to_bf16(g / (1.0f + expf(-g)))) * u);
+    }
+}
+
+/* exp(x) for x <= 0 (softmax after the max is subtracted): x = n ln2 + r, 2^n exactly by scalef, e^r by
+ * its Taylor series to r^6 (|r| <= ln2/2: relative error ~1e-7). */
+static inline __m512 exp_ps(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+/* Softmax numerator in place: s[i] = exp(s[i] - max); returns the sum. */
+static float exp_shifted(float *s, int64_t n) {
+  __m512 mx = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1);
+    mx = _mm512_mask_max_ps(mx, m, mx, _mm512_maskz_loadu_ps(m, s + i));
+  }
+  const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1);
+    const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + i), top));
+    _mm512_mask_storeu_ps(s + i, m, e);
+    sum = _mm512_mask_add_ps(sum, m, sum, e);
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+
+static inline __m512 load_bf16x16(const bf16 *p) {
+  return _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const __m256i *)p));
+}
+
+/* Decode attention over the paged pool, reading each page in place: B sequences with one query token
+ * each, q [B, Hq, D] (token stride ldq), caches [pages, page_size, Hkv, D], page_table [B, ldp] (int64),
+ * context_lens [B] (int64). One task per (sequence, kv head): its `group` query heads share each K row
+ * loaded. Scores, softmax and the weighted sum of V are float32. D % 32 == 0. */
+void mili_decode_attention(const bf16 *q, int64_t ldq, const bf16 *k_cache, const bf16 *v_cache,
+                           const int64_t *page_table, int64_t ldp, const int64_t *context_lens, bf16 *out,
+                           int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t page_size, float scale,
+                           int nthreads) {
+  const int64_t group = Hq / Hkv, row = Hkv * D;
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic)
+  for (int64_t task = 0; task < B * Hkv; task++) {
+    const int64_t b = task / Hkv, h = task % Hkv, ctx = context_lens[b];
+    float *scores = malloc(sizeof(float) * group * ctx);
+    int64_t *offset = malloc(sizeof(int64_t) * ctx); /* of each position's K/V row for this head */
+    for (int64_t p = 0; p < ctx; p++)
+      offset[p] = (page_table[b * ldp + p / page_size] * page_size + p % page_size) * row + h * D;
+    const bf16 *qh = q + b * ldq + h * group * D;
+    for (int64_t p = 0; p < ctx; p++) {
+      const bf16 *kr = k_cache + offset[p];
+      if (p + 8 < ctx) /* rows are scattered over pages: fetch ahead */
+        for (int64_t c = 0; c < D; c += 32) {
+          _mm_prefetch((const char *)(k_cache + offset[p + 8] + c), _MM_HINT_T0);
+          _mm_prefetch((const char *)(v_cache + offset[p + 8] + c), _MM_HINT_T1);
+        }
+      for (int64_t g = 0; g < group; g++) {
+        __m512 s = _mm512_setzero_ps();
+        for (int64_t c = 0; c < D; c += 32)
+          s = _mm512_dpbf16_ps(s, (__m512bh)_mm512_loadu_si512(qh + g * D + c),
+                               (__m512bh)_mm512_loadu_si512(kr + c));
+        scores[g * ctx + p] = _mm512_reduce_add_ps(s) * scale;
+      }
+    }
+    for (int64_t g = 0; g < group; g++) {
+      const float *sg = scores + g * ctx;
+      const __m512 inv = _mm512_set1_ps(1.0f / exp_shifted(scores + g * ctx, ctx));
+      bf16 *o = out + (b * Hq + h * group + g) * D;
+      for (int64_t c = 0; c < D; c += 32) { /* 32 outputs at a time, two keys per iteration */
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        int64_t p = 0;
+        for (; p + 1 < ctx; p += 2) {
+          const bf16 *v0 = v_cache + offset[p] + c, *v1 = v_cache + offset[p + 1] + c;
+          const __m512 w0 = _mm512_set1_ps(sg[p]), w1 = _mm512_set1_ps(sg[p + 1]);
+          a0 = _mm512_fmadd_ps(w0, load_bf16x16(v0), a0);
+          a1 = _mm512_fmadd_ps(w0, load_bf16x16(v0 + 16), a1);
+          a2 = _mm512_fmadd_ps(w1, load_bf16x16(v1), a2);
+          a3 = _mm512_fmadd_ps(w1, load_bf16x16(v1 + 16), a3);
+        }
+        if (p < ctx) {
+          const bf16 *v0 = v_cache + offset[p] + c;
+          a0 = _mm512_fmadd_ps(_mm512_set1_ps(sg[p]), load_bf16x16(v0), a0);
+          a1 = _mm512_fmadd_ps(_mm512_set1_ps(sg[p]), load_bf16x16(v0 + 16), a1);
+        }
+        _mm256_storeu_si256((__m256i *)(o + c), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_add_ps(a0, a2), inv)));
+        _mm256_storeu_si256((__m256i *)(o + c + 16), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_add_ps(a1, a3), inv)));
+      }
+    }
+    free(scores);
+    free(offset);
+  }
+}

@@ -1,0 +1,139 @@
+"""Torch-facing wrappers of the CPU kernels (bf16): the ops set the model takes (same interface as
+TorchOps and TritonOps), the packed linear layer's matmul, and paged decode attention. Inputs a kernel
+does not cover (another dtype, an odd layout) go to the torch reference, so callers need not check."""
+
+from __future__ import annotations
+
+import torch
+
+from mili.kernels import reference
+from mili.kernels.cpu import load
+
+BF16 = torch.bfloat16
+
+
+def _lib():
+    lib, why = load()
+    if lib is None:
+        raise RuntimeError(f"MILI's CPU kernels are not available: {why}")
+    return lib
+
+
+def _threads() -> int:
+    return torch.get_num_threads()
+
+
+# -- linear layers -------------------------------------------------------------------------------
+def linear_supported(weight: torch.Tensor) -> bool:
+    return weight.dtype == BF16 and weight.dim() == 2 and weight.shape[1] % 32 == 0
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [ceil(N/16), K/2, 16, 2], rows padded with zeros to a multiple of 16 (see kernels.c)."""
+    n, k = weight.shape
+    pad = -n % 16
+    if pad:
+        weight = torch.cat([weight, weight.new_zeros(pad, k)])
+    return weight.view(-1, 16, k // 2, 2).transpose(1, 2).contiguous()
+
+
+def unpack_rows(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Rows of the original [N, K] matrix (an embedding lookup on a packed tied head): [len(rows), K]."""
+    return packed[rows // 16, :, rows % 16, :].reshape(rows.shape[0], -1)
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x [M, K] @ W^T for W packed by pack_weight: [M, out_features]."""
+    x = x.to(BF16).contiguous()
+    m, k = x.shape
+    n = packed.shape[0] * 16
+    y = torch.empty(m, n, dtype=BF16)
+    if m:
+        _lib().mili_linear(packed.data_ptr(), x.data_ptr(), y.data_ptr(), m, n, k, _threads())
+    return y if n == out_features else y[:, :out_features]
+
+
+def pack_int8(qweight: torch.Tensor) -> torch.Tensor:
+    """int8 [N, K] -> [ceil(N/16), K/4, 16, 4] (AMX's int8 B tile layout), rows zero padded."""
+    n, k = qweight.shape
+    pad = -n % 16
+    if pad:
+        qweight = torch.cat([qweight, qweight.new_zeros(pad, k)])
+    return qweight.view(-1, 16, k // 4, 4).transpose(1, 2).contiguous()
+
+
+def linear_int8(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x [M, K] @ (int8 W * scales)^T, x quantized per row to int8 inside the kernel: [M, out_features].
+    ``scales``: float32, padded like ``packed``."""
+    x = x.to(BF16).contiguous()
+    m, k = x.shape
+    n = packed.shape[0] * 16
+    y = torch.empty(m, n, dtype=BF16)
+    if m:
+        _lib().mili_linear_int8(packed.data_ptr(), scales.data_ptr(), x.data_ptr(), y.data_ptr(), m, n, k,
+                                _threads())
+    return y if n == out_features else y[:, :out_features]
+
+
+# -- the ops set ---------------------------------------------------------------------------------
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    if x.dtype != BF16 or x.dim() != 2 or x.stride(-1) != 1 or (residual is not None and residual.dtype != BF16):
+        return reference.rms_norm(x, weight, eps, residual)
+    t, d = x.shape
+    out = torch.empty(t, d, dtype=BF16)
+    res_out = None if residual is None else torch.empty(t, d, dtype=BF16)
+    residual = None if residual is None else residual.contiguous()
+    _lib().mili_rms_norm(x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
+                         weight.contiguous().data_ptr(), out.data_ptr(),
+                         None if res_out is None else res_out.data_ptr(), t, d, eps, _threads())
+    return out if residual is None else (out, res_out)
+
+
+def qk_norm_rope(q, k, q_weight, k_weight, eps, cos, sin):
+    """In place when q and k are the adjacent head ranges of one fused qkv output (the model's case)."""
+    t, hq, d = q.shape
+    adjacent = (q.dtype == k.dtype == BF16 and q.stride()[1:] == k.stride()[1:] == (d, 1)
+                and (t == 1 or q.stride(0) == k.stride(0))  # (a size-1 dim's stride is arbitrary)
+                and k.data_ptr() == q.data_ptr() + hq * d * q.element_size())
+    if not adjacent or d % 2 or d > 1024 or cos.dtype != torch.float32:
+        return reference.qk_norm_rope(q, k, q_weight, k_weight, eps, cos, sin)
+    cos, sin = cos.contiguous(), sin.contiguous()
+    _lib().mili_qk_norm_rope(q.data_ptr(), q.stride(0), t, hq, k.shape[1], d, q_weight.contiguous().data_ptr(),
+                             k_weight.contiguous().data_ptr(), eps, cos.data_ptr(), sin.data_ptr(), _threads())
+    return q, k
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    if gate_up.dtype != BF16 or gate_up.dim() != 2:
+        return reference.silu_and_mul(gate_up)
+    gate_up = gate_up.contiguous()
+    t, i = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(t, i, dtype=BF16)
+    _lib().mili_silu_and_mul(gate_up.data_ptr(), out.data_ptr(), t, i, _threads())
+    return out
+
+
+class CpuOps:
+    rms_norm = staticmethod(rms_norm)
+    qk_norm_rope = staticmethod(qk_norm_rope)
+    silu_and_mul = staticmethod(silu_and_mul)
+
+
+# -- attention -----------------------------------------------------------------------------------
+def decode_attention_supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    d = q.shape[-1]
+    return (q.dtype == k_cache.dtype == BF16 and d % 32 == 0 and q.stride()[1:] == (d, 1)
+            and k_cache.is_contiguous())
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+                     context_lens: list[int], scale: float) -> torch.Tensor:
+    """One query token per sequence, q [B, Hq, D], over each sequence's pages in place: [B, Hq, D]."""
+    b, hq, d = q.shape
+    page_table = page_table[:b].to(torch.int64).contiguous()
+    lens = torch.tensor(context_lens[:b], dtype=torch.int64)
+    out = torch.empty(b, hq, d, dtype=BF16)
+    _lib().mili_decode_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                                 page_table.data_ptr(), page_table.stride(0), lens.data_ptr(), out.data_ptr(),
+                                 b, hq, k_cache.shape[2], d, k_cache.shape[1], scale, _threads())
+    return out

@@ -1,0 +1,151 @@
+"""MILI's CPU kernels (mili/kernels/cpu) against the torch references, alone and inside the engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mili import LLM, SamplingParams
+from mili.kernels import cpu, reference
+from mili.kernels.cpu import ops
+from mili.model.cpu_linear import AmxLinear, Int8Linear, PackedEmbedding, PackedLinear
+
+BF16 = torch.bfloat16
+
+
+def test_load_says_why_when_unavailable():
+    lib, why = cpu.load()
+    flags = cpu._cpu_flags()
+    if all(f in flags for f in cpu.REQUIRED_CPU_FLAGS):  # this project's machines: AMX + AVX-512 BF16
+        assert lib is not None, why
+    else:
+        assert lib is None and why
+
+
+needs_kernels = pytest.mark.skipif(not cpu.available(), reason=f"CPU kernels unavailable: {cpu.load()[1]}")
+
+
+@needs_kernels
+@pytest.mark.parametrize("m", [1, 5, 16, 17, 40, 100])
+@pytest.mark.parametrize("n,k", [(48, 64), (40, 96), (272, 1024)])
+def test_linear_matches_torch(m, n, k):
+    torch.manual_seed(m * 7 + n)
+    w, x = torch.randn(n, k).to(BF16), torch.randn(m, k).to(BF16)
+    packed = ops.pack_weight(w)
+    assert packed.shape == (-(-n // 16), k // 2, 16, 2)
+    y = ops.linear(x, packed, n)
+    ref = x.float() @ w.float().T
+    assert y.shape == (m, n) and y.dtype == BF16
+    # float32 accumulation, one bf16 rounding of the result
+    torch.testing.assert_close(y.float(), ref, rtol=8e-3, atol=8e-3 * ref.abs().max().item())
+    rows = torch.tensor([0, n - 1, n // 2, 3])
+    assert torch.equal(ops.unpack_rows(packed, rows), w[rows])
+
+
+@needs_kernels
+def test_amx_linear_module_with_bias_and_leading_dims():
+    w, b = torch.randn(96, 64).to(BF16), torch.randn(96).to(BF16)
+    x = torch.randn(2, 3, 64).to(BF16)
+    out = AmxLinear(w, b)(x)
+    assert out.shape == (2, 3, 96)
+    torch.testing.assert_close(out.float(), F.linear(x, w, b).float(), rtol=2e-2, atol=2e-2)
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 9, 70])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm(rows, with_residual):
+    torch.manual_seed(rows)
+    x, r = torch.randn(rows, 96).to(BF16), torch.randn(rows, 96).to(BF16)
+    w = torch.rand(96).to(BF16) + 0.5
+    got = ops.rms_norm(x, w, 1e-6, r if with_residual else None)
+    want = reference.rms_norm(x, w, 1e-6, r if with_residual else None)
+    if with_residual:
+        assert torch.equal(got[1], want[1])  # the residual sum, rounded the same way
+        got, want = got[0], want[0]
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+
+
+@needs_kernels
+@pytest.mark.parametrize("t", [1, 20])
+def test_qk_norm_rope_in_place_on_fused_qkv(t):
+    torch.manual_seed(t)
+    hq, hkv, d = 4, 2, 64
+    qkv = torch.randn(t, (hq + 2 * hkv) * d).to(BF16)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    q, k = q.view(t, hq, d), k.view(t, hkv, d)
+    qw, kw = torch.rand(d).to(BF16) + 0.5, torch.rand(d).to(BF16) + 0.5
+    angles = torch.rand(t, d // 2) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    want_q, want_k = reference.qk_norm_rope(q.clone(), k.clone(), qw, kw, 1e-6, cos, sin)
+    v_before = v.clone()
+    got_q, got_k = ops.qk_norm_rope(q, k, qw, kw, 1e-6, cos, sin)
+    assert got_q.data_ptr() == qkv.data_ptr()  # in place
+    assert torch.equal(v, v_before)
+    torch.testing.assert_close(got_q.float(), want_q.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got_k.float(), want_k.float(), rtol=2e-2, atol=2e-2)
+
+
+@needs_kernels
+def test_silu_and_mul():
+    gate_up = (torch.randn(7, 2 * 160) * 3).to(BF16)
+    torch.testing.assert_close(ops.silu_and_mul(gate_up).float(), reference.silu_and_mul(gate_up).float(),
+                               rtol=1e-2, atol=1e-2)
+
+
+@needs_kernels
+@pytest.mark.parametrize("hq,hkv", [(4, 2), (4, 4), (8, 1)])
+def test_decode_attention_over_scattered_pages(hq, hkv):
+    torch.manual_seed(hq * 10 + hkv)
+    page_size, d, num_pages = 16, 64, 40
+    k_cache = torch.randn(num_pages, page_size, hkv, d).to(BF16)
+    v_cache = torch.randn(num_pages, page_size, hkv, d).to(BF16)
+    context_lens = [1, 17, 300]
+    table = torch.zeros(3, 19, dtype=torch.long)
+    perm = torch.randperm(num_pages).tolist()
+    for b, ctx in enumerate(context_lens):
+        n = -(-ctx // page_size)
+        table[b, :n] = torch.tensor(perm[:n])
+        perm = perm[n:]
+    q = torch.randn(3, hq, d).to(BF16)
+    got = ops.decode_attention(q, k_cache, v_cache, table, context_lens, d ** -0.5)
+    want = reference.paged_attention(q, k_cache, v_cache, table, [1, 1, 1], context_lens, d ** -0.5)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+@needs_kernels
+@pytest.mark.parametrize("shape", ["gqa_untied", "mha_tied"])
+def test_engine_with_cpu_kernels_tracks_torch_ops(checkpoints, shape):
+    """bf16 with the kernels vs bf16 with torch ops and oneDNN: the same model up to rounding."""
+    prompt = {"prompt_token_ids": list(range(5, 60))}
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+    fast = LLM(str(checkpoints[shape]), dtype="bfloat16")
+    plain = LLM(str(checkpoints[shape]), dtype="bfloat16", cpu_kernels=False)
+    runner = fast.engine.runner
+    assert runner.cpu_kernels and not plain.engine.runner.cpu_kernels
+    assert isinstance(runner.model.model.layers[0].mlp.down_proj, AmxLinear)
+    assert isinstance(plain.engine.runner.model.model.layers[0].mlp.down_proj, PackedLinear)
+    if shape == "mha_tied":  # the table is stored once, packed, in the head
+        assert isinstance(runner.model.model.embed_tokens, PackedEmbedding)
+    a, b = (llm.generate(prompt, params, use_tqdm=False)[0].outputs[0] for llm in (fast, plain))
+    assert a.token_ids[:4] == b.token_ids[:4]  # random weights: bf16 roundings part paths later
+    lp_a, lp_b = a.logprobs[0][a.token_ids[0]].logprob, b.logprobs[0][b.token_ids[0]].logprob
+    assert abs(lp_a - lp_b) < 0.1
+    fast.engine.check_integrity()
+
+
+@needs_kernels
+@pytest.mark.parametrize("m", [1, 3, 40])
+def test_int8_kernel_close_to_weight_only_int8(m):
+    """The AMX int8 kernel also quantizes the activations (one scale per row): it stays within ~1% of
+    the weight-only int8 product."""
+    torch.manual_seed(m)
+    w, x = torch.randn(80, 128).to(BF16), torch.randn(m, 128).to(BF16)
+    amx, ref = Int8Linear(w, kernels=True), Int8Linear(w, kernels=False)
+    assert amx.amx and amx.qweight.shape == (5, 32, 16, 4)
+    dequant = ref.qweight.float() * ref.scales.float()[:, None]
+    want = x.float() @ dequant.T
+    got = amx(x).float()
+    assert got.shape == (m, 80)
+    assert (got - want).norm() / want.norm() < 0.01
