@@ -26,13 +26,6 @@ static inline float bf16_to_float(bf16 v) {
   return f;
 }
 
-static inline bf16 float_to_bf16(float f) { /* round to nearest even, as torch does */
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  if ((u & 0x7fffffff) > 0x7f800000) return 0x7fc0; /* NaN */
-  return (bf16)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
-}
-
 /* Linux hands AMX tile state to a process only when asked (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA). */
 int mili_amx_init(void) { return (int)syscall(SYS_arch_prctl, 0x1023, 18); }
 
@@ -168,70 +161,8 @@ void mili_linear_int8(const int8_t *w, const float *sw, const bf16 *x, bf16 *y, 
   free(sx);
 }
 
-/* RMSNorm over rows of length D as the torch reference computes it: s = x (+ residual, rounded to bf16
- * and written to res_out), out = bf16(w * bf16(s / sqrt(mean(s^2) + eps))). x rows at stride ldx. */
-void mili_rms_norm(const bf16 *x, int64_t ldx, const bf16 *residual, const bf16 *w, bf16 *out, bf16 *res_out,
-                   int64_t T, int64_t D, float eps, int nthreads) {
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (T * D >= 65536)
-  for (int64_t t = 0; t < T; t++) {
-    const bf16 *xr = x + t * ldx;
-    float sum = 0.f;
-    for (int64_t i = 0; i < D; i++) {
-      float s = bf16_to_float(xr[i]);
-      if (residual) {
-        bf16 sb = float_to_bf16(s + bf16_to_float(residual[t * D + i]));
-        res_out[t * D + i] = sb;
-        s = bf16_to_float(sb);
-      }
-      sum += s * s;
-    }
-    const float inv = 1.0f / sqrtf(sum / (float)D + eps);
-    const bf16 *src = residual ? res_out + t * D : xr;
-    for (int64_t i = 0; i < D; i++)
-      out[t * D + i] = float_to_bf16(bf16_to_float(w[i]) * bf16_to_float(float_to_bf16(bf16_to_float(src[i]) * inv)));
-  }
-}
-
-/* In place on the fused qkv output (rows of stride ld): per-head RMSNorm of the Hq query heads (weight
- * qw) and the Hkv key heads after them (weight kw), then rotate-half RoPE with float32 cos/sin [T, D]. */
-void mili_qk_norm_rope(bf16 *qkv, int64_t ld, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const bf16 *qw,
-                       const bf16 *kw, float eps, const float *cos_t, const float *sin_t, int nthreads) {
-  const int64_t half = D / 2;
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (T >= 16)
-  for (int64_t t = 0; t < T; t++) {
-    float v[1024]; /* head_dim <= 1024 (checked by the caller) */
-    for (int64_t h = 0; h < Hq + Hkv; h++) {
-      bf16 *head = qkv + t * ld + h * D;
-      const bf16 *w = h < Hq ? qw : kw;
-      float sum = 0.f;
-      for (int64_t i = 0; i < D; i++) {
-        float a = bf16_to_float(head[i]);
-        sum += a * a;
-      }
-      const float inv = 1.0f / sqrtf(sum / (float)D + eps);
-      for (int64_t i = 0; i < D; i++)
-        v[i] = bf16_to_float(float_to_bf16(bf16_to_float(w[i]) * bf16_to_float(float_to_bf16(bf16_to_float(head[i]) * inv))));
-      const float *c = cos_t + t * D, *s = sin_t + t * D;
-      for (int64_t i = 0; i < half; i++) {
-        head[i] = float_to_bf16(v[i] * c[i] - v[i + half] * s[i]);
-        head[i + half] = float_to_bf16(v[i + half] * c[i + half] + v[i] * s[i + half]);
-      }
-    }
-  }
-}
-
-/* out[t, i] = bf16(silu(gate[t, i])) * up[t, i] (rounded as torch's bf16 ops), rows = [gate (I) | up (I)]. */
-void mili_silu_and_mul(const bf16 *gate_up, bf16 *out, int64_t T, int64_t I, int nthreads) {
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (T * I >= 65536)
-  for (int64_t t = 0; t < T; t++)
-    for (int64_t i = 0; i < I; i++) {
-      const float g = bf16_to_float(gate_up[t * 2 * I + i]), u = bf16_to_float(gate_up[t * 2 * I + I + i]);
-      out[t * I + i] = float_to_bf16(bf16_to_float(float_to_bf16(g / (1.0f + expf(-g)))) * u);
-    }
-}
-
-/* exp(x) for x <= 0 (softmax after the max is subtracted): x = n ln2 + r, 2^n exactly by scalef, e^r by
- * its Taylor series to r^6 (|r| <= ln2/2: relative error ~1e-7). */
+/* exp(x): x = n ln2 + r, 2^n exactly by scalef, e^r by its Taylor series to r^6 (|r| <= ln2/2:
+ * relative error ~1e-7); below -87 it gives ~0, above ~88 infinity. */
 static inline __m512 exp_ps(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
@@ -246,6 +177,81 @@ static inline __m512 exp_ps(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(p, n);
+}
+
+static inline __m512 load_bf16x16(const bf16 *p) {
+  return _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const __m256i *)p));
+}
+
+static inline __m256i to_bf16x16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); } /* nearest even */
+
+static inline __m512 round_bf16(__m512 v) { return _mm512_cvtpbh_ps((__m256bh)to_bf16x16(v)); }
+
+/* One row of RMSNorm as torch rounds it: out = bf16(w * bf16(s / sqrt(mean(s^2) + eps))). D % 16 == 0. */
+static inline void rms_norm_row(const bf16 *s, const bf16 *w, bf16 *out, int64_t D, float eps) {
+  __m512 sq = _mm512_setzero_ps();
+  for (int64_t i = 0; i < D; i += 16) {
+    const __m512 v = load_bf16x16(s + i);
+    sq = _mm512_fmadd_ps(v, v, sq);
+  }
+  const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(sq) / (float)D + eps));
+  for (int64_t i = 0; i < D; i += 16) {
+    const __m512 normed = round_bf16(_mm512_mul_ps(load_bf16x16(s + i), inv));
+    _mm256_storeu_si256((__m256i *)(out + i), to_bf16x16(_mm512_mul_ps(load_bf16x16(w + i), normed)));
+  }
+}
+
+/* RMSNorm over rows of length D (x rows at stride ldx); with a residual, s = bf16(x + residual) is
+ * written to res_out and normalized. D % 16 == 0. */
+void mili_rms_norm(const bf16 *x, int64_t ldx, const bf16 *residual, const bf16 *w, bf16 *out, bf16 *res_out,
+                   int64_t T, int64_t D, float eps, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (T * D >= 65536)
+  for (int64_t t = 0; t < T; t++) {
+    const bf16 *src = x + t * ldx;
+    if (residual) {
+      for (int64_t i = 0; i < D; i += 16)
+        _mm256_storeu_si256((__m256i *)(res_out + t * D + i),
+                            to_bf16x16(_mm512_add_ps(load_bf16x16(src + i), load_bf16x16(residual + t * D + i))));
+      src = res_out + t * D;
+    }
+    rms_norm_row(src, w, out + t * D, D, eps);
+  }
+}
+
+/* In place on the fused qkv output (rows of stride ld): per-head RMSNorm of the Hq query heads (weight
+ * qw) and the Hkv key heads after them (weight kw), then rotate-half RoPE with float32 cos/sin [T, D].
+ * D % 32 == 0, D <= 1024. */
+void mili_qk_norm_rope(bf16 *qkv, int64_t ld, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const bf16 *qw,
+                       const bf16 *kw, float eps, const float *cos_t, const float *sin_t, int nthreads) {
+  const int64_t half = D / 2;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (T >= 16)
+  for (int64_t t = 0; t < T; t++) {
+    const float *c = cos_t + t * D, *s = sin_t + t * D;
+    for (int64_t h = 0; h < Hq + Hkv; h++) {
+      bf16 *head = qkv + t * ld + h * D, normed[1024];
+      rms_norm_row(head, h < Hq ? qw : kw, normed, D, eps);
+      for (int64_t i = 0; i < half; i += 16) {
+        const __m512 lo = load_bf16x16(normed + i), hi = load_bf16x16(normed + half + i);
+        _mm256_storeu_si256((__m256i *)(head + i), to_bf16x16(_mm512_fnmadd_ps(
+            hi, _mm512_loadu_ps(s + i), _mm512_mul_ps(lo, _mm512_loadu_ps(c + i)))));
+        _mm256_storeu_si256((__m256i *)(head + half + i), to_bf16x16(_mm512_fmadd_ps(
+            lo, _mm512_loadu_ps(s + half + i), _mm512_mul_ps(hi, _mm512_loadu_ps(c + half + i)))));
+      }
+    }
+  }
+}
+
+/* out[t, i] = bf16(silu(gate[t, i])) * up[t, i] (rounded as torch's bf16 ops), rows = [gate (I) | up (I)].
+ * I % 16 == 0. */
+void mili_silu_and_mul(const bf16 *gate_up, bf16 *out, int64_t T, int64_t I, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (T * I >= 65536)
+  for (int64_t t = 0; t < T; t++)
+    for (int64_t i = 0; i < I; i += 16) {
+      const __m512 g = load_bf16x16(gate_up + t * 2 * I + i), u = load_bf16x16(gate_up + t * 2 * I + I + i);
+      const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g));
+      const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+      _mm256_storeu_si256((__m256i *)(out + t * I + i), to_bf16x16(_mm512_mul_ps(round_bf16(silu), u)));
+    }
 }
 
 /* Softmax numerator in place: s[i] = exp(s[i] - max); returns the sum. */
@@ -265,8 +271,19 @@ static float exp_shifted(float *s, int64_t n) {
   return _mm512_reduce_add_ps(sum);
 }
 
-static inline __m512 load_bf16x16(const bf16 *p) {
-  return _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const __m256i *)p));
+/* o = bf16(inv * sum_p w[p] V[p]) over the rows at v + offset[p], with the nv x 16 outputs in registers
+ * (nv is a constant at each call: the loops unroll). */
+static inline __attribute__((always_inline)) void weighted_sum_v(const bf16 *v, const int64_t *offset,
+                                                                 const float *w, int64_t ctx, const int nv,
+                                                                 __m512 inv, bf16 *o) {
+  __m512 acc[16];
+  for (int j = 0; j < nv; j++) acc[j] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < ctx; p++) {
+    const __m512 wp = _mm512_set1_ps(w[p]);
+    const bf16 *row = v + offset[p];
+    for (int j = 0; j < nv; j++) acc[j] = _mm512_fmadd_ps(wp, load_bf16x16(row + 16 * j), acc[j]);
+  }
+  for (int j = 0; j < nv; j++) _mm256_storeu_si256((__m256i *)(o + 16 * j), to_bf16x16(_mm512_mul_ps(acc[j], inv)));
 }
 
 /* Decode attention over the paged pool, reading each page in place: B sequences with one query token
@@ -305,25 +322,16 @@ void mili_decode_attention(const bf16 *q, int64_t ldq, const bf16 *k_cache, cons
       const float *sg = scores + g * ctx;
       const __m512 inv = _mm512_set1_ps(1.0f / exp_shifted(scores + g * ctx, ctx));
       bf16 *o = out + (b * Hq + h * group + g) * D;
-      for (int64_t c = 0; c < D; c += 32) { /* 32 outputs at a time, two keys per iteration */
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        int64_t p = 0;
-        for (; p + 1 < ctx; p += 2) {
-          const bf16 *v0 = v_cache + offset[p] + c, *v1 = v_cache + offset[p + 1] + c;
-          const __m512 w0 = _mm512_set1_ps(sg[p]), w1 = _mm512_set1_ps(sg[p + 1]);
-          a0 = _mm512_fmadd_ps(w0, load_bf16x16(v0), a0);
-          a1 = _mm512_fmadd_ps(w0, load_bf16x16(v0 + 16), a1);
-          a2 = _mm512_fmadd_ps(w1, load_bf16x16(v1), a2);
-          a3 = _mm512_fmadd_ps(w1, load_bf16x16(v1 + 16), a3);
+      if (D == 64) weighted_sum_v(v_cache, offset, sg, ctx, 4, inv, o);
+      else if (D == 128) weighted_sum_v(v_cache, offset, sg, ctx, 8, inv, o);
+      else if (D == 256) weighted_sum_v(v_cache, offset, sg, ctx, 16, inv, o);
+      else
+        for (int64_t c = 0; c < D; c += 16) { /* other head sizes: 16 outputs at a time */
+          __m512 a = _mm512_setzero_ps();
+          for (int64_t p = 0; p < ctx; p++)
+            a = _mm512_fmadd_ps(_mm512_set1_ps(sg[p]), load_bf16x16(v_cache + offset[p] + c), a);
+          _mm256_storeu_si256((__m256i *)(o + c), to_bf16x16(_mm512_mul_ps(a, inv)));
         }
-        if (p < ctx) {
-          const bf16 *v0 = v_cache + offset[p] + c;
-          a0 = _mm512_fmadd_ps(_mm512_set1_ps(sg[p]), load_bf16x16(v0), a0);
-          a1 = _mm512_fmadd_ps(_mm512_set1_ps(sg[p]), load_bf16x16(v0 + 16), a1);
-        }
-        _mm256_storeu_si256((__m256i *)(o + c), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_add_ps(a0, a2), inv)));
-        _mm256_storeu_si256((__m256i *)(o + c + 16), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_add_ps(a1, a3), inv)));
-      }
     }
     free(scores);
     free(offset);

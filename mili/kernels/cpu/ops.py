@@ -77,7 +77,8 @@ def linear_int8(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out
 
 # -- the ops set ---------------------------------------------------------------------------------
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
-    if x.dtype != BF16 or x.dim() != 2 or x.stride(-1) != 1 or (residual is not None and residual.dtype != BF16):
+    if (x.dtype != BF16 or x.dim() != 2 or x.stride(-1) != 1 or x.shape[1] % 16
+            or (residual is not None and residual.dtype != BF16)):
         return reference.rms_norm(x, weight, eps, residual)
     t, d = x.shape
     out = torch.empty(t, d, dtype=BF16)
@@ -95,7 +96,7 @@ def qk_norm_rope(q, k, q_weight, k_weight, eps, cos, sin):
     adjacent = (q.dtype == k.dtype == BF16 and q.stride()[1:] == k.stride()[1:] == (d, 1)
                 and (t == 1 or q.stride(0) == k.stride(0))  # (a size-1 dim's stride is arbitrary)
                 and k.data_ptr() == q.data_ptr() + hq * d * q.element_size())
-    if not adjacent or d % 2 or d > 1024 or cos.dtype != torch.float32:
+    if not adjacent or d % 32 or d > 1024 or cos.dtype != torch.float32:
         return reference.qk_norm_rope(q, k, q_weight, k_weight, eps, cos, sin)
     cos, sin = cos.contiguous(), sin.contiguous()
     _lib().mili_qk_norm_rope(q.data_ptr(), q.stride(0), t, hq, k.shape[1], d, q_weight.contiguous().data_ptr(),
@@ -104,7 +105,7 @@ def qk_norm_rope(q, k, q_weight, k_weight, eps, cos, sin):
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    if gate_up.dtype != BF16 or gate_up.dim() != 2:
+    if gate_up.dtype != BF16 or gate_up.dim() != 2 or gate_up.shape[1] % 32:
         return reference.silu_and_mul(gate_up)
     gate_up = gate_up.contiguous()
     t, i = gate_up.shape[0], gate_up.shape[1] // 2
