@@ -54,8 +54,8 @@ class ModelRunner:
             swap_linears(self.model, "packed")
         if self.device.type == "cpu":
             release_freed_memory()  # the plain weights a swap replaced go back to the OS
+        self._allocate_kv_cache()  # may lower max_model_len to what the pool holds
         self.model.init_rotary(self.max_model_len, self.device)
-        self._allocate_kv_cache()
         if hasattr(backend, "max_pages_per_seq"):
             backend.max_pages_per_seq = self.max_pages_per_seq
         self.sampler = Sampler()
@@ -110,6 +110,7 @@ class ModelRunner:
     @torch.inference_mode()
     def _profile_activation_peak(self, bytes_per_page: int) -> int:
         """Peak memory of a full-budget prefill (max_num_batched_tokens) above the weights."""
+        self.model.init_rotary(self.max_model_len, self.device)  # rebuilt once the pool fixes the length
         tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
         pages = -(-tokens // self.config.page_size)
         cfg = self.model_config
