@@ -73,7 +73,7 @@ class Int8Linear(_SwappedLinear):
         # MILI's AMX int8 kernel (activations quantized per row too), or aten's weight-only kernel
         self.amx = kernels and self.in_features % 64 == 0
         if self.amx:
-            self.register_buffer("qweight", cpu_ops.pack_int8(qweight))
+            self.register_buffer("qweight", cpu_ops.pack_weight(qweight))
             self.register_buffer("scales", F.pad(scales, (0, -len(scales) % 16)).contiguous())
         else:
             self.register_buffer("qweight", qweight)

@@ -29,12 +29,13 @@ def linear_supported(weight: torch.Tensor) -> bool:
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> [ceil(N/16), K/2, 16, 2], rows padded with zeros to a multiple of 16 (see kernels.c)."""
+    """[N, K] -> AMX's B tile layout, rows zero padded to a multiple of 16 (see kernels.c): bf16
+    [ceil(N/16), K/2, 16, 2], int8 [ceil(N/16), K/4, 16, 4] (each row of 16 columns is 64 bytes)."""
     n, k = weight.shape
-    pad = -n % 16
-    if pad:
-        weight = torch.cat([weight, weight.new_zeros(pad, k)])
-    return weight.view(-1, 16, k // 2, 2).transpose(1, 2).contiguous()
+    per = 4 // weight.element_size()
+    if n % 16:
+        weight = torch.cat([weight, weight.new_zeros(-n % 16, k)])
+    return weight.view(-1, 16, k // per, per).transpose(1, 2).contiguous()
 
 
 def unpack_rows(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -51,15 +52,6 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Te
     if m:
         _lib().mili_linear(packed.data_ptr(), x.data_ptr(), y.data_ptr(), m, n, k, _threads())
     return y if n == out_features else y[:, :out_features]
-
-
-def pack_int8(qweight: torch.Tensor) -> torch.Tensor:
-    """int8 [N, K] -> [ceil(N/16), K/4, 16, 4] (AMX's int8 B tile layout), rows zero padded."""
-    n, k = qweight.shape
-    pad = -n % 16
-    if pad:
-        qweight = torch.cat([qweight, qweight.new_zeros(pad, k)])
-    return qweight.view(-1, 16, k // 4, 4).transpose(1, 2).contiguous()
 
 
 def linear_int8(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_features: int) -> torch.Tensor:
