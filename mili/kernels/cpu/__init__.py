@@ -25,6 +25,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import torch  # noqa: F401  (loaded first: the library's libgomp must resolve to torch's)
+
 SOURCE = Path(__file__).with_name("kernels.c")
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
 log = logging.getLogger("mili")
@@ -75,8 +77,6 @@ def _build(compiler: str, flags: set[str]) -> Path:
 @functools.cache
 def load() -> tuple[ctypes.CDLL | None, str]:
     """(the library, "") or (None, why it can't be used here). Built and loaded once per process."""
-    import torch  # first: the library's libgomp must resolve to the one torch loaded
-
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return None, f"the CPU kernels are for Linux x86-64 (this is {platform.system()} {platform.machine()})"
     flags = _cpu_flags()
@@ -95,7 +95,6 @@ def load() -> tuple[ctypes.CDLL | None, str]:
     for name, argtypes in SIGNATURES.items():
         getattr(lib, name).argtypes = argtypes
         getattr(lib, name).restype = None
-    del torch
     return lib, ""
 
 
