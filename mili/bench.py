@@ -13,6 +13,8 @@ import time
 
 import torch
 
+from mili.kernels import cpu
+
 
 # -- helpers -------------------------------------------------------------------------------------
 def print_table(title: str, header: list[str], rows: list[list], digits: int = 2) -> None:
@@ -124,7 +126,7 @@ def _hf_generate(model, batch: list[list[int]], new_tokens: int) -> float:
 def _header(args, engine) -> None:
     print(f"mili bench {args.mode}: model {engine.model_path}, dtype {str(engine.runner.dtype)[6:]}, "
           f"quantization {args.quantization or 'none'}, device {engine.runner.device}, "
-          f"CPU kernels {'on' if engine.runner.cpu_kernels else 'off'}, "
+          f"CPU kernels {'on (' + cpu.isa() + ')' if engine.runner.cpu_kernels else 'off'}, "
           f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads")
 
 

@@ -2,11 +2,13 @@
 
 * ``PackedLinear``: bf16 weights reordered once into oneDNN's blocked layout (what torch.compile's
   freezing pass does), ~1.4x faster matrix-vector products than aten's linear on plain weights.
-* ``AmxLinear``: bf16 weights packed for MILI's own AMX kernel (``kernels/cpu``), which streams them
-  at ~29 GB/s where oneDNN reaches ~22 (benchmarks/NOTES.md). A tied lm_head gets the packed table and
-  the embedding reads its rows from it (``PackedEmbedding``), so the table is stored once.
-* ``Int8Linear``: weight-only int8 with one scale per output channel (symmetric, round to nearest),
-  through aten's ``_weight_int8pack_mm``: half the bytes of bf16 per decode step.
+* ``KernelLinear``: bf16 weights packed for MILI's own kernel (``kernels/cpu``: AMX, or AVX-512 BF16),
+  which streams them near read speed where oneDNN falls well short (benchmarks/NOTES.md). A tied lm_head
+  gets the packed table and the embedding reads its rows from it (``PackedEmbedding``), so the table is
+  stored once.
+* ``Int8Linear``: int8 weights with one scale per output channel (symmetric, round to nearest): MILI's
+  kernel (activations quantized per row too: AMX-INT8 or AVX-512 VNNI), or aten's weight-only
+  ``_weight_int8pack_mm``: half the bytes of bf16 per decode step.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ class PackedLinear(_SwappedLinear):
         return torch.ops.mkldnn._linear_pointwise(x2d, self.packed, self.bias, "none", [], "")
 
 
-class AmxLinear(_SwappedLinear):
+class KernelLinear(_SwappedLinear):
     def __init__(self, weight, bias=None, shard_sizes=None):
         super().__init__(weight, bias, shard_sizes)
         self.register_buffer("packed", cpu_ops.pack_weight(weight.detach()))
@@ -54,9 +56,9 @@ class AmxLinear(_SwappedLinear):
 
 
 class PackedEmbedding(nn.Module):
-    """The embedding of a tied model whose table lives, packed, in the lm_head (an AmxLinear)."""
+    """The embedding of a tied model whose table lives, packed, in the lm_head (a KernelLinear)."""
 
-    def __init__(self, head: AmxLinear):
+    def __init__(self, head: KernelLinear):
         super().__init__()
         self.head = [head]  # a list: not a submodule, so the table is not registered twice
 
@@ -70,18 +72,19 @@ class Int8Linear(_SwappedLinear):
         w = weight.detach().float()
         scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
         qweight = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
-        # MILI's AMX int8 kernel (activations quantized per row too), or aten's weight-only kernel
-        self.amx = kernels and self.in_features % 64 == 0
-        if self.amx:
+        # MILI's int8 kernel (activations quantized per row too), or aten's weight-only kernel
+        self.kernel = kernels and self.in_features % 64 == 0
+        if self.kernel:
             self.register_buffer("qweight", cpu_ops.pack_weight(qweight))
             self.register_buffer("scales", F.pad(scales, (0, -len(scales) % 16)).contiguous())
+            self.register_buffer("column_sums", cpu_ops.int8_column_sums(self.qweight))
         else:
             self.register_buffer("qweight", qweight)
             self.register_buffer("scales", scales.to(weight.dtype))
 
     def _matmul(self, x2d):
-        if self.amx:
-            out = cpu_ops.linear_int8(x2d, self.qweight, self.scales, self.out_features)
+        if self.kernel:
+            out = cpu_ops.linear_int8(x2d, self.qweight, self.scales, self.column_sums, self.out_features)
             return out if self.bias is None else out + self.bias
         x2d = x2d.to(self.scales.dtype)
         if x2d.shape[0] > 8:  # prefill: the int8 kernel is slow on many rows; dequantize once instead
@@ -95,17 +98,17 @@ def prepack_available(dtype: torch.dtype) -> bool:
 
 
 def swap_linears(model: nn.Module, kind: str, kernels: bool = False) -> None:
-    """Replace every nn.Linear of ``model`` (and its lm_head, tied or not) with ``kind``: amx | packed |
-    int8. With amx, a layer the kernel can't take (in_features not a multiple of 32) is packed instead;
-    int8 uses MILI's AMX int8 kernel when ``kernels``."""
-    if kind not in ("amx", "packed", "int8"):
+    """Replace every nn.Linear of ``model`` (and its lm_head, tied or not) with ``kind``: kernel | packed |
+    int8. With kernel, a layer the kernel can't take (in_features not a multiple of 32) is packed instead;
+    int8 uses MILI's int8 kernel when ``kernels``."""
+    if kind not in ("kernel", "packed", "int8"):
         raise InvalidRequest(f"unknown linear kind {kind!r}", param="quantization")
 
     def make(weight, bias=None, shard_sizes=None):
         if kind == "int8":
             return Int8Linear(weight, bias, shard_sizes, kernels=kernels)
-        if kind == "amx" and cpu_ops.linear_supported(weight):
-            return AmxLinear(weight, bias, shard_sizes)
+        if kind == "kernel" and cpu_ops.linear_supported(weight):
+            return KernelLinear(weight, bias, shard_sizes)
         return PackedLinear(weight, bias, shard_sizes)
 
     for module in list(model.modules()):
@@ -117,8 +120,8 @@ def swap_linears(model: nn.Module, kind: str, kernels: bool = False) -> None:
     embed = model.model.embed_tokens
     if kind == "int8":  # int8 halves the bytes the head reads: it gets its own (smaller) copy
         model.lm_head = make(embed.weight)
-    elif kind == "amx" and cpu_ops.linear_supported(embed.weight):  # the table, stored once, packed
-        model.lm_head = AmxLinear(embed.weight)
+    elif kind == "kernel" and cpu_ops.linear_supported(embed.weight):  # the table, stored once, packed
+        model.lm_head = KernelLinear(embed.weight)
         model.model.embed_tokens = PackedEmbedding(model.lm_head)
     # Otherwise a tied head stays on the plain table: a packed copy would cost another vocab x hidden
     # matrix of memory (311 MB for Qwen3-0.6B) for ~4 ms per decode step.

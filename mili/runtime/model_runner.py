@@ -11,6 +11,7 @@ import torch
 from mili.cache.page_pool import PagePool
 from mili.config import EngineConfig, ModelConfig, default_kv_cache_bytes
 from mili.errors import InvalidRequest
+from mili.kernels import cpu
 from mili.kernels.reference import TorchOps
 from mili.model.cpu_linear import prepack_available, swap_linears
 from mili.model.loader import load_weights
@@ -47,9 +48,9 @@ class ModelRunner:
         load_weights(self.model, path)
         self.model.eval()
         if config.quantization == "int8":
-            swap_linears(self.model, "int8", kernels=self.cpu_kernels)
+            swap_linears(self.model, "int8", kernels=self.cpu_kernels and cpu.int8_available())
         elif self.cpu_kernels:
-            swap_linears(self.model, "amx")
+            swap_linears(self.model, "kernel")
         elif self.device.type == "cpu" and config.cpu_weight_prepack and prepack_available(self.dtype):
             swap_linears(self.model, "packed")
         if self.device.type == "cpu":
@@ -74,8 +75,6 @@ class ModelRunner:
         if not (self.config.cpu_kernels and self.device.type == "cpu" and self.dtype == torch.bfloat16
                 and self.attention_backend == "torch"):
             return False
-        from mili.kernels import cpu
-
         lib, why = cpu.load()
         if lib is None:
             log.info("CPU kernels off (%s): torch ops and oneDNN instead", why)

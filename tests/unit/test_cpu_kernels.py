@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from mili import LLM, SamplingParams
 from mili.kernels import cpu, reference
 from mili.kernels.cpu import ops
-from mili.model.cpu_linear import AmxLinear, Int8Linear, PackedEmbedding, PackedLinear
+from mili.model.cpu_linear import KernelLinear, Int8Linear, PackedEmbedding, PackedLinear
 
 BF16 = torch.bfloat16
 
@@ -17,19 +17,32 @@ BF16 = torch.bfloat16
 def test_load_says_why_when_unavailable():
     lib, why = cpu.load()
     flags = cpu._cpu_flags()
-    if all(f in flags for f in cpu.REQUIRED_CPU_FLAGS):  # this project's machines: AMX + AVX-512 BF16
+    if all(f in flags for f in cpu.REQUIRED_CPU_FLAGS):  # this project's machines: AVX-512 BF16
         assert lib is not None, why
+        assert cpu.isa() == ("amx" if all(f in flags for f in cpu.AMX_CPU_FLAGS) else "avx512")
     else:
-        assert lib is None and why
+        assert lib is None and why and cpu.isa() == ""
 
 
 needs_kernels = pytest.mark.skipif(not cpu.available(), reason=f"CPU kernels unavailable: {cpu.load()[1]}")
+# the linear layers' two code paths: AVX-512 everywhere the kernels load, AMX where the CPU has it too
+ISAS = ["avx512", pytest.param("amx", marks=pytest.mark.skipif(cpu.isa() != "amx", reason="no AMX here"))]
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    lib = cpu.load()[0]
+    before = lib.mili_uses_amx()
+    lib.mili_use_amx(int(request.param == "amx"))
+    assert cpu.isa() == request.param
+    yield request.param
+    lib.mili_use_amx(before)
 
 
 @needs_kernels
-@pytest.mark.parametrize("m", [1, 5, 16, 17, 40, 100])
+@pytest.mark.parametrize("m", [1, 5, 6, 7, 16, 17, 40, 100])
 @pytest.mark.parametrize("n,k", [(48, 64), (40, 96), (272, 1024)])
-def test_linear_matches_torch(m, n, k):
+def test_linear_matches_torch(isa, m, n, k):
     torch.manual_seed(m * 7 + n)
     w, x = torch.randn(n, k).to(BF16), torch.randn(m, k).to(BF16)
     packed = ops.pack_weight(w)
@@ -44,10 +57,10 @@ def test_linear_matches_torch(m, n, k):
 
 
 @needs_kernels
-def test_amx_linear_module_with_bias_and_leading_dims():
+def test_kernel_linear_module_with_bias_and_leading_dims():
     w, b = torch.randn(96, 64).to(BF16), torch.randn(96).to(BF16)
     x = torch.randn(2, 3, 64).to(BF16)
-    out = AmxLinear(w, b)(x)
+    out = KernelLinear(w, b)(x)
     assert out.shape == (2, 3, 96)
     torch.testing.assert_close(out.float(), F.linear(x, w, b).float(), rtol=2e-2, atol=2e-2)
 
@@ -116,7 +129,7 @@ def test_decode_attention_over_scattered_pages(hq, hkv):
 
 @needs_kernels
 @pytest.mark.parametrize("shape", ["gqa_untied", "mha_tied"])
-def test_engine_with_cpu_kernels_tracks_torch_ops(checkpoints, shape):
+def test_engine_with_cpu_kernels_tracks_torch_ops(isa, checkpoints, shape):
     """bf16 with the kernels vs bf16 with torch ops and oneDNN: the same model up to rounding."""
     prompt = {"prompt_token_ids": list(range(5, 60))}
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
@@ -124,7 +137,7 @@ def test_engine_with_cpu_kernels_tracks_torch_ops(checkpoints, shape):
     plain = LLM(str(checkpoints[shape]), dtype="bfloat16", cpu_kernels=False)
     runner = fast.engine.runner
     assert runner.cpu_kernels and not plain.engine.runner.cpu_kernels
-    assert isinstance(runner.model.model.layers[0].mlp.down_proj, AmxLinear)
+    assert isinstance(runner.model.model.layers[0].mlp.down_proj, KernelLinear)
     assert isinstance(plain.engine.runner.model.model.layers[0].mlp.down_proj, PackedLinear)
     if shape == "mha_tied":  # the table is stored once, packed, in the head
         assert isinstance(runner.model.model.embed_tokens, PackedEmbedding)
@@ -137,15 +150,33 @@ def test_engine_with_cpu_kernels_tracks_torch_ops(checkpoints, shape):
 
 @needs_kernels
 @pytest.mark.parametrize("m", [1, 3, 40])
-def test_int8_kernel_close_to_weight_only_int8(m):
-    """The AMX int8 kernel also quantizes the activations (one scale per row): it stays within ~1% of
-    the weight-only int8 product."""
+def test_int8_kernel_close_to_weight_only_int8(isa, m):
+    """The int8 kernel also quantizes the activations (one scale per row): it stays within ~1% of the
+    weight-only int8 product."""
     torch.manual_seed(m)
     w, x = torch.randn(80, 128).to(BF16), torch.randn(m, 128).to(BF16)
-    amx, ref = Int8Linear(w, kernels=True), Int8Linear(w, kernels=False)
-    assert amx.amx and amx.qweight.shape == (5, 32, 16, 4)
+    kernel, ref = Int8Linear(w, kernels=True), Int8Linear(w, kernels=False)
+    assert kernel.kernel and kernel.qweight.shape == (5, 32, 16, 4)
     dequant = ref.qweight.float() * ref.scales.float()[:, None]
     want = x.float() @ dequant.T
-    got = amx(x).float()
+    got = kernel(x).float()
     assert got.shape == (m, 80)
     assert (got - want).norm() / want.norm() < 0.01
+
+
+@needs_kernels
+@pytest.mark.parametrize("m", [1, 7, 33])
+@pytest.mark.parametrize("n,k", [(48, 64), (272, 1024)])
+def test_int8_kernel_is_the_integer_product(isa, m, n, k):
+    """W8A8 exactly: x quantized per row (round half to even), integer sums, times both scales, then one
+    bf16 rounding; large |x| puts the AVX-512 path's unsigned-offset correction to work."""
+    torch.manual_seed(m + n)
+    w, x = torch.randn(n, k).to(BF16), (torch.randn(m, k) * 50).to(BF16)
+    layer = Int8Linear(w, kernels=True)
+    sx = x.float().abs().amax(dim=1) / 127
+    xq = torch.round(x.float() * (1 / sx)[:, None])  # as the kernel: times the float32 reciprocal
+    wq = ops.unpack_rows(layer.qweight, torch.arange(n)).float()
+    want = (xq.double() @ wq.double().T) * sx[:, None].double() * layer.scales[:n].double()
+    got = layer(x)
+    torch.testing.assert_close(got.double(), want.to(BF16).double(), rtol=1e-2, atol=1e-6)
+    assert torch.equal(layer.column_sums[:n], wq.sum(dim=1).to(torch.int32))

@@ -1,14 +1,15 @@
-"""MILI's CPU kernels (``kernels.c``): AMX matrix multiplies over packed bf16 or int8 weights, fused RMSNorm,
-q/k-norm + RoPE, SwiGLU, and decode attention reading the paged pool in place.
+"""MILI's CPU kernels (``kernels.c``): matrix multiplies over packed bf16 or int8 weights (AMX tiles where
+the CPU has them, AVX-512 BF16 / VNNI otherwise), fused RMSNorm, q/k-norm + RoPE, SwiGLU, and decode
+attention reading the paged pool in place.
 
 Why C: decoding one token must stream every weight once, and the fastest path torch offers on this
-class of CPU (oneDNN on prepacked weights) streams ~22 GB/s of the ~30 the memory gives; the AMX kernel
-here streams ~29 (benchmarks/NOTES.md, step 8). The small ops cost ~30 us each through torch's dispatch
-and a few us here.
+class of CPU (oneDNN on prepacked weights) streams well below what the memory gives; the kernels here
+stream near read speed (benchmarks/NOTES.md, steps 8 and 9). The small ops cost ~30 us each through
+torch's dispatch and a few us here.
 
 The library is built on first use with the system C compiler (``$CC`` or ``cc``) and cached under
 ``$MILI_CACHE_DIR/kernels`` (default ``~/.cache/mili``), keyed by the source, the compiler and the CPU.
-Where it can't be used (no compiler, no AMX/AVX-512 BF16, not Linux x86-64) :func:`load` says why and
+Where it can't be used (no compiler, no AVX-512 BF16, not Linux x86-64) :func:`load` says why and
 the engine runs torch ops instead.
 """
 
@@ -28,13 +29,16 @@ from pathlib import Path
 import torch  # noqa: F401  (loaded first: the library's libgomp must resolve to torch's)
 
 SOURCE = Path(__file__).with_name("kernels.c")
-REQUIRED_CPU_FLAGS = ("avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
+REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+AMX_CPU_FLAGS = ("amx_tile", "amx_bf16", "amx_int8")  # optional: the linear layers use AMX when present
 log = logging.getLogger("mili")
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {  # name -> argument types (all return void but mili_amx_init)
     "mili_linear": [_P, _P, _P, _I, _I, _I, ctypes.c_int],
-    "mili_linear_int8": [_P, _P, _P, _P, _I, _I, _I, ctypes.c_int],
+    "mili_linear_int8": [_P, _P, _P, _P, _P, _I, _I, _I, ctypes.c_int],
+    "mili_use_amx": [ctypes.c_int],
+    "mili_uses_amx": [],
     "mili_rms_norm": [_P, _I, _P, _P, _P, _P, _I, _I, _F, ctypes.c_int],
     "mili_qk_norm_rope": [_P, _I, _I, _I, _I, _I, _P, _P, _F, _P, _P, ctypes.c_int],
     "mili_silu_and_mul": [_P, _P, _I, _I, ctypes.c_int],
@@ -90,12 +94,24 @@ def load() -> tuple[ctypes.CDLL | None, str]:
         lib = ctypes.CDLL(str(_build(compiler, flags)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         return None, f"building the CPU kernels failed: {exc}"
-    if lib.mili_amx_init() != 0:
-        return None, "the kernel refused this process AMX state (arch_prctl XTILEDATA)"
     for name, argtypes in SIGNATURES.items():
         getattr(lib, name).argtypes = argtypes
-        getattr(lib, name).restype = None
+        getattr(lib, name).restype = ctypes.c_int if name == "mili_uses_amx" else None
+    # AMX where the CPU has it and Linux grants this process its tile state, else AVX-512
+    lib.mili_use_amx(int(all(f in flags for f in AMX_CPU_FLAGS) and lib.mili_amx_init() == 0))
     return lib, ""
+
+
+def isa() -> str:
+    """What the linear layers run on: "amx", "avx512" or "" (no kernels)."""
+    if load()[0] is None:
+        return ""
+    return "amx" if load()[0].mili_uses_amx() else "avx512"
+
+
+def int8_available() -> bool:
+    """The int8 kernel needs AMX-INT8 or AVX-512 VNNI."""
+    return isa() == "amx" or (isa() == "avx512" and "avx512_vnni" in _cpu_flags())
 
 
 def available() -> bool:

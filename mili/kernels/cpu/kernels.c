@@ -1,4 +1,5 @@
-/* MILI's CPU kernels for bf16 on x86-64 with AMX and AVX-512 BF16 (Sapphire Rapids and later).
+/* MILI's CPU kernels for bf16 on x86-64 with AVX-512 BF16 (Zen 4, Cooper Lake, Sapphire Rapids and later);
+ * the linear layers use AMX where the CPU has it (Sapphire Rapids and later).
  *
  * Built on first use by mili/kernels/cpu/__init__.py (cc -O3 -march=native -fopenmp) and called through
  * ctypes. The library links libgomp by its soname, so it shares the OpenMP runtime torch already loaded
@@ -26,8 +27,14 @@ static inline float bf16_to_float(bf16 v) {
   return f;
 }
 
-/* Linux hands AMX tile state to a process only when asked (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA). */
+/* Linux hands AMX tile state to a process only when asked (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
+ * Returns 0 when granted; the linear layers then run on AMX, else on AVX-512 (mili_use_amx). */
+static int use_amx = 0;
 int mili_amx_init(void) { return (int)syscall(SYS_arch_prctl, 0x1023, 18); }
+void mili_use_amx(int on) { use_amx = on; }
+int mili_uses_amx(void) { return use_amx; }
+
+#define AMX __attribute__((target("amx-tile,amx-bf16,amx-int8")))
 
 typedef struct {
   uint8_t palette, start_row, reserved[14];
@@ -36,7 +43,7 @@ typedef struct {
 } tile_config;
 
 /* Tiles 0-3: C (2 row chunks x 2 column blocks, fp32), 4-5: A (x rows), 6-7: B (weights). */
-static void configure_tiles(int rows) {
+AMX static void configure_tiles(int rows) {
   tile_config c;
   memset(&c, 0, sizeof c);
   c.palette = 1;
@@ -72,8 +79,8 @@ static inline void store_tile(int rows, const void *c, bf16 *y, int64_t N, const
  * [16][4]); x rows are read 16 at a time, so x must hold whole 16-row chunks when M > 16. Each thread
  * takes whole 16-column blocks (two at a time) and all rows (two chunks at a time): each weight tile is
  * used for up to 32 rows, and for M <= 16 the weights are streamed exactly once. */
-static void amx_matmul(const uint8_t *w, const uint8_t *x, bf16 *y, int64_t M, int64_t N, int64_t K, int xsize,
-                       const float *sx, const float *sw, int nthreads) {
+AMX static void amx_matmul(const uint8_t *w, const uint8_t *x, bf16 *y, int64_t M, int64_t N, int64_t K,
+                           int xsize, const float *sx, const float *sw, int nthreads) {
   const int64_t nblocks = N / 16, nchunks = (M + 15) / 16, ldx = K * xsize, kstep = 64 / xsize;
   const int rows = M < 16 ? (int)M : 16, tail = M > 16 && M % 16 ? (int)(M % 16) : 16;
 #pragma omp parallel num_threads(nthreads)
@@ -127,8 +134,101 @@ static void amx_matmul(const uint8_t *w, const uint8_t *x, bf16 *y, int64_t M, i
   }
 }
 
+/* The same product without AMX, on AVX-512 (Zen 4, Cooper Lake, ...), over the same packed layout: one
+ * 64-byte row of a block holds the 16 columns' weights for 2 consecutive k (bf16) or 4 (int8), which is
+ * exactly the operand vdpbf16ps / vpdpbusd pair with one broadcast 32-bit word of x. A micro-kernel
+ * keeps MR rows x NB blocks of sums in registers over the whole of K, so each weight vector loaded serves
+ * MR rows and each x word NB blocks. int8: x holds q + 128 (unsigned), so sums carry 128 * colsum(W),
+ * taken off with `colsum` before scaling. */
+#define MR_MAX 6
+#define NB_MAX 4
+#ifndef PF_DIST
+#define PF_DIST 1024
+#endif
+static inline __attribute__((always_inline)) void avx_micro(const uint8_t *w, int64_t wblock,
+                                                             const uint8_t *x, int64_t ldx, bf16 *y, int64_t N,
+                                                             int64_t kwords, const int MR, const int NB,
+                                                             const int int8, const float *sx, const float *sw,
+                                                             const int32_t *colsum, int prefetch) {
+  __m512 acc[MR_MAX][NB_MAX];
+  for (int i = 0; i < MR; i++)
+    for (int j = 0; j < NB; j++) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < kwords; p++) {
+    __m512i wv[NB_MAX];
+    for (int j = 0; j < NB; j++) {
+      const uint8_t *wp = w + j * wblock + p * 64;
+      if (prefetch) _mm_prefetch((const char *)wp + PF_DIST, _MM_HINT_T0);
+      wv[j] = _mm512_loadu_si512(wp);
+    }
+    for (int i = 0; i < MR; i++) {
+      int32_t word;
+      memcpy(&word, x + i * ldx + p * 4, 4);
+      const __m512i xb = _mm512_set1_epi32(word);
+      for (int j = 0; j < NB; j++)
+        acc[i][j] = int8 ? (__m512)_mm512_dpbusd_epi32((__m512i)acc[i][j], xb, wv[j])
+                         : _mm512_dpbf16_ps(acc[i][j], (__m512bh)xb, (__m512bh)wv[j]);
+    }
+  }
+  for (int i = 0; i < MR; i++)
+    for (int j = 0; j < NB; j++) {
+      __m512 v = acc[i][j];
+      if (int8) {
+        const __m512i c = _mm512_slli_epi32(_mm512_loadu_si512(colsum + j * 16), 7);
+        v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32((__m512i)v, c)),
+                          _mm512_mul_ps(_mm512_set1_ps(sx[i]), _mm512_loadu_ps(sw + j * 16)));
+      }
+      _mm256_storeu_si256((__m256i *)(y + i * N + j * 16), (__m256i)_mm512_cvtneps_pbh(v));
+    }
+}
+
+/* Instantiates avx_micro for every (rows, blocks) with constants, so its arrays live in registers. */
+#define MICRO_NB(MR, NB) avx_micro(w, wblock, x, ldx, y, N, kwords, MR, NB, int8, sx, sw, colsum, prefetch)
+#define MICRO_MR(MR)                  \
+  switch (nb) {                       \
+    case 1: MICRO_NB(MR, 1); break;   \
+    case 2: MICRO_NB(MR, 2); break;   \
+    case 3: MICRO_NB(MR, 3); break;   \
+    default: MICRO_NB(MR, 4); break;  \
+  }
+static void avx_micro_any(const uint8_t *w, int64_t wblock, const uint8_t *x, int64_t ldx, bf16 *y, int64_t N,
+                          int64_t kwords, int mr, int nb, int int8, const float *sx, const float *sw,
+                          const int32_t *colsum, int prefetch) {
+  switch (mr) {
+    case 1: MICRO_MR(1); break;
+    case 2: MICRO_MR(2); break;
+    case 3: MICRO_MR(3); break;
+    case 4: MICRO_MR(4); break;
+    case 5: MICRO_MR(5); break;
+    default: MICRO_MR(6); break;
+  }
+}
+
+/* Each thread takes a contiguous run of NB_MAX-block column groups (its share of the weights, streamed
+ * once when M <= MR_MAX) and all rows, MR_MAX at a time, while the group's weights sit in its L2. */
+static void avx_matmul(const uint8_t *w, const uint8_t *x, bf16 *y, int64_t M, int64_t N, int64_t K, int xsize,
+                       const float *sx, const float *sw, const int32_t *colsum, int nthreads) {
+  const int64_t nblocks = N / 16, ngroups = (nblocks + NB_MAX - 1) / NB_MAX, ldx = K * xsize;
+  const int64_t kwords = K * xsize / 4, wblock = 16 * ldx;
+  const int int8 = xsize == 1, prefetch = M <= MR_MAX;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (ngroups > 1)
+  for (int64_t g = 0; g < ngroups; g++) {
+    const int64_t nb0 = g * NB_MAX;
+    const int nb = nblocks - nb0 < NB_MAX ? (int)(nblocks - nb0) : NB_MAX;
+    for (int64_t m0 = 0; m0 < M; m0 += MR_MAX) {
+      const int mr = M - m0 < MR_MAX ? (int)(M - m0) : MR_MAX;
+      avx_micro_any(w + nb0 * wblock, wblock, x + m0 * ldx, ldx, y + m0 * N + nb0 * 16, N, kwords, mr, nb,
+                    int8, sx ? sx + m0 : NULL, sw ? sw + nb0 * 16 : NULL, colsum ? colsum + nb0 * 16 : NULL,
+                    prefetch);
+    }
+  }
+}
+
 /* bf16: y[M, N] = x[M, K] @ W^T, W packed [N/16][K/2][16][2]. K % 32 == 0, N % 16 == 0. */
 void mili_linear(const bf16 *w, const bf16 *x, bf16 *y, int64_t M, int64_t N, int64_t K, int nthreads) {
+  if (!use_amx) {
+    avx_matmul((const uint8_t *)w, (const uint8_t *)x, y, M, N, K, 2, NULL, NULL, NULL, nthreads);
+    return;
+  }
   const uint8_t *xs = (const uint8_t *)x;
   uint8_t *whole = NULL; /* x in whole 16-row chunks (zero padded) when M > 16 is not a multiple of 16 */
   if (M > 16 && M % 16) {
@@ -141,11 +241,13 @@ void mili_linear(const bf16 *w, const bf16 *x, bf16 *y, int64_t M, int64_t N, in
   free(whole);
 }
 
-/* int8 weights with one float scale per output row (sw[N]), W packed [N/16][K/4][16][4]; x is
- * quantized here to int8 with one scale per row (symmetric, round to nearest). K % 64 == 0. */
-void mili_linear_int8(const int8_t *w, const float *sw, const bf16 *x, bf16 *y, int64_t M, int64_t N, int64_t K,
-                      int nthreads) {
+/* int8 weights with one float scale per output row (sw[N]) and their column sums (colsum[N], for the
+ * AVX-512 path), W packed [N/16][K/4][16][4]; x is quantized here to int8 with one scale per row
+ * (symmetric, round to nearest). K % 64 == 0. */
+void mili_linear_int8(const int8_t *w, const float *sw, const int32_t *colsum, const bf16 *x, bf16 *y, int64_t M,
+                      int64_t N, int64_t K, int nthreads) {
   const int64_t mp = M <= 16 ? M : (M + 15) / 16 * 16;
+  const int offset = use_amx ? 0 : 128; /* AVX-512's vpdpbusd takes x unsigned */
   int8_t *xq = calloc(mp * K, 1);
   float *sx = calloc(mp, sizeof(float));
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (M * K >= 65536)
@@ -154,9 +256,13 @@ void mili_linear_int8(const int8_t *w, const float *sw, const bf16 *x, bf16 *y, 
     for (int64_t k = 0; k < K; k++) amax = fmaxf(amax, fabsf(bf16_to_float(x[m * K + k])));
     const float scale = amax > 0.f ? amax / 127.f : 1.f, inv = 1.f / scale;
     sx[m] = scale;
-    for (int64_t k = 0; k < K; k++) xq[m * K + k] = (int8_t)lrintf(bf16_to_float(x[m * K + k]) * inv);
+    for (int64_t k = 0; k < K; k++)
+      xq[m * K + k] = (int8_t)(uint8_t)((int)lrintf(bf16_to_float(x[m * K + k]) * inv) + offset);
   }
-  amx_matmul((const uint8_t *)w, (const uint8_t *)xq, y, M, N, K, 1, sx, sw, nthreads);
+  if (use_amx)
+    amx_matmul((const uint8_t *)w, (const uint8_t *)xq, y, M, N, K, 1, sx, sw, nthreads);
+  else
+    avx_matmul((const uint8_t *)w, (const uint8_t *)xq, y, M, N, K, 1, sx, sw, colsum, nthreads);
   free(xq);
   free(sx);
 }

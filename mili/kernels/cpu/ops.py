@@ -29,7 +29,8 @@ def linear_supported(weight: torch.Tensor) -> bool:
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> AMX's B tile layout, rows zero padded to a multiple of 16 (see kernels.c): bf16
+    """[N, K] -> AMX's B tile layout (also what the AVX-512 kernel reads), rows zero padded to a multiple
+    of 16 (see kernels.c): bf16
     [ceil(N/16), K/2, 16, 2], int8 [ceil(N/16), K/4, 16, 4] (each row of 16 columns is 64 bytes)."""
     n, k = weight.shape
     per = 4 // weight.element_size()
@@ -54,16 +55,22 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Te
     return y if n == out_features else y[:, :out_features]
 
 
-def linear_int8(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_features: int) -> torch.Tensor:
+def int8_column_sums(packed: torch.Tensor) -> torch.Tensor:
+    """Each output column's sum of int8 weights (int32, padded like ``packed``), for the AVX-512 kernel."""
+    return packed.sum(dim=(1, 3), dtype=torch.int32).reshape(-1).contiguous()
+
+
+def linear_int8(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, column_sums: torch.Tensor,
+                out_features: int) -> torch.Tensor:
     """x [M, K] @ (int8 W * scales)^T, x quantized per row to int8 inside the kernel: [M, out_features].
-    ``scales``: float32, padded like ``packed``."""
+    ``scales`` (float32) and ``column_sums`` (int32, :func:`int8_column_sums`) padded like ``packed``."""
     x = x.to(BF16).contiguous()
     m, k = x.shape
     n = packed.shape[0] * 16
     y = torch.empty(m, n, dtype=BF16)
     if m:
-        _lib().mili_linear_int8(packed.data_ptr(), scales.data_ptr(), x.data_ptr(), y.data_ptr(), m, n, k,
-                                _threads())
+        _lib().mili_linear_int8(packed.data_ptr(), scales.data_ptr(), column_sums.data_ptr(), x.data_ptr(),
+                                y.data_ptr(), m, n, k, _threads())
     return y if n == out_features else y[:, :out_features]
 
 
