@@ -108,10 +108,12 @@ def test_silu_and_mul():
 
 
 @needs_kernels
-@pytest.mark.parametrize("hq,hkv", [(4, 2), (4, 4), (8, 1)])
-def test_decode_attention_over_scattered_pages(hq, hkv):
+@pytest.mark.parametrize("hq,hkv", [(4, 2), (4, 4), (8, 1), (8, 2), (10, 2), (6, 2)])
+@pytest.mark.parametrize("d", [64, 128])
+def test_decode_attention_over_scattered_pages(hq, hkv, d):
+    """Every group size's code path (1, 2, 4, 8, and 5 and 3 through the generic one), both head sizes."""
     torch.manual_seed(hq * 10 + hkv)
-    page_size, d, num_pages = 16, 64, 40
+    page_size, num_pages = 16, 40
     k_cache = torch.randn(num_pages, page_size, hkv, d).to(BF16)
     v_cache = torch.randn(num_pages, page_size, hkv, d).to(BF16)
     context_lens = [1, 17, 300]

@@ -377,25 +377,103 @@ static float exp_shifted(float *s, int64_t n) {
   return _mm512_reduce_add_ps(sum);
 }
 
-/* o = bf16(inv * sum_p w[p] V[p]) over the rows at v + offset[p], with the nv x 16 outputs in registers
- * (nv is a constant at each call: the loops unroll). */
-static inline __attribute__((always_inline)) void weighted_sum_v(const bf16 *v, const int64_t *offset,
-                                                                 const float *w, int64_t ctx, const int nv,
-                                                                 __m512 inv, bf16 *o) {
-  __m512 acc[16];
-  for (int j = 0; j < nv; j++) acc[j] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < ctx; p++) {
-    const __m512 wp = _mm512_set1_ps(w[p]);
-    const bf16 *row = v + offset[p];
-    for (int j = 0; j < nv; j++) acc[j] = _mm512_fmadd_ps(wp, load_bf16x16(row + 16 * j), acc[j]);
+/* The 16 sums of v[0..15] in one vector (lane i: the sum of v[i]'s lanes): 15 adds and 31 shuffles for
+ * 16 horizontal sums, where one _mm512_reduce_add_ps costs ~8 instructions by itself. The shuffles leave
+ * lane j holding the sum of v[4 (j % 4) + j / 4]; the last permute puts it in order. */
+static inline __m512 hsum16(const __m512 *v) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; i++) /* lanes 0-1: v[2i]'s 8 partial sums, 2-3: v[2i+1]'s */
+    a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; i++) /* each 128-bit lane: one vector's 4 partial sums */
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; i++) /* each 128-bit lane: two vectors' 2 partial sums */
+    c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44), _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
+  const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD));
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), sums);
+}
+
+/* K/V rows are scattered over pages (one head's row, then the other heads' rows): fetch ahead. */
+static inline void prefetch_row(const bf16 *row, int64_t n, int hint) {
+  for (int64_t c = 0; c < n; c += 32)
+    if (hint == 0) _mm_prefetch((const char *)(row + c), _MM_HINT_T0);
+    else _mm_prefetch((const char *)(row + c), _MM_HINT_T1);
+}
+
+/* Scores of one query head q (D values) against the K rows at k + offset[p], p < ctx, times scale, into
+ * s[ctx]: 16 positions at a time, each position's D products summed by hsum16. D % 32 == 0. With v, the
+ * V rows are fetched into L2 on the way, for the weighted sum that follows (memory latency, not
+ * arithmetic, bounds this kernel). */
+static void qk_scores(const bf16 *q, const bf16 *k, const bf16 *v, const int64_t *offset, int64_t ctx, int64_t D,
+                      float scale, float *s) {
+  for (int64_t p0 = 0; p0 < ctx; p0 += 16) {
+    const int n = ctx - p0 < 16 ? (int)(ctx - p0) : 16;
+    __m512 part[16];
+    for (int i = 0; i < 16; i++) part[i] = _mm512_setzero_ps();
+    for (int i = 0; i < n; i++) {
+      const bf16 *kr = k + offset[p0 + i];
+      if (p0 + i + 16 < ctx) {
+        prefetch_row(k + offset[p0 + i + 16], D, 0);
+        if (v) prefetch_row(v + offset[p0 + i + 16], D, 1);
+      }
+      for (int64_t c = 0; c < D; c += 32)
+        part[i] = _mm512_dpbf16_ps(part[i], (__m512bh)_mm512_loadu_si512(q + c), (__m512bh)_mm512_loadu_si512(kr + c));
+    }
+    _mm512_mask_storeu_ps(s + p0, (__mmask16)((1u << n) - 1), _mm512_mul_ps(hsum16(part), _mm512_set1_ps(scale)));
   }
-  for (int j = 0; j < nv; j++) _mm256_storeu_si256((__m256i *)(o + 16 * j), to_bf16x16(_mm512_mul_ps(acc[j], inv)));
+}
+
+/* o[g] = bf16(inv[g] * sum_p w[g][p] V[p]) for the G heads of a group (o[g] at o + g * D, w[g] at
+ * w + g * ctx), over the NV x 16 values of one slice of the V rows at v + offset[p]: each V row is loaded
+ * and widened once for all G heads, with the G x NV sums in registers (G and NV are constants at each
+ * call: the loops unroll). */
+static inline __attribute__((always_inline)) void pv_slice(const bf16 *v, const int64_t *offset, const float *w,
+                                                           int64_t ctx, const int G, const int NV,
+                                                           const float *inv, bf16 *o, int64_t D) {
+  __m512 acc[16];
+  for (int i = 0; i < G * NV; i++) acc[i] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < ctx; p++) {
+    const bf16 *row = v + offset[p];
+    if (p + 8 < ctx) prefetch_row(v + offset[p + 8], 16 * NV, 0);
+    __m512 vr[8];
+    for (int j = 0; j < NV; j++) vr[j] = load_bf16x16(row + 16 * j);
+    for (int g = 0; g < G; g++) {
+      const __m512 wp = _mm512_set1_ps(w[g * ctx + p]);
+      for (int j = 0; j < NV; j++) acc[g * NV + j] = _mm512_fmadd_ps(wp, vr[j], acc[g * NV + j]);
+    }
+  }
+  for (int g = 0; g < G; g++)
+    for (int j = 0; j < NV; j++)
+      _mm256_storeu_si256((__m256i *)(o + g * D + 16 * j),
+                          to_bf16x16(_mm512_mul_ps(acc[g * NV + j], _mm512_set1_ps(inv[g]))));
+}
+
+/* The weighted sums of V for G heads in slices of NV x 16 values, for the (G, NV) pairs with G x NV <= 16
+ * that cover D; any other group size one head and 16 values at a time. */
+static void pv_all(const bf16 *v, const int64_t *offset, const float *w, int64_t ctx, int64_t G, int64_t D,
+                   const float *inv, bf16 *o) {
+  for (int64_t d0 = 0; d0 < D;) {
+    const int64_t left = (D - d0) / 16;
+#define PV(g, nv) do { pv_slice(v + d0, offset, w, ctx, g, nv, inv, o + d0, D); d0 += 16 * (nv); } while (0)
+    if (G == 1 && left >= 8) PV(1, 8);
+    else if (G == 2 && left >= 8) PV(2, 8);
+    else if (G == 2 && left >= 4) PV(2, 4);
+    else if (G == 4 && left >= 4) PV(4, 4);
+    else if (G == 8 && left >= 2) PV(8, 2);
+    else if (G == 1 && left >= 4) PV(1, 4);
+    else {
+      for (int64_t g = 0; g < G; g++) pv_slice(v + d0, offset, w + g * ctx, ctx, 1, 1, inv + g, o + g * D + d0, D);
+      d0 += 16;
+    }
+#undef PV
+  }
 }
 
 /* Decode attention over the paged pool, reading each page in place: B sequences with one query token
  * each, q [B, Hq, D] (token stride ldq), caches [pages, page_size, Hkv, D], page_table [B, ldp] (int64),
- * context_lens [B] (int64). One task per (sequence, kv head): its `group` query heads share each K row
- * loaded. Scores, softmax and the weighted sum of V are float32. D % 32 == 0. */
+ * context_lens [B] (int64). One task per (sequence, kv head): its `group` query heads share each K and V
+ * row loaded. Scores, softmax and the weighted sum of V are float32. D % 32 == 0. */
 void mili_decode_attention(const bf16 *q, int64_t ldq, const bf16 *k_cache, const bf16 *v_cache,
                            const int64_t *page_table, int64_t ldp, const int64_t *context_lens, bf16 *out,
                            int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t page_size, float scale,
@@ -404,41 +482,27 @@ void mili_decode_attention(const bf16 *q, int64_t ldq, const bf16 *k_cache, cons
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic)
   for (int64_t task = 0; task < B * Hkv; task++) {
     const int64_t b = task / Hkv, h = task % Hkv, ctx = context_lens[b];
-    float *scores = malloc(sizeof(float) * group * ctx);
+    float *scores = malloc(sizeof(float) * (group * ctx + group));
+    float *inv = scores + group * ctx;
     int64_t *offset = malloc(sizeof(int64_t) * ctx); /* of each position's K/V row for this head */
     for (int64_t p = 0; p < ctx; p++)
       offset[p] = (page_table[b * ldp + p / page_size] * page_size + p % page_size) * row + h * D;
     const bf16 *qh = q + b * ldq + h * group * D;
     for (int64_t p = 0; p < ctx; p++) {
       const bf16 *kr = k_cache + offset[p];
-      if (p + 8 < ctx) /* rows are scattered over pages: fetch ahead */
-        for (int64_t c = 0; c < D; c += 32) {
-          _mm_prefetch((const char *)(k_cache + offset[p + 8] + c), _MM_HINT_T0);
-          _mm_prefetch((const char *)(v_cache + offset[p + 8] + c), _MM_HINT_T1);
-        }
+      if (p + 8 < ctx) {
+        prefetch_row(k_cache + offset[p + 8], D, 0);
+        prefetch_row(v_cache + offset[p + 8], D, 1);
+      }
       for (int64_t g = 0; g < group; g++) {
         __m512 s = _mm512_setzero_ps();
         for (int64_t c = 0; c < D; c += 32)
-          s = _mm512_dpbf16_ps(s, (__m512bh)_mm512_loadu_si512(qh + g * D + c),
-                               (__m512bh)_mm512_loadu_si512(kr + c));
+          s = _mm512_dpbf16_ps(s, (__m512bh)_mm512_loadu_si512(qh + g * D + c), (__m512bh)_mm512_loadu_si512(kr + c));
         scores[g * ctx + p] = _mm512_reduce_add_ps(s) * scale;
       }
     }
-    for (int64_t g = 0; g < group; g++) {
-      const float *sg = scores + g * ctx;
-      const __m512 inv = _mm512_set1_ps(1.0f / exp_shifted(scores + g * ctx, ctx));
-      bf16 *o = out + (b * Hq + h * group + g) * D;
-      if (D == 64) weighted_sum_v(v_cache, offset, sg, ctx, 4, inv, o);
-      else if (D == 128) weighted_sum_v(v_cache, offset, sg, ctx, 8, inv, o);
-      else if (D == 256) weighted_sum_v(v_cache, offset, sg, ctx, 16, inv, o);
-      else
-        for (int64_t c = 0; c < D; c += 16) { /* other head sizes: 16 outputs at a time */
-          __m512 a = _mm512_setzero_ps();
-          for (int64_t p = 0; p < ctx; p++)
-            a = _mm512_fmadd_ps(_mm512_set1_ps(sg[p]), load_bf16x16(v_cache + offset[p] + c), a);
-          _mm256_storeu_si256((__m256i *)(o + c), to_bf16x16(_mm512_mul_ps(a, inv)));
-        }
-    }
+    for (int64_t g = 0; g < group; g++) inv[g] = 1.0f / exp_shifted(scores + g * ctx, ctx);
+    pv_all(v_cache, offset, scores, ctx, group, D, inv, out + (b * Hq + h * group) * D);
     free(scores);
     free(offset);
   }
