@@ -182,3 +182,22 @@ def test_int8_kernel_is_the_integer_product(isa, m, n, k):
     got = layer(x)
     torch.testing.assert_close(got.double(), want.to(BF16).double(), rtol=1e-2, atol=1e-6)
     assert torch.equal(layer.column_sums[:n], wq.sum(dim=1).to(torch.int32))
+
+
+@needs_kernels
+@pytest.mark.parametrize("lq,lk", [(1, 1), (5, 5), (37, 37), (100, 100), (20, 83), (16, 300)])
+@pytest.mark.parametrize("hq,hkv,d", [(4, 2, 64), (8, 8, 32), (16, 8, 128), (10, 2, 64)])
+def test_prefill_attention_causal_over_prefix(lq, lk, hq, hkv, d):
+    """A prefill chunk (the last lq of lk positions) against float32 SDPA; q/k/v are views of one fused
+    qkv output, as the model passes them."""
+    from mili.runtime.attention.torch_backend import TorchAttentionBackend
+
+    torch.manual_seed(lq * 1000 + lk + hq)
+    qkv = torch.randn(lk, (hq + 2 * hkv) * d).to(BF16)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    q, k, v = q[lk - lq:].view(lq, hq, d), k.view(lk, hkv, d), v.view(lk, hkv, d)
+    assert ops.prefill_attention_supported(q, k, v)
+    got = ops.prefill_attention(q, k, v, d ** -0.5)
+    want = TorchAttentionBackend._prefill(q.float(), k.float(), v.float())
+    # bf16 inputs, float32 scores, the softmax rounded to bf16 before P V, one bf16 rounding of the output
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)

@@ -146,7 +146,8 @@ AMX static void amx_matmul(const uint8_t *w, const uint8_t *x, bf16 *y, int64_t 
 #define PF_DIST 1024
 #endif
 static inline __attribute__((always_inline)) void avx_micro(const uint8_t *w, int64_t wblock,
-                                                             const uint8_t *x, int64_t ldx, bf16 *y, int64_t N,
+                                                             const uint8_t *x, int64_t ldx, bf16 *y, float *yf,
+                                                             int64_t N,
                                                              int64_t kwords, const int MR, const int NB,
                                                              const int int8, const float *sx, const float *sw,
                                                              const int32_t *colsum, int prefetch) {
@@ -177,12 +178,13 @@ static inline __attribute__((always_inline)) void avx_micro(const uint8_t *w, in
         v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32((__m512i)v, c)),
                           _mm512_mul_ps(_mm512_set1_ps(sx[i]), _mm512_loadu_ps(sw + j * 16)));
       }
-      _mm256_storeu_si256((__m256i *)(y + i * N + j * 16), (__m256i)_mm512_cvtneps_pbh(v));
+      if (yf) _mm512_storeu_ps(yf + i * N + j * 16, v);
+      else _mm256_storeu_si256((__m256i *)(y + i * N + j * 16), (__m256i)_mm512_cvtneps_pbh(v));
     }
 }
 
 /* Instantiates avx_micro for every (rows, blocks) with constants, so its arrays live in registers. */
-#define MICRO_NB(MR, NB) avx_micro(w, wblock, x, ldx, y, N, kwords, MR, NB, int8, sx, sw, colsum, prefetch)
+#define MICRO_NB(MR, NB) avx_micro(w, wblock, x, ldx, y, yf, N, kwords, MR, NB, int8, sx, sw, colsum, prefetch)
 #define MICRO_MR(MR)                  \
   switch (nb) {                       \
     case 1: MICRO_NB(MR, 1); break;   \
@@ -190,7 +192,7 @@ static inline __attribute__((always_inline)) void avx_micro(const uint8_t *w, in
     case 3: MICRO_NB(MR, 3); break;   \
     default: MICRO_NB(MR, 4); break;  \
   }
-static void avx_micro_any(const uint8_t *w, int64_t wblock, const uint8_t *x, int64_t ldx, bf16 *y, int64_t N,
+static void avx_micro_any(const uint8_t *w, int64_t wblock, const uint8_t *x, int64_t ldx, bf16 *y, float *yf, int64_t N,
                           int64_t kwords, int mr, int nb, int int8, const float *sx, const float *sw,
                           const int32_t *colsum, int prefetch) {
   switch (mr) {
@@ -216,9 +218,23 @@ static void avx_matmul(const uint8_t *w, const uint8_t *x, bf16 *y, int64_t M, i
     const int nb = nblocks - nb0 < NB_MAX ? (int)(nblocks - nb0) : NB_MAX;
     for (int64_t m0 = 0; m0 < M; m0 += MR_MAX) {
       const int mr = M - m0 < MR_MAX ? (int)(M - m0) : MR_MAX;
-      avx_micro_any(w + nb0 * wblock, wblock, x + m0 * ldx, ldx, y + m0 * N + nb0 * 16, N, kwords, mr, nb,
+      avx_micro_any(w + nb0 * wblock, wblock, x + m0 * ldx, ldx, y + m0 * N + nb0 * 16, NULL, N, kwords, mr, nb,
                     int8, sx ? sx + m0 : NULL, sw ? sw + nb0 * 16 : NULL, colsum ? colsum + nb0 * 16 : NULL,
                     prefetch);
+    }
+  }
+}
+
+/* One thread's bf16 product: [M, nblocks x 16] (row stride ldy; bf16 into y, or float32 into yf) = x[M, 2 kwords]
+ * (row stride ldx bytes) @ W^T, W packed as 16-column blocks of kwords 64-byte rows, wblock bytes apart. */
+static void avx_gemm_serial(const uint8_t *w, int64_t wblock, int64_t nblocks, const uint8_t *x, int64_t ldx,
+                            int64_t M, int64_t kwords, bf16 *y, float *yf, int64_t ldy) {
+  for (int64_t nb0 = 0; nb0 < nblocks; nb0 += NB_MAX) {
+    const int nb = nblocks - nb0 < NB_MAX ? (int)(nblocks - nb0) : NB_MAX;
+    for (int64_t m0 = 0; m0 < M; m0 += MR_MAX) {
+      const int mr = M - m0 < MR_MAX ? (int)(M - m0) : MR_MAX;
+      avx_micro_any(w + nb0 * wblock, wblock, x + m0 * ldx, ldx, y ? y + m0 * ldy + nb0 * 16 : NULL,
+                    yf ? yf + m0 * ldy + nb0 * 16 : NULL, ldy, kwords, mr, nb, 0, NULL, NULL, NULL, 0);
     }
   }
 }
@@ -377,51 +393,11 @@ static float exp_shifted(float *s, int64_t n) {
   return _mm512_reduce_add_ps(sum);
 }
 
-/* The 16 sums of v[0..15] in one vector (lane i: the sum of v[i]'s lanes): 15 adds and 31 shuffles for
- * 16 horizontal sums, where one _mm512_reduce_add_ps costs ~8 instructions by itself. The shuffles leave
- * lane j holding the sum of v[4 (j % 4) + j / 4]; the last permute puts it in order. */
-static inline __m512 hsum16(const __m512 *v) {
-  __m512 a[8], b[4], c[2];
-  for (int i = 0; i < 8; i++) /* lanes 0-1: v[2i]'s 8 partial sums, 2-3: v[2i+1]'s */
-    a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
-  for (int i = 0; i < 4; i++) /* each 128-bit lane: one vector's 4 partial sums */
-    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
-  for (int i = 0; i < 2; i++) /* each 128-bit lane: two vectors' 2 partial sums */
-    c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44), _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
-  const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD));
-  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), sums);
-}
-
 /* K/V rows are scattered over pages (one head's row, then the other heads' rows): fetch ahead. */
 static inline void prefetch_row(const bf16 *row, int64_t n, int hint) {
   for (int64_t c = 0; c < n; c += 32)
     if (hint == 0) _mm_prefetch((const char *)(row + c), _MM_HINT_T0);
     else _mm_prefetch((const char *)(row + c), _MM_HINT_T1);
-}
-
-/* Scores of one query head q (D values) against the K rows at k + offset[p], p < ctx, times scale, into
- * s[ctx]: 16 positions at a time, each position's D products summed by hsum16. D % 32 == 0. With v, the
- * V rows are fetched into L2 on the way, for the weighted sum that follows (memory latency, not
- * arithmetic, bounds this kernel). */
-static void qk_scores(const bf16 *q, const bf16 *k, const bf16 *v, const int64_t *offset, int64_t ctx, int64_t D,
-                      float scale, float *s) {
-  for (int64_t p0 = 0; p0 < ctx; p0 += 16) {
-    const int n = ctx - p0 < 16 ? (int)(ctx - p0) : 16;
-    __m512 part[16];
-    for (int i = 0; i < 16; i++) part[i] = _mm512_setzero_ps();
-    for (int i = 0; i < n; i++) {
-      const bf16 *kr = k + offset[p0 + i];
-      if (p0 + i + 16 < ctx) {
-        prefetch_row(k + offset[p0 + i + 16], D, 0);
-        if (v) prefetch_row(v + offset[p0 + i + 16], D, 1);
-      }
-      for (int64_t c = 0; c < D; c += 32)
-        part[i] = _mm512_dpbf16_ps(part[i], (__m512bh)_mm512_loadu_si512(q + c), (__m512bh)_mm512_loadu_si512(kr + c));
-    }
-    _mm512_mask_storeu_ps(s + p0, (__mmask16)((1u << n) - 1), _mm512_mul_ps(hsum16(part), _mm512_set1_ps(scale)));
-  }
 }
 
 /* o[g] = bf16(inv[g] * sum_p w[g][p] V[p]) for the G heads of a group (o[g] at o + g * D, w[g] at
@@ -506,4 +482,62 @@ void mili_decode_attention(const bf16 *q, int64_t ldq, const bf16 *k_cache, cons
     free(scores);
     free(offset);
   }
+}
+
+/* Causal attention of one sequence's prefill chunk: q [Lq, Hq, D] (token stride ldq) are the last Lq of the
+ * Lk positions whose K/V are k, v [Lk, Hkv, D] (token strides ldk, ldv); out [Lq, Hq, D] (stride ldo).
+ * Both products run on the linear layers' AVX-512 micro-kernel: each head's K is packed as a weight
+ * [Lk, D] (scores = Q K^T), its V^T as a weight [D, Lk] (out = P V, P the softmax in bf16, as torch's CPU
+ * flash attention also multiplies it). One task per (kv head, 16 queries): its group's G x 16 query rows
+ * share every packed K and V row, and only the key blocks the causal mask leaves are computed.
+ * D % 32 == 0. */
+void mili_prefill_attention(const bf16 *q, int64_t ldq, const bf16 *k, int64_t ldk, const bf16 *v, int64_t ldv,
+                            bf16 *out, int64_t ldo, int64_t Lq, int64_t Lk, int64_t Hq, int64_t Hkv, int64_t D,
+                            float scale, int nthreads) {
+  const int64_t G = Hq / Hkv, nkb = (Lk + 15) / 16, Lkp = nkb * 16, QB = 16, nqb = (Lq + QB - 1) / QB;
+  bf16 *kp = malloc(sizeof(bf16) * Hkv * Lkp * D); /* [Hkv][nkb][D/2][16][2] */
+  bf16 *vp = malloc(sizeof(bf16) * Hkv * D * Lkp); /* [Hkv][D/16][Lkp/2][16][2] */
+#pragma omp parallel for num_threads(nthreads) collapse(2) schedule(static)
+  for (int64_t h = 0; h < Hkv; h++)
+    for (int64_t key = 0; key < Lkp; key++) {
+      const bf16 *kr = k + key * ldk + h * D, *vr = v + key * ldv + h * D;
+      bf16 *kdst = kp + (h * nkb + key / 16) * 16 * D + (key % 16) * 2;
+      bf16 *vdst = vp + h * D * Lkp + (key / 2) * 32 + key % 2;
+      for (int64_t d = 0; d < D; d++) {
+        kdst[(d / 2) * 32 + d % 2] = key < Lk ? kr[d] : 0;
+        vdst[(d / 16) * 16 * Lkp + (d % 16) * 2] = key < Lk ? vr[d] : 0;
+      }
+    }
+#pragma omp parallel for num_threads(nthreads) collapse(2) schedule(dynamic)
+  for (int64_t h = 0; h < Hkv; h++)
+    for (int64_t qb = 0; qb < nqb; qb++) {
+      const int64_t i0 = qb * QB, n = Lq - i0 < QB ? Lq - i0 : QB, rows = G * n;
+      const int64_t width = (Lk - Lq + i0 + n + 15) / 16 * 16; /* keys the block's last query sees, padded */
+      bf16 *xq = malloc(sizeof(bf16) * rows * D), *pr = malloc(sizeof(bf16) * rows * width);
+      float *sc = malloc(sizeof(float) * rows * width);
+      for (int64_t g = 0; g < G; g++) /* row g * n + i: query i0 + i of head h * G + g */
+        for (int64_t i = 0; i < n; i++) memcpy(xq + (g * n + i) * D, q + (i0 + i) * ldq + (h * G + g) * D, D * 2);
+      avx_gemm_serial((const uint8_t *)(kp + h * Lkp * D), D * 32, width / 16, (const uint8_t *)xq, D * 2, rows,
+                      D / 2, NULL, sc, width);
+      for (int64_t r = 0; r < rows; r++) {
+        const int64_t valid = Lk - Lq + i0 + r % n + 1;
+        float *sr = sc + r * width;
+        for (int64_t c = 0; c < valid; c++) sr[c] *= scale;
+        const float inv = 1.0f / exp_shifted(sr, valid);
+        bf16 *prow = pr + r * width;
+        int64_t c = 0;
+        for (; c + 16 <= valid; c += 16)
+          _mm256_storeu_si256((__m256i *)(prow + c), to_bf16x16(_mm512_mul_ps(_mm512_loadu_ps(sr + c), _mm512_set1_ps(inv))));
+        for (; c < valid; c++) prow[c] = (bf16)(_mm256_extract_epi16(to_bf16x16(_mm512_set1_ps(sr[c] * inv)), 0));
+        for (; c < width; c++) prow[c] = 0;
+      }
+      for (int64_t g = 0; g < G; g++)
+        avx_gemm_serial((const uint8_t *)(vp + h * D * Lkp), Lkp * 32, D / 16, (const uint8_t *)(pr + g * n * width),
+                        width * 2, n, width / 2, out + i0 * ldo + (h * G + g) * D, NULL, ldo);
+      free(xq);
+      free(pr);
+      free(sc);
+    }
+  free(kp);
+  free(vp);
 }

@@ -137,3 +137,19 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                                  page_table.data_ptr(), page_table.stride(0), lens.data_ptr(), out.data_ptr(),
                                  b, hq, k_cache.shape[2], d, k_cache.shape[1], scale, _threads())
     return out
+
+
+def prefill_attention_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    d = q.shape[-1]
+    return (q.dtype == k.dtype == v.dtype == BF16 and d % 32 == 0
+            and all(t.stride()[1:] == (d, 1) for t in (q, k, v)))
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of a prefill chunk: q [Lq, Hq, D] are the last Lq of the Lk positions of k, v
+    [Lk, Hkv, D]: [Lq, Hq, D]."""
+    lq, hq, d = q.shape
+    out = torch.empty(lq, hq, d, dtype=BF16)
+    _lib().mili_prefill_attention(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+                                  out.data_ptr(), hq * d, lq, k.shape[0], hq, k.shape[1], d, scale, _threads())
+    return out
