@@ -65,6 +65,14 @@ class ModelRunner:
             from mili.runtime.cuda_graph import CudaGraphRunner
 
             self.graphs = CudaGraphRunner(self)
+        self.cpu_decode = None  # decode steps as one C call per layer (the CPU's counterpart of the graphs)
+        if self.cpu_kernels and not config.enforce_eager:
+            from mili.runtime.cpu_decode import CpuDecodeRunner
+
+            self.cpu_decode = CpuDecodeRunner(self.model)
+            if not self.cpu_decode.available:
+                log.info("fused CPU decode off (%s)", self.cpu_decode.why_not)
+                self.cpu_decode = None
 
     @property
     def max_pages_per_seq(self) -> int:
@@ -215,7 +223,9 @@ class ModelRunner:
                 if len(sampling) != len(scheduled):
                     logits = logits[torch.tensor(sampling, device=self.device)]
                 return logits.float()
-        hidden = self.model(batch, self.kv_caches)
+        hidden = self.cpu_decode.run(batch, self.kv_caches) if self.cpu_decode is not None else None
+        if hidden is None:
+            hidden = self.model(batch, self.kv_caches)
         return self.model.compute_logits(hidden).float()
 
     @torch.inference_mode()

@@ -201,3 +201,40 @@ def test_prefill_attention_causal_over_prefix(lq, lk, hq, hkv, d):
     want = TorchAttentionBackend._prefill(q.float(), k.float(), v.float())
     # bf16 inputs, float32 scores, the softmax rounded to bf16 before P V, one bf16 rounding of the output
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.fixture(scope="module")
+def fused_checkpoints(checkpoints, tmp_path_factory):
+    """Untied GQA 2:1, and tied GQA 4:1 (the packed table is both embedding and head)."""
+    from helpers import build_checkpoint
+
+    tied = build_checkpoint(tmp_path_factory.mktemp("fused") / "tied", "mha_tied", hidden_size=128,
+                            intermediate_size=192, num_attention_heads=8, num_key_value_heads=2, head_dim=32)
+    return {"gqa_untied": checkpoints["gqa_untied"], "gqa4_tied": tied}
+
+
+@needs_kernels
+@pytest.mark.parametrize("quantization", [None, "int8"])
+@pytest.mark.parametrize("shape", ["gqa_untied", "gqa4_tied"])
+def test_fused_decode_step_is_the_module_path_bit_for_bit(isa, fused_checkpoints, shape, quantization):
+    """Decode steps as one C call per layer (CpuDecodeRunner) against the modules one by one
+    (enforce_eager): the same kernels in the same order, so the same tokens and the same logprobs exactly,
+    over batches of sequences with different lengths, an n > 1 fork and a stop mid-batch."""
+    path = str(fused_checkpoints[shape])
+    fused = LLM(path, dtype="bfloat16", quantization=quantization)
+    eager = LLM(path, dtype="bfloat16", quantization=quantization, enforce_eager=True)
+    runner = fused.engine.runner.cpu_decode
+    assert runner is not None and eager.engine.runner.cpu_decode is None
+    fused_steps, run = [], runner.run
+    runner.run = lambda *args: fused_steps.append(run(*args)) or fused_steps[-1]
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (1, 7, 40, 90)]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, logprobs=3) for m in (12, 5, 12, 9)]
+    params[2] = SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=10, ignore_eos=True, logprobs=3)
+    a, b = (llm.generate(prompts, params, use_tqdm=False) for llm in (fused, eager))
+    for x, y in zip(a, b):
+        for ox, oy in zip(x.outputs, y.outputs):
+            assert ox.token_ids == oy.token_ids
+            assert [{t: lp.logprob for t, lp in d.items()} for d in ox.logprobs] == \
+                   [{t: lp.logprob for t, lp in d.items()} for d in oy.logprobs]
+    assert sum(h is not None for h in fused_steps) >= 8  # the decode steps did run fused
+    fused.engine.check_integrity()

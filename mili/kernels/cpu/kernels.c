@@ -541,3 +541,61 @@ void mili_prefill_attention(const bf16 *q, int64_t ldq, const bf16 *k, int64_t l
   free(kp);
   free(vp);
 }
+
+/* -- one decoder layer of a decode step in one call --------------------------------------------------------
+ * The model's layer (norm, qkv, q/k-norm + RoPE, KV store, attention, o_proj, norm, gate_up, SwiGLU, down)
+ * as a sequence of the kernels above, so that a decode step crosses from Python once per layer instead of
+ * ~15 times (the Python and torch work between kernels was a quarter of a batch-32 step). Same kernels,
+ * same order, same roundings: the result is bit for bit the module path's. */
+typedef struct {
+  const void *w;       /* packed weight */
+  const float *scales; /* int8: per output column, else NULL */
+  const int32_t *colsum;
+  int64_t n, k; /* output (a multiple of 16: no padding) and input features */
+} mili_linear_desc;
+
+typedef struct {
+  int64_t hidden, q_heads, kv_heads, head_dim, inter;
+  float eps, scale; /* RMSNorm's epsilon; attention's softmax scale */
+  const bf16 *input_norm, *post_norm, *q_norm, *k_norm;
+  mili_linear_desc qkv, o, gate_up, down;
+} mili_layer_desc;
+
+static void run_linear(const mili_linear_desc *l, const bf16 *x, bf16 *y, int64_t M, int nthreads) {
+  if (l->scales) mili_linear_int8(l->w, l->scales, l->colsum, x, y, M, l->n, l->k, nthreads);
+  else mili_linear(l->w, x, y, M, l->n, l->k, nthreads);
+}
+
+/* T decode tokens, one per sequence. h [T, hidden] in: the layer's input; out: its MLP output (in place).
+ * residual [T, hidden]: the residual stream in and out (in place); with first != 0 there is none yet and
+ * h is the stream. slots [T]: where each token's K/V go (< 0: skipped). cos/sin [T, head_dim] float32.
+ * work: T x (hidden + qkv.n + q_heads x head_dim + hidden + gate_up.n + inter) bf16. */
+void mili_decode_layer(const mili_layer_desc *L, bf16 *h, bf16 *residual, int first, bf16 *k_cache, bf16 *v_cache,
+                       const int64_t *slots, const float *cos_t, const float *sin_t, const int64_t *page_table,
+                       int64_t ldp, const int64_t *context_lens, int64_t page_size, int64_t T, bf16 *work,
+                       int nthreads) {
+  const int64_t H = L->hidden, D = L->head_dim, Hq = L->q_heads, Hkv = L->kv_heads, nqkv = L->qkv.n;
+  bf16 *normed = work, *qkv = normed + T * H, *attn = qkv + T * nqkv, *o = attn + T * Hq * D;
+  bf16 *gate_up = o + T * H, *act = gate_up + T * L->gate_up.n;
+  if (first) { /* the stream starts as the embeddings */
+    memcpy(residual, h, sizeof(bf16) * T * H);
+    mili_rms_norm(h, H, NULL, L->input_norm, normed, NULL, T, H, L->eps, nthreads);
+  } else {
+    mili_rms_norm(h, H, residual, L->input_norm, normed, residual, T, H, L->eps, nthreads);
+  }
+  run_linear(&L->qkv, normed, qkv, T, nthreads);
+  mili_qk_norm_rope(qkv, nqkv, T, Hq, Hkv, D, L->q_norm, L->k_norm, L->eps, cos_t, sin_t, nthreads);
+  const int64_t row = Hkv * D;
+  for (int64_t t = 0; t < T; t++) /* the new K/V into the pool */
+    if (slots[t] >= 0) {
+      memcpy(k_cache + slots[t] * row, qkv + t * nqkv + Hq * D, sizeof(bf16) * row);
+      memcpy(v_cache + slots[t] * row, qkv + t * nqkv + (Hq + Hkv) * D, sizeof(bf16) * row);
+    }
+  mili_decode_attention(qkv, nqkv, k_cache, v_cache, page_table, ldp, context_lens, attn, T, Hq, Hkv, D, page_size,
+                        L->scale, nthreads);
+  run_linear(&L->o, attn, o, T, nthreads);
+  mili_rms_norm(o, H, residual, L->post_norm, normed, residual, T, H, L->eps, nthreads);
+  run_linear(&L->gate_up, normed, gate_up, T, nthreads);
+  mili_silu_and_mul(gate_up, act, T, L->inter, nthreads);
+  run_linear(&L->down, act, h, T, nthreads);
+}

@@ -1,0 +1,96 @@
+"""Decode steps on the CPU as one C call per decoder layer (``mili_decode_layer`` in kernels/cpu).
+
+The CPU counterpart of the CUDA graphs: on a decode-only batch the model's modules would cross from Python
+into a kernel ~15 times a layer, and the Python and torch work between those kernels (module calls, views,
+allocations, the KV store) cost about a quarter of a batch-32 step and a seventh of a batch-1 step. Here
+each layer is one call running the same kernels in the same order, so the result is bit for bit the
+module path's (tested). Prefill and mixed steps, and models the kernels can't take whole, keep the
+module path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from mili.kernels.cpu import load
+from mili.model.cpu_linear import Int8Linear, KernelLinear
+from mili.runtime.attention.base import ForwardBatch
+
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+
+
+class LinearDesc(ctypes.Structure):
+    _fields_ = [("w", _P), ("scales", _P), ("colsum", _P), ("n", _I), ("k", _I)]
+
+
+class LayerDesc(ctypes.Structure):
+    _fields_ = [("hidden", _I), ("q_heads", _I), ("kv_heads", _I), ("head_dim", _I), ("inter", _I),
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+                ("input_norm", _P), ("post_norm", _P), ("q_norm", _P), ("k_norm", _P),
+                ("qkv", LinearDesc), ("o", LinearDesc), ("gate_up", LinearDesc), ("down", LinearDesc)]
+
+
+def _linear_desc(layer) -> LinearDesc | None:
+    """The kernel's view of a swapped linear layer, or None where the fused step can't take it."""
+    if layer.bias is not None or layer.out_features % 16:
+        return None
+    if isinstance(layer, KernelLinear):
+        return LinearDesc(layer.packed.data_ptr(), None, None, layer.out_features, layer.in_features)
+    if isinstance(layer, Int8Linear) and layer.kernel:
+        return LinearDesc(layer.qweight.data_ptr(), layer.scales.data_ptr(), layer.column_sums.data_ptr(),
+                          layer.out_features, layer.in_features)
+    return None
+
+
+class CpuDecodeRunner:
+    """Built over a loaded model whose linear layers are MILI's kernel layers; ``why_not`` says why a
+    model can't use it (then the model runner keeps the module path)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.lib = load()[0]
+        self.layers: list[LayerDesc] = []
+        self.why_not = "" if self.lib is not None else "no CPU kernels"
+        for layer in model.model.layers if self.lib is not None else []:
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = [_linear_desc(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            norms = (layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm)
+            if None in linears or any(n.weight.dtype != torch.bfloat16 for n in norms) or attn.head_dim % 32:
+                self.why_not = "a layer the fused kernel can't take (bias, odd sizes or another linear kind)"
+                self.layers = []
+                break
+            self.layers.append(LayerDesc(
+                layer.input_layernorm.weight.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                mlp.down_proj.in_features, layer.input_layernorm.eps, attn.head_dim ** -0.5,
+                *(n.weight.data_ptr() for n in norms), *linears))
+        self.work_per_token = 0
+        if self.layers:
+            d = self.layers[0]
+            self.work_per_token = (2 * d.hidden + d.qkv.n + d.q_heads * d.head_dim + d.gate_up.n + d.inter)
+
+    @property
+    def available(self) -> bool:
+        return bool(self.layers)
+
+    def run(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
+        """The final hidden states of the rows in ``batch.logits_indices`` for a decode-only batch, else None."""
+        t = batch.input_ids.shape[0]
+        if not self.layers or batch.num_decodes != batch.num_seqs or t != batch.num_seqs:
+            return None
+        h = self.model.model.embed_tokens(batch.input_ids).contiguous()
+        residual = torch.empty_like(h)
+        cos, sin = (c.contiguous() for c in self.model.rotary.lookup(batch.positions))
+        work = torch.empty(t * self.work_per_token, dtype=torch.bfloat16)
+        slots = batch.slot_mapping.contiguous()
+        table = batch.page_table.to(torch.int64).contiguous()
+        lens = torch.tensor(batch.context_lens, dtype=torch.int64)
+        threads = torch.get_num_threads()
+        for i, (desc, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
+            self.lib.mili_decode_layer(ctypes.byref(desc), h.data_ptr(), residual.data_ptr(), int(i == 0),
+                                       k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), cos.data_ptr(),
+                                       sin.data_ptr(), table.data_ptr(), table.stride(0), lens.data_ptr(),
+                                       k_cache.shape[1], t, work.data_ptr(), threads)
+        rows = batch.logits_indices
+        return self.model.model.norm(h[rows], residual[rows])[0]
