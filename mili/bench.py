@@ -131,39 +131,55 @@ def _header(args, engine) -> None:
 
 
 # -- modes ---------------------------------------------------------------------------------------
-def latency(args) -> None:
-    engine = _engine(args)
-    vocab = engine.model_config.vocab_size
-    prompt = _prompts(1, args.input_len, args.input_len, args.seed, vocab)[0]
+def _measure_latency(engine, prompt: list[int], args) -> tuple[float, float, float]:
+    """Median TTFT (s), decode tok/s and copy bandwidth (B/s, measured before each repeat, so that the
+    roofline follows the machine through the run) over ``args.repeat`` runs of one request."""
     _run(engine, [prompt[:16]], [4])  # warm up
-    rows, ttfts, decodes = [], [], []
+    ttfts, decodes, bandwidths = [], [], []
     for _ in range(args.repeat):
+        bandwidths.append(memory_bandwidth())
         (first,), t_first = _run(engine, [prompt], [1])
         engine.prefix_cache.evict(engine.runner.pool.num_pages)  # every repeat is a miss
         (out,), t_all = _run(engine, [prompt], [args.output_len])
         engine.prefix_cache.evict(engine.runner.pool.num_pages)
         ttfts.append(t_first)
         decodes.append((args.output_len - 1) / (t_all - t_first))
-    bandwidth = memory_bandwidth()
+    return statistics.median(ttfts), statistics.median(decodes), statistics.median(bandwidths)
+
+
+def latency(args) -> None:
+    engine = _engine(args)
+    vocab = engine.model_config.vocab_size
+    prompt = _prompts(1, args.input_len, args.input_len, args.seed, vocab)[0]
+    ttft, decode, bandwidth = _measure_latency(engine, prompt, args)
     step_bytes = weight_bytes_per_step(engine.runner.model)
     roofline = bandwidth / step_bytes
-    ttft, decode = statistics.median(ttfts), statistics.median(decodes)
-    rows.append(["mili", ttft, args.input_len / ttft, decode, f"{100 * decode / roofline:.0f}%"])
+    rows = [["mili" + (f" ({args.quantization})" if args.quantization else ""), ttft, args.input_len / ttft, decode,
+             f"{100 * decode / roofline:.0f}%"]]
+    base_decode = None
+    if args.baseline == "bf16":  # the same engine unquantized, in the same run
+        base = _engine(argparse.Namespace(**{**vars(args), "quantization": None}))
+        b_ttft, base_decode, b_bandwidth = _measure_latency(base, prompt, args)
+        b_roofline = b_bandwidth / weight_bytes_per_step(base.runner.model)
+        rows.append(["mili (bf16)", b_ttft, args.input_len / b_ttft, base_decode,
+                     f"{100 * base_decode / b_roofline:.0f}% of its {b_roofline:.1f}"])
+        del base
     if args.baseline == "hf":
         model = _hf_model(engine)
         _hf_generate(model, [prompt[:16]], 2)
         t_first = _hf_generate(model, [prompt], 1)
         t_all = _hf_generate(model, [prompt], args.output_len)
-        hf_decode = (args.output_len - 1) / (t_all - t_first)
-        rows.append(["HF transformers", t_first, args.input_len / t_first, hf_decode,
-                     f"{100 * hf_decode / roofline:.0f}%"])
+        base_decode = (args.output_len - 1) / (t_all - t_first)
+        rows.append(["HF transformers", t_first, args.input_len / t_first, base_decode,
+                     f"{100 * base_decode / roofline:.0f}%"])
     _header(args, engine)
     print(f"prompt {args.input_len} tokens, output {args.output_len} tokens, batch 1, greedy; median of "
-          f"{args.repeat}; memory bandwidth (1 GiB copy, read+write) {bandwidth / 1e9:.1f} GB/s; weights read per "
-          f"decode step {step_bytes / 1e9:.3f} GB; roofline {roofline:.1f} tok/s")
+          f"{args.repeat}; memory bandwidth (1 GiB copy, read+write, median of one before each run) "
+          f"{bandwidth / 1e9:.1f} GB/s; weights read per decode step {step_bytes / 1e9:.3f} GB; roofline "
+          f"{roofline:.1f} tok/s")
     print_table("latency", ["engine", "TTFT s", "prefill tok/s", "decode tok/s", "of roofline"], rows)
-    if args.baseline == "hf":
-        print(f"mili / HF: decode {decode / hf_decode:.2f}x, TTFT {rows[1][1] / ttft:.2f}x faster")
+    if base_decode is not None:
+        print(f"mili / {rows[1][0]}: decode {decode / base_decode:.2f}x, TTFT {rows[1][1] / ttft:.2f}x faster")
 
 
 def throughput(args) -> None:
@@ -251,7 +267,8 @@ def add_parser(sub) -> None:
     p.add_argument("--quantization", default=None, choices=[None, "int8"])
     p.add_argument("--no-cpu-kernels", dest="cpu_kernels", action="store_false",
                    help="torch ops and oneDNN instead of MILI's CPU kernels")
-    p.add_argument("--baseline", default=None, choices=[None, "hf"], help="also run HF transformers generate")
+    p.add_argument("--baseline", default=None, choices=[None, "hf", "bf16"],
+                   help="also run HF transformers generate (hf), or latency: MILI unquantized (bf16)")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--kv-cache-memory", type=int, default=2 << 30)
     p.add_argument("--max-num-seqs", type=int, default=256)

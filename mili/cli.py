@@ -29,14 +29,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
                    help="attention and norm kernels: auto = Triton on CUDA, torch elsewhere (Triton on the CPU "
                         "needs TRITON_INTERPRET=1: slow, for testing)")
-    p.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs for decode steps")
+    p.add_argument("--enforce-eager", action="store_true", help="decode steps module by module: no CUDA graphs on CUDA, no fused "
+                        "one-call-per-layer step on the CPU")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="CUDA: share of the GPU's memory for weights, activations and the KV cache")
     p.add_argument("--quantization", default=None, choices=["int8"],
                    help="int8: weight-only int8 (one scale per output channel); default: none")
     p.add_argument("--no-cpu-kernels", dest="cpu_kernels", action="store_false",
-                   help="CPU bf16: torch ops and oneDNN instead of MILI's C kernels (AMX linear layers, fused "
-                        "norms, paged decode attention; built on first use with the system C compiler)")
+                   help="CPU bf16: torch ops and oneDNN instead of MILI's C kernels (AVX-512 BF16 or AMX linear "
+                        "layers, fused norms, paged attention; built on first use with the system C compiler)")
     p.add_argument("--no-cpu-weight-prepack", dest="cpu_weight_prepack", action="store_false",
                    help="CPU bf16 without MILI's kernels: plain weights instead of oneDNN's prepacked layout")
     p.add_argument("--no-prefix-cache", dest="enable_prefix_caching", action="store_false",

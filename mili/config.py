@@ -85,10 +85,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # the radix-tree prefix cache
     schedule_policy: str = "fcfs"  # fcfs | lpm (longest cached prefix first, with a starvation guard)
     attention_backend: str = "auto"  # auto (triton on CUDA, torch elsewhere) | torch | triton
-    enforce_eager: bool = False  # CUDA: no CUDA graphs for decode
+    enforce_eager: bool = False  # decode module by module: no CUDA graphs, no fused CPU decode layer
     gpu_memory_utilization: float = 0.9  # CUDA: share of the card for weights + activations + KV pool
-    quantization: str | None = None  # None | int8 (weight-only, per output channel)
-    cpu_kernels: bool = True  # CPU bf16: MILI's C kernels (AMX linear, fused ops, paged decode attention)
+    quantization: str | None = None  # None | int8 (per output channel; W8A8 with the CPU kernels)
+    cpu_kernels: bool = True  # CPU bf16: MILI's C kernels (AVX-512/AMX linear, fused ops, paged attention)
     cpu_weight_prepack: bool = True  # CPU bf16 without those kernels: weights in oneDNN's blocked layout
 
     def __post_init__(self) -> None:

@@ -17,6 +17,15 @@ def test_bench_latency_and_throughput_with_hf_baseline(random_model, capsys):
     assert "mili (continuous batching)" in out and "HF one padded batch" in out
 
 
+
+def test_bench_latency_int8_against_bf16_in_one_run(random_model, capsys):
+    assert main(["bench", "latency", str(random_model), "--dtype", "bfloat16", "--quantization", "int8",
+                 "--input-len", "16", "--output-len", "4", "--repeat", "1", "--baseline", "bf16",
+                 "--max-model-len", "256"]) == 0
+    out = capsys.readouterr().out
+    assert "| mili (int8)" in out and "| mili (bf16)" in out and "mili / mili (bf16): decode" in out
+
+
 def test_bench_serve(server, capsys):
     assert main(["bench", "serve", "--url", server.url, "--num-requests", "6", "--concurrency", "3",
                  "--min-input", "8", "--max-input", "16", "--min-output", "4", "--max-output", "6"]) == 0
