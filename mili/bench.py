@@ -34,17 +34,29 @@ def percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
 
 
-def run_batch(engine, prompts: list[list[int]], params) -> tuple[list, float]:
+def run_batch(engine, prompts: list[list[int]], params, decode_stats: list | None = None) -> tuple[list, float]:
     """Add every prompt (``params``: one SamplingParams or one per prompt), step until all finish;
-    returns (the final outputs in order, seconds)."""
+    returns (the final outputs in order, seconds). With ``decode_stats`` (a list), appends [seconds,
+    tokens] of the decode-only steps (every running sequence computing just its next token), the figure
+    llama.cpp's batched-bench reports as its generation speed."""
     params = params if isinstance(params, list) else [params] * len(prompts)
     start = time.perf_counter()
     ids = [engine.add_request(p, sp).request_id for p, sp in zip(prompts, params)]
     done = {}
+    decode_seconds = decode_tokens = 0
     while len(done) < len(ids):
-        for out in engine.step():
+        sched = engine.scheduler
+        decode_only = not sched.waiting and all(s.num_computed_tokens >= len(s.token_ids) - 1 for s in sched.running)
+        t = time.perf_counter()
+        outs = engine.step()
+        if decode_only:
+            decode_seconds += time.perf_counter() - t
+            decode_tokens += len(outs)
+        for out in outs:
             if out.finished:
                 done[out.request_id] = out
+    if decode_stats is not None:
+        decode_stats += [decode_seconds, decode_tokens]
     return [done[i] for i in ids], time.perf_counter() - start
 
 
@@ -95,11 +107,11 @@ def _engine(args):
                                   cpu_kernels=args.cpu_kernels))
 
 
-def _run(engine, prompts, out_lens) -> tuple[list, float]:
+def _run(engine, prompts, out_lens, decode_stats: list | None = None) -> tuple[list, float]:
     from mili.sampling_params import SamplingParams
 
     return run_batch(engine, prompts, [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True)
-                                       for o in out_lens])
+                                       for o in out_lens], decode_stats)
 
 
 def _hf_model(engine):
@@ -188,11 +200,13 @@ def throughput(args) -> None:
     prompts = _prompts(args.num_requests, args.min_input, args.max_input, args.seed, vocab)
     out_lens = _lengths(args.num_requests, args.min_output, args.max_output, args.seed)
     _run(engine, [prompts[0][:16]], [4])
-    outs, seconds = _run(engine, prompts, out_lens)
+    decode_stats = []
+    outs, seconds = _run(engine, prompts, out_lens, decode_stats)
     engine.prefix_cache.evict(engine.runner.pool.num_pages)
     n_in, n_out = sum(map(len, prompts)), sum(out_lens)
     assert sum(len(o.outputs[0].token_ids) for o in outs) == n_out
     rows = [["mili (continuous batching)", seconds, n_out / seconds, (n_in + n_out) / seconds, "1.00x"]]
+    decode_seconds, decode_tokens = decode_stats
     if args.baseline == "hf":
         model = _hf_model(engine)
         _hf_generate(model, [prompts[0][:16]], 2)
@@ -207,6 +221,9 @@ def throughput(args) -> None:
           f"{args.max_output} tokens (uniform, seed {args.seed}), greedy, ignore_eos; {n_in} prompt + {n_out} "
           f"output tokens")
     print_table("throughput", ["engine", "seconds", "output tok/s", "total tok/s", "mili speed-up"], rows)
+    if decode_seconds:
+        print(f"mili decode-only steps: {decode_tokens} tokens in {decode_seconds:.2f} s = "
+              f"{decode_tokens / decode_seconds:.1f} tok/s of decode in aggregate (llama-batched-bench's S_TG)")
 
 
 def serve(args) -> None:

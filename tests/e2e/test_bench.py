@@ -15,6 +15,7 @@ def test_bench_latency_and_throughput_with_hf_baseline(random_model, capsys):
                  "--baseline", "hf", "--hf-sequential-sample", "2", "--max-model-len", "256"]) == 0
     out = capsys.readouterr().out
     assert "mili (continuous batching)" in out and "HF one padded batch" in out
+    assert "tok/s of decode in aggregate" in out
 
 
 
