@@ -1,5 +1,5 @@
-"""What int8 quantization costs in accuracy against bf16, on the same checkpoint and prompts: MILI's AMX
-kernel (int8 weights and per-row int8 activations) and aten's weight-only int8 (``--no-cpu-kernels``).
+"""What int8 quantization costs in accuracy against bf16, on the same checkpoint and prompts: MILI's
+kernel (int8 weights and per-row int8 activations, on AVX-512 VNNI or AMX) and aten's weight-only int8 (``--no-cpu-kernels``).
 
 Prints the logit error of the first generated position (max and mean |int8 - bf16| over max |bf16|,
 and the share of prompts whose argmax agrees) and the greedy agreement of whole continuations (the
@@ -16,6 +16,7 @@ import torch
 from common import machine, print_table, qwen3_checkpoint, random_prompt
 
 from mili import LLM, SamplingParams
+from mili.kernels import cpu
 
 
 def first_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
@@ -39,7 +40,7 @@ def main() -> None:
     path = qwen3_checkpoint(args.model)
     common_args = dict(dtype="bfloat16", max_model_len=2048, kv_cache_memory=1 << 30, enable_prefix_caching=False)
     engines = {"bf16": LLM(path, **common_args),
-               # MILI's AMX kernel: int8 weights and int8 activations (one scale per row, per step)
+               # MILI's kernel: int8 weights and int8 activations (one scale per row, per step)
                "int8": LLM(path, quantization="int8", **common_args),
                # aten's weight-only kernel (activations stay bf16): what --no-cpu-kernels runs
                "int8 weight-only": LLM(path, quantization="int8", cpu_kernels=False, **common_args)}
@@ -60,10 +61,10 @@ def main() -> None:
         columns.append([max(e.max().item() for e in errors), sum(e.mean().item() for e in errors) / len(errors),
                         f"{agree_argmax}/{len(prompts)}", f"{100 * equal:.1f}%", sum(common) / len(common)])
     print(f"int8 vs bf16: {args.model}-shaped random weights, {args.prompts} prompts of {args.prompt_len} "
-          f"tokens, {args.tokens} greedy tokens; {machine()}")
+          f"tokens, {args.tokens} greedy tokens; {machine()}; MILI's int8 kernel on {cpu.isa() or 'none'}")
     measures = ["max |logit error| / max |logit|", "mean |logit error| / max |logit|",
                 "first-token argmax agreement", "tokens equal position by position", "mean common prefix (tokens)"]
-    print_table("accuracy against bf16", ["measure", "int8 (AMX kernel, W8A8)", "int8 weight-only (aten)"],
+    print_table("accuracy against bf16", ["measure", "int8 (MILI kernel, W8A8)", "int8 weight-only (aten)"],
                 [[m, a, b] for m, a, b in zip(measures, *columns)], digits=3)
 
 if __name__ == "__main__":
