@@ -400,50 +400,83 @@ static inline void prefetch_row(const bf16 *row, int64_t n, int hint) {
     else _mm_prefetch((const char *)(row + c), _MM_HINT_T1);
 }
 
-/* o[g] = bf16(inv[g] * sum_p w[g][p] V[p]) for the G heads of a group (o[g] at o + g * D, w[g] at
- * w + g * ctx), over the NV x 16 values of one slice of the V rows at v + offset[p]: each V row is loaded
- * and widened once for all G heads, with the G x NV sums in registers (G and NV are constants at each
- * call: the loops unroll). */
-static inline __attribute__((always_inline)) void pv_slice(const bf16 *v, const int64_t *offset, const float *w,
-                                                           int64_t ctx, const int G, const int NV,
-                                                           const float *inv, bf16 *o, int64_t D) {
-  __m512 acc[16];
-  for (int i = 0; i < G * NV; i++) acc[i] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < ctx; p++) {
-    const bf16 *row = v + offset[p];
-    if (p + 8 < ctx) prefetch_row(v + offset[p + 8], 16 * NV, 0);
-    __m512 vr[8];
-    for (int j = 0; j < NV; j++) vr[j] = load_bf16x16(row + 16 * j);
+/* o[g] = bf16(inv[g] * sum_p w[g][p] V[p]) for the G heads of a group (o[g] at o + g * D), over NC chunks
+ * of 32 values of the V rows at v + offset[p]. Two positions at a time: their rows interleaved by
+ * vpunpck{l,h}wd are vdpbf16ps operands against the broadcast bf16 pair (w[g][p], w[g][p + 1]) (wb[g]:
+ * the weights in bf16, as 32-bit pairs), so one instruction takes 32 multiply-adds where widening V to
+ * float32 took 16 and two conversions; each V row is loaded once for all G heads. Lane i of the "lo" sums
+ * holds value 8 (i / 4) + i % 4 of its chunk, of the "hi" sums 4 more: the final permutes put them in
+ * order. G and NC are constants at each call (the loops unroll, the 2 x NC x G sums stay in registers). */
+static inline __attribute__((always_inline)) void pv_slice(const bf16 *v, const int64_t *offset,
+                                                           const uint32_t *wb, int64_t npairs, int64_t ctx,
+                                                           const int G, const int NC, const float *inv, bf16 *o,
+                                                           int64_t D) {
+  __m512 lo[16], hi[16];
+  for (int i = 0; i < G * NC; i++) lo[i] = hi[i] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < npairs; j++) {
+    const bf16 *ra = v + offset[2 * j], *rb = 2 * j + 1 < ctx ? v + offset[2 * j + 1] : ra; /* (weight 0) */
+    if (2 * j + 8 < ctx) {
+      _mm_prefetch((const char *)(v + offset[2 * j + 8]), _MM_HINT_T0);
+      if (NC > 1) _mm_prefetch((const char *)(v + offset[2 * j + 8] + 32), _MM_HINT_T0);
+    }
+    __m512i il[4], ih[4];
+    for (int c = 0; c < NC; c++) {
+      const __m512i a = _mm512_loadu_si512(ra + 32 * c), b = _mm512_loadu_si512(rb + 32 * c);
+      il[c] = _mm512_unpacklo_epi16(a, b);
+      ih[c] = _mm512_unpackhi_epi16(a, b);
+    }
     for (int g = 0; g < G; g++) {
-      const __m512 wp = _mm512_set1_ps(w[g * ctx + p]);
-      for (int j = 0; j < NV; j++) acc[g * NV + j] = _mm512_fmadd_ps(wp, vr[j], acc[g * NV + j]);
+      const __m512bh w = (__m512bh)_mm512_set1_epi32((int)wb[g * npairs + j]);
+      for (int c = 0; c < NC; c++) {
+        lo[g * NC + c] = _mm512_dpbf16_ps(lo[g * NC + c], (__m512bh)il[c], w);
+        hi[g * NC + c] = _mm512_dpbf16_ps(hi[g * NC + c], (__m512bh)ih[c], w);
+      }
     }
   }
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   for (int g = 0; g < G; g++)
-    for (int j = 0; j < NV; j++)
-      _mm256_storeu_si256((__m256i *)(o + g * D + 16 * j),
-                          to_bf16x16(_mm512_mul_ps(acc[g * NV + j], _mm512_set1_ps(inv[g]))));
+    for (int c = 0; c < NC; c++) {
+      const __m512 scale = _mm512_set1_ps(inv[g]), l = lo[g * NC + c], h = hi[g * NC + c];
+      _mm256_storeu_si256((__m256i *)(o + g * D + 32 * c), to_bf16x16(_mm512_mul_ps(_mm512_permutex2var_ps(l, first, h), scale)));
+      _mm256_storeu_si256((__m256i *)(o + g * D + 32 * c + 16), to_bf16x16(_mm512_mul_ps(_mm512_permutex2var_ps(l, second, h), scale)));
+    }
 }
 
-/* The weighted sums of V for G heads in slices of NV x 16 values, for the (G, NV) pairs with G x NV <= 16
- * that cover D; any other group size one head and 16 values at a time. */
+/* The weighted sums of V for the G heads of a group, w [G][ctx] float32 (unnormalized; inv[g] the
+ * reciprocal of each head's sum): the weights rounded to bf16 once (as torch's CPU flash attention
+ * multiplies P), then slices of NC x 32 values with G x NC <= 8, or one head and 32 values at a time for
+ * other group sizes. D % 32 == 0. */
 static void pv_all(const bf16 *v, const int64_t *offset, const float *w, int64_t ctx, int64_t G, int64_t D,
                    const float *inv, bf16 *o) {
+  const int64_t npairs = (ctx + 1) / 2;
+  uint32_t *wb = malloc(sizeof(uint32_t) * G * npairs);
+  for (int64_t g = 0; g < G; g++) {
+    bf16 *dst = (bf16 *)(wb + g * npairs);
+    const float *src = w + g * ctx;
+    int64_t p = 0;
+    for (; p + 16 <= ctx; p += 16) _mm256_storeu_si256((__m256i *)(dst + p), to_bf16x16(_mm512_loadu_ps(src + p)));
+    const __mmask16 m = (__mmask16)((1u << (ctx - p)) - 1);
+    if (ctx - p) _mm256_mask_storeu_epi16(dst + p, m, to_bf16x16(_mm512_maskz_loadu_ps(m, src + p)));
+    if (ctx % 2) dst[ctx] = 0;
+  }
   for (int64_t d0 = 0; d0 < D;) {
-    const int64_t left = (D - d0) / 16;
-#define PV(g, nv) do { pv_slice(v + d0, offset, w, ctx, g, nv, inv, o + d0, D); d0 += 16 * (nv); } while (0)
-    if (G == 1 && left >= 8) PV(1, 8);
-    else if (G == 2 && left >= 8) PV(2, 8);
+    const int64_t left = (D - d0) / 32;
+#define PV(g, nc) do { pv_slice(v + d0, offset, wb, npairs, ctx, g, nc, inv, o + d0, D); d0 += 32 * (nc); } while (0)
+    if (G == 1 && left >= 4) PV(1, 4);
     else if (G == 2 && left >= 4) PV(2, 4);
-    else if (G == 4 && left >= 4) PV(4, 4);
-    else if (G == 8 && left >= 2) PV(8, 2);
-    else if (G == 1 && left >= 4) PV(1, 4);
+    else if (G == 2 && left >= 2) PV(2, 2);
+    else if (G == 4 && left >= 2) PV(4, 2);
+    else if (G == 8) PV(8, 1);
+    else if (G == 1 && left >= 2) PV(1, 2);
     else {
-      for (int64_t g = 0; g < G; g++) pv_slice(v + d0, offset, w + g * ctx, ctx, 1, 1, inv + g, o + g * D + d0, D);
-      d0 += 16;
+      for (int64_t g = 0; g < G; g++)
+        pv_slice(v + d0, offset, wb + g * npairs, npairs, ctx, 1, 1, inv + g, o + g * D + d0, D);
+      d0 += 32;
     }
 #undef PV
   }
+  free(wb);
 }
 
 /* Decode attention over the paged pool, reading each page in place: B sequences with one query token
