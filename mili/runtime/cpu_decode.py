@@ -91,6 +91,6 @@ class CpuDecodeRunner:
             self.lib.mili_decode_layer(ctypes.byref(desc), h.data_ptr(), residual.data_ptr(), int(i == 0),
                                        k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), cos.data_ptr(),
                                        sin.data_ptr(), table.data_ptr(), table.stride(0), lens.data_ptr(),
-                                       k_cache.shape[1], t, work.data_ptr(), threads)
+                                       k_cache.shape[2], t, work.data_ptr(), threads)
         rows = batch.logits_indices
         return self.model.model.norm(h[rows], residual[rows])[0]

@@ -42,6 +42,7 @@ class ModelRunner:
         self.attention_backend = config.resolve_attention_backend()
         self.cpu_kernels = self._use_cpu_kernels()
         backend, ops = self._backend_and_ops()
+        self.attention = backend
         with torch.device("meta"):
             model = Qwen3ForCausalLM(model_config, backend, self.dtype, ops)
         self.model = model.to_empty(device=self.device)
@@ -162,7 +163,8 @@ class ModelRunner:
                     f"{self.max_model_len}: raise kv_cache_memory or lower max_model_len", param="max_model_len")
             log.warning("max_model_len lowered from %d to %d, what the KV cache holds", self.max_model_len, capacity)
             self.max_model_len = capacity
-        shape = (num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
+        shape_of = getattr(self.attention, "kv_cache_shape", TorchAttentionBackend.kv_cache_shape)
+        shape = shape_of(num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
                           for _ in range(cfg.num_hidden_layers)]

@@ -111,7 +111,8 @@ def test_silu_and_mul():
 @pytest.mark.parametrize("hq,hkv", [(4, 2), (4, 4), (8, 1), (8, 2), (10, 2), (6, 2)])
 @pytest.mark.parametrize("d", [64, 128])
 def test_decode_attention_over_scattered_pages(hq, hkv, d):
-    """Every group size's code path (1, 2, 4, 8, and 5 and 3 through the generic one), both head sizes."""
+    """Every group size's code path (1, 2, 4, 8, and 5 and 3 through the generic one), both head sizes;
+    the kernel's pages are head-major, the reference's token-major: the same pool in both layouts."""
     torch.manual_seed(hq * 10 + hkv)
     page_size, num_pages = 16, 40
     k_cache = torch.randn(num_pages, page_size, hkv, d).to(BF16)
@@ -124,18 +125,40 @@ def test_decode_attention_over_scattered_pages(hq, hkv, d):
         table[b, :n] = torch.tensor(perm[:n])
         perm = perm[n:]
     q = torch.randn(3, hq, d).to(BF16)
-    got = ops.decode_attention(q, k_cache, v_cache, table, context_lens, d ** -0.5)
+    head_major = [c.transpose(1, 2).contiguous() for c in (k_cache, v_cache)]
+    got = ops.decode_attention(q, *head_major, table, context_lens, d ** -0.5)
     want = reference.paged_attention(q, k_cache, v_cache, table, [1, 1, 1], context_lens, d ** -0.5)
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
 
 
 @needs_kernels
+def test_store_and_gather_head_major_pages():
+    """store_kv / gather_pages over head-major pages hold what the reference's token-major ones hold."""
+    torch.manual_seed(0)
+    pages, page_size, hkv, d = 6, 16, 2, 64
+    k, v = torch.randn(40, hkv, d).to(BF16), torch.randn(40, hkv, d).to(BF16)
+    slots = torch.randperm(pages * page_size)[:40]
+    slots[5] = -1  # padding: skipped
+    ref_k, ref_v = torch.zeros(pages, page_size, hkv, d, dtype=BF16), torch.zeros(pages, page_size, hkv, d, dtype=BF16)
+    reference.store_kv(k, v, ref_k, ref_v, slots)
+    got_k, got_v = torch.zeros(pages, hkv, page_size, d, dtype=BF16), torch.zeros(pages, hkv, page_size, d, dtype=BF16)
+    ops.store_kv(k, v, got_k, got_v, slots)
+    assert torch.equal(got_k.transpose(1, 2), ref_k) and torch.equal(got_v.transpose(1, 2), ref_v)
+    from mili.runtime.attention.torch_backend import gather_pages
+
+    table = torch.tensor([[3, 0, 5], [1, 2, 4]])
+    assert torch.equal(ops.gather_pages(got_k, table, 37), gather_pages(ref_k, table, 37))
+
+
+@needs_kernels
 @pytest.mark.parametrize("shape", ["gqa_untied", "mha_tied"])
 def test_engine_with_cpu_kernels_tracks_torch_ops(isa, checkpoints, shape):
-    """bf16 with the kernels vs bf16 with torch ops and oneDNN: the same model up to rounding."""
+    """bf16 with the kernels vs bf16 with torch ops and oneDNN: the same model up to rounding. The
+    kernels' engine prefills in chunks of 16 (each chunk attends to the pages before it, gathered from
+    the head-major pool) and decodes over those pages."""
     prompt = {"prompt_token_ids": list(range(5, 60))}
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
-    fast = LLM(str(checkpoints[shape]), dtype="bfloat16")
+    fast = LLM(str(checkpoints[shape]), dtype="bfloat16", max_num_batched_tokens=16)
     plain = LLM(str(checkpoints[shape]), dtype="bfloat16", cpu_kernels=False)
     runner = fast.engine.runner
     assert runner.cpu_kernels and not plain.engine.runner.cpu_kernels

@@ -479,15 +479,34 @@ static void pv_all(const bf16 *v, const int64_t *offset, const float *w, int64_t
   free(wb);
 }
 
+/* The CPU backend's pages are head-major, [pages, Hkv, page_size, D]: a (sequence, kv head) task reads
+ * page_size x D contiguous values a page (4 KB for Qwen3's 16 x 128 bf16) where the token-major layout
+ * [pages, page_size, Hkv, D] gave it D values every Hkv x D (256 B every 2 KB), which this machine's memory
+ * serves at about a third of the streaming rate (benchmarks/NOTES.md, step 9). */
+
+/* k, v [T, Hkv, D] (token strides ldk, ldv) into the caches at flat slots (page x page_size + offset);
+ * slot < 0 is skipped (padding). */
+void mili_store_kv(const bf16 *k, int64_t ldk, const bf16 *v, int64_t ldv, bf16 *k_cache, bf16 *v_cache,
+                   const int64_t *slots, int64_t T, int64_t Hkv, int64_t D, int64_t page_size) {
+  for (int64_t t = 0; t < T; t++) {
+    if (slots[t] < 0) continue;
+    const int64_t base = (slots[t] / page_size * Hkv * page_size + slots[t] % page_size) * D;
+    for (int64_t h = 0; h < Hkv; h++) {
+      memcpy(k_cache + base + h * page_size * D, k + t * ldk + h * D, sizeof(bf16) * D);
+      memcpy(v_cache + base + h * page_size * D, v + t * ldv + h * D, sizeof(bf16) * D);
+    }
+  }
+}
+
 /* Decode attention over the paged pool, reading each page in place: B sequences with one query token
- * each, q [B, Hq, D] (token stride ldq), caches [pages, page_size, Hkv, D], page_table [B, ldp] (int64),
- * context_lens [B] (int64). One task per (sequence, kv head): its `group` query heads share each K and V
- * row loaded. Scores, softmax and the weighted sum of V are float32. D % 32 == 0. */
+ * each, q [B, Hq, D] (token stride ldq), head-major caches [pages, Hkv, page_size, D], page_table [B, ldp]
+ * (int64), context_lens [B] (int64). One task per (sequence, kv head): its `group` query heads share each
+ * K and V row loaded. Scores, softmax and the weighted sum of V are float32. D % 32 == 0. */
 void mili_decode_attention(const bf16 *q, int64_t ldq, const bf16 *k_cache, const bf16 *v_cache,
                            const int64_t *page_table, int64_t ldp, const int64_t *context_lens, bf16 *out,
                            int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t page_size, float scale,
                            int nthreads) {
-  const int64_t group = Hq / Hkv, row = Hkv * D;
+  const int64_t group = Hq / Hkv;
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic)
   for (int64_t task = 0; task < B * Hkv; task++) {
     const int64_t b = task / Hkv, h = task % Hkv, ctx = context_lens[b];
@@ -495,7 +514,7 @@ void mili_decode_attention(const bf16 *q, int64_t ldq, const bf16 *k_cache, cons
     float *inv = scores + group * ctx;
     int64_t *offset = malloc(sizeof(int64_t) * ctx); /* of each position's K/V row for this head */
     for (int64_t p = 0; p < ctx; p++)
-      offset[p] = (page_table[b * ldp + p / page_size] * page_size + p % page_size) * row + h * D;
+      offset[p] = ((page_table[b * ldp + p / page_size] * Hkv + h) * page_size + p % page_size) * D;
     const bf16 *qh = q + b * ldq + h * group * D;
     for (int64_t p = 0; p < ctx; p++) {
       const bf16 *kr = k_cache + offset[p];
@@ -618,12 +637,7 @@ void mili_decode_layer(const mili_layer_desc *L, bf16 *h, bf16 *residual, int fi
   }
   run_linear(&L->qkv, normed, qkv, T, nthreads);
   mili_qk_norm_rope(qkv, nqkv, T, Hq, Hkv, D, L->q_norm, L->k_norm, L->eps, cos_t, sin_t, nthreads);
-  const int64_t row = Hkv * D;
-  for (int64_t t = 0; t < T; t++) /* the new K/V into the pool */
-    if (slots[t] >= 0) {
-      memcpy(k_cache + slots[t] * row, qkv + t * nqkv + Hq * D, sizeof(bf16) * row);
-      memcpy(v_cache + slots[t] * row, qkv + t * nqkv + (Hq + Hkv) * D, sizeof(bf16) * row);
-    }
+  mili_store_kv(qkv + Hq * D, nqkv, qkv + (Hq + Hkv) * D, nqkv, k_cache, v_cache, slots, T, Hkv, D, page_size);
   mili_decode_attention(qkv, nqkv, k_cache, v_cache, page_table, ldp, context_lens, attn, T, Hq, Hkv, D, page_size,
                         L->scale, nthreads);
   run_linear(&L->o, attn, o, T, nthreads);

@@ -119,7 +119,25 @@ class CpuOps:
     silu_and_mul = staticmethod(silu_and_mul)
 
 
-# -- attention -----------------------------------------------------------------------------------
+# -- attention (the pool's pages head-major: [pages, Hkv, page_size, D], see kernels.c) ----------------
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k, v [T, Hkv, D] (bf16, rows of D contiguous) written at flat slots; slot < 0 is skipped."""
+    slots = slot_mapping.to(torch.int64).contiguous()
+    _lib().mili_store_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(),
+                         v_cache.data_ptr(), slots.data_ptr(), k.shape[0], k_cache.shape[1], k_cache.shape[3],
+                         k_cache.shape[2])
+
+
+def gather_pages(cache: torch.Tensor, page_table: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """The first ``num_tokens`` cached entries of each row of ``page_table``: [B, num_tokens, Hkv, D]."""
+    num_pages = -(-num_tokens // cache.shape[2])
+    pages = cache.index_select(0, page_table[:, :num_pages].reshape(-1))  # [B * n, Hkv, page, D]
+    b, hkv, d = page_table.shape[0], cache.shape[1], cache.shape[3]
+    pages = pages.view(b, num_pages, hkv, cache.shape[2], d).permute(0, 1, 3, 2, 4)
+    return pages.reshape(b, num_pages * cache.shape[2], hkv, d)[:, :num_tokens]
+
+
 def decode_attention_supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     d = q.shape[-1]
     return (q.dtype == k_cache.dtype == BF16 and d % 32 == 0 and q.stride()[1:] == (d, 1)
@@ -135,7 +153,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     out = torch.empty(b, hq, d, dtype=BF16)
     _lib().mili_decode_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                                  page_table.data_ptr(), page_table.stride(0), lens.data_ptr(), out.data_ptr(),
-                                 b, hq, k_cache.shape[2], d, k_cache.shape[1], scale, _threads())
+                                 b, hq, k_cache.shape[1], d, k_cache.shape[2], scale, _threads())
     return out
 
 

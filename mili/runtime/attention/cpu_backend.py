@@ -13,16 +13,25 @@ from mili.runtime.attention.torch_backend import TorchAttentionBackend
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
+    """Pages head-major, [pages, Hkv, page_size, D]: a kv head's tokens of a page lie together, so the
+    decode kernel reads them as one run (kernels.c)."""
+
+    _store = staticmethod(cpu_ops.store_kv)
+    _gather = staticmethod(cpu_ops.gather_pages)
+
+    @staticmethod
+    def kv_cache_shape(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        return num_pages, num_kv_heads, page_size, head_dim
+
     @staticmethod
     def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if not cpu_ops.prefill_attention_supported(q, k, v):
             return TorchAttentionBackend._prefill(q, k, v)
         return cpu_ops.prefill_attention(q, k, v, q.shape[-1] ** -0.5)
 
-    @staticmethod
-    def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 batch: ForwardBatch) -> torch.Tensor:
         if not cpu_ops.decode_attention_supported(q, k_cache):
-            return TorchAttentionBackend._decode(q, k_cache, v_cache, batch)
+            return super()._decode(q, k_cache, v_cache, batch)
         return cpu_ops.decode_attention(q, k_cache, v_cache, batch.page_table, batch.context_lens,
                                         q.shape[-1] ** -0.5)

@@ -23,9 +23,18 @@ def gather_pages(cache: torch.Tensor, page_table: torch.Tensor, num_tokens: int)
 
 
 class TorchAttentionBackend:
+    # the pool's pages: [pages, page_size, Hkv, D] (a backend may lay them out otherwise: kv_cache_shape,
+    # with its own _store and _gather)
+    _store = staticmethod(store_kv)
+    _gather = staticmethod(gather_pages)
+
+    @staticmethod
+    def kv_cache_shape(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        return num_pages, page_size, num_kv_heads, head_dim
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        self._store(k, v, k_cache, v_cache, batch.slot_mapping)
         out = torch.empty_like(q)
         nd = batch.num_decodes
         if nd:
@@ -38,8 +47,8 @@ class TorchAttentionBackend:
                 ks, vs = k[start:end], v[start:end]
             else:
                 table = batch.page_table[i:i + 1]
-                ks = gather_pages(k_cache, table, ctx)[0]
-                vs = gather_pages(v_cache, table, ctx)[0]
+                ks = self._gather(k_cache, table, ctx)[0]
+                vs = self._gather(v_cache, table, ctx)[0]
             out[start:end] = self._prefill(q[start:end], ks, vs)
             start = end
         return out
@@ -60,15 +69,14 @@ class TorchAttentionBackend:
                                            enable_gqa=True)
         return o[0].transpose(0, 1)
 
-    @staticmethod
-    def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 batch: ForwardBatch) -> torch.Tensor:
         nd = q.shape[0]
         ctx = torch.tensor(batch.context_lens[:nd], device=q.device)
         max_len = max(batch.context_lens[:nd])
         table = batch.page_table[:nd]
-        ks = gather_pages(k_cache, table, max_len).transpose(1, 2)  # [B, Hkv, L, D]
-        vs = gather_pages(v_cache, table, max_len).transpose(1, 2)
+        ks = self._gather(k_cache, table, max_len).transpose(1, 2)  # [B, Hkv, L, D]
+        vs = self._gather(v_cache, table, max_len).transpose(1, 2)
         mask = (torch.arange(max_len, device=q.device)[None, :] < ctx[:, None])[:, None, None, :]
         o = F.scaled_dot_product_attention(q[:, :, None, :], ks, vs, attn_mask=mask, enable_gqa=True)
         return o[:, :, 0, :]
