@@ -12,6 +12,7 @@ from mili.cache.page_pool import PagePool
 from mili.config import EngineConfig, ModelConfig, default_kv_cache_bytes
 from mili.errors import InvalidRequest
 from mili.kernels import cpu
+from mili.kernels.cpu import ops as cpu_ops
 from mili.kernels.reference import TorchOps
 from mili.model.cpu_linear import prepack_available, swap_linears
 from mili.model.loader import load_weights
@@ -60,7 +61,7 @@ class ModelRunner:
         self.model.init_rotary(self.max_model_len, self.device)
         if hasattr(backend, "max_pages_per_seq"):
             backend.max_pages_per_seq = self.max_pages_per_seq
-        self.sampler = Sampler()
+        self.sampler = Sampler(cpu_ops.argmax) if self.cpu_kernels else Sampler()
         self.graphs = None
         if self.device.type == "cuda" and self.attention_backend == "triton" and not config.enforce_eager:
             from mili.runtime.cuda_graph import CudaGraphRunner
@@ -216,7 +217,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_logits(self, scheduled) -> torch.Tensor:
-        """Run the model over a step; the last-token logits of each sequence that samples: [S, V]."""
+        """Run the model over a step; the last-token logits of each sequence that samples: [S, V], in the
+        model's dtype (the sampler takes a float32 copy where it needs one)."""
         batch = self.prepare(scheduled)
         if self.graphs is not None:
             logits = self.graphs.run(batch)  # all rows of a decode batch; None when no graph fits
@@ -224,11 +226,11 @@ class ModelRunner:
                 sampling = [i for i, s in enumerate(scheduled) if s.samples]
                 if len(sampling) != len(scheduled):
                     logits = logits[torch.tensor(sampling, device=self.device)]
-                return logits.float()
+                return logits
         hidden = self.cpu_decode.run(batch, self.kv_caches) if self.cpu_decode is not None else None
         if hidden is None:
             hidden = self.model(batch, self.kv_caches)
-        return self.model.compute_logits(hidden).float()
+        return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def execute(self, sched_out) -> SamplerOutput | None:

@@ -184,10 +184,26 @@ def _exponential_race(probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tens
     return (probs / q).argmax(dim=-1)
 
 
+def _float_argmax(logits: torch.Tensor) -> torch.Tensor:
+    return logits.float().argmax(dim=-1)
+
+
 class Sampler:
+    """``argmax``: the greedy rows' argmax over the model's logits (any dtype), when nothing else is asked
+    of a step (all greedy, no min_tokens, penalties or logprobs): no float32 copy is made then. The CPU
+    kernels give one that reads bf16 in place (a batch of 32 x 152k: ~0.4 ms, torch's ~9)."""
+
+    def __init__(self, argmax=_float_argmax):
+        self.argmax = argmax
+
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        """``logits`` [B, >= vocab] in the model's dtype (a private float32 copy is made where needed)."""
         assert logits.dim() == 2 and logits.shape[0] == meta.num_rows, logits.shape
         assert logits.shape[1] >= meta.vocab_size, (logits.shape, meta.vocab_size)
+        if (meta.greedy_rows.numel() == meta.num_rows and meta.logprob_rows is None and meta.blocked_rows is None
+                and meta.penalty_rows is None):
+            return SamplerOutput(token_ids=self.argmax(logits[:, :meta.vocab_size]).tolist(),
+                                 logprobs=[None] * meta.num_rows)
         # A private float32 copy (modified in place); columns past the vocab (padding) are dropped.
         logits = logits[:, :meta.vocab_size].to(torch.float32, copy=True)
         raw = logits.index_select(0, meta.logprob_rows) if meta.logprob_rows is not None else None  # a copy

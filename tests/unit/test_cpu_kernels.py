@@ -261,3 +261,32 @@ def test_fused_decode_step_is_the_module_path_bit_for_bit(isa, fused_checkpoints
                    [{t: lp.logprob for t, lp in d.items()} for d in oy.logprobs]
     assert sum(h is not None for h in fused_steps) >= 8  # the decode steps did run fused
     fused.engine.check_integrity()
+
+
+@needs_kernels
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 1000, 151936])
+def test_argmax_reads_bf16_rows_and_takes_the_first_of_ties(n):
+    torch.manual_seed(n)
+    x = torch.randn(5, n + 3).to(BF16)[:, :n]  # rows at a stride, as the lm_head's padded output
+    x[1, n // 2] = x[1, n - 1] = 100.0  # a tie: the first index wins, as torch's
+    x[2] = -5.0  # all equal
+    assert torch.equal(ops.argmax(x), x.float().argmax(dim=-1))
+
+
+@needs_kernels
+def test_sampler_takes_the_kernel_argmax_only_when_nothing_else_is_asked():
+    from mili.runtime.sampler import Sampler, SamplingMetadata
+
+    calls = []
+    sampler = Sampler(lambda x: calls.append(x.dtype) or ops.argmax(x))
+    logits = torch.randn(3, 300).to(BF16)
+
+    def meta(params):
+        return SamplingMetadata.build(params, [None] * 3, [[] for _ in range(3)], [[] for _ in range(3)], 290, "cpu")
+
+    greedy = [SamplingParams(temperature=0)] * 3
+    out = sampler(logits, meta(greedy))
+    assert calls == [BF16] and out.token_ids == logits[:, :290].float().argmax(dim=-1).tolist()
+    sampler(logits, meta([SamplingParams(temperature=0, logprobs=1)] * 3))  # logprobs need the float copy
+    sampler(logits, meta([SamplingParams(temperature=0), SamplingParams(temperature=1, seed=1)] * 1 + greedy[:1]))
+    assert calls == [BF16]

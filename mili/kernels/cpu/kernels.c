@@ -646,3 +646,29 @@ void mili_decode_layer(const mili_layer_desc *L, bf16 *h, bf16 *residual, int fi
   mili_silu_and_mul(gate_up, act, T, L->inter, nthreads);
   run_linear(&L->down, act, h, T, nthreads);
 }
+
+/* out[r] = the first index of the largest of the N bf16 values of row r (rows at stride ld): greedy
+ * sampling straight from the lm_head's output, where torch's argmax over a float32 copy of a batch of
+ * 152k-wide rows took several ms. Each lane keeps its first maximum; the lanes' maxima then the
+ * smallest index among them. */
+void mili_argmax_rows(const bf16 *x, int64_t ld, int64_t R, int64_t N, int64_t *out, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (R > 1)
+  for (int64_t r = 0; r < R; r++) {
+    const bf16 *row = x + r * ld;
+    __m512 best = _mm512_set1_ps(-INFINITY);
+    __m512i best_i = _mm512_set1_epi32(0), idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i step = _mm512_set1_epi32(16);
+    for (int64_t i = 0; i < N; i += 16) {
+      const __mmask16 m = N - i >= 16 ? 0xffff : (__mmask16)((1u << (N - i)) - 1);
+      const __m512 v = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), m,
+                                          _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(m, row + i)));
+      const __mmask16 gt = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
+      best = _mm512_mask_mov_ps(best, gt, v);
+      best_i = _mm512_mask_mov_epi32(best_i, gt, idx);
+      idx = _mm512_add_epi32(idx, step);
+    }
+    const float top = _mm512_reduce_max_ps(best);
+    const __mmask16 at_top = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
+    out[r] = _mm512_mask_reduce_min_epi32(at_top, best_i);
+  }
+}

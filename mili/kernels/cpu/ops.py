@@ -74,6 +74,16 @@ def linear_int8(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, col
     return y if n == out_features else y[:, :out_features]
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """The first index of each row's largest value (torch.argmax(dim=-1)), read straight from bf16."""
+    if logits.dtype != BF16 or logits.dim() != 2 or logits.stride(-1) != 1 or not logits.shape[1]:
+        return logits.float().argmax(dim=-1)
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    _lib().mili_argmax_rows(logits.data_ptr(), logits.stride(0), logits.shape[0], logits.shape[1], out.data_ptr(),
+                            _threads())
+    return out
+
+
 # -- the ops set ---------------------------------------------------------------------------------
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     if (x.dtype != BF16 or x.dim() != 2 or x.stride(-1) != 1 or x.shape[1] % 16
