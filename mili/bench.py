@@ -144,18 +144,20 @@ def _header(args, engine) -> None:
 
 # -- modes ---------------------------------------------------------------------------------------
 def _measure_latency(engine, prompt: list[int], args) -> tuple[float, float, float]:
-    """Median TTFT (s), decode tok/s and copy bandwidth (B/s, measured before each repeat, so that the
-    roofline follows the machine through the run) over ``args.repeat`` runs of one request."""
+    """Median TTFT (s), decode tok/s (the tokens after the first over the time of their steps) and copy
+    bandwidth (B/s, measured before each repeat, so that the roofline follows the machine through the
+    run) over ``args.repeat`` runs of one request."""
     _run(engine, [prompt[:16]], [4])  # warm up
     ttfts, decodes, bandwidths = [], [], []
     for _ in range(args.repeat):
         bandwidths.append(memory_bandwidth())
         (first,), t_first = _run(engine, [prompt], [1])
         engine.prefix_cache.evict(engine.runner.pool.num_pages)  # every repeat is a miss
-        (out,), t_all = _run(engine, [prompt], [args.output_len])
+        decode = []  # [seconds, tokens] of the steps after the first token
+        _run(engine, [prompt], [args.output_len], decode)
         engine.prefix_cache.evict(engine.runner.pool.num_pages)
         ttfts.append(t_first)
-        decodes.append((args.output_len - 1) / (t_all - t_first))
+        decodes.append(decode[1] / decode[0])
     return statistics.median(ttfts), statistics.median(decodes), statistics.median(bandwidths)
 
 
