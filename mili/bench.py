@@ -157,7 +157,7 @@ def _measure_latency(engine, prompt: list[int], args) -> tuple[float, float, flo
         _run(engine, [prompt], [args.output_len], decode)
         engine.prefix_cache.evict(engine.runner.pool.num_pages)
         ttfts.append(t_first)
-        decodes.append(decode[1] / decode[0])
+        decodes.append(decode[1] / decode[0] if decode[1] else 0.0)  # (--output-len 1: no decode step)
     return statistics.median(ttfts), statistics.median(decodes), statistics.median(bandwidths)
 
 

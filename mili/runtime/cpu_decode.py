@@ -57,7 +57,8 @@ class CpuDecodeRunner:
             attn, mlp = layer.self_attn, layer.mlp
             linears = [_linear_desc(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
             norms = (layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm)
-            if None in linears or any(n.weight.dtype != torch.bfloat16 for n in norms) or attn.head_dim % 32:
+            if (None in linears or any(n.weight.dtype != torch.bfloat16 for n in norms) or attn.head_dim % 32
+                    or attn.head_dim > 1024):  # (the q/k-norm kernel's bound)
                 self.why_not = "a layer the fused kernel can't take (bias, odd sizes or another linear kind)"
                 self.layers = []
                 break

@@ -218,7 +218,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_logits(self, scheduled) -> torch.Tensor:
         """Run the model over a step; the last-token logits of each sequence that samples: [S, V], in the
-        model's dtype (the sampler takes a float32 copy where it needs one)."""
+        model's dtype (the sampler takes a float32 copy where it needs one). With CUDA graphs it may be a
+        view of the graph's output buffer: valid until the next step."""
         batch = self.prepare(scheduled)
         if self.graphs is not None:
             logits = self.graphs.run(batch)  # all rows of a decode batch; None when no graph fits

@@ -142,10 +142,13 @@ AMX static void amx_matmul(const uint8_t *w, const uint8_t *x, bf16 *y, int64_t 
  * taken off with `colsum` before scaling. */
 #define MR_MAX 6
 #define NB_MAX 4
+/* vpdpbusd is AVX-512 VNNI: enabled for these functions only, so a CPU with AVX-512 BF16 but without
+ * VNNI still builds the library (its int8 layers then use aten's kernel: kernels.int8_available). */
+#define VNNI __attribute__((target("avx512vnni")))
 #ifndef PF_DIST
 #define PF_DIST 1024
 #endif
-static inline __attribute__((always_inline)) void avx_micro(const uint8_t *w, int64_t wblock,
+VNNI static inline __attribute__((always_inline)) void avx_micro(const uint8_t *w, int64_t wblock,
                                                              const uint8_t *x, int64_t ldx, bf16 *y, float *yf,
                                                              int64_t N,
                                                              int64_t kwords, const int MR, const int NB,
@@ -192,7 +195,7 @@ static inline __attribute__((always_inline)) void avx_micro(const uint8_t *w, in
     case 3: MICRO_NB(MR, 3); break;   \
     default: MICRO_NB(MR, 4); break;  \
   }
-static void avx_micro_any(const uint8_t *w, int64_t wblock, const uint8_t *x, int64_t ldx, bf16 *y, float *yf, int64_t N,
+VNNI static void avx_micro_any(const uint8_t *w, int64_t wblock, const uint8_t *x, int64_t ldx, bf16 *y, float *yf, int64_t N,
                           int64_t kwords, int mr, int nb, int int8, const float *sx, const float *sw,
                           const int32_t *colsum, int prefetch) {
   switch (mr) {
@@ -207,7 +210,7 @@ static void avx_micro_any(const uint8_t *w, int64_t wblock, const uint8_t *x, in
 
 /* Each thread takes a contiguous run of NB_MAX-block column groups (its share of the weights, streamed
  * once when M <= MR_MAX) and all rows, MR_MAX at a time, while the group's weights sit in its L2. */
-static void avx_matmul(const uint8_t *w, const uint8_t *x, bf16 *y, int64_t M, int64_t N, int64_t K, int xsize,
+VNNI static void avx_matmul(const uint8_t *w, const uint8_t *x, bf16 *y, int64_t M, int64_t N, int64_t K, int xsize,
                        const float *sx, const float *sw, const int32_t *colsum, int nthreads) {
   const int64_t nblocks = N / 16, ngroups = (nblocks + NB_MAX - 1) / NB_MAX, ldx = K * xsize;
   const int64_t kwords = K * xsize / 4, wblock = 16 * ldx;
@@ -227,7 +230,7 @@ static void avx_matmul(const uint8_t *w, const uint8_t *x, bf16 *y, int64_t M, i
 
 /* One thread's bf16 product: [M, nblocks x 16] (row stride ldy; bf16 into y, or float32 into yf) = x[M, 2 kwords]
  * (row stride ldx bytes) @ W^T, W packed as 16-column blocks of kwords 64-byte rows, wblock bytes apart. */
-static void avx_gemm_serial(const uint8_t *w, int64_t wblock, int64_t nblocks, const uint8_t *x, int64_t ldx,
+VNNI static void avx_gemm_serial(const uint8_t *w, int64_t wblock, int64_t nblocks, const uint8_t *x, int64_t ldx,
                             int64_t M, int64_t kwords, bf16 *y, float *yf, int64_t ldy) {
   for (int64_t nb0 = 0; nb0 < nblocks; nb0 += NB_MAX) {
     const int nb = nblocks - nb0 < NB_MAX ? (int)(nblocks - nb0) : NB_MAX;
@@ -662,13 +665,16 @@ void mili_argmax_rows(const bf16 *x, int64_t ld, int64_t R, int64_t N, int64_t *
       const __mmask16 m = N - i >= 16 ? 0xffff : (__mmask16)((1u << (N - i)) - 1);
       const __m512 v = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), m,
                                           _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(m, row + i)));
-      const __mmask16 gt = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
+      /* greater, or NaN (torch's argmax takes the first NaN as the largest): lanes already at NaN stay */
+      const __mmask16 settled = _mm512_cmp_ps_mask(best, best, _CMP_UNORD_Q);
+      const __mmask16 gt = _mm512_mask_cmp_ps_mask((__mmask16)~settled, v, best, _CMP_NLE_UQ);
       best = _mm512_mask_mov_ps(best, gt, v);
       best_i = _mm512_mask_mov_epi32(best_i, gt, idx);
       idx = _mm512_add_epi32(idx, step);
     }
+    const __mmask16 nan = _mm512_cmp_ps_mask(best, best, _CMP_UNORD_Q);
     const float top = _mm512_reduce_max_ps(best);
-    const __mmask16 at_top = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
+    const __mmask16 at_top = nan ? nan : _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
     out[r] = _mm512_mask_reduce_min_epi32(at_top, best_i);
   }
 }

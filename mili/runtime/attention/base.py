@@ -37,9 +37,11 @@ class ForwardBatch:
 
 
 class AttentionBackend(Protocol):
-    """Writes this step's K/V into the paged pool and attends over each sequence's pages."""
+    """Writes this step's K/V into the paged pool and attends over each sequence's pages. The pool's
+    layout is the backend's: ``kv_cache_shape`` where it has one (the CPU backend's pages are head-major,
+    [num_pages, Hkv, page_size, D]), else [num_pages, page_size, Hkv, D]."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """q: [T, Hq, D], k/v: [T, Hkv, D], caches: [num_pages, page_size, Hkv, D] -> [T, Hq, D]."""
+        """q: [T, Hq, D], k/v: [T, Hkv, D], caches: the backend's page layout -> [T, Hq, D]."""
         ...
