@@ -15,6 +15,7 @@ import ctypes
 import torch
 
 from mili.kernels.cpu import load
+from mili.kernels.cpu.ops import decode_metadata
 from mili.model.cpu_linear import Int8Linear, KernelLinear
 from mili.runtime.attention.base import ForwardBatch
 
@@ -85,8 +86,7 @@ class CpuDecodeRunner:
         cos, sin = (c.contiguous() for c in self.model.rotary.lookup(batch.positions))
         work = torch.empty(t * self.work_per_token, dtype=torch.bfloat16)
         slots = batch.slot_mapping.contiguous()
-        table = batch.page_table.to(torch.int64).contiguous()
-        lens = torch.tensor(batch.context_lens, dtype=torch.int64)
+        table, lens = decode_metadata(batch.page_table, batch.context_lens, t)
         threads = torch.get_num_threads()
         for i, (desc, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             self.lib.mili_decode_layer(ctypes.byref(desc), h.data_ptr(), residual.data_ptr(), int(i == 0),

@@ -145,9 +145,7 @@ AMX static void amx_matmul(const uint8_t *w, const uint8_t *x, bf16 *y, int64_t 
 /* vpdpbusd is AVX-512 VNNI: enabled for these functions only, so a CPU with AVX-512 BF16 but without
  * VNNI still builds the library (its int8 layers then use aten's kernel: kernels.int8_available). */
 #define VNNI __attribute__((target("avx512vnni")))
-#ifndef PF_DIST
-#define PF_DIST 1024
-#endif
+#define PF_DIST 1024 /* bytes ahead in each weight stream (M <= MR_MAX: the weights come from memory) */
 VNNI static inline __attribute__((always_inline)) void avx_micro(const uint8_t *w, int64_t wblock,
                                                              const uint8_t *x, int64_t ldx, bf16 *y, float *yf,
                                                              int64_t N,
@@ -208,38 +206,39 @@ VNNI static void avx_micro_any(const uint8_t *w, int64_t wblock, const uint8_t *
   }
 }
 
+/* All M rows of the nb column blocks from block nb0 on, MR_MAX rows at a time: y (bf16) or yf (float32)
+ * [M, .] with row stride ldy; sx, sw, colsum: int8's scales and column sums (else NULL). */
+VNNI static void avx_blocks(const uint8_t *w, int64_t wblock, int64_t nb0, int nb, const uint8_t *x, int64_t ldx,
+                            int64_t M, int64_t kwords, bf16 *y, float *yf, int64_t ldy, int int8, const float *sx,
+                            const float *sw, const int32_t *colsum, int prefetch) {
+  for (int64_t m0 = 0; m0 < M; m0 += MR_MAX) {
+    const int mr = M - m0 < MR_MAX ? (int)(M - m0) : MR_MAX;
+    avx_micro_any(w + nb0 * wblock, wblock, x + m0 * ldx, ldx, y ? y + m0 * ldy + nb0 * 16 : NULL,
+                  yf ? yf + m0 * ldy + nb0 * 16 : NULL, ldy, kwords, mr, nb, int8, sx ? sx + m0 : NULL,
+                  sw ? sw + nb0 * 16 : NULL, colsum ? colsum + nb0 * 16 : NULL, prefetch);
+  }
+}
+
 /* Each thread takes a contiguous run of NB_MAX-block column groups (its share of the weights, streamed
  * once when M <= MR_MAX) and all rows, MR_MAX at a time, while the group's weights sit in its L2. */
 VNNI static void avx_matmul(const uint8_t *w, const uint8_t *x, bf16 *y, int64_t M, int64_t N, int64_t K, int xsize,
-                       const float *sx, const float *sw, const int32_t *colsum, int nthreads) {
+                            const float *sx, const float *sw, const int32_t *colsum, int nthreads) {
   const int64_t nblocks = N / 16, ngroups = (nblocks + NB_MAX - 1) / NB_MAX, ldx = K * xsize;
-  const int64_t kwords = K * xsize / 4, wblock = 16 * ldx;
-  const int int8 = xsize == 1, prefetch = M <= MR_MAX;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (ngroups > 1)
   for (int64_t g = 0; g < ngroups; g++) {
     const int64_t nb0 = g * NB_MAX;
-    const int nb = nblocks - nb0 < NB_MAX ? (int)(nblocks - nb0) : NB_MAX;
-    for (int64_t m0 = 0; m0 < M; m0 += MR_MAX) {
-      const int mr = M - m0 < MR_MAX ? (int)(M - m0) : MR_MAX;
-      avx_micro_any(w + nb0 * wblock, wblock, x + m0 * ldx, ldx, y + m0 * N + nb0 * 16, NULL, N, kwords, mr, nb,
-                    int8, sx ? sx + m0 : NULL, sw ? sw + nb0 * 16 : NULL, colsum ? colsum + nb0 * 16 : NULL,
-                    prefetch);
-    }
+    avx_blocks(w, 16 * ldx, nb0, nblocks - nb0 < NB_MAX ? (int)(nblocks - nb0) : NB_MAX, x, ldx, M, K * xsize / 4,
+               y, NULL, N, xsize == 1, sx, sw, colsum, M <= MR_MAX);
   }
 }
 
 /* One thread's bf16 product: [M, nblocks x 16] (row stride ldy; bf16 into y, or float32 into yf) = x[M, 2 kwords]
  * (row stride ldx bytes) @ W^T, W packed as 16-column blocks of kwords 64-byte rows, wblock bytes apart. */
 VNNI static void avx_gemm_serial(const uint8_t *w, int64_t wblock, int64_t nblocks, const uint8_t *x, int64_t ldx,
-                            int64_t M, int64_t kwords, bf16 *y, float *yf, int64_t ldy) {
-  for (int64_t nb0 = 0; nb0 < nblocks; nb0 += NB_MAX) {
-    const int nb = nblocks - nb0 < NB_MAX ? (int)(nblocks - nb0) : NB_MAX;
-    for (int64_t m0 = 0; m0 < M; m0 += MR_MAX) {
-      const int mr = M - m0 < MR_MAX ? (int)(M - m0) : MR_MAX;
-      avx_micro_any(w + nb0 * wblock, wblock, x + m0 * ldx, ldx, y ? y + m0 * ldy + nb0 * 16 : NULL,
-                    yf ? yf + m0 * ldy + nb0 * 16 : NULL, ldy, kwords, mr, nb, 0, NULL, NULL, NULL, 0);
-    }
-  }
+                                 int64_t M, int64_t kwords, bf16 *y, float *yf, int64_t ldy) {
+  for (int64_t nb0 = 0; nb0 < nblocks; nb0 += NB_MAX)
+    avx_blocks(w, wblock, nb0, nblocks - nb0 < NB_MAX ? (int)(nblocks - nb0) : NB_MAX, x, ldx, M, kwords, y, yf, ldy,
+               0, NULL, NULL, NULL, 0);
 }
 
 /* bf16: y[M, N] = x[M, K] @ W^T, W packed [N/16][K/2][16][2]. K % 32 == 0, N % 16 == 0. */
@@ -379,6 +378,17 @@ void mili_silu_and_mul(const bf16 *gate_up, bf16 *out, int64_t T, int64_t I, int
     }
 }
 
+/* dst[i] = bf16(src[i] * scale), i < n (the last partial vector masked). */
+static void to_bf16_row(const float *src, float scale, int64_t n, bf16 *dst) {
+  const __m512 s = _mm512_set1_ps(scale);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) _mm256_storeu_si256((__m256i *)(dst + i), to_bf16x16(_mm512_mul_ps(_mm512_loadu_ps(src + i), s)));
+  if (n - i) {
+    const __mmask16 m = (__mmask16)((1u << (n - i)) - 1);
+    _mm256_mask_storeu_epi16(dst + i, m, to_bf16x16(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, src + i), s)));
+  }
+}
+
 /* Softmax numerator in place: s[i] = exp(s[i] - max); returns the sum. */
 static float exp_shifted(float *s, int64_t n) {
   __m512 mx = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
@@ -456,11 +466,7 @@ static void pv_all(const bf16 *v, const int64_t *offset, const float *w, int64_t
   uint32_t *wb = malloc(sizeof(uint32_t) * G * npairs);
   for (int64_t g = 0; g < G; g++) {
     bf16 *dst = (bf16 *)(wb + g * npairs);
-    const float *src = w + g * ctx;
-    int64_t p = 0;
-    for (; p + 16 <= ctx; p += 16) _mm256_storeu_si256((__m256i *)(dst + p), to_bf16x16(_mm512_loadu_ps(src + p)));
-    const __mmask16 m = (__mmask16)((1u << (ctx - p)) - 1);
-    if (ctx - p) _mm256_mask_storeu_epi16(dst + p, m, to_bf16x16(_mm512_maskz_loadu_ps(m, src + p)));
+    to_bf16_row(w + g * ctx, 1.0f, ctx, dst);
     if (ctx % 2) dst[ctx] = 0;
   }
   for (int64_t d0 = 0; d0 < D;) {
@@ -580,11 +586,8 @@ void mili_prefill_attention(const bf16 *q, int64_t ldq, const bf16 *k, int64_t l
         for (int64_t c = 0; c < valid; c++) sr[c] *= scale;
         const float inv = 1.0f / exp_shifted(sr, valid);
         bf16 *prow = pr + r * width;
-        int64_t c = 0;
-        for (; c + 16 <= valid; c += 16)
-          _mm256_storeu_si256((__m256i *)(prow + c), to_bf16x16(_mm512_mul_ps(_mm512_loadu_ps(sr + c), _mm512_set1_ps(inv))));
-        for (; c < valid; c++) prow[c] = (bf16)(_mm256_extract_epi16(to_bf16x16(_mm512_set1_ps(sr[c] * inv)), 0));
-        for (; c < width; c++) prow[c] = 0;
+        to_bf16_row(sr, inv, valid, prow);
+        memset(prow + valid, 0, sizeof(bf16) * (width - valid));
       }
       for (int64_t g = 0; g < G; g++)
         avx_gemm_serial((const uint8_t *)(vp + h * D * Lkp), Lkp * 32, D / 16, (const uint8_t *)(pr + g * n * width),

@@ -148,6 +148,11 @@ def gather_pages(cache: torch.Tensor, page_table: torch.Tensor, num_tokens: int)
     return pages.reshape(b, num_pages * cache.shape[2], hkv, d)[:, :num_tokens]
 
 
+def decode_metadata(page_table: torch.Tensor, context_lens: list[int], b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``b`` sequences' page table and lengths as the kernels read them (int64, contiguous)."""
+    return page_table[:b].to(torch.int64).contiguous(), torch.tensor(context_lens[:b], dtype=torch.int64)
+
+
 def decode_attention_supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     d = q.shape[-1]
     return (q.dtype == k_cache.dtype == BF16 and d % 32 == 0 and q.stride()[1:] == (d, 1)
@@ -158,8 +163,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      context_lens: list[int], scale: float) -> torch.Tensor:
     """One query token per sequence, q [B, Hq, D], over each sequence's pages in place: [B, Hq, D]."""
     b, hq, d = q.shape
-    page_table = page_table[:b].to(torch.int64).contiguous()
-    lens = torch.tensor(context_lens[:b], dtype=torch.int64)
+    page_table, lens = decode_metadata(page_table, context_lens, b)
     out = torch.empty(b, hq, d, dtype=BF16)
     _lib().mili_decode_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                                  page_table.data_ptr(), page_table.stride(0), lens.data_ptr(), out.data_ptr(),
