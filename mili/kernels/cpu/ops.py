@@ -44,15 +44,22 @@ def unpack_rows(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return packed[rows // 16, :, rows % 16, :].reshape(rows.shape[0], -1)
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
-    """x [M, K] @ W^T for W packed by pack_weight: [M, out_features]."""
+def _packed_product(x: torch.Tensor, packed: torch.Tensor, out_features: int, kernel) -> torch.Tensor:
+    """x [M, K] (as bf16) times packed weights by ``kernel(x, y, m, n, k)`` into y [M, padded N]:
+    [M, out_features]."""
     x = x.to(BF16).contiguous()
     m, k = x.shape
     n = packed.shape[0] * 16
     y = torch.empty(m, n, dtype=BF16)
     if m:
-        _lib().mili_linear(packed.data_ptr(), x.data_ptr(), y.data_ptr(), m, n, k, _threads())
+        kernel(x, y, m, n, k)
     return y if n == out_features else y[:, :out_features]
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x [M, K] @ W^T for W packed by pack_weight: [M, out_features]."""
+    return _packed_product(x, packed, out_features, lambda x, y, m, n, k: _lib().mili_linear(
+        packed.data_ptr(), x.data_ptr(), y.data_ptr(), m, n, k, _threads()))
 
 
 def int8_column_sums(packed: torch.Tensor) -> torch.Tensor:
@@ -64,14 +71,9 @@ def linear_int8(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, col
                 out_features: int) -> torch.Tensor:
     """x [M, K] @ (int8 W * scales)^T, x quantized per row to int8 inside the kernel: [M, out_features].
     ``scales`` (float32) and ``column_sums`` (int32, :func:`int8_column_sums`) padded like ``packed``."""
-    x = x.to(BF16).contiguous()
-    m, k = x.shape
-    n = packed.shape[0] * 16
-    y = torch.empty(m, n, dtype=BF16)
-    if m:
-        _lib().mili_linear_int8(packed.data_ptr(), scales.data_ptr(), column_sums.data_ptr(), x.data_ptr(),
-                                y.data_ptr(), m, n, k, _threads())
-    return y if n == out_features else y[:, :out_features]
+    return _packed_product(x, packed, out_features, lambda x, y, m, n, k: _lib().mili_linear_int8(
+        packed.data_ptr(), scales.data_ptr(), column_sums.data_ptr(), x.data_ptr(), y.data_ptr(), m, n, k,
+        _threads()))
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
