@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mili.errors import InvalidRequest, ModelLoadError
+from mili.model.checks import check_architecture_settings
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16,
@@ -49,6 +50,7 @@ class ModelConfig:
             raise ModelLoadError(
                 f"unsupported architecture {archs or hf_config.model_type!r}: "
                 f"MILI runs {', '.join(SUPPORTED_ARCHITECTURES)} (model_type 'qwen3')")
+        check_architecture_settings(hf_config)
         heads = hf_config.num_attention_heads
         dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.float32
         if isinstance(dtype, str):

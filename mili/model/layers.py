@@ -8,6 +8,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from mili.errors import ModelLoadError
 from mili.kernels.reference import TorchOps
+from mili.model.checks import STATIC_ROPE_TYPES, rope_parameters
 
 
 class RMSNorm(nn.Module):
@@ -26,17 +27,15 @@ class RMSNorm(nn.Module):
 
 def rope_inverse_frequencies(hf_config) -> tuple[torch.Tensor, float]:
     """inv_freq and the cos/sin scale for the checkpoint's RoPE type (default, linear, yarn, ...)."""
-    # transformers 5 normalises both config spellings into rope_parameters; 4.x keeps rope_scaling
-    params = getattr(hf_config, "rope_parameters", None) or {
-        **(getattr(hf_config, "rope_scaling", None) or {}), "rope_theta": getattr(hf_config, "rope_theta", 10000.0)}
-    rope_type = params.get("rope_type", params.get("type", "default"))
+    params = rope_parameters(hf_config)
+    rope_type = params["rope_type"]
     if rope_type == "default":
         dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
         inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
         return inv_freq, 1.0
-    if rope_type.startswith("dynamic") or rope_type not in ROPE_INIT_FUNCTIONS:
+    if rope_type not in STATIC_ROPE_TYPES or rope_type not in ROPE_INIT_FUNCTIONS:
         raise ModelLoadError(f"rope type {rope_type!r} is not supported (static types only: "
-                             f"default, {', '.join(k for k in ROPE_INIT_FUNCTIONS if k != 'dynamic')})")
+                             f"{', '.join(STATIC_ROPE_TYPES)})")
     return ROPE_INIT_FUNCTIONS[rope_type](hf_config)
 
 

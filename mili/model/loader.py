@@ -12,13 +12,12 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from mili.errors import ModelLoadError
+from mili.model.checks import HARMLESS_SUFFIXES, check_quantization, check_tensors
 from mili.model.qwen3 import STACKED_PARAMS, FusedLinear, Qwen3ForCausalLM
 
 log = logging.getLogger("mili")
 
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.jinja", "*.model", "tokenizer*"]
-# Tensors a checkpoint may carry that the model computes itself.
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def resolve_model_path(model: str) -> str:
@@ -51,8 +50,16 @@ def _download(repo_id: str) -> str:
 
 
 def load_hf_config(path: str):
+    """The checkpoint's transformers config; a quantized checkpoint is refused here, before anything loads."""
     from transformers import AutoConfig
 
+    try:
+        raw = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot read the config of {path!r}: {e}") from e
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"the config.json of {path!r} is not a JSON object")
+    check_quantization(raw)
     try:
         return AutoConfig.from_pretrained(path)
     except Exception as e:
@@ -101,9 +108,30 @@ def _target(model: Qwen3ForCausalLM, name: str, params: dict[str, torch.nn.Param
     return None
 
 
+def _skipped(model: Qwen3ForCausalLM, name: str) -> bool:
+    """A checkpoint tensor the model does not need: computed by the model, or tied to the embedding."""
+    return name.endswith(HARMLESS_SUFFIXES) or (name == "lm_head.weight" and model.config.tie_word_embeddings)
+
+
+def _check_checkpoint(model: Qwen3ForCausalLM, files: list[str], params: dict) -> None:
+    """Read only the headers: every tensor must be a floating-point weight the model has (or harmless)."""
+    found: dict[str, str] = {}
+    unexpected: list[str] = []
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                if _skipped(model, name):
+                    continue
+                found[name] = f.get_slice(name).get_dtype()
+                if _target(model, name, params) is None:
+                    unexpected.append(name)
+    check_tensors(found, unexpected)
+
+
 @torch.no_grad()
 def load_weights(model: Qwen3ForCausalLM, path: str) -> None:
-    """Copy every checkpoint tensor into ``model`` (converting the dtype); fail on missing or mismatched."""
+    """Copy every checkpoint tensor into ``model`` (converting the dtype); fail on missing, mismatched,
+    unexpected or non-floating tensors before the first copy."""
     params = dict(model.named_parameters())
     expected = {(n, 0) for n in params}
     for n, p in params.items():
@@ -113,19 +141,15 @@ def load_weights(model: Qwen3ForCausalLM, path: str) -> None:
             expected |= {(n, module.shard_offset(s)) for s in range(len(module.shard_sizes))}
     loaded: set[tuple[str, int]] = set()
     files = safetensors_files(path)
+    _check_checkpoint(model, files, params)
     with tqdm(total=len(expected), desc="Loading weights", unit="tensor", leave=False,
               disable=os.environ.get("MILI_NO_PROGRESS") == "1") as bar:
         for file in files:
             with safe_open(file, framework="pt") as f:  # memory-mapped
                 for name in f.keys():
-                    if name.endswith(_IGNORED_SUFFIXES) or (
-                            name == "lm_head.weight" and model.config.tie_word_embeddings):
+                    if _skipped(model, name):
                         continue
-                    target = _target(model, name, params)
-                    if target is None:
-                        log.warning("ignoring checkpoint tensor %s (not part of Qwen3ForCausalLM)", name)
-                        continue
-                    pname, param, offset, rows = target
+                    pname, param, offset, rows = _target(model, name, params)
                     tensor = f.get_tensor(name)
                     dest = param if rows is None else param[offset:offset + rows]
                     if tensor.shape != dest.shape:

@@ -1,0 +1,91 @@
+"""What MILI refuses to load, by name, before a weight is read: a checkpoint it cannot run faithfully.
+
+A quantized checkpoint read as if it held plain weights, a sliding-window model run with full
+attention, or a tensor the model does not have would all load "fine" and answer garbage. vLLM and
+SGLang refuse such checkpoints by name; so does MILI. Each check here raises ``ModelLoadError``
+saying what was found and why it is refused.
+"""
+
+from __future__ import annotations
+
+from mili.errors import ModelLoadError
+
+# RoPE types whose tables MILI computes once, as transformers does (no length-dependent rescaling).
+STATIC_ROPE_TYPES = ("default", "linear", "yarn", "llama3")
+# Keys of a quantization_config that tell a user which variant of a method the checkpoint uses.
+_QUANT_DETAILS = ("fmt", "format", "weight_block_size", "bits", "group_size", "load_in_8bit", "load_in_4bit",
+                  "bnb_4bit_quant_type", "version")
+# Checkpoint tensors the model computes itself or shares with another tensor: harmless to skip.
+HARMLESS_SUFFIXES = ("rotary_emb.inv_freq",)
+# safetensors dtypes a weight of a floating-point model can be stored in (converted on load).
+FLOAT_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+_DTYPE_NAMES = {"F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "I8": "int8", "U8": "uint8",
+                "I16": "int16", "I32": "int32", "I64": "int64", "BOOL": "bool"}
+
+
+def check_quantization(raw_config: dict) -> None:
+    """Refuse a checkpoint quantized by any method: MILI loads none of them yet."""
+    for key in ("quantization_config", "compression_config"):
+        qconfig = raw_config.get(key)
+        if not qconfig:
+            continue
+        method = qconfig.get("quant_method") if isinstance(qconfig, dict) else None
+        details = ", ".join(f"{k} {qconfig[k]}".replace("'", "") for k in _QUANT_DETAILS
+                            if isinstance(qconfig, dict) and qconfig.get(k) not in (None, False))
+        described = f"{method or 'an unnamed method'!r}".replace('"', "'") + (f" ({details})" if details else "")
+        raise ModelLoadError(f"this checkpoint is quantized with {described} (config.json {key}), which MILI "
+                             f"does not load yet; use the unquantized release of the model "
+                             f"(MILI's own --quantization int8 quantizes it on load)")
+
+
+def check_architecture_settings(hf_config) -> None:
+    """Refuse config settings that change the math and that MILI does not implement."""
+    if getattr(hf_config, "use_sliding_window", False):
+        raise ModelLoadError(f"config.json sets use_sliding_window: true (sliding_window "
+                             f"{getattr(hf_config, 'sliding_window', None)}, max_window_layers "
+                             f"{getattr(hf_config, 'max_window_layers', None)}): MILI runs full attention only")
+    layer_types = getattr(hf_config, "layer_types", None) or []
+    other = sorted({t for t in layer_types if t != "full_attention"})
+    if other:
+        first = next(i for i, t in enumerate(layer_types) if t != "full_attention")
+        raise ModelLoadError(f"config.json layer_types has {', '.join(map(repr, other))} (layer {first} first): "
+                             f"MILI runs full_attention layers only")
+    rope_type = rope_parameters(hf_config).get("rope_type", "default")
+    if rope_type not in STATIC_ROPE_TYPES:
+        raise ModelLoadError(f"config.json asks for rope type {rope_type!r}, which MILI does not compute "
+                             f"(static types only: {', '.join(STATIC_ROPE_TYPES)})")
+    act = getattr(hf_config, "hidden_act", "silu")
+    if act != "silu":
+        raise ModelLoadError(f"config.json sets hidden_act {act!r}: MILI's Qwen3 MLP is SwiGLU (silu)")
+
+
+def rope_parameters(hf_config) -> dict:
+    """The RoPE settings in either config spelling (transformers 5's rope_parameters, 4's rope_scaling)."""
+    params = getattr(hf_config, "rope_parameters", None) or {
+        **(getattr(hf_config, "rope_scaling", None) or {}), "rope_theta": getattr(hf_config, "rope_theta", 10000.0)}
+    params = dict(params)
+    params.setdefault("rope_type", params.get("type", "default"))
+    return params
+
+
+def check_tensors(found: dict[str, str], unexpected: list[str]) -> None:
+    """Refuse tensors the model lacks and integer/fp8 tensors posing as weights (name -> safetensors dtype)."""
+    if unexpected:
+        dtypes = sorted({_dtype_name(found[n]) for n in unexpected})
+        hints = [n.rsplit(".", 1)[-1] for n in unexpected]
+        quantized = any(h.startswith(("weight_scale", "input_scale", "qweight", "qzeros", "scales", "SCB",
+                                      "weight_format", "absmax", "quant_")) for h in hints)
+        cause = ("a quantized checkpoint (scale or packed tensors)" if quantized else
+                 "a checkpoint of another architecture, or a fine-tune with extra modules")
+        raise ModelLoadError(f"the checkpoint has {len(unexpected)} tensors that are not part of "
+                             f"Qwen3ForCausalLM, e.g. {', '.join(unexpected[:4])} ({'/'.join(dtypes)}); "
+                             f"likely {cause}")
+    for name, dtype in found.items():
+        if dtype not in FLOAT_DTYPES:
+            raise ModelLoadError(f"checkpoint tensor {name} is stored as {_dtype_name(dtype)}, which cannot be a "
+                                 f"weight of this floating-point model without a quantization method "
+                                 f"(config.json has no quantization_config); MILI does not cast it")
+
+
+def _dtype_name(safetensors_dtype: str) -> str:
+    return FLOAT_DTYPES.get(safetensors_dtype) or _DTYPE_NAMES.get(safetensors_dtype, safetensors_dtype)
