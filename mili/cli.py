@@ -20,6 +20,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="longest prompt + output in tokens (default: the model's, capped by the KV cache)")
     p.add_argument("--kv-cache-memory", type=int, default=None,
                    help="bytes for the paged KV cache (default 2 GiB, or env MILI_KV_CACHE_MEMORY)")
+    p.add_argument("--num-kv-pages", type=int, default=None,
+                   help="the KV cache's exact number of pages (overrides --kv-cache-memory)")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one batch")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
@@ -49,7 +51,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-                kv_cache_memory=args.kv_cache_memory, page_size=args.page_size, max_num_seqs=args.max_num_seqs,
+                kv_cache_memory=args.kv_cache_memory, num_kv_pages=args.num_kv_pages, page_size=args.page_size, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed, num_threads=args.num_threads,
                 enable_prefix_caching=args.enable_prefix_caching, schedule_policy=args.schedule_policy,
                 quantization=args.quantization, cpu_kernels=args.cpu_kernels,
@@ -93,7 +95,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine = LLMEngine(EngineConfig(**engine_kwargs(args)))
     name = args.served_model_name or args.model
     api_key = args.api_key or os.environ.get("MILI_API_KEY") or None
-    app = build_app(engine, name, api_key=api_key, max_queued_requests=args.max_queued_requests)
+    app = build_app(engine, name, api_key=api_key, max_queued_requests=args.max_queued_requests,
+                    sampling_defaults=args.sampling_defaults)
     logging.getLogger("mili").info("serving %s as %r on http://%s:%d", engine.model_path, name, args.host, args.port)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout, access_log=False)
@@ -140,7 +143,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--shutdown-timeout", type=float, default=10.0,
                      help="seconds in-flight requests get to finish on SIGTERM/SIGINT")
     srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    srv.set_defaults(func=cmd_serve)
+    srv.add_argument("--config", default=None, metavar="FILE",
+                     help="a JSON or YAML file of settings: inference.{device, dtype, max_batch_size}, "
+                          "kv_cache.{page_size, num_pages}, sampling.{temperature, top_p, top_k} (request "
+                          "defaults), and any flag of this command by its name; flags given here override it")
+    srv.set_defaults(func=cmd_serve, sampling_defaults={})
+    parser.serve_parser = srv  # main() applies a --config file as this parser's defaults
 
     from mili.bench import add_parser as add_bench_parser
 
@@ -149,11 +157,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from mili.errors import MiliError
 
     try:
+        if getattr(args, "config", None):  # the file's values become defaults: flags given still win
+            from mili.config_file import read_config_file
+
+            values, sampling = read_config_file(args.config, parser.serve_parser)
+            parser.serve_parser.set_defaults(**values, sampling_defaults=sampling)
+            args = parser.parse_args(argv)
         return args.func(args)
     except MiliError as e:
         print(f"error: {e}", file=sys.stderr)

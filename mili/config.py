@@ -80,6 +80,7 @@ class EngineConfig:
     seed: int = 0
     page_size: int = 16
     kv_cache_memory: int | None = None  # bytes for the KV pool; None: a default (see kv_cache_bytes)
+    num_kv_pages: int | None = None  # the KV pool's exact page count (overrides kv_cache_memory)
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     tokenizer: str | None = None  # default: the model folder
@@ -115,6 +116,9 @@ class EngineConfig:
                                  param="schedule_policy")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise InvalidRequest(f"max_model_len must be >= 2, got {self.max_model_len}", param="max_model_len")
+        if self.num_kv_pages is not None and (not isinstance(self.num_kv_pages, int) or self.num_kv_pages < 1):
+            raise InvalidRequest(f"num_kv_pages must be a positive integer, got {self.num_kv_pages!r}",
+                                 param="num_kv_pages")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise InvalidRequest(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}",
                                  param="kv_cache_memory")

@@ -38,3 +38,9 @@ class ModelLoadError(MiliError, ValueError):
     def __init__(self, message: str, param: str | None = "model"):
         super().__init__(message)
         self.param = param
+
+
+class EngineDeadError(MiliError, RuntimeError):
+    """The engine stopped (a bug, an out-of-memory error, its process killed): nothing more is served."""
+
+    code = "engine_dead"

@@ -14,14 +14,11 @@ import threading
 from collections.abc import AsyncIterator, Callable
 
 from mili.engine.engine import LLMEngine
+from mili.errors import EngineDeadError
 from mili.outputs import RequestOutput
 from mili.sampling_params import SamplingParams
 
 log = logging.getLogger("mili")
-
-
-class EngineDeadError(RuntimeError):
-    pass
 
 
 class AsyncEngine:

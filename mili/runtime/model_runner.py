@@ -151,8 +151,12 @@ class ModelRunner:
         cfg, page_size = self.model_config, self.config.page_size
         bytes_per_page = (2 * cfg.num_hidden_layers * page_size * cfg.num_key_value_heads * cfg.head_dim
                           * self.dtype.itemsize)
-        budget = self._kv_budget(bytes_per_page)
-        num_pages = min(budget // bytes_per_page, self.max_pages_per_seq * self.config.max_num_seqs)
+        if self.config.num_kv_pages is not None:  # sized exactly, as asked
+            num_pages = self.config.num_kv_pages
+            budget = num_pages * bytes_per_page
+        else:
+            budget = self._kv_budget(bytes_per_page)
+            num_pages = min(budget // bytes_per_page, self.max_pages_per_seq * self.config.max_num_seqs)
         if num_pages < 1:
             raise InvalidRequest(f"the KV cache budget ({budget} bytes) is less than one page "
                                  f"({bytes_per_page} bytes)", param="kv_cache_memory")

@@ -31,8 +31,13 @@ _RECENT = 1000  # requests remembered for /status
 
 
 class ServerState:
-    def __init__(self, engine: LLMEngine, model_name: str, api_key: str | None, max_queued_requests: int):
+    def __init__(self, engine: LLMEngine, model_name: str, api_key: str | None, max_queued_requests: int,
+                 sampling_defaults: dict | None = None):
         self.llm_engine = engine
+        # for requests that leave temperature/top_p/top_k unset: the config file's sampling section
+        # (mili serve --config), else the checkpoint's generation_config.json (OpenAI API only)
+        self.sampling_defaults = dict(sampling_defaults or {})
+        self.openai_defaults = {**engine.generation_defaults, **self.sampling_defaults}
         self.tokenizer = engine.tokenizer
         self.model_name = model_name
         self.api_key = api_key
@@ -175,10 +180,10 @@ def new_id(prefix: str) -> str:
 
 
 def build_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
-              max_queued_requests: int = 1024) -> FastAPI:
+              max_queued_requests: int = 1024, sampling_defaults: dict | None = None) -> FastAPI:
     from mili.server import native, openai
 
-    state = ServerState(engine, model_name, api_key, max_queued_requests)
+    state = ServerState(engine, model_name, api_key, max_queued_requests, sampling_defaults)
     app = FastAPI(title="MILI", version=mili.__version__)
     app.state.mili = state
     install_error_handlers(app)

@@ -10,7 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mili.errors import MiliError
+from mili.errors import EngineDeadError, MiliError
 
 log = logging.getLogger("mili")
 
@@ -30,6 +30,9 @@ def error_body(message: str, type: str, param: str | None = None, code: str | in
 def to_api_error(e: BaseException) -> APIError:
     if isinstance(e, APIError):
         return e
+    if isinstance(e, EngineDeadError):
+        return APIError(503, f"{e}; the server cannot serve requests until it is restarted", "server_error",
+                        None, e.code)
     if isinstance(e, MiliError):
         return APIError(400, str(e), "invalid_request_error", e.param, e.code)
     return APIError(500, f"internal error: {type(e).__name__}", "internal_server_error", None, "internal_error")
@@ -62,6 +65,9 @@ def install_error_handlers(app: FastAPI) -> None:
             msg = "the request body must be a JSON object (send Content-Type: application/json)"
             return JSONResponse(error_body(msg, "invalid_request_error", None, "invalid_json"), 400)
         param = ".".join(loc) or None
+        if first.get("type") == "extra_forbidden":
+            msg = f"unknown field {param!r}: MILI does not implement it (see the API reference in the README)"
+            return JSONResponse(error_body(msg, "invalid_request_error", param, "unsupported_parameter"), 400)
         msg = f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "invalid request")
         return JSONResponse(error_body(msg, "invalid_request_error", param, "invalid_parameter"), 400)
 

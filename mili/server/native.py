@@ -24,21 +24,28 @@ def _state(http: Request) -> ServerState:
 
 @router.get("/")
 async def root():
-    return {"name": "MILI", "version": mili.__version__, "endpoints": ENDPOINTS}
+    """The original design's keys (message, version, docs, health, generate), then MILI's."""
+    return {"message": "MILI: an inference server for Qwen3 models", "version": mili.__version__, "docs": "/docs",
+            "health": "/health", "generate": "/generate", "name": "MILI", "endpoints": ENDPOINTS}
 
 
 @router.get("/health")
 async def health(http: Request):
+    """The original design's fields with status "healthy"; 503 "unhealthy" with the reason otherwise."""
     st = _state(http)
     engine = st.llm_engine
-    alive = st.engine.error is None
-    body = {"status": "ok" if alive else "error", "model_loaded": True, "model": st.model_name,
-            "vocab_size": engine.model_config.vocab_size, "max_seq_length": engine.max_model_len,
-            "device": str(engine.runner.device), "dtype": str(engine.runner.dtype).removeprefix("torch."),
+    reason = None if st.engine.error is None else f"the engine stopped: {st.engine.error}"
+    body = {"status": "healthy" if reason is None else "unhealthy", "model_loaded": True, "tokenizer_ready": True,
+            "scheduler_ready": reason is None, "model_type": engine.model_config.hf_config.model_type,
+            "model": st.model_name, "vocab_size": engine.model_config.vocab_size,
+            "max_seq_length": engine.max_model_len, "device": str(engine.runner.device),
+            "dtype": str(engine.runner.dtype).removeprefix("torch."),
             "prefix_caching": engine.config.enable_prefix_caching,
             # published by the engine thread after each step (never read from live engine state here)
             **st.metrics.snapshot}
-    return JSONResponse(body, status_code=200 if alive else 503)
+    if reason is not None:
+        body["reason"] = reason
+    return JSONResponse(body, status_code=200 if reason is None else 503)
 
 
 @router.get("/status/{request_id}")
@@ -49,17 +56,17 @@ async def status(request_id: str, http: Request):
 
 @router.post("/generate")
 async def generate(body: GenerateRequest, http: Request):
+    """The original design's reply: ``tokens`` are the prompt's ids then the generated ones."""
     st = _state(http)
-    params = SamplingParams(max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
-                            top_k=body.top_k, seed=body.seed, stop=body.stop)
+    params = body.sampling_params(st.sampling_defaults)
     rid = new_id("gen")
     (stream,) = await st.start([body.prompt], [params], rid)
 
     def reply(out) -> dict:
         o = out.outputs[0]
-        prompt_tokens = len(out.prompt_token_ids)
-        return {"request_id": rid, "generated_text": o.text, "tokens": len(o.token_ids),
-                "prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + len(o.token_ids),
+        tokens = list(out.prompt_token_ids) + list(o.token_ids)
+        return {"request_id": rid, "generated_text": o.text, "tokens": tokens, "total_tokens": len(tokens),
+                "prompt_tokens": len(out.prompt_token_ids), "completion_tokens": len(o.token_ids),
                 "finish_reason": o.finish_reason}
 
     if not body.stream:
@@ -72,12 +79,14 @@ async def generate(body: GenerateRequest, http: Request):
         return reply(await until_disconnect(http, last()))
 
     async def events():
+        sent = 0
         try:
             async for out in stream:
                 o = out.outputs[0]
-                if o.delta or out.finished:
-                    yield sse({"request_id": rid, "text": o.delta, "tokens": len(o.token_ids),
-                               "finished": out.finished, "finish_reason": o.finish_reason})
+                if o.delta or len(o.token_ids) > sent:
+                    yield sse({"request_id": rid, "text": o.delta, "token_ids": list(o.token_ids[sent:]),
+                               "completion_tokens": len(o.token_ids), "finished": False, "finish_reason": None})
+                    sent = len(o.token_ids)
             yield sse({**reply(out), "finished": True})
         except Exception as e:
             yield sse_error(e)

@@ -87,7 +87,7 @@ async def completions(body: CompletionRequest, http: Request):
     if body.echo and body.logprobs is not None:
         raise APIError(400, "echo together with logprobs is not supported", param="echo")
     prompts = body.prompts()
-    params = body.sampling_params(body.max_tokens, body.logprobs, st.llm_engine.generation_defaults)
+    params = body.sampling_params(body.max_tokens, body.logprobs, st.openai_defaults)
     rid, created, n = new_id("cmpl"), int(time.time()), params.n
     streams = await st.start(prompts, [params] * len(prompts), rid)
     head = {"id": rid, "object": "text_completion", "created": created, "model": st.model_name}
@@ -150,15 +150,13 @@ def _chat_logprobs(o: CompletionOutput, start: int, n: int) -> dict | None:
 async def chat_completions(body: ChatCompletionRequest, http: Request):
     st = _state(http)
     st.check_model(body.model)
-    if body.tools:
-        raise APIError(400, "tools are not supported yet", param="tools")
     kwargs = body.chat_template_kwargs or {}
     text, prompt = encode_chat(st.tokenizer, [m.for_template() for m in body.messages], body.add_generation_prompt,
                                kwargs)
     thinking = kwargs.get("enable_thinking", True) is not False  # as Qwen3's template decides
     opened = thinking and text.rstrip().endswith(THINK_START)  # templates that open <think> themselves
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    params = body.sampling_params(max_tokens, body.logprobs_n(), st.llm_engine.generation_defaults)
+    params = body.sampling_params(max_tokens, body.logprobs_n(), st.openai_defaults)
     rid, created = new_id("chatcmpl"), int(time.time())
     streams = await st.start([prompt], [params], rid)
     head = {"id": rid, "object": "chat.completion", "created": created, "model": st.model_name}

@@ -10,14 +10,18 @@ from mili.errors import InvalidRequest
 from mili.sampling_params import SamplingParams
 
 
-class StreamOptions(BaseModel):
+class _Strict(BaseModel):
+    """A request body whose unknown fields are a 400 naming them: nothing is silently ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _Sampling(BaseModel):
+class _Sampling(_Strict):
     """Parameters shared by /v1/completions and /v1/chat/completions (OpenAI's, then vLLM's extras)."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
     max_tokens: int | None = None
@@ -39,10 +43,31 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    # OpenAI fields MILI accepts only with the value that asks for nothing (see check_unsupported)
+    response_format: dict[str, Any] | None = None
+    logit_bias: dict[str, float] | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None  # labels for stored completions: no effect on the output
+    service_tier: str | None = None
+
+    def check_unsupported(self) -> None:
+        """A field MILI does not implement, set to ask for something, is a 400 naming it."""
+        fmt = (self.response_format or {}).get("type", "text") if self.response_format is not None else "text"
+        if fmt != "text":
+            raise InvalidRequest(f"response_format of type {fmt!r} is not supported yet (structured outputs): "
+                                 f"only {{'type': 'text'}}", param="response_format")
+        if self.logit_bias:
+            raise InvalidRequest("logit_bias is not supported", param="logit_bias")
+        if self.store:
+            raise InvalidRequest("store: true is not supported (MILI stores no completions)", param="store")
+        if self.service_tier not in (None, "auto", "default"):
+            raise InvalidRequest(f"service_tier {self.service_tier!r} is not supported (auto or default)",
+                                 param="service_tier")
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         defaults: dict[str, Any]) -> SamplingParams:
         """``defaults`` are the model's generation defaults (temperature, top_p, top_k) for unset fields."""
+        self.check_unsupported()
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
 
@@ -113,6 +138,15 @@ class ChatCompletionRequest(_Sampling):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # no effect without tools (which are refused)
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.tools:
+            raise InvalidRequest("tools are not supported yet", param="tools")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise InvalidRequest("tool_choice other than none is not supported yet (no tools)", param="tool_choice")
 
     def logprobs_n(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -120,20 +154,31 @@ class ChatCompletionRequest(_Sampling):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-class GenerateRequest(BaseModel):
-    """The native API of the original design."""
+# The original design's /generate defaults (its GenerationRequest and DEFAULT_CONFIG); a config file's
+# sampling section replaces temperature, top_p and top_k.
+GENERATE_DEFAULTS = {"temperature": 1.0, "top_p": 0.95, "top_k": 50}
+
+
+class GenerateRequest(_Strict):
+    """The native API of the original design: its fields and defaults, plus MILI's seed and stop."""
 
     prompt: str = Field(min_length=1)
-    max_tokens: int = Field(default=128, ge=1, le=4096)
-    temperature: float = Field(default=1.0, ge=0.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = -1
+    max_tokens: int = Field(default=50, ge=1, le=4096)
+    temperature: float | None = Field(default=None, ge=0.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)  # -1 or 0: off
     stream: bool = False
     seed: int | None = None
     stop: str | list[str] | None = None
 
+    def sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
+        """``defaults``: the server's sampling defaults for the fields the request leaves unset."""
+        picked = {k: getattr(self, k) if getattr(self, k) is not None else defaults.get(k, GENERATE_DEFAULTS[k])
+                  for k in GENERATE_DEFAULTS}
+        return SamplingParams(max_tokens=self.max_tokens, seed=self.seed, stop=self.stop, **picked)
 
-class TokenizeRequest(BaseModel):
+
+class TokenizeRequest(_Strict):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
@@ -141,5 +186,5 @@ class TokenizeRequest(BaseModel):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(_Strict):
     tokens: list[int]

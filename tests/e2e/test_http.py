@@ -82,30 +82,6 @@ def test_no_input_breaks_the_server(server):
     assert metric(server.url, "mili:num_requests_running") == 0
 
 
-def test_native_api(server):
-    root = httpx.get(server.url + "/").json()
-    assert root["name"] == "MILI" and "POST /generate" in root["endpoints"] and root["version"]
-    health = httpx.get(server.url + "/health").json()
-    assert health["status"] == "ok" and health["model_loaded"] and health["model"] == "test"
-    assert health["vocab_size"] == 151936 and health["max_seq_length"] == 1024
-    r = httpx.post(server.url + "/generate", json={"prompt": "Hello", "max_tokens": 7, "temperature": 0}, timeout=30)
-    body = r.json()
-    assert set(body) >= {"request_id", "generated_text", "tokens", "total_tokens", "prompt_tokens"}
-    assert body["tokens"] <= 7 and body["total_tokens"] == body["prompt_tokens"] + body["tokens"]
-    status = httpx.get(f"{server.url}/status/{body['request_id']}").json()
-    assert status["status"] == "completed" and status["tokens_generated"] == body["tokens"]
-    assert httpx.get(f"{server.url}/status/nope").json()["status"] == "not_found"
-    with httpx.stream("POST", server.url + "/generate", timeout=30,
-                      json={"prompt": "Hello", "max_tokens": 7, "temperature": 0, "stream": True}) as s:
-        events = [line for line in s.iter_lines() if line.startswith("data: ")]
-    assert events[-1] == "data: [DONE]"
-    import json
-
-    chunks = [json.loads(e[6:]) for e in events[:-1]]
-    assert chunks[-1]["finished"] and chunks[-1]["generated_text"] == body["generated_text"]
-    assert "".join(c.get("text", "") for c in chunks[:-1]) == body["generated_text"]
-
-
 def test_tokenize_detokenize_version(server):
     ids = httpx.post(server.url + "/tokenize", json={"prompt": "Hello world"}).json()
     assert ids["tokens"] == [9707, 1879] and ids["count"] == 2 and ids["max_model_len"] == 1024

@@ -67,11 +67,13 @@ def test_error_after_stream_started_is_a_final_sse_chunk(client, monkeypatch):
         lines = [line for line in r.iter_lines() if line.startswith("data: ")]
     assert lines[-1] == "data: [DONE]"
     error = json.loads(lines[-2][6:])["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "internal_server_error"
-    assert error["code"] == "internal_error"
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "server_error"
+    assert error["code"] == "engine_dead" and "simulated device failure" in error["message"]
     assert len(lines) >= 3 and "choices" in json.loads(lines[0][6:])  # text came before the failure
     # the dead engine is reported, and new requests get a clear error rather than hanging
     dead = c.get("/health")
-    assert dead.status_code == 503 and dead.json()["status"] == "error"
+    assert dead.status_code == 503 and dead.json()["status"] == "unhealthy"
+    assert "simulated device failure" in dead.json()["reason"]
     r = c.post("/v1/completions", json={"prompt": [1], "max_tokens": 2})
-    assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error"
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+    assert "engine stopped" in r.json()["error"]["message"]
