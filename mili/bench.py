@@ -228,52 +228,110 @@ def throughput(args) -> None:
               f"{decode_tokens / decode_seconds:.1f} tok/s of decode in aggregate (llama-batched-bench's S_TG)")
 
 
+def serve_dataset(num_prompts: int, input_len: int, output_len: int, vocab: int, seed: int):
+    """A random dataset with fixed lengths (vllm bench serve's 'random'): token-id prompts, so every
+    prompt is exactly ``input_len`` tokens whatever the tokenizer; ids below Qwen3's special tokens."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(0, min(vocab, 151643), (num_prompts, input_len), generator=g).tolist()
+    return prompts, [output_len] * num_prompts
+
+
+async def run_serve_load(url: str, model: str, prompts: list[list[int]], out_lens: list[int],
+                         request_rate: float = float("inf"), max_concurrency: int | None = None,
+                         seed: int = 0) -> dict:
+    """Send the requests (streamed /v1/completions, ignore_eos) with Poisson arrivals at ``request_rate``
+    (inf: all at once), at most ``max_concurrency`` in flight; per-request timings and the totals."""
+    import random
+
+    import httpx
+
+    rng = random.Random(seed)
+    arrivals, t = [], 0.0
+    for _ in prompts:
+        arrivals.append(t)
+        if request_rate != float("inf"):
+            t += rng.expovariate(request_rate)
+    sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+
+    async def one(client, prompt, n, arrival, origin):
+        await asyncio.sleep(max(0.0, origin + arrival - time.perf_counter()))
+        if sem is not None:
+            await sem.acquire()
+        try:
+            start, stamps, tokens = time.perf_counter(), [], n
+            body = {"model": model, "prompt": prompt, "max_tokens": n, "ignore_eos": True, "temperature": 0,
+                    "stream": True, "stream_options": {"include_usage": True}}
+            async with client.stream("POST", "/v1/completions", json=body) as r:
+                if r.status_code != 200:
+                    return {"ok": False, "error": (await r.aread()).decode()[:200]}
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if chunk.get("choices"):
+                        stamps.append(time.perf_counter())
+                    elif chunk.get("usage"):
+                        tokens = chunk["usage"]["completion_tokens"]
+            return {"ok": bool(stamps), "start": start, "stamps": stamps, "tokens": tokens}
+        finally:
+            if sem is not None:
+                sem.release()
+
+    limits = httpx.Limits(max_connections=max(max_concurrency or len(prompts), 1))
+    async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as client:
+        cpu0, origin = time.process_time(), time.perf_counter()
+        results = await asyncio.gather(*(one(client, p, n, a, origin) for p, n, a in zip(prompts, out_lens, arrivals)))
+        seconds, client_cpu = time.perf_counter() - origin, time.process_time() - cpu0
+    ok = [r for r in results if r["ok"]]
+    ttft = [r["stamps"][0] - r["start"] for r in ok]
+    e2e = [r["stamps"][-1] - r["start"] for r in ok]
+    tpot = [(r["stamps"][-1] - r["stamps"][0]) / (r["tokens"] - 1) for r in ok if r["tokens"] > 1]
+    itl = [b - a for r in ok for a, b in zip(r["stamps"], r["stamps"][1:])]
+    out_tokens = sum(r["tokens"] for r in ok)
+
+    def summary(values):
+        return {"mean_ms": 1e3 * statistics.fmean(values), "median_ms": 1e3 * percentile(values, 50),
+                "p99_ms": 1e3 * percentile(values, 99)} if values else None
+
+    return {"num_prompts": len(prompts), "completed": len(ok), "failed": len(results) - len(ok),
+            "errors": [r["error"] for r in results if not r["ok"] and "error" in r][:3],
+            "duration_s": seconds, "request_throughput": len(ok) / seconds, "output_throughput": out_tokens / seconds,
+            "total_token_throughput": (out_tokens + sum(len(p) for p, r in zip(prompts, results) if r["ok"])) / seconds,
+            "output_tokens": out_tokens, "ttft": summary(ttft), "tpot": summary(tpot), "itl": summary(itl),
+            "e2e": summary(e2e), "client_cpu_s": client_cpu, "client_cpu_share": client_cpu / seconds,
+            "request_rate": request_rate, "max_concurrency": max_concurrency}
+
+
+def print_serve_result(result: dict) -> None:
+    rows = [[name, m["mean_ms"], m["median_ms"], m["p99_ms"]] for name in ("ttft", "tpot", "itl", "e2e")
+            if (m := result[name]) is not None]
+    print_table("latency (ms)", ["metric", "mean", "median", "p99"], rows)
+    print(f"requests: {result['completed']} completed, {result['failed']} failed in {result['duration_s']:.2f} s: "
+          f"{result['request_throughput']:.2f} req/s, {result['output_throughput']:.1f} output tok/s, "
+          f"{result['total_token_throughput']:.1f} total tok/s")
+    print(f"client: {result['client_cpu_s']:.2f} s of CPU over {result['duration_s']:.2f} s "
+          f"({100 * result['client_cpu_share']:.0f}% of one core: the load generator is "
+          f"{'NOT ' if result['client_cpu_share'] < 0.5 else 'possibly '}the bottleneck)")
+    for e in result["errors"]:
+        print(f"error: {e}")
+
+
 def serve(args) -> None:
     import httpx
 
-    prompts = _prompts(args.num_requests, args.min_input, args.max_input, args.seed, 151643)
-    out_lens = _lengths(args.num_requests, args.min_output, args.max_output, args.seed)
+    health = httpx.get(f"{args.url}/health").json()
     model = args.served_model or httpx.get(f"{args.url}/v1/models").json()["data"][0]["id"]
-
-    async def one(client, prompt, n, delay):
-        await asyncio.sleep(delay)
-        start = time.perf_counter()
-        stamps = []
-        body = {"model": model, "prompt": prompt, "max_tokens": n, "ignore_eos": True, "temperature": 0,
-                "stream": True}
-        async with client.stream("POST", "/v1/completions", json=body) as r:
-            async for line in r.aiter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]" and json.loads(line[6:])["choices"]:
-                    stamps.append(time.perf_counter())
-        return start, stamps
-
-    async def main():
-        limits = httpx.Limits(max_connections=max(args.concurrency or 0, 64))
-        sem = asyncio.Semaphore(args.concurrency) if args.concurrency else None
-        async with httpx.AsyncClient(base_url=args.url, timeout=None, limits=limits) as client:
-            async def guarded(p, n, d):
-                if sem is None:
-                    return await one(client, p, n, d)
-                async with sem:
-                    return await one(client, p, n, 0)
-            delays = [i / args.request_rate for i in range(len(prompts))] if args.request_rate else [0] * len(prompts)
-            start = time.perf_counter()
-            res = await asyncio.gather(*(guarded(p, n, d) for p, n, d in zip(prompts, out_lens, delays)))
-            return res, time.perf_counter() - start
-
-    results, seconds = asyncio.run(main())
-    ttft = [s[0] - start for start, s in results if s]
-    e2e = [s[-1] - start for start, s in results if s]
-    itl = [b - a for _, s in results for a, b in zip(s, s[1:])]
-    rows = [[name, 1e3 * percentile(v, 50), 1e3 * percentile(v, 90), 1e3 * percentile(v, 99)]
-            for name, v in (("TTFT", ttft), ("inter-token", itl), ("end-to-end", e2e))]
-    print(f"mili bench serve: {args.url} model {model}; {args.num_requests} requests, input {args.min_input}-"
-          f"{args.max_input}, output {args.min_output}-{args.max_output}; "
-          + (f"concurrency {args.concurrency}" if args.concurrency else f"rate {args.request_rate or 'inf'} req/s"))
-    print_table("serve (ms)", ["latency", "p50", "p90", "p99"], rows)
-    n_out = sum(out_lens)
-    print(f"throughput: {n_out / seconds:.1f} output tok/s, {(n_out + sum(map(len, prompts))) / seconds:.1f} "
-          f"total tok/s, {len(results) / seconds:.2f} req/s over {seconds:.1f} s (HF baseline: not applicable)")
+    prompts, out_lens = serve_dataset(args.num_prompts, args.random_input_len, args.random_output_len,
+                                      health.get("vocab_size", 151643), args.seed)
+    print(f"mili bench serve: {args.url} model {model}; {args.num_prompts} prompts, random dataset "
+          f"{args.random_input_len} in / {args.random_output_len} out, request rate {args.request_rate} req/s "
+          f"(Poisson), max concurrency {args.max_concurrency or 'none'}, streamed")
+    result = asyncio.run(run_serve_load(args.url, model, prompts, out_lens, args.request_rate,
+                                        args.max_concurrency, args.seed))
+    print_serve_result(result)
+    if args.save_result:
+        with open(args.save_result, "w") as f:
+            json.dump(result, f, indent=2)
 
 
 def add_parser(sub) -> None:
@@ -303,8 +361,13 @@ def add_parser(sub) -> None:
     p.add_argument("--max-output", type=int, default=128)
     p.add_argument("--hf-sequential-sample", type=int, default=4,
                    help="throughput: HF one-after-another times this many requests and scales to all")
-    p.add_argument("--url", default="http://127.0.0.1:8000", help="serve: the server")
+    p.add_argument("--url", "--base-url", default="http://127.0.0.1:8000", help="serve: the server")
     p.add_argument("--served-model", default=None)
-    p.add_argument("--concurrency", type=int, default=None, help="serve: requests in flight")
-    p.add_argument("--request-rate", type=float, default=None, help="serve: requests per second")
+    p.add_argument("--num-prompts", type=int, default=256, help="serve: requests to send")
+    p.add_argument("--random-input-len", type=int, default=128, help="serve: prompt tokens of each request")
+    p.add_argument("--random-output-len", type=int, default=128, help="serve: output tokens of each request")
+    p.add_argument("--max-concurrency", type=int, default=None, help="serve: most requests in flight")
+    p.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="serve: requests per second, Poisson arrivals (inf: all at once)")
+    p.add_argument("--save-result", default=None, metavar="FILE", help="serve: the figures as JSON")
     p.set_defaults(func=lambda a: {"latency": latency, "throughput": throughput, "serve": serve}[a.mode](a) or 0)

@@ -85,14 +85,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import os
     import signal
+    import threading
 
     import uvicorn
 
     from mili.config import EngineConfig
-    from mili.engine.engine import LLMEngine
+    from mili.engine.client import AsyncLLM
     from mili.server.app import build_app
 
-    engine = LLMEngine(EngineConfig(**engine_kwargs(args)))
+    # the engine core loads the model in its own process; a checkpoint it cannot run fails here
+    engine = AsyncLLM(EngineConfig(**engine_kwargs(args)))
     name = args.served_model_name or args.model
     api_key = args.api_key or os.environ.get("MILI_API_KEY") or None
     app = build_app(engine, name, api_key=api_key, max_queued_requests=args.max_queued_requests,
@@ -101,6 +103,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout, access_log=False)
     server = uvicorn.Server(config)
+
+    def engine_died() -> None:
+        # every open stream has its error event; for a moment /health and new requests answer 503, then
+        # the server stops and exits non-zero so a supervisor restarts it (open connections may not wait)
+        for delay, action in ((_DEAD_GRACE_S, lambda: setattr(server, "should_exit", True)),
+                              (_DEAD_EXIT_S, lambda: os._exit(1))):
+            timer = threading.Timer(delay, action)
+            timer.daemon = True
+            timer.start()
+
+    engine.on_dead = engine_died
     # uvicorn handles SIGTERM/SIGINT (stop accepting, let in-flight requests finish up to the timeout),
     # then re-raises the signal under the handlers it found: make those no-ops so the exit code is 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -108,8 +121,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         server.run()
     finally:
-        app.state.mili.engine.shutdown()
+        engine.shutdown()
+    if engine.error is not None:
+        print(f"error: {engine.error}", file=sys.stderr)
+        return 1
     return 0
+
+
+_DEAD_GRACE_S = 2.0  # after the engine core dies, /health and new requests answer 503 this long
+_DEAD_EXIT_S = 8.0  # and the server is gone within this, whatever its open connections
 
 
 def build_parser() -> argparse.ArgumentParser:

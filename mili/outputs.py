@@ -12,20 +12,41 @@ class Logprob:
     decoded_token: str | None = None
 
 
-@dataclass
 class CompletionOutput:
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
-    stop_reason: int | str | None = None  # the stop token id / stop string, None for EOS or length
-    logprobs: list[dict[int, Logprob]] | None = None  # per generated token: sampled + top-N
-    cumulative_logprob: float | None = None
-    delta: str = ""  # text that became final since the previous output (for streaming)
+    """One sequence's output so far (vLLM's shape).
+
+    ``token_ids`` and ``logprobs`` are the sequence's own lists, shared and growing while it runs (so
+    an output costs O(1), not a copy of the history): copy them to keep a snapshot. ``text`` is the
+    whole text so far, joined when read; ``delta`` is the text that became final in this step.
+    """
+
+    __slots__ = ("index", "_text", "_stream", "token_ids", "finish_reason", "stop_reason", "logprobs",
+                 "cumulative_logprob", "delta")
+
+    def __init__(self, index: int, text: str | None = None, token_ids: list[int] | None = None,
+                 finish_reason: str | None = None, stop_reason: int | str | None = None,
+                 logprobs: list[dict[int, Logprob]] | None = None, cumulative_logprob: float | None = None,
+                 delta: str = "", stream=None):
+        self.index = index
+        self._text, self._stream = text, stream  # the text, or the TextStream that holds it
+        self.token_ids = token_ids if token_ids is not None else []
+        self.finish_reason = finish_reason  # "stop" | "length" | "abort" | None while running
+        self.stop_reason = stop_reason  # the stop token id / stop string, None for EOS or length
+        self.logprobs = logprobs  # per generated token: sampled + top-N
+        self.cumulative_logprob = cumulative_logprob
+        self.delta = delta  # text that became final since the previous output (for streaming)
+
+    @property
+    def text(self) -> str:
+        return self._text if self._text is not None else (self._stream.text if self._stream is not None else "")
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def __repr__(self) -> str:
+        return (f"CompletionOutput(index={self.index}, text={self.text!r}, token_ids={self.token_ids!r}, "
+                f"finish_reason={self.finish_reason!r}, stop_reason={self.stop_reason!r})")
 
 
 @dataclass

@@ -30,14 +30,11 @@ class Sequence:
     token_ids: list[int]  # prompt + generated
     prompt_len: int
     generator: torch.Generator | None
-    stream: object  # mili.tokenizer.detokenizer.TextStream
     status: SeqStatus = SeqStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     page_table: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # stop | length | abort
-    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
-    logprobs: list[dict] | None = None
-    cumulative_logprob: float = 0.0
+    stop_reason: int | None = None  # the stop token id that ended it (stop strings: the output processor)
 
     @property
     def params(self) -> SamplingParams:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
@@ -16,8 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 import mili
-from mili.engine.async_engine import AsyncEngine
-from mili.engine.engine import LLMEngine
+from mili.engine.client import AsyncLLM
 from mili.outputs import RequestOutput
 from mili.sampling_params import SamplingParams
 from mili.server.errors import APIError, error_body, install_error_handlers
@@ -31,23 +31,22 @@ _RECENT = 1000  # requests remembered for /status
 
 
 class ServerState:
-    def __init__(self, engine: LLMEngine, model_name: str, api_key: str | None, max_queued_requests: int,
+    def __init__(self, engine: AsyncLLM, model_name: str, api_key: str | None, max_queued_requests: int,
                  sampling_defaults: dict | None = None):
-        self.llm_engine = engine
-        # for requests that leave temperature/top_p/top_k unset: the config file's sampling section
-        # (mili serve --config), else the checkpoint's generation_config.json (OpenAI API only)
-        self.sampling_defaults = dict(sampling_defaults or {})
-        self.openai_defaults = {**engine.generation_defaults, **self.sampling_defaults}
+        self.engine = engine
         self.tokenizer = engine.tokenizer
         self.model_name = model_name
         self.api_key = api_key
         self.max_queued_requests = max_queued_requests
+        # for requests that leave temperature/top_p/top_k unset: the config file's sampling section
+        # (mili serve --config), else the checkpoint's generation_config.json (OpenAI API only)
+        self.sampling_defaults = dict(sampling_defaults or {})
+        self.openai_defaults = {**engine.generation_defaults, **self.sampling_defaults}
         self.metrics = Metrics(model_name)
-        self.metrics.on_step(engine, [])  # the first snapshot for /health, before the engine thread runs
-        self.engine = AsyncEngine(engine, on_step=self.metrics.on_step)
+        self.metrics._update_gauges(engine.info.stats)  # the first snapshot for /health
+        engine.on_step = lambda msg, outputs: self.metrics.on_step(msg, outputs, engine.live_request_ids())
         self.created = int(time.time())
         self.statuses: OrderedDict[str, dict] = OrderedDict()
-        self.adding = 0  # requests between the queue check and the engine (event-loop thread only)
 
     # -- requests ------------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -56,9 +55,7 @@ class ServerState:
                            "model_not_found")
 
     def check_queue(self) -> None:
-        # requests past this check but not yet in the engine (waiting for its lock) count as waiting:
-        # under load many arrive within one engine step
-        waiting = len(self.llm_engine.scheduler.waiting) + self.adding
+        waiting = self.engine.num_unscheduled  # sent to the core, no token back yet
         if waiting >= self.max_queued_requests:
             raise APIError(503, f"the server is busy: {waiting} requests are waiting", "server_error",
                            None, "queue_full", headers={"Retry-After": "1"})
@@ -69,22 +66,19 @@ class ServerState:
         self.check_queue()
         ids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
         added = []
-        admission = _Admission(self, len(prompts))
         try:
             for rid, prompt, sp in zip(ids, prompts, params):
-                await self.engine.add_request(rid, prompt, sp, on_added=admission.one_added)
+                self.engine.add_request(rid, prompt, sp)
                 added.append(rid)
         except BaseException:
             for rid in added:
-                self.engine.discard(rid)
+                self.engine.abort(rid)
             raise
-        finally:
-            admission.close()
         streams = [self._tracked(rid, sp) for rid, sp in zip(ids, params)]
         for rid, stream in zip(ids, streams):
             # a response whose body is never iterated (client gone before it started) still ends its
             # request: when the stream object goes, the request is aborted (a no-op once finished)
-            weakref.finalize(stream, self.engine.discard, rid)
+            weakref.finalize(stream, self.engine.abort, rid)
         return streams
 
     async def _tracked(self, rid: str, params: SamplingParams) -> AsyncIterator[RequestOutput]:
@@ -105,23 +99,6 @@ class ServerState:
         finally:
             if out is None or not out.finished:
                 self.statuses[rid] = {**self.statuses.get(rid, {}), "status": "aborted"}
-
-
-class _Admission:
-    """Requests past the queue check but not in the engine yet count as waiting (``state.adding``);
-    each is uncounted in the same locked section that queues it in the engine, so never twice."""
-
-    def __init__(self, state: ServerState, n: int):
-        self.state, self.left = state, n
-        state.adding += n
-
-    def one_added(self) -> None:  # on the engine's worker thread, under its lock
-        self.left -= 1
-        self.state.adding -= 1
-
-    def close(self) -> None:  # the ones that never made it (invalid, cancelled)
-        self.state.adding -= self.left
-        self.left = 0
 
 
 async def merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -179,12 +156,18 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def build_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
+def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
               max_queued_requests: int = 1024, sampling_defaults: dict | None = None) -> FastAPI:
     from mili.server import native, openai
 
     state = ServerState(engine, model_name, api_key, max_queued_requests, sampling_defaults)
-    app = FastAPI(title="MILI", version=mili.__version__)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        engine.start()  # read the engine core's step messages on this event loop
+        yield
+
+    app = FastAPI(title="MILI", version=mili.__version__, lifespan=lifespan)
     app.state.mili = state
     install_error_handlers(app)
 

@@ -12,7 +12,6 @@ disable_created_metrics()  # no *_created series, as vLLM
 log = logging.getLogger("mili.requests")
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
-GAUGE_PERIOD_S = 0.25  # while busy, gauges and /health refresh this often (and whenever a request ends)
 _ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 1, 2.5)
 
 
@@ -42,33 +41,31 @@ class Metrics:
         self.info.labels(**labels).set(1)
         self._seen: dict[str, tuple[int, float]] = {}  # request id -> (tokens counted, last token time)
         self.snapshot: dict = {}
-        self._gauges_at = float("-inf")
         self._preemptions_seen = 0
 
-    def on_step(self, engine, outputs) -> None:
-        """Called on the engine thread after every step."""
-        now = time.monotonic()
-        if not outputs or any(o.finished for o in outputs) or now - self._gauges_at >= GAUGE_PERIOD_S:
-            self._gauges_at = now
-            self._update_gauges(engine)
-        self._count(engine, outputs, now)
+    def on_step(self, msg, outputs, live_request_ids) -> None:
+        """Called on the event loop for every step message of the engine core (mili.engine.messages)."""
+        if msg.stats is not None:
+            self._update_gauges(msg.stats)
+        self.preemptions.inc(msg.num_preemptions - self._preemptions_seen)
+        self._preemptions_seen = msg.num_preemptions
+        self._count(outputs, time.monotonic())
+        if msg.stats is not None:
+            for rid in [r for r in self._seen if r not in live_request_ids]:  # aborted since
+                del self._seen[rid]
 
-    def _update_gauges(self, engine) -> None:
-        """Gauges and the /health snapshot (a walk of the prefix tree: not every step)."""
-        sched, pool = engine.scheduler, engine.scheduler.pool
-        cached = engine.prefix_cache.num_evictable()
-        self.running.set(len(sched.running))
-        self.waiting.set(len(sched.waiting))
-        self.kv_usage.set((pool.num_used - cached) / pool.num_pages)  # idle cached pages count as free
-        # what /health reports, read on the event loop without touching engine state
-        self.snapshot = {"kv_cache_pages": pool.num_pages, "kv_cache_pages_free": pool.num_free,
-                         "kv_cache_pages_cached": cached, "num_requests_running": len(sched.running),
-                         "num_requests_waiting": len(sched.waiting)}
+    def _update_gauges(self, stats) -> None:
+        """Gauges and the /health snapshot, from the core's counters."""
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        used = stats.num_pages - stats.num_pages_free
+        self.kv_usage.set((used - stats.num_pages_cached) / stats.num_pages)  # idle cached pages count as free
+        self.snapshot = {"kv_cache_pages": stats.num_pages, "kv_cache_pages_free": stats.num_pages_free,
+                         "kv_cache_pages_cached": stats.num_pages_cached, "num_requests_running": stats.num_running,
+                         "num_requests_waiting": stats.num_waiting,
+                         "engine_tokens_generated": stats.num_generated_tokens}
 
-    def _count(self, engine, outputs, now: float) -> None:
-        sched = engine.scheduler
-        self.preemptions.inc(sched.num_preemptions - self._preemptions_seen)
-        self._preemptions_seen = sched.num_preemptions
+    def _count(self, outputs, now: float) -> None:
         for out in outputs:
             times = out.metrics
             n_tokens = sum(len(o.token_ids) for o in out.outputs)
@@ -78,7 +75,7 @@ class Metrics:
                 self.prefix_queries.inc(len(out.prompt_token_ids))
                 self.prefix_hits.inc(out.num_cached_tokens)
                 self.ttft.observe(now - times['arrival_time'])
-                self.queue_time.observe(times["first_scheduled_time"] - times["arrival_time"])
+                self.queue_time.observe((times["first_scheduled_time"] or now) - times["arrival_time"])
             elif n_tokens > counted:
                 self.itl.observe((now - last) / (n_tokens - counted))
             self.generation_tokens.inc(n_tokens - counted)
@@ -92,8 +89,6 @@ class Metrics:
                          out.request_id, len(out.prompt_token_ids), n_tokens,
                          (times['first_token_time'] or now) - times['arrival_time'], now - times['arrival_time'],
                          reason)
-        for rid in [r for r in self._seen if r not in engine.requests]:  # aborted since the last step
-            del self._seen[rid]
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

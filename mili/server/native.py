@@ -33,15 +33,14 @@ async def root():
 async def health(http: Request):
     """The original design's fields with status "healthy"; 503 "unhealthy" with the reason otherwise."""
     st = _state(http)
-    engine = st.llm_engine
-    reason = None if st.engine.error is None else f"the engine stopped: {st.engine.error}"
+    engine = st.engine
+    reason = None if engine.error is None else str(engine.error)
     body = {"status": "healthy" if reason is None else "unhealthy", "model_loaded": True, "tokenizer_ready": True,
             "scheduler_ready": reason is None, "model_type": engine.model_config.hf_config.model_type,
             "model": st.model_name, "vocab_size": engine.model_config.vocab_size,
-            "max_seq_length": engine.max_model_len, "device": str(engine.runner.device),
-            "dtype": str(engine.runner.dtype).removeprefix("torch."),
-            "prefix_caching": engine.config.enable_prefix_caching,
-            # published by the engine thread after each step (never read from live engine state here)
+            "max_seq_length": engine.max_model_len, "device": engine.info.device, "dtype": engine.info.dtype,
+            "prefix_caching": engine.config.enable_prefix_caching, "engine_core_pid": engine.core_pid,
+            # the engine core's counters, from its latest step message
             **st.metrics.snapshot}
     if reason is not None:
         body["reason"] = reason

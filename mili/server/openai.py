@@ -27,7 +27,7 @@ async def models(http: Request):
     st = _state(http)
     return {"object": "list", "data": [{
         "id": st.model_name, "object": "model", "created": st.created, "owned_by": "mili",
-        "root": st.llm_engine.model_path, "max_model_len": st.llm_engine.max_model_len}]}
+        "root": st.engine.model_path, "max_model_len": st.engine.max_model_len}]}
 
 
 def _usage(finals: list[RequestOutput]) -> dict:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from mili.cli import main
 
 
@@ -27,8 +29,18 @@ def test_bench_latency_int8_against_bf16_in_one_run(random_model, capsys):
     assert "| mili (int8)" in out and "| mili (bf16)" in out and "mili / mili (bf16): decode" in out
 
 
-def test_bench_serve(server, capsys):
-    assert main(["bench", "serve", "--url", server.url, "--num-requests", "6", "--concurrency", "3",
-                 "--min-input", "8", "--max-input", "16", "--min-output", "4", "--max-output", "6"]) == 0
+def test_bench_serve(server, capsys, tmp_path):
+    assert main(["bench", "serve", "--url", server.url, "--num-prompts", "6", "--max-concurrency", "3",
+                 "--random-input-len", "12", "--random-output-len", "5", "--save-result",
+                 str(tmp_path / "r.json")]) == 0
     out = capsys.readouterr().out
-    assert "| TTFT" in out and "| inter-token" in out and "| end-to-end" in out and "output tok/s" in out
+    assert all(f"| {m}" in out for m in ("ttft", "tpot", "itl", "e2e")) and "output tok/s" in out
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["completed"] == 6 and result["failed"] == 0 and result["output_tokens"] == 30
+    assert result["ttft"]["median_ms"] > 0 and result["e2e"]["p99_ms"] >= result["e2e"]["median_ms"]
+
+
+def test_bench_serve_poisson_rate(server, capsys):
+    assert main(["bench", "serve", "--url", server.url, "--num-prompts", "4", "--request-rate", "20",
+                 "--random-input-len", "8", "--random-output-len", "3"]) == 0
+    assert "4 completed, 0 failed" in capsys.readouterr().out

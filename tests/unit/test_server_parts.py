@@ -8,7 +8,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from mili.config import EngineConfig
-from mili.engine.engine import LLMEngine
+from mili.engine.client import AsyncLLM
 from mili.server.app import build_app
 from mili.tokenizer.reasoning import ReasoningStream, split_reasoning
 
@@ -45,9 +45,10 @@ def test_reasoning_stream_never_retracts():
 
 @pytest.fixture(scope="module")
 def client(tiny_checkpoint):
-    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint), dtype="float32"))
+    engine = AsyncLLM(EngineConfig(model=str(tiny_checkpoint), dtype="float32"), core_in_thread=True)
     with TestClient(build_app(engine, "tiny"), raise_server_exceptions=False) as c:
-        yield c, engine
+        yield c, engine.core
+    engine.shutdown()
 
 
 def test_error_after_stream_started_is_a_final_sse_chunk(client, monkeypatch):

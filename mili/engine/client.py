@@ -1,0 +1,243 @@
+"""AsyncLLM: the server's engine. The engine core runs in its own process; this side tokenizes, validates,
+and turns the core's one-message-per-step deltas into per-request asyncio streams.
+
+    API process                                   engine core process (mili.engine.core.run_core)
+    add_request ── AddRequest ──► ZMQ PUSH/PULL ──► drain inputs, step, send one StepMessage per step
+    output loop ◄── StepMessage ◄── ZMQ PUSH/PULL ◄──┘
+      OutputProcessor: detokenize, stop strings (→ FinishSeqs to the core), per-request queues
+
+One event-loop wake-up per step message. If the core dies, every open stream gets an
+``EngineDeadError`` and ``on_dead`` runs (the server exits non-zero); if this process dies, the core
+follows it (PR_SET_PDEATHSIG, and a parent check in its loop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+import zmq
+import zmq.asyncio
+
+from mili.config import EngineConfig
+from mili.engine.input_processor import InputProcessor
+from mili.engine.messages import (Abort, Dead, FinishSeqs, Ready, Shutdown, StepMessage, encode,
+                                  output_decoder)
+from mili.engine.output_processor import OutputProcessor
+from mili.errors import EngineDeadError, InvalidRequest, ModelLoadError
+from mili.outputs import RequestOutput
+from mili.sampling_params import SamplingParams
+
+log = logging.getLogger("mili")
+_LIVENESS_S = 0.2  # the output loop checks that the core is alive this often when no message comes
+
+
+class AsyncLLM:
+    def __init__(self, config: EngineConfig, core_in_thread: bool = False, load_timeout: float | None = None):
+        """Start the engine core (in a process; ``core_in_thread`` for tests) and wait until it has loaded
+        the model. Raises ModelLoadError / InvalidRequest if it cannot."""
+        self.config = config
+        self.inputs = InputProcessor(config)  # fails fast on a bad checkpoint, before the core starts
+        self.outputs = OutputProcessor(self.inputs.tokenizer)
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._unscheduled: set[str] = set()  # added, no output yet: the queue the server limits
+        self.error: EngineDeadError | None = None
+        self.on_step: Callable[[StepMessage, list[RequestOutput]], None] | None = None  # metrics
+        self.on_dead: Callable[[], None] | None = None
+        self.last_message: StepMessage | None = None
+        self._ctx = zmq.Context()
+        ipc = os.path.join(tempfile.gettempdir(), f"mili-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        self._to_core = self._ctx.socket(zmq.PUSH)
+        self._to_core.bind(f"ipc://{ipc}-in")
+        self._from_core = self._ctx.socket(zmq.PULL)
+        self._from_core.bind(f"ipc://{ipc}-out")
+        self.core = None  # the EngineCore itself, when it runs in a thread
+        if core_in_thread:
+            from mili.engine.core import EngineCore, run_core
+
+            self.core = EngineCore(config, self.inputs.model_config, self.inputs.model_path)
+            self._worker = threading.Thread(target=run_core, args=(lambda: self.core, f"ipc://{ipc}-in",
+                                            f"ipc://{ipc}-out"), name="mili-engine-core", daemon=True)
+        else:
+            from mili.engine.core import core_process_main
+
+            self._worker = multiprocessing.get_context("spawn").Process(
+                target=core_process_main, name="mili-engine-core", daemon=False,
+                args=(config, self.inputs.model_config, self.inputs.model_path, f"ipc://{ipc}-in",
+                      f"ipc://{ipc}-out", os.getpid(), logging.getLogger("mili").getEffectiveLevel()))
+        self._worker.start()
+        self.info = self._wait_ready(load_timeout)
+        self.inputs.core_info = self.info
+        self._task: asyncio.Task | None = None
+
+    # what the server reads
+    tokenizer = property(lambda self: self.inputs.tokenizer)
+    model_path = property(lambda self: self.inputs.model_path)
+    model_config = property(lambda self: self.inputs.model_config)
+    generation_defaults = property(lambda self: self.inputs.generation_defaults)
+    max_model_len = property(lambda self: self.info.max_model_len)
+
+    def _alive(self) -> bool:
+        return self._worker.is_alive()
+
+    def _wait_ready(self, timeout: float | None) -> Ready:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self._from_core.poll(200):
+                msg = output_decoder.decode(self._from_core.recv())
+                if isinstance(msg, Ready):
+                    return msg
+                if isinstance(msg, Dead):
+                    self._worker.join(10)
+                    raise (ModelLoadError(msg.reason) if msg.load_error else
+                           EngineDeadError(f"the engine core failed while loading: {msg.reason}"))
+            elif not self._alive():
+                raise EngineDeadError(f"the engine core exited while loading the model "
+                                      f"(exit code {getattr(self._worker, 'exitcode', None)})")
+            if deadline is not None and time.monotonic() > deadline:
+                self.shutdown()
+                raise EngineDeadError("the engine core did not load the model in time")
+
+    # -- the output loop (on the event loop) ---------------------------------------------------
+    def start(self) -> None:
+        """Start reading the core's messages; call from the running event loop (the server's startup)."""
+        self._task = asyncio.get_running_loop().create_task(self._output_loop())
+
+    async def _output_loop(self) -> None:
+        sock = zmq.asyncio.Socket.from_socket(self._from_core)
+        try:
+            while True:
+                if not await sock.poll(_LIVENESS_S * 1000):
+                    if not self._alive():
+                        return self._fail("the engine core process exited")
+                    continue
+                msg = output_decoder.decode(await sock.recv())
+                if isinstance(msg, Dead):
+                    return self._fail(msg.reason)
+                if isinstance(msg, StepMessage):
+                    self._handle(msg)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a bug on this side: fail loudly rather than hang every stream
+            log.exception("the engine output loop failed")
+            self._fail(f"{type(e).__name__}: {e}")
+
+    def _handle(self, msg: StepMessage) -> None:
+        outputs, stopped = self.outputs.process(msg.deltas)
+        if stopped:
+            self._to_core.send(encode(FinishSeqs(stopped)))
+        self.last_message = msg if msg.stats is not None else self.last_message
+        for out in outputs:
+            self._unscheduled.discard(out.request_id)
+            q = self._queues.get(out.request_id)
+            if q is not None:
+                q.put_nowait(out)
+        for request_id, message in msg.errors:
+            self.outputs.remove(request_id)
+            self._unscheduled.discard(request_id)
+            q = self._queues.get(request_id)
+            if q is not None:
+                q.put_nowait(InvalidRequest(message))
+        if self.on_step is not None:
+            self.on_step(msg, outputs)
+
+    def _fail(self, reason: str) -> None:
+        if self.error is not None:
+            return
+        log.error("the engine core stopped: %s", reason)
+        self.error = EngineDeadError(f"the engine stopped: {reason}")
+        for q in self._queues.values():
+            q.put_nowait(self.error)
+        self.outputs.requests.clear()
+        self._unscheduled.clear()
+        if self.on_dead is not None:
+            self.on_dead()
+
+    # -- requests -------------------------------------------------------------------------------
+    @property
+    def num_unscheduled(self) -> int:
+        return len(self._unscheduled)
+
+    def live_request_ids(self):
+        return self.outputs.requests.keys()
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+        """Validate and send one request (raises InvalidRequest etc.); read it with ``stream``."""
+        if self.error is not None:
+            raise self.error
+        if request_id in self.outputs.requests or request_id in self._queues:
+            raise InvalidRequest(f"request id {request_id!r} is already in use", param="request_id")
+        add = self.inputs.make_request(prompt, params, request_id)
+        self.outputs.add(add, prompt if isinstance(prompt, str) else None)
+        self._queues[request_id] = asyncio.Queue()
+        self._unscheduled.add(request_id)
+        self._to_core.send(encode(add))
+
+    async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
+        """Outputs of a request added with add_request; aborts it if the consumer stops early."""
+        q = self._queues[request_id]
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    finished = True  # nothing left to abort
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    async def generate(self, request_id: str, prompt: str | list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        self.add_request(request_id, prompt, params)
+        async for out in self.stream(request_id):
+            yield out
+
+    def abort(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
+        self._unscheduled.discard(request_id)
+        if request_id in self.outputs.requests:
+            self.outputs.remove(request_id)
+            if self.error is None:
+                self._to_core.send(encode(Abort([request_id])))
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Tell the core to stop and wait for it (then kill it); idempotent."""
+        if self._ctx.closed:
+            return
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+        if self._alive():
+            try:
+                self._to_core.send(encode(Shutdown()), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+            self._worker.join(timeout)
+            if self._alive() and hasattr(self._worker, "kill"):
+                self._worker.kill()
+                self._worker.join(5)
+        self._to_core.close(0)
+        self._from_core.close(0)
+        self._ctx.term()
+
+    @property
+    def core_pid(self) -> int | None:
+        """The engine core process's pid (None when it runs in a thread)."""
+        return getattr(self._worker, "pid", None)
+
+    @property
+    def exitcode(self) -> int | None:
+        return getattr(self._worker, "exitcode", None)

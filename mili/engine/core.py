@@ -1,0 +1,236 @@
+"""EngineCore: the scheduler, the model runner and the KV cache, stepping; ``run_core`` is its process.
+
+The core knows token ids only: no tokenizer, no text, no HTTP. Each ``step()`` returns what every moved
+sequence did (``SeqDelta``: its new tokens, their logprobs, why it ended). Stop *strings* are found by
+the API side's output processor, which then ends the sequence here (``finish_seqs``).
+
+``run_core`` is the loop of the engine core process (or of a thread, for tests): take new requests and
+aborts without blocking, step, send one message per step. If the API process goes away, it exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+
+import torch
+
+from mili.cache.radix_cache import NoPrefixCache, RadixCache
+from mili.config import EngineConfig, ModelConfig
+from mili.engine.messages import (Abort, AddRequest, Dead, FinishSeqs, Ready, SeqDelta, Shutdown, Stats,
+                                  StepMessage, encode, input_decoder)
+from mili.engine.request import Request, Sequence, SeqStatus
+from mili.engine.scheduler import Scheduler
+from mili.runtime.model_runner import ModelRunner
+
+log = logging.getLogger("mili")
+STATS_PERIOD_S = 0.25  # while busy, the gauges refresh this often (and whenever a request ends)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, model_path: str):
+        self.config = config
+        torch.manual_seed(config.seed)
+        self.runner = ModelRunner(config, model_config, model_path)
+        self.max_model_len = self.runner.max_model_len
+        pool = self.runner.pool
+        self.prefix_cache = RadixCache(pool) if config.enable_prefix_caching else NoPrefixCache()
+        self.scheduler = Scheduler(pool, self.prefix_cache, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.schedule_policy)
+        self.requests: dict[str, Request] = {}
+        self.finished_ids: list[str] = []  # requests ended since the caller last took this list
+        self.num_generated_tokens = 0
+
+    def ready(self) -> Ready:
+        return Ready(self.max_model_len, self.runner.model_config.vocab_size, self.config.max_num_seqs,
+                     str(self.runner.device), str(self.runner.dtype).removeprefix("torch."), self.stats())
+
+    # -- requests ----------------------------------------------------------------------------
+    def add_request(self, add: AddRequest) -> Request:
+        """Queue a request the API side validated (ids in range, fits the context)."""
+        params = add.params
+        request = Request(add.request_id, None, list(add.prompt_token_ids), params, add.max_total_tokens,
+                          arrival_time=add.arrival_time)
+        for i in range(params.n):
+            generator = None
+            if params.seed is not None:  # sequence i of a seeded request draws from its own stream
+                generator = torch.Generator(self.runner.device).manual_seed(params.seed + 7919 * i)
+            request.seqs.append(Sequence(request, i, list(add.prompt_token_ids), len(add.prompt_token_ids),
+                                         generator, status=SeqStatus.WAITING if i == 0 else SeqStatus.UNBORN))
+        self.requests[add.request_id] = request
+        self.scheduler.add(request)
+        return request
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            request = self.requests.pop(request_id, None)
+            if request is not None:
+                for seq in request.seqs:
+                    if not seq.is_finished:
+                        self.scheduler.finish(seq, "abort")
+
+    def finish_seqs(self, seqs: list[tuple[str, int]]) -> None:
+        """End sequences the output processor finished (a stop string): their pages go back."""
+        for request_id, index in seqs:
+            request = self.requests.get(request_id)
+            if request is None or request.seqs[index].is_finished:
+                continue
+            self.scheduler.finish(request.seqs[index], "stop")
+            if request.is_finished:
+                del self.requests[request_id]
+                self.finished_ids.append(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- the step ----------------------------------------------------------------------------
+    def step(self) -> list[SeqDelta]:
+        """Schedule, run the model once, sample; the new tokens of every sequence that moved."""
+        if not self.scheduler.has_work():
+            return []
+        sched = self.scheduler.schedule()
+        now = time.monotonic()
+        for s in sched.scheduled:
+            if s.seq.request.first_scheduled_time is None:
+                s.seq.request.first_scheduled_time = now
+        sampled = self.runner.execute(sched)
+        self.scheduler.after_step(sched.scheduled)
+        if sampled is None:
+            return []
+        deltas = []
+        self.num_generated_tokens += len(sampled.token_ids)
+        for (seq, _), token, lp in zip(sched.sample_rows, sampled.token_ids, sampled.logprobs):
+            request = seq.request
+            logprobs = None if lp is None else [(lp.sampled_logprob, lp.sampled_rank, lp.top)]
+            deltas.append(SeqDelta(request.request_id, seq.index, [token], logprobs,
+                                   num_cached_tokens=request.num_cached_tokens or 0,
+                                   first_scheduled_time=request.first_scheduled_time))
+            self._append_token(seq, token, deltas[-1])
+            if request.is_finished and self.requests.pop(request.request_id, None) is not None:
+                self.finished_ids.append(request.request_id)
+        return deltas
+
+    def _append_token(self, seq: Sequence, token: int, delta: SeqDelta) -> None:
+        params = seq.params
+        seq.token_ids.append(token)
+        if token in params.stop_ids():
+            seq.stop_reason = None if token in params.eos_token_ids else token
+            self.scheduler.finish(seq, "stop")
+        elif seq.num_tokens >= seq.request.max_total_tokens:
+            self.scheduler.finish(seq, "length")
+        delta.finish_reason, delta.stop_reason = seq.finish_reason, seq.stop_reason
+
+    def stats(self) -> Stats:
+        sched, pool = self.scheduler, self.scheduler.pool
+        return Stats(len(sched.running), len(sched.waiting), pool.num_pages, pool.num_free,
+                     self.prefix_cache.num_evictable(), self.num_generated_tokens)
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+
+
+def run_core(core_factory, input_address: str, output_address: str, parent_pid: int | None = None) -> int:
+    """The engine core's loop; returns when told to shut down (0), or after a failure (1).
+
+    ``core_factory()`` builds the EngineCore (the model loads here). ``parent_pid``: exit if that
+    process goes away (None in a thread).
+    """
+    import zmq
+
+    ctx = zmq.Context()
+    inputs = ctx.socket(zmq.PULL)
+    inputs.connect(input_address)
+    outputs = ctx.socket(zmq.PUSH)
+    outputs.setsockopt(zmq.LINGER, 5000)
+    outputs.connect(output_address)
+    try:
+        try:
+            core = core_factory()
+        except Exception as e:
+            from mili.errors import MiliError
+
+            if not isinstance(e, MiliError):
+                log.exception("the engine core failed to load the model")
+            outputs.send(encode(Dead(str(e), load_error=isinstance(e, MiliError))))
+            return 1
+        outputs.send(encode(core.ready()))
+        return _loop(core, inputs, outputs, parent_pid)
+    except BaseException as e:  # a bug, an OOM: say so, then exit non-zero
+        log.exception("the engine core died")
+        try:
+            outputs.send(encode(Dead(f"{type(e).__name__}: {e}")), zmq.NOBLOCK)
+        except Exception:
+            pass
+        return 1
+    finally:
+        inputs.close(0)
+        outputs.close()
+        ctx.term()
+
+
+def _loop(core: EngineCore, inputs, outputs, parent_pid: int | None) -> int:
+    import zmq
+
+    stats_at = float("-inf")
+    idle_stats_sent = False
+    while True:
+        while inputs.poll(0):  # take everything that arrived, never blocking
+            msg = input_decoder.decode(inputs.recv())
+            errors = []
+            if isinstance(msg, AddRequest):
+                try:
+                    core.add_request(msg)
+                except Exception as e:
+                    errors.append((msg.request_id, f"{type(e).__name__}: {e}"))
+            elif isinstance(msg, Abort):
+                core.abort_requests(msg.request_ids)
+            elif isinstance(msg, FinishSeqs):
+                core.finish_seqs(msg.seqs)
+            elif isinstance(msg, Shutdown):
+                return 0
+            if errors:
+                outputs.send(encode(StepMessage([], core.scheduler.num_preemptions, errors=errors)))
+        if core.scheduler.has_work():
+            idle_stats_sent = False
+            deltas = core.step()
+            finished, core.finished_ids = core.finished_ids, []
+            now = time.monotonic()
+            stats = None
+            if finished or now - stats_at >= STATS_PERIOD_S:
+                stats, stats_at = core.stats(), now
+                if parent_pid is not None and os.getppid() != parent_pid:
+                    log.error("the API server process is gone: the engine core exits")
+                    return 1
+            outputs.send(encode(StepMessage(deltas, core.scheduler.num_preemptions, stats, finished=finished)))
+            continue
+        if not idle_stats_sent or core.finished_ids:  # the gauges at rest: nothing running
+            finished, core.finished_ids = core.finished_ids, []
+            outputs.send(encode(StepMessage([], core.scheduler.num_preemptions, core.stats(), finished=finished)))
+            idle_stats_sent = True
+        if not inputs.poll(1000, zmq.POLLIN) and parent_pid is not None and os.getppid() != parent_pid:
+            log.error("the API server process is gone: the engine core exits")
+            return 1
+
+
+def core_process_main(config: EngineConfig, model_config: ModelConfig, model_path: str, input_address: str,
+                      output_address: str, parent_pid: int, log_level: int) -> None:
+    """The engine core process: dies with its parent, leaves SIGINT/SIGTERM to it (it drains, then says)."""
+    logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    code = run_core(lambda: EngineCore(config, model_config, model_path), input_address, output_address,
+                    parent_pid)
+    raise SystemExit(code)
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when its parent dies, so no core outlives the server."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # elsewhere the loop's parent check still ends it

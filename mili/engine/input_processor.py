@@ -1,0 +1,57 @@
+"""InputProcessor: the API side of adding a request: load the checkpoint's config and tokenizer, encode
+and validate a prompt, and make the ``AddRequest`` the engine core takes (no torch, no model)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from mili.config import EngineConfig, ModelConfig
+from mili.engine.messages import AddRequest, Ready
+from mili.errors import ContextLengthExceeded, InvalidRequest
+from mili.model.loader import load_generation_defaults, load_hf_config, resolve_model_path
+from mili.sampling_params import SamplingParams
+from mili.tokenizer.tokenizer import encode_prompt, load_eos_token_ids, load_tokenizer
+
+
+class InputProcessor:
+    def __init__(self, config: EngineConfig):
+        """Resolve the model (a download if need be), read its config (refusing what MILI cannot run)
+        and load its tokenizer: all before the engine core loads a weight."""
+        self.config = config
+        self.model_path = resolve_model_path(config.model)
+        hf_config = load_hf_config(self.model_path)
+        self.model_config = ModelConfig.from_hf(hf_config)
+        config.resolve_max_model_len(self.model_config)  # an impossible max_model_len fails here, early
+        self.tokenizer = load_tokenizer(config.tokenizer or self.model_path)
+        self.eos_token_ids = load_eos_token_ids(self.model_path, self.tokenizer, hf_config)
+        self.generation_defaults = load_generation_defaults(self.model_path)  # used by the server
+        self.core_info: Ready | None = None  # the loaded core's limits (max_model_len after the KV pool)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.core_info.max_model_len
+
+    def make_request(self, prompt: str | list[int], params: SamplingParams, request_id: str) -> AddRequest:
+        """Encode and validate one request; raises InvalidRequest / ContextLengthExceeded."""
+        token_ids = encode_prompt(self.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in token_ids):
+            raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
+        if not token_ids:
+            raise InvalidRequest("the prompt must not be empty", param="prompt")
+        if params.n > self.config.max_num_seqs:
+            raise InvalidRequest(f"n ({params.n}) exceeds max_num_seqs ({self.config.max_num_seqs})", param="n")
+        max_total = self._check_length(len(token_ids), params.max_tokens)
+        params = dataclasses.replace(params, eos_token_ids=list(self.eos_token_ids))
+        return AddRequest(request_id, token_ids, params, max_total, time.monotonic())
+
+    def _check_length(self, prompt_len: int, max_tokens: int | None) -> int:
+        limit = self.max_model_len
+        asked = max_tokens if max_tokens is not None else max(limit - prompt_len, 1)
+        if prompt_len + asked > limit:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {limit} tokens, the request has {prompt_len} "
+                f"prompt tokens and asks for {asked} completion tokens ({prompt_len + asked} in all).",
+                param="prompt" if prompt_len >= limit else "max_tokens")
+        return prompt_len + asked

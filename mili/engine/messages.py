@@ -1,0 +1,93 @@
+"""What crosses between the API process and the engine core: msgspec structs, msgpack on ZMQ IPC.
+
+The core sends one ``StepMessage`` per model step carrying every moved sequence's *new* tokens (deltas,
+never whole histories) and the engine's counters; the API side sends ``AddRequest``/``Abort``/
+``FinishSeqs``/``Shutdown``. Structs are encoded as arrays (``array_like``): no field names on the wire.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from mili.sampling_params import SamplingParams
+
+
+class AddRequest(msgspec.Struct, array_like=True, tag=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams  # eos_token_ids filled in by the API side
+    max_total_tokens: int  # prompt + generated may not exceed this
+    arrival_time: float
+
+
+class Abort(msgspec.Struct, array_like=True, tag=True):
+    request_ids: list[str]
+
+
+class FinishSeqs(msgspec.Struct, array_like=True, tag=True):
+    """Sequences the API side ended (a stop string matched): (request_id, index) pairs."""
+
+    seqs: list[tuple[str, int]]
+
+
+class Shutdown(msgspec.Struct, array_like=True, tag=True):
+    pass
+
+
+CoreInput = AddRequest | Abort | FinishSeqs | Shutdown
+
+
+class SeqDelta(msgspec.Struct, array_like=True):
+    """What one sequence did in one step."""
+
+    request_id: str
+    index: int
+    token_ids: list[int]  # the new ones
+    # per new token: (sampled logprob, its rank, [(token id, logprob), ...] the top N); None: not asked
+    logprobs: list[tuple[float, int, list[tuple[int, float]]]] | None = None
+    finish_reason: str | None = None  # stop | length (from a stop token, EOS or the length limit)
+    stop_reason: int | None = None  # the stop token id that ended it (None for EOS)
+    num_cached_tokens: int = 0  # the request's prompt tokens found in the prefix cache
+    first_scheduled_time: float | None = None
+
+
+class Stats(msgspec.Struct, array_like=True):
+    num_running: int
+    num_waiting: int
+    num_pages: int
+    num_pages_free: int
+    num_pages_cached: int  # idle pages the prefix cache holds (reusable, evictable)
+    num_generated_tokens: int  # tokens the core has sampled since it started
+
+
+class StepMessage(msgspec.Struct, array_like=True, tag=True):
+    deltas: list[SeqDelta]
+    num_preemptions: int  # since the core started
+    stats: Stats | None = None  # the gauges, when they were refreshed (not every step: a tree walk)
+    errors: list[tuple[str, str]] = []  # (request_id, message): requests the core refused when adding
+    finished: list[str] = []  # requests the core ended for good (all their sequences done)
+
+
+class Ready(msgspec.Struct, array_like=True, tag=True):
+    """Sent once the model is loaded: what the API side needs to validate requests and report health."""
+
+    max_model_len: int
+    vocab_size: int
+    max_num_seqs: int
+    device: str
+    dtype: str
+    stats: Stats
+
+
+class Dead(msgspec.Struct, array_like=True, tag=True):
+    """The core's last word: it failed (at load or in a step) and exits."""
+
+    reason: str
+    load_error: bool = False  # a ModelLoadError/InvalidRequest while loading: the user's to fix
+
+
+CoreOutput = StepMessage | Ready | Dead
+
+encode = msgspec.msgpack.Encoder().encode
+input_decoder = msgspec.msgpack.Decoder(CoreInput)
+output_decoder = msgspec.msgpack.Decoder(CoreOutput)

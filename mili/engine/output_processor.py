@@ -1,0 +1,119 @@
+"""OutputProcessor: the engine core's per-step deltas in, RequestOutputs out (on the API side).
+
+Per request it keeps what the client sees: each sequence's token ids, its incremental text
+(``TextStream``: detokenization, stop strings held back while streaming) and its logprobs with decoded
+tokens. A stop string found here ends the sequence; ``process`` returns those sequences so the caller
+tells the core to stop computing them. The offline ``LLMEngine`` and the server's ``AsyncLLM`` both use
+this one class.
+"""
+
+from __future__ import annotations
+
+import time
+
+from mili.engine.messages import AddRequest, SeqDelta
+from mili.outputs import CompletionOutput, Logprob, RequestOutput
+from mili.tokenizer.detokenizer import TextStream
+
+
+class _SeqState:
+    __slots__ = ("index", "token_ids", "stream", "logprobs", "cumulative_logprob", "finish_reason", "stop_reason")
+
+    def __init__(self, index: int, stream: TextStream, logprobs: bool):
+        self.index = index
+        self.token_ids: list[int] = []
+        self.stream = stream
+        self.logprobs: list[dict[int, Logprob]] | None = [] if logprobs else None
+        self.cumulative_logprob = 0.0
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+
+
+class RequestState:
+    def __init__(self, add: AddRequest, prompt: str | None, tokenizer):
+        self.request_id = add.request_id
+        self.prompt = prompt
+        self.prompt_token_ids = add.prompt_token_ids
+        self.params = add.params
+        self.tokenizer = tokenizer
+        self.seqs: dict[int, _SeqState] = {}
+        self.num_cached_tokens = 0
+        self.times = {"arrival_time": add.arrival_time, "first_scheduled_time": None, "first_token_time": None,
+                      "finished_time": None}
+
+    def seq(self, index: int) -> _SeqState:
+        state = self.seqs.get(index)
+        if state is None:
+            p = self.params
+            stream = TextStream(self.tokenizer, self.prompt_token_ids, p.stop, p.skip_special_tokens)
+            state = self.seqs[index] = _SeqState(index, stream, p.logprobs is not None)
+        return state
+
+    @property
+    def finished(self) -> bool:
+        return len(self.seqs) == self.params.n and all(s.finish_reason is not None for s in self.seqs.values())
+
+    def output(self) -> RequestOutput:
+        outputs = [CompletionOutput(s.index, None, s.token_ids, s.finish_reason, s.stop_reason, s.logprobs,
+                                    s.cumulative_logprob if s.logprobs is not None else None,
+                                    s.stream.take_delta(), stream=s.stream)
+                   for s in sorted(self.seqs.values(), key=lambda s: s.index)]
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, self.finished,
+                             self.num_cached_tokens, self.times)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.requests: dict[str, RequestState] = {}
+
+    def add(self, add: AddRequest, prompt: str | None) -> None:
+        self.requests[add.request_id] = RequestState(add, prompt, self.tokenizer)
+
+    def remove(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+
+    def process(self, deltas: list[SeqDelta]) -> tuple[list[RequestOutput], list[tuple[str, int]]]:
+        """(the outputs of every request that moved, the sequences a stop string ended)."""
+        touched: dict[str, RequestState] = {}
+        stopped: list[tuple[str, int]] = []
+        now = time.monotonic()
+        for d in deltas:
+            req = self.requests.get(d.request_id)
+            if req is None:  # aborted, or finished here while the core was a step behind
+                continue
+            seq = req.seq(d.index)
+            if seq.finish_reason is not None:
+                continue
+            touched[d.request_id] = req
+            req.num_cached_tokens = d.num_cached_tokens
+            req.times["first_scheduled_time"] = d.first_scheduled_time
+            for k, token in enumerate(d.token_ids):
+                seq.token_ids.append(token)
+                if d.logprobs is not None and seq.logprobs is not None:
+                    self._record_logprobs(seq, token, d.logprobs[k])
+                if seq.stream.append(token):  # a stop string: the text ends before it
+                    seq.finish_reason, seq.stop_reason = "stop", seq.stream.stop_string
+                    if d.finish_reason is None:
+                        stopped.append((d.request_id, d.index))
+                    break
+            else:
+                if d.finish_reason is not None:
+                    seq.stream.finish()
+                    seq.finish_reason, seq.stop_reason = d.finish_reason, d.stop_reason
+        outputs = []
+        for req in touched.values():
+            req.times["first_token_time"] = req.times["first_token_time"] or now
+            if req.finished:
+                req.times["finished_time"] = now
+                del self.requests[req.request_id]
+            outputs.append(req.output())
+        return outputs, stopped
+
+    def _record_logprobs(self, seq: _SeqState, token: int, lp: tuple) -> None:
+        sampled_logprob, sampled_rank, top = lp
+        decode = self.tokenizer.decode
+        entry = {tid: Logprob(val, rank, decode([tid])) for rank, (tid, val) in enumerate(top, 1)}
+        entry[token] = Logprob(sampled_logprob, sampled_rank, decode([token]))
+        seq.logprobs.append(entry)
+        seq.cumulative_logprob += sampled_logprob

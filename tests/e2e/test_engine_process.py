@@ -1,0 +1,135 @@
+"""The engine core in its own process: faults on either side, stop strings reaching the core, drain."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from helpers import Server
+
+
+def _gone(pid: int) -> bool:
+    """The process has exited (a zombie not yet reaped counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+def _wait_for(predicate, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _stream_lines(url: str, body: dict, sink: list, started: threading.Event) -> None:
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    sink.append((time.monotonic(), line))
+                    started.set()
+    except httpx.HTTPError as e:
+        sink.append((time.monotonic(), f"transport error: {e}"))
+    started.set()
+
+
+def test_core_killed_mid_stream(random_model, tmp_path):
+    s = Server(random_model, log_dir=tmp_path)
+    try:
+        core_pid = httpx.get(s.url + "/health").json()["engine_core_pid"]
+        assert core_pid and core_pid != s.proc.pid
+        sinks = [[] for _ in range(3)]
+        events = [threading.Event() for _ in sinks]
+        body = {"prompt": "a long story", "max_tokens": 900, "ignore_eos": True, "stream": True}
+        threads = [threading.Thread(target=_stream_lines, args=(s.url, body, sink, ev)) for sink, ev in
+                   zip(sinks, events)]
+        for t in threads:
+            t.start()
+        assert all(ev.wait(30) for ev in events)
+        time.sleep(0.2)
+        os.kill(core_pid, signal.SIGKILL)
+        killed = time.monotonic()
+        for t in threads:
+            t.join(30)
+        for sink in sinks:  # each stream ends with an SSE error event, within 2 s
+            assert sink[-1][1] == "data: [DONE]", sink[-3:]
+            error = json.loads(sink[-2][1][6:])["error"]
+            assert error["code"] == "engine_dead" and "engine stopped" in error["message"]
+            assert sink[-2][0] - killed < 2.0
+        health = httpx.get(s.url + "/health")
+        assert health.status_code == 503 and health.json()["status"] == "unhealthy"
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+        assert "engine stopped" in r.json()["error"]["message"]
+        s.proc.wait(10 - (time.monotonic() - killed))  # the server exits within 10 s
+        assert s.proc.returncode != 0
+        assert "engine" in s.output()
+    finally:
+        s.stop()
+
+
+def test_api_process_killed_core_follows(random_model, tmp_path):
+    s = Server(random_model, log_dir=tmp_path)
+    core_pid = httpx.get(s.url + "/health").json()["engine_core_pid"]
+    s.proc.send_signal(signal.SIGKILL)
+    s.proc.wait(10)
+    assert _wait_for(lambda: _gone(core_pid), 10), "the engine core outlived the API process"
+
+
+def test_sigterm_drains_and_both_exit_zero(random_model, tmp_path):
+    s = Server(random_model, log_dir=tmp_path)
+    core_pid = httpx.get(s.url + "/health").json()["engine_core_pid"]
+    sink, started = [], threading.Event()
+    body = {"prompt": "finish me", "max_tokens": 150, "ignore_eos": True, "stream": True}
+    t = threading.Thread(target=_stream_lines, args=(s.url, body, sink, started))
+    t.start()
+    assert started.wait(30)
+    s.proc.send_signal(signal.SIGTERM)
+    t.join(60)
+    assert sink[-1][1] == "data: [DONE]"
+    assert json.loads(sink[-2][1][6:])["choices"][0]["finish_reason"] == "length"
+    assert s.proc.wait(30) == 0, s.output()
+    assert _wait_for(lambda: _gone(core_pid), 10)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_string_found_by_the_api_stops_the_core(server, stream):
+    """The API process finds the stop string; the core stops computing that sequence at once."""
+    kw = {"prompt": "Tell me a long story about a dragon", "temperature": 0, "ignore_eos": True}
+    base = httpx.post(server.url + "/v1/completions", json={**kw, "max_tokens": 30}, timeout=60).json()
+    text = base["choices"][0]["text"]
+    stop = next(text[i:i + 3] for i in range(8, len(text) - 3) if text[i:i + 3].strip() and
+                text.find(text[i:i + 3]) == i)
+
+    def generated() -> int:
+        return httpx.get(server.url + "/health").json()["engine_tokens_generated"]
+
+    before = generated()
+    body = {**kw, "max_tokens": 900, "stop": [stop], "stream": stream}
+    if stream:
+        with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream_options": {
+                "include_usage": True}}, timeout=60) as r:
+            chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+        out = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+        usage = chunks[-1]["usage"]
+        finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1]
+    else:
+        reply = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+        out, usage, finish = reply["choices"][0]["text"], reply["usage"], reply["choices"][0]["finish_reason"]
+    assert out == text[:text.find(stop)] and finish == "stop"
+    assert _wait_for(lambda: httpx.get(server.url + "/health").json()["num_requests_running"] == 0, 10)
+    settled = generated()
+    time.sleep(0.5)
+    assert generated() == settled  # nothing keeps computing
+    assert settled - before <= usage["completion_tokens"] + 3, (settled - before, usage)  # not 900
