@@ -57,8 +57,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         v = v_cache.view(-1, hkv, v_cache.shape[-1])[slots].float().repeat_interleave(group, 1)
         qs = q[start:start + qlen].float()
         scores = torch.einsum("qhd,khd->hqk", qs, k) * scale
-        qpos = torch.arange(ctx - qlen, ctx)[:, None]
-        scores = scores.masked_fill(torch.arange(ctx)[None, :] > qpos, float("-inf"))
+        qpos = torch.arange(ctx - qlen, ctx, device=q.device)[:, None]  # the mask where the scores are
+        scores = scores.masked_fill(torch.arange(ctx, device=q.device)[None, :] > qpos, float("-inf"))
         out[start:start + qlen] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
         start += qlen
     return out

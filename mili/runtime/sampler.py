@@ -31,6 +31,9 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]  # None for rows whose params.logprobs is None
 
 
+_TOP_K_PARTIAL_MAX = 1024  # top-k up to this ranks only each row's k best (a topk), not the whole vocabulary
+
+
 def _pad(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
     """[len(rows), max_len] long tensor, right-padded with ``pad``; ids above ``pad`` are clamped to it."""
     width = max(1, max(len(r) for r in rows))
@@ -153,6 +156,12 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
     if top_k is None and top_p is None:
         return logits
     v = logits.shape[-1]
+    if top_k is not None:
+        k_max = int(top_k.max())
+        if k_max <= _TOP_K_PARTIAL_MAX and k_max < v:
+            partial = _top_k_top_p_partial(logits, top_k, top_p, k_max)
+            if partial is not None:
+                return partial
     ascending, order = logits.sort(dim=-1)
     if top_k is not None:
         kth_best = ascending.gather(1, (v - top_k).clamp(0, v - 1).unsqueeze(1))
@@ -167,6 +176,27 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
         drop &= (top_p < 1).unsqueeze(1)
         ascending.masked_fill_(drop, _NEG_INF)
     return torch.empty_like(logits).scatter_(1, order, ascending)
+
+
+def _top_k_top_p_partial(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor | None,
+                         k_max: int) -> torch.Tensor | None:
+    """``_apply_top_k_top_p`` without sorting the vocabulary: every row keeps at most its k best, so
+    only the ``k_max`` best of each row (one ``topk``) are ranked, and top-p runs on those survivors
+    (the renormalised distribution top-p sees is theirs alone). None when a tie with some row's k-th
+    best reaches past ``k_max`` (the full sort then decides, keeping every tied token)."""
+    best, order = logits.topk(k_max, dim=-1)  # descending
+    kth_best = best.gather(1, (top_k - 1).clamp(max=k_max - 1).unsqueeze(1))
+    if bool(((logits >= kth_best).sum(dim=-1) > k_max).any()):
+        return None
+    ascending, order = best.flip(-1), order.flip(-1)  # as the sorted path holds them
+    ascending = ascending.masked_fill(ascending < kth_best, _NEG_INF)
+    if top_p is not None:
+        cum = ascending.softmax(dim=-1).cumsum(dim=-1)
+        drop = cum <= (1 - top_p).unsqueeze(1)
+        drop[:, -1] = False
+        drop &= (top_p < 1).unsqueeze(1)
+        ascending.masked_fill_(drop, _NEG_INF)
+    return torch.full_like(logits, _NEG_INF).scatter_(1, order, ascending)
 
 
 def _exponential_race(probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

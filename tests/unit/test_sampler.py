@@ -304,3 +304,25 @@ def test_empirical_distribution_matches_softmax(temperature, seeded):
     got = sample([SamplingParams(temperature=temperature)] * n, base.expand(n, 4).clone(), generators=gens)
     freq = torch.bincount(torch.tensor(got.token_ids), minlength=4).float() / n
     assert torch.allclose(freq, (base / temperature).softmax(-1), atol=0.03), freq
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_partial_top_k_path_equals_the_full_sort(seed):
+    """top-k (<= 1024) ranks only each row's k best; the masks equal the full-vocabulary sort's, ties too."""
+    from mili.runtime import sampler as sampler_module
+
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(6, 3000, generator=g) * 3
+    logits[2, :50] = logits[2].max() + 1  # a 50-way tie at the top: a k below 50 keeps all of them
+    ks = torch.tensor([1, 20, 5, 200, 1024, 40])
+    ps = torch.tensor([0.9, 0.95, 1.0, 0.5, 0.99, 0.7])
+    for top_p in (None, ps):
+        fast = _apply_top_k_top_p(logits.clone(), ks, top_p)
+        limit, sampler_module._TOP_K_PARTIAL_MAX = sampler_module._TOP_K_PARTIAL_MAX, 0  # force the sort
+        try:
+            slow = _apply_top_k_top_p(logits.clone(), ks, top_p)
+        finally:
+            sampler_module._TOP_K_PARTIAL_MAX = limit
+        assert torch.equal(torch.isinf(fast), torch.isinf(slow))
+        assert torch.equal(fast[~torch.isinf(fast)], slow[~torch.isinf(slow)])
+    assert (~torch.isinf(_apply_top_k_top_p(logits.clone(), ks, None)[2])).sum() == 50
