@@ -264,14 +264,18 @@ async def run_serve_load(url: str, model: str, prompts: list[list[int]], out_len
             async with client.stream("POST", "/v1/completions", json=body) as r:
                 if r.status_code != 200:
                     return {"ok": False, "error": (await r.aread()).decode()[:200]}
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[6:])
-                    if chunk.get("choices"):
-                        stamps.append(time.perf_counter())
-                    elif chunk.get("usage"):
-                        tokens = chunk["usage"]["completion_tokens"]
+                buffer = b""
+                async for data in r.aiter_bytes():  # SSE lines end at \n alone (not at splitlines' breaks)
+                    buffer += data
+                    *lines, buffer = buffer.split(b"\n")
+                    for line in lines:
+                        if not line.startswith(b"data: {"):
+                            continue
+                        chunk = json.loads(line[6:])
+                        if chunk.get("choices"):
+                            stamps.append(time.perf_counter())
+                        elif chunk.get("usage"):
+                            tokens = chunk["usage"]["completion_tokens"]
             return {"ok": bool(stamps), "start": start, "stamps": stamps, "tokens": tokens}
         finally:
             if sem is not None:

@@ -187,6 +187,8 @@ class AsyncLLM:
         try:
             while True:
                 item = await q.get()
+                while not q.empty() and not isinstance(item, BaseException):  # behind: one merged output
+                    item = _merge(item, q.get_nowait())
                 if isinstance(item, BaseException):
                     finished = True  # nothing left to abort
                     raise item
@@ -241,3 +243,15 @@ class AsyncLLM:
     @property
     def exitcode(self) -> int | None:
         return getattr(self._worker, "exitcode", None)
+
+
+def _merge(earlier: RequestOutput, later: RequestOutput | BaseException) -> RequestOutput | BaseException:
+    """Two queued outputs of one request as one: the later (its token and logprob lists are the live ones,
+    so they hold both steps), with the text deltas of both. A consumer that falls behind under load
+    then sends one event for several steps instead of one per step (vLLM's output collector does this)."""
+    if isinstance(later, BaseException):
+        return later
+    deltas = {o.index: o.delta for o in earlier.outputs}
+    for o in later.outputs:
+        o.delta = deltas.get(o.index, "") + o.delta
+    return later

@@ -148,8 +148,13 @@ async def until_disconnect(http_request: Request, work):
             raise APIError(499, "client disconnected", "invalid_request_error")
 
 
+# Characters JSON leaves raw that line readers built on str.splitlines() (httpx's among them) take for
+# line breaks, cutting an SSE event in two: escaped, as JSON allows.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(obj) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    return f"data: {json.dumps(obj, ensure_ascii=False).translate(_LINE_BREAKS)}\n\n"
 
 
 def new_id(prefix: str) -> str:

@@ -78,3 +78,12 @@ def test_error_after_stream_started_is_a_final_sse_chunk(client, monkeypatch):
     r = c.post("/v1/completions", json={"prompt": [1], "max_tokens": 2})
     assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
     assert "engine stopped" in r.json()["error"]["message"]
+
+
+def test_sse_events_never_contain_a_line_break_a_line_reader_would_split_on():
+    from mili.server.app import sse
+
+    text = "a\u2028b\x85c\u2029d\r\ne\x0bf\x1cg"
+    event = sse({"text": text})
+    assert event.endswith("\n\n") and len(event[:-2].splitlines()) == 1
+    assert json.loads(event[6:])["text"] == text
