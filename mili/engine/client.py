@@ -19,7 +19,6 @@ import multiprocessing
 import os
 import tempfile
 import threading
-import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 
@@ -40,7 +39,7 @@ _LIVENESS_S = 0.2  # the output loop checks that the core is alive this often wh
 
 
 class AsyncLLM:
-    def __init__(self, config: EngineConfig, core_in_thread: bool = False, load_timeout: float | None = None):
+    def __init__(self, config: EngineConfig, core_in_thread: bool = False):
         """Start the engine core (in a process; ``core_in_thread`` for tests) and wait until it has loaded
         the model. Raises ModelLoadError / InvalidRequest if it cannot."""
         self.config = config
@@ -51,7 +50,6 @@ class AsyncLLM:
         self.error: EngineDeadError | None = None
         self.on_step: Callable[[StepMessage, list[RequestOutput]], None] | None = None  # metrics
         self.on_dead: Callable[[], None] | None = None
-        self.last_message: StepMessage | None = None
         self._ctx = zmq.Context()
         ipc = os.path.join(tempfile.gettempdir(), f"mili-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         self._to_core = self._ctx.socket(zmq.PUSH)
@@ -73,7 +71,7 @@ class AsyncLLM:
                 args=(config, self.inputs.model_config, self.inputs.model_path, f"ipc://{ipc}-in",
                       f"ipc://{ipc}-out", os.getpid(), logging.getLogger("mili").getEffectiveLevel()))
         self._worker.start()
-        self.info = self._wait_ready(load_timeout)
+        self.info = self._wait_ready()
         self.inputs.core_info = self.info
         self._task: asyncio.Task | None = None
 
@@ -87,8 +85,7 @@ class AsyncLLM:
     def _alive(self) -> bool:
         return self._worker.is_alive()
 
-    def _wait_ready(self, timeout: float | None) -> Ready:
-        deadline = None if timeout is None else time.monotonic() + timeout
+    def _wait_ready(self) -> Ready:
         while True:
             if self._from_core.poll(200):
                 msg = output_decoder.decode(self._from_core.recv())
@@ -99,11 +96,7 @@ class AsyncLLM:
                     raise (ModelLoadError(msg.reason) if msg.load_error else
                            EngineDeadError(f"the engine core failed while loading: {msg.reason}"))
             elif not self._alive():
-                raise EngineDeadError(f"the engine core exited while loading the model "
-                                      f"(exit code {getattr(self._worker, 'exitcode', None)})")
-            if deadline is not None and time.monotonic() > deadline:
-                self.shutdown()
-                raise EngineDeadError("the engine core did not load the model in time")
+                raise EngineDeadError(f"the engine core exited while loading the model (exit code {self.exitcode})")
 
     # -- the output loop (on the event loop) ---------------------------------------------------
     def start(self) -> None:
@@ -133,7 +126,6 @@ class AsyncLLM:
         outputs, stopped = self.outputs.process(msg.deltas)
         if stopped:
             self._to_core.send(encode(FinishSeqs(stopped)))
-        self.last_message = msg if msg.stats is not None else self.last_message
         for out in outputs:
             self._unscheduled.discard(out.request_id)
             q = self._queues.get(out.request_id)

@@ -40,12 +40,12 @@ class EngineCore:
         self.scheduler = Scheduler(pool, self.prefix_cache, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.schedule_policy)
         self.requests: dict[str, Request] = {}
-        self.finished_ids: list[str] = []  # requests ended since the caller last took this list
+        self.stats_due = False  # a request ended or left since the gauges were last read
         self.num_generated_tokens = 0
 
     def ready(self) -> Ready:
-        return Ready(self.max_model_len, self.runner.model_config.vocab_size, self.config.max_num_seqs,
-                     str(self.runner.device), str(self.runner.dtype).removeprefix("torch."), self.stats())
+        return Ready(self.max_model_len, str(self.runner.device), str(self.runner.dtype).removeprefix("torch."),
+                     self.stats())
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, add: AddRequest) -> Request:
@@ -70,6 +70,7 @@ class EngineCore:
                 for seq in request.seqs:
                     if not seq.is_finished:
                         self.scheduler.finish(seq, "abort")
+                self.stats_due = True
 
     def finish_seqs(self, seqs: list[tuple[str, int]]) -> None:
         """End sequences the output processor finished (a stop string): their pages go back."""
@@ -78,9 +79,7 @@ class EngineCore:
             if request is None or request.seqs[index].is_finished:
                 continue
             self.scheduler.finish(request.seqs[index], "stop")
-            if request.is_finished:
-                del self.requests[request_id]
-                self.finished_ids.append(request_id)
+            self._retire_if_finished(request)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -108,9 +107,13 @@ class EngineCore:
                                    num_cached_tokens=request.num_cached_tokens or 0,
                                    first_scheduled_time=request.first_scheduled_time))
             self._append_token(seq, token, deltas[-1])
-            if request.is_finished and self.requests.pop(request.request_id, None) is not None:
-                self.finished_ids.append(request.request_id)
+            self._retire_if_finished(request)
         return deltas
+
+    def _retire_if_finished(self, request: Request) -> None:
+        """A request whose sequences have all ended leaves the core (its pages are back already)."""
+        if request.is_finished and self.requests.pop(request.request_id, None) is not None:
+            self.stats_due = True
 
     def _append_token(self, seq: Sequence, token: int, delta: SeqDelta) -> None:
         params = seq.params
@@ -123,6 +126,7 @@ class EngineCore:
         delta.finish_reason, delta.stop_reason = seq.finish_reason, seq.stop_reason
 
     def stats(self) -> Stats:
+        self.stats_due = False
         sched, pool = self.scheduler, self.scheduler.pool
         return Stats(len(sched.running), len(sched.waiting), pool.num_pages, pool.num_free,
                      self.prefix_cache.num_evictable(), self.num_generated_tokens)
@@ -171,47 +175,47 @@ def run_core(core_factory, input_address: str, output_address: str, parent_pid: 
 
 
 def _loop(core: EngineCore, inputs, outputs, parent_pid: int | None) -> int:
-    import zmq
-
     stats_at = float("-inf")
     idle_stats_sent = False
     while True:
         while inputs.poll(0):  # take everything that arrived, never blocking
             msg = input_decoder.decode(inputs.recv())
-            errors = []
             if isinstance(msg, AddRequest):
                 try:
                     core.add_request(msg)
                 except Exception as e:
-                    errors.append((msg.request_id, f"{type(e).__name__}: {e}"))
+                    error = (msg.request_id, f"{type(e).__name__}: {e}")
+                    outputs.send(encode(StepMessage([], core.scheduler.num_preemptions, errors=[error])))
             elif isinstance(msg, Abort):
                 core.abort_requests(msg.request_ids)
             elif isinstance(msg, FinishSeqs):
                 core.finish_seqs(msg.seqs)
             elif isinstance(msg, Shutdown):
                 return 0
-            if errors:
-                outputs.send(encode(StepMessage([], core.scheduler.num_preemptions, errors=errors)))
         if core.scheduler.has_work():
             idle_stats_sent = False
             deltas = core.step()
-            finished, core.finished_ids = core.finished_ids, []
             now = time.monotonic()
             stats = None
-            if finished or now - stats_at >= STATS_PERIOD_S:
+            if core.stats_due or now - stats_at >= STATS_PERIOD_S:
                 stats, stats_at = core.stats(), now
-                if parent_pid is not None and os.getppid() != parent_pid:
-                    log.error("the API server process is gone: the engine core exits")
+                if _parent_gone(parent_pid):
                     return 1
-            outputs.send(encode(StepMessage(deltas, core.scheduler.num_preemptions, stats, finished=finished)))
+            outputs.send(encode(StepMessage(deltas, core.scheduler.num_preemptions, stats)))
             continue
-        if not idle_stats_sent or core.finished_ids:  # the gauges at rest: nothing running
-            finished, core.finished_ids = core.finished_ids, []
-            outputs.send(encode(StepMessage([], core.scheduler.num_preemptions, core.stats(), finished=finished)))
+        if not idle_stats_sent or core.stats_due:  # the gauges at rest: nothing running
+            outputs.send(encode(StepMessage([], core.scheduler.num_preemptions, core.stats())))
             idle_stats_sent = True
-        if not inputs.poll(1000, zmq.POLLIN) and parent_pid is not None and os.getppid() != parent_pid:
-            log.error("the API server process is gone: the engine core exits")
+        if not inputs.poll(1000) and _parent_gone(parent_pid):
             return 1
+
+
+def _parent_gone(parent_pid: int | None) -> bool:
+    """The API process that started this core is gone (this process was re-parented)."""
+    if parent_pid is None or os.getppid() == parent_pid:
+        return False
+    log.error("the API server process is gone: the engine core exits")
+    return True
 
 
 def core_process_main(config: EngineConfig, model_config: ModelConfig, model_path: str, input_address: str,

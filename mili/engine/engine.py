@@ -67,7 +67,6 @@ class LLMEngine:
         outputs, stopped = self.outputs.process(self.core.step())
         if stopped:  # stop strings: the core stops computing those sequences now
             self.core.finish_seqs(stopped)
-        self.core.finished_ids.clear()
         return outputs
 
     def check_integrity(self) -> None:

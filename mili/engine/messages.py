@@ -65,15 +65,12 @@ class StepMessage(msgspec.Struct, array_like=True, tag=True):
     num_preemptions: int  # since the core started
     stats: Stats | None = None  # the gauges, when they were refreshed (not every step: a tree walk)
     errors: list[tuple[str, str]] = []  # (request_id, message): requests the core refused when adding
-    finished: list[str] = []  # requests the core ended for good (all their sequences done)
 
 
 class Ready(msgspec.Struct, array_like=True, tag=True):
     """Sent once the model is loaded: what the API side needs to validate requests and report health."""
 
-    max_model_len: int
-    vocab_size: int
-    max_num_seqs: int
+    max_model_len: int  # the checkpoint's, or lower: what the KV pool holds
     device: str
     dtype: str
     stats: Stats
