@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import time
 import uuid
@@ -43,7 +42,7 @@ class ServerState:
         self.sampling_defaults = dict(sampling_defaults or {})
         self.openai_defaults = {**engine.generation_defaults, **self.sampling_defaults}
         self.metrics = Metrics(model_name)
-        self.metrics._update_gauges(engine.info.stats)  # the first snapshot for /health
+        self.metrics.update_gauges(engine.info.stats)  # the first snapshot for /health
         engine.on_step = lambda msg, outputs: self.metrics.on_step(msg, outputs, engine.live_request_ids())
         self.created = int(time.time())
         self.statuses: OrderedDict[str, dict] = OrderedDict()
@@ -146,15 +145,6 @@ async def until_disconnect(http_request: Request, work):
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             raise APIError(499, "client disconnected", "invalid_request_error")
-
-
-# Characters JSON leaves raw that line readers built on str.splitlines() (httpx's among them) take for
-# line breaks, cutting an SSE event in two: escaped, as JSON allows.
-_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
-
-
-def sse(obj) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False).translate(_LINE_BREAKS)}\n\n"
 
 
 def new_id(prefix: str) -> str:

@@ -38,10 +38,20 @@ def to_api_error(e: BaseException) -> APIError:
     return APIError(500, f"internal error: {type(e).__name__}", "internal_server_error", None, "internal_error")
 
 
+# Characters JSON leaves raw that line readers built on str.splitlines() (httpx's among them) take for
+# line breaks, cutting an SSE event in two: escaped, as JSON allows.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def sse(obj) -> str:
+    """One server-sent event carrying ``obj`` as JSON."""
+    return f"data: {json.dumps(obj, ensure_ascii=False).translate(_LINE_BREAKS)}\n\n"
+
+
 def sse_error(e: BaseException) -> str:
     """An error after a stream has started: one final SSE chunk."""
     err = to_api_error(e)
-    return f"data: {json.dumps(error_body(err.message, err.type, err.param, err.code))}\n\n"
+    return sse(error_body(err.message, err.type, err.param, err.code))
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -6,9 +6,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 import mili
-from mili.sampling_params import SamplingParams
-from mili.server.app import ServerState, new_id, sse, until_disconnect
-from mili.server.errors import sse_error
+from mili.server.app import ServerState, new_id, until_disconnect
+from mili.server.errors import sse, sse_error
 from mili.server.protocol import GenerateRequest
 
 router = APIRouter()

@@ -9,8 +9,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from mili.outputs import CompletionOutput, RequestOutput
-from mili.server.app import ServerState, merge, new_id, sse, until_disconnect
-from mili.server.errors import APIError, sse_error
+from mili.server.app import ServerState, merge, new_id, until_disconnect
+from mili.server.errors import APIError, sse, sse_error
 from mili.server.protocol import ChatCompletionRequest, CompletionRequest
 from mili.tokenizer.reasoning import THINK_START, ReasoningStream, split_reasoning
 from mili.tokenizer.tokenizer import encode_chat

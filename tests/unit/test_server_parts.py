@@ -81,7 +81,7 @@ def test_error_after_stream_started_is_a_final_sse_chunk(client, monkeypatch):
 
 
 def test_sse_events_never_contain_a_line_break_a_line_reader_would_split_on():
-    from mili.server.app import sse
+    from mili.server.errors import sse
 
     text = "a\u2028b\x85c\u2029d\r\ne\x0bf\x1cg"
     event = sse({"text": text})
