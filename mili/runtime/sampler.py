@@ -167,15 +167,20 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
         kth_best = ascending.gather(1, (v - top_k).clamp(0, v - 1).unsqueeze(1))
         ascending.masked_fill_(ascending < kth_best, _NEG_INF)
     if top_p is not None:
-        # Drop a token when the mass of it and everything worse is <= 1 - p, i.e. when the tokens
-        # strictly better than it already reach p. The best token is always kept; rows with p = 1 are
-        # left alone (the cumsum can be exactly 0 on underflowing tokens).
-        cum = ascending.softmax(dim=-1).cumsum(dim=-1)
-        drop = cum <= (1 - top_p).unsqueeze(1)
-        drop[:, -1] = False
-        drop &= (top_p < 1).unsqueeze(1)
-        ascending.masked_fill_(drop, _NEG_INF)
+        _mask_top_p_(ascending, top_p)
     return torch.empty_like(logits).scatter_(1, order, ascending)
+
+
+def _mask_top_p_(ascending: torch.Tensor, top_p: torch.Tensor) -> None:
+    """Top-p in place on logits sorted ascending per row: drop a token when the mass of it and
+    everything worse is <= 1 - p, i.e. when the tokens strictly better than it already reach p. The
+    best token is always kept; rows with p = 1 are left alone (the cumsum can be exactly 0 on
+    underflowing tokens)."""
+    cum = ascending.softmax(dim=-1).cumsum(dim=-1)
+    drop = cum <= (1 - top_p).unsqueeze(1)
+    drop[:, -1] = False
+    drop &= (top_p < 1).unsqueeze(1)
+    ascending.masked_fill_(drop, _NEG_INF)
 
 
 def _top_k_top_p_partial(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor | None,
@@ -191,11 +196,7 @@ def _top_k_top_p_partial(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch
     ascending, order = best.flip(-1), order.flip(-1)  # as the sorted path holds them
     ascending = ascending.masked_fill(ascending < kth_best, _NEG_INF)
     if top_p is not None:
-        cum = ascending.softmax(dim=-1).cumsum(dim=-1)
-        drop = cum <= (1 - top_p).unsqueeze(1)
-        drop[:, -1] = False
-        drop &= (top_p < 1).unsqueeze(1)
-        ascending.masked_fill_(drop, _NEG_INF)
+        _mask_top_p_(ascending, top_p)
     return torch.full_like(logits, _NEG_INF).scatter_(1, order, ascending)
 
 
