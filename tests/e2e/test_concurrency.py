@@ -6,20 +6,10 @@ import asyncio
 import json
 import signal
 import threading
-import time
 
 import httpx
 
-from helpers import Server, build_checkpoint, metric
-
-
-def _wait_for(predicate, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
+from helpers import Server, build_checkpoint, metric, wait_for
 
 
 def test_cancelled_streams_free_their_pages(server):
@@ -45,13 +35,13 @@ def test_cancelled_streams_free_their_pages(server):
 
     results = asyncio.run(main())
     assert results.count("dropped") == 16 and results.count("done") == 48
-    assert _wait_for(lambda: metric(server.url, "mili:num_requests_running") == 0)
+    assert wait_for(lambda: metric(server.url, "mili:num_requests_running") == 0)
 
     def pool_whole():  # every page free, or idle in the prefix cache
         h = httpx.get(server.url + "/health").json()
         return h["kv_cache_pages_free"] + h["kv_cache_pages_cached"] == h["kv_cache_pages"]
 
-    assert _wait_for(pool_whole), "KV pages leaked"
+    assert wait_for(pool_whole), "KV pages leaked"
     assert metric(server.url, "mili:kv_cache_usage_perc") == 0
     assert metric(server.url, "mili:num_requests_waiting") == 0
     assert metric(server.url, 'mili:request_success_total{finished_reason="length"}') >= 48
@@ -76,7 +66,7 @@ def test_full_queue_is_503_with_retry_after(tmp_path):
         for r in refused:
             assert r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "queue_full"
         assert all(r.json()["usage"]["completion_tokens"] == 100 for r in accepted)
-        assert _wait_for(lambda: metric(s.url, "mili:num_requests_running") == 0
+        assert wait_for(lambda: metric(s.url, "mili:num_requests_running") == 0
                          and metric(s.url, "mili:num_requests_waiting") == 0)
         assert httpx.post(s.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
     finally:
@@ -96,7 +86,7 @@ def test_sigterm_lets_in_flight_requests_finish(random_model):
 
     t = threading.Thread(target=stream)
     t.start()
-    assert _wait_for(lambda: len(received) >= 2)
+    assert wait_for(lambda: len(received) >= 2)
     s.proc.send_signal(signal.SIGTERM)
     t.join(60)
     assert received[-1] == "data: [DONE]"

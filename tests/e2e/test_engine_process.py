@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from helpers import Server
+from helpers import Server, wait_for
 
 
 def _gone(pid: int) -> bool:
@@ -21,15 +21,6 @@ def _gone(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
     except FileNotFoundError:
         return True
-
-
-def _wait_for(predicate, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def _stream_lines(url: str, body: dict, sink: list, started: threading.Event) -> None:
@@ -84,7 +75,7 @@ def test_api_process_killed_core_follows(random_model, tmp_path):
     core_pid = httpx.get(s.url + "/health").json()["engine_core_pid"]
     s.proc.send_signal(signal.SIGKILL)
     s.proc.wait(10)
-    assert _wait_for(lambda: _gone(core_pid), 10), "the engine core outlived the API process"
+    assert wait_for(lambda: _gone(core_pid), 10), "the engine core outlived the API process"
 
 
 def test_sigterm_drains_and_both_exit_zero(random_model, tmp_path):
@@ -100,7 +91,7 @@ def test_sigterm_drains_and_both_exit_zero(random_model, tmp_path):
     assert sink[-1][1] == "data: [DONE]"
     assert json.loads(sink[-2][1][6:])["choices"][0]["finish_reason"] == "length"
     assert s.proc.wait(30) == 0, s.output()
-    assert _wait_for(lambda: _gone(core_pid), 10)
+    assert wait_for(lambda: _gone(core_pid), 10)
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -128,7 +119,7 @@ def test_stop_string_found_by_the_api_stops_the_core(server, stream):
         reply = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
         out, usage, finish = reply["choices"][0]["text"], reply["usage"], reply["choices"][0]["finish_reason"]
     assert out == text[:text.find(stop)] and finish == "stop"
-    assert _wait_for(lambda: httpx.get(server.url + "/health").json()["num_requests_running"] == 0, 10)
+    assert wait_for(lambda: httpx.get(server.url + "/health").json()["num_requests_running"] == 0, 10)
     settled = generated()
     time.sleep(0.5)
     assert generated() == settled  # nothing keeps computing
