@@ -51,7 +51,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-                kv_cache_memory=args.kv_cache_memory, num_kv_pages=args.num_kv_pages, page_size=args.page_size, max_num_seqs=args.max_num_seqs,
+                kv_cache_memory=args.kv_cache_memory, num_kv_pages=args.num_kv_pages, page_size=args.page_size,
+                max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed, num_threads=args.num_threads,
                 enable_prefix_caching=args.enable_prefix_caching, schedule_policy=args.schedule_policy,
                 quantization=args.quantization, cpu_kernels=args.cpu_kernels,

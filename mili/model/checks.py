@@ -29,9 +29,10 @@ def check_quantization(raw_config: dict) -> None:
         qconfig = raw_config.get(key)
         if not qconfig:
             continue
-        method = qconfig.get("quant_method") if isinstance(qconfig, dict) else None
-        details = ", ".join(f"{k} {qconfig[k]}".replace("'", "") for k in _QUANT_DETAILS
-                            if isinstance(qconfig, dict) and qconfig.get(k) not in (None, False))
+        fields = qconfig if isinstance(qconfig, dict) else {}
+        method = fields.get("quant_method")
+        details = ", ".join(f"{k} {fields[k]}".replace("'", "") for k in _QUANT_DETAILS
+                            if fields.get(k) not in (None, False))
         described = f"{method or 'an unnamed method'!r}".replace('"', "'") + (f" ({details})" if details else "")
         raise ModelLoadError(f"this checkpoint is quantized with {described} (config.json {key}), which MILI "
                              f"does not load yet; use the unquantized release of the model "

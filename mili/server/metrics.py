@@ -45,16 +45,15 @@ class Metrics:
 
     def on_step(self, msg, outputs, live_request_ids) -> None:
         """Called on the event loop for every step message of the engine core (mili.engine.messages)."""
-        if msg.stats is not None:
-            self._update_gauges(msg.stats)
         self.preemptions.inc(msg.num_preemptions - self._preemptions_seen)
         self._preemptions_seen = msg.num_preemptions
         self._count(outputs, time.monotonic())
         if msg.stats is not None:
+            self.update_gauges(msg.stats)
             for rid in [r for r in self._seen if r not in live_request_ids]:  # aborted since
                 del self._seen[rid]
 
-    def _update_gauges(self, stats) -> None:
+    def update_gauges(self, stats) -> None:
         """Gauges and the /health snapshot, from the core's counters."""
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)

@@ -52,7 +52,7 @@ class _Sampling(_Strict):
 
     def check_unsupported(self) -> None:
         """A field MILI does not implement, set to ask for something, is a 400 naming it."""
-        fmt = (self.response_format or {}).get("type", "text") if self.response_format is not None else "text"
+        fmt = (self.response_format or {}).get("type", "text")
         if fmt != "text":
             raise InvalidRequest(f"response_format of type {fmt!r} is not supported yet (structured outputs): "
                                  f"only {{'type': 'text'}}", param="response_format")
