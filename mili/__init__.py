@@ -4,7 +4,7 @@ __version__ = "0.1.0"
 
 from mili.errors import ContextLengthExceeded, InvalidRequest, ModelLoadError  # noqa: E402
 from mili.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
-from mili.sampling_params import SamplingParams  # noqa: E402
+from mili.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
 
 
 def __getattr__(name: str):
@@ -16,5 +16,5 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob",
            "InvalidRequest", "ContextLengthExceeded", "ModelLoadError", "__version__"]

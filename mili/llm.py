@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence as Seq
 
 from tqdm.auto import tqdm
@@ -11,6 +12,7 @@ from mili.engine.engine import LLMEngine
 from mili.errors import InvalidRequest
 from mili.outputs import RequestOutput
 from mili.sampling_params import SamplingParams
+from mili.tokenizer.reasoning import think_end_token_id
 from mili.tokenizer.tokenizer import encode_chat
 
 PromptType = str | dict
@@ -53,12 +55,20 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
              chat_template_kwargs: dict | None = None, add_generation_prompt: bool = True,
-             use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate the assistant's reply to one conversation or a list of them."""
+             use_tqdm: bool = True, tools: list[dict] | None = None) -> list[RequestOutput]:
+        """Generate the assistant's reply to one conversation or a list of them. ``tools`` (OpenAI's
+        function shape) go to the chat template. With thinking on, a structured output constraint starts
+        after ``</think>``."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.engine.tokenizer
-        prompts = [{"prompt_token_ids": encode_chat(tok, conv, add_generation_prompt, chat_template_kwargs)[1]}
+        kwargs = {**(chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
+        prompts = [{"prompt_token_ids": encode_chat(tok, conv, add_generation_prompt, kwargs)[1]}
                    for conv in conversations]
+        if kwargs.get("enable_thinking", True) is not False:
+            think_end = think_end_token_id(tok)
+            many = isinstance(sampling_params, (list, tuple))
+            sampling_params = [_after(p, think_end) for p in (sampling_params if many else [sampling_params])]
+            sampling_params = sampling_params if many else sampling_params[0]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, prompts: list, params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
@@ -84,6 +94,14 @@ class LLM:
                     engine.abort_request(rid)
                 raise
         return [results[rid] for rid in ids]
+
+
+def _after(params: SamplingParams | None, token_id: int | None) -> SamplingParams | None:
+    """``params`` whose structured output constraint (if any, and not placed already) starts after ``token_id``."""
+    so = params.structured_outputs if params is not None else None
+    if so is None or so.start_after_token_id is not None:
+        return params
+    return dataclasses.replace(params, structured_outputs=dataclasses.replace(so, start_after_token_id=token_id))
 
 
 def _prompt_input(prompt: PromptType) -> str | list[int]:

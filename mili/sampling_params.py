@@ -2,11 +2,56 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json as _json
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 from mili.errors import InvalidRequest
 
 _GREEDY_EPS = 1e-5
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on what a request may generate (vLLM's names): exactly one of ``json`` (a JSON
+    schema, as an object or its text), ``json_object`` (any JSON object), ``regex``, ``choice`` (one of
+    these strings) or ``grammar`` (EBNF in xgrammar's / llama.cpp's GBNF dialect); ``structural_tag``
+    (an xgrammar structural tag, as JSON text) is what the server builds for forced tool calls.
+
+    ``start_after_token_id``: the constraint applies only to tokens after this one appears in the
+    output (the server sets it to ``</think>`` when Qwen3 thinks first); None: from the first token."""
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    structural_tag: str | None = None
+    start_after_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        kinds = self.kinds()
+        if len(kinds) != 1:
+            raise InvalidRequest("structured outputs take exactly one of json, json_object, regex, choice, grammar "
+                                 f"or structural_tag, got {kinds or 'none'}", param="structured_outputs")
+        if self.choice is not None and (not self.choice or any(not isinstance(c, str) for c in self.choice)):
+            raise InvalidRequest("choice must be a non-empty list of strings", param="structured_outputs")
+
+    def kinds(self) -> list[str]:
+        return [f.name for f in fields(self) if f.name != "start_after_token_id"
+                and getattr(self, f.name) not in (None, False)]
+
+    def spec(self) -> tuple[str, str]:
+        """(kind, text): what the grammar compiler takes, and the key compiled grammars are cached by."""
+        kind = self.kinds()[0]
+        value = getattr(self, kind)
+        if kind == "json":
+            return "json", value if isinstance(value, str) else _json.dumps(value, sort_keys=True)
+        if kind == "json_object":
+            return "json_object", ""
+        if kind == "choice":  # one alternative per choice, each a JSON-quoted (so escaped) EBNF literal
+            return "grammar", "root ::= " + " | ".join(_json.dumps(c) for c in self.choice)
+        return kind, value
 
 
 @dataclass
@@ -27,6 +72,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: the sampled token's; N: plus the top N
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine from the checkpoint's generation config; not set by users.
     eos_token_ids: list[int] = field(default_factory=list, repr=False)
 
@@ -73,6 +119,9 @@ class SamplingParams:
             bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
+        if self.structured_outputs is not None and self.min_tokens:
+            bad("min_tokens", "cannot be combined with structured outputs (the grammar decides where the output "
+                "ends)")
 
     @property
     def greedy(self) -> bool:

@@ -14,6 +14,8 @@ import logging
 import os
 import signal
 import time
+from concurrent import futures
+from concurrent.futures import Future
 
 import torch
 
@@ -24,6 +26,7 @@ from mili.engine.messages import (Abort, AddRequest, Dead, FinishSeqs, Ready, Se
 from mili.engine.request import Request, Sequence, SeqStatus
 from mili.engine.scheduler import Scheduler
 from mili.runtime.model_runner import ModelRunner
+from mili.structured import GrammarManager, SeqGrammar
 
 log = logging.getLogger("mili")
 STATS_PERIOD_S = 0.25  # while busy, the gauges refresh this often (and whenever a request ends)
@@ -33,6 +36,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, model_path: str):
         self.config = config
         torch.manual_seed(config.seed)
+        self.model_path = model_path
         self.runner = ModelRunner(config, model_config, model_path)
         self.max_model_len = self.runner.max_model_len
         pool = self.runner.pool
@@ -40,6 +44,10 @@ class EngineCore:
         self.scheduler = Scheduler(pool, self.prefix_cache, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.schedule_policy)
         self.requests: dict[str, Request] = {}
+        # structured outputs: requests whose grammar is compiling (not yet scheduled), and the failed ones
+        self.grammars: GrammarManager | None = None
+        self.compiling: dict[str, tuple[Request, Future]] = {}
+        self.failed: list[tuple[str, str]] = []  # (request_id, message), for the caller to report
         self.stats_due = False  # a request ended or left since the gauges were last read
         self.num_generated_tokens = 0
 
@@ -60,11 +68,44 @@ class EngineCore:
             request.seqs.append(Sequence(request, i, list(add.prompt_token_ids), len(add.prompt_token_ids),
                                          generator, status=SeqStatus.WAITING if i == 0 else SeqStatus.UNBORN))
         self.requests[add.request_id] = request
-        self.scheduler.add(request)
+        if params.structured_outputs is None:
+            self.scheduler.add(request)
+        else:  # scheduled once its grammar is compiled, which happens off the step
+            self.compiling[add.request_id] = (request, self.grammar_manager().compile(params.structured_outputs))
         return request
+
+    def grammar_manager(self) -> GrammarManager:
+        if self.grammars is None:  # made on the first constrained request: no cost to a server without any
+            self.grammars = GrammarManager(self.config.tokenizer or self.model_path, self.runner.model_config.vocab_size)
+        return self.grammars
+
+    def admit_compiled(self, wait: float = 0.0) -> None:
+        """Schedule the requests whose grammar is ready (waiting up to ``wait`` seconds for one when
+        nothing else can run); a failed compile ends its request (reported through ``failed``)."""
+        if not self.compiling:
+            return
+        if wait:
+            futures.wait([f for _, f in self.compiling.values()], timeout=wait, return_when=futures.FIRST_COMPLETED)
+        for request_id, (request, future) in list(self.compiling.items()):
+            if not future.done():
+                continue
+            del self.compiling[request_id]
+            try:
+                compiled = future.result()
+            except Exception as e:
+                log.warning("request %s: its grammar failed to compile: %s", request_id, e)
+                self.failed.append((request_id, f"the structured output constraint failed to compile: {e}"))
+                self.abort_requests([request_id])
+                continue
+            params = request.params
+            stop_ids = sorted(params.stop_ids() | set(params.eos_token_ids))
+            for seq in request.seqs:
+                seq.grammar = SeqGrammar(compiled, stop_ids, params.structured_outputs.start_after_token_id)
+            self.scheduler.add(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
+            self.compiling.pop(request_id, None)  # its compile goes on: the grammar is cached for others
             request = self.requests.pop(request_id, None)
             if request is not None:
                 for seq in request.seqs:
@@ -81,12 +122,17 @@ class EngineCore:
             self.scheduler.finish(request.seqs[index], "stop")
             self._retire_if_finished(request)
 
+    def take_failed(self) -> list[tuple[str, str]]:
+        failed, self.failed = self.failed, []
+        return failed
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
     # -- the step ----------------------------------------------------------------------------
     def step(self) -> list[SeqDelta]:
         """Schedule, run the model once, sample; the new tokens of every sequence that moved."""
+        self.admit_compiled(wait=0.0 if self.scheduler.has_work() else 0.005)
         if not self.scheduler.has_work():
             return []
         sched = self.scheduler.schedule()
@@ -94,7 +140,7 @@ class EngineCore:
         for s in sched.scheduled:
             if s.seq.request.first_scheduled_time is None:
                 s.seq.request.first_scheduled_time = now
-        sampled = self.runner.execute(sched)
+        sampled = self.runner.execute(sched, self._grammar_bitmask(sched.sample_rows))
         self.scheduler.after_step(sched.scheduled)
         if sampled is None:
             return []
@@ -110,6 +156,16 @@ class EngineCore:
             self._retire_if_finished(request)
         return deltas
 
+    def _grammar_bitmask(self, sample_rows) -> tuple | None:
+        """(bitmask [rows, vocab / 32], the constrained rows) for this step's sampling rows; None if none."""
+        rows = [i for i, (seq, _) in enumerate(sample_rows) if seq.grammar is not None and seq.grammar.active]
+        if not rows:
+            return None
+        bitmask = self.grammars.allocate_bitmask(len(sample_rows))
+        for i in rows:
+            sample_rows[i][0].grammar.fill(bitmask, i)
+        return bitmask, rows
+
     def _retire_if_finished(self, request: Request) -> None:
         """A request whose sequences have all ended leaves the core (its pages are back already)."""
         if request.is_finished and self.requests.pop(request.request_id, None) is not None:
@@ -118,7 +174,10 @@ class EngineCore:
     def _append_token(self, seq: Sequence, token: int, delta: SeqDelta) -> None:
         params = seq.params
         seq.token_ids.append(token)
-        if token in params.stop_ids():
+        if seq.grammar is not None and seq.grammar.accept(token):  # the constrained output is complete
+            seq.stop_reason = None if token in params.eos_token_ids or token not in params.stop_ids() else token
+            self.scheduler.finish(seq, "stop")
+        elif token in params.stop_ids():
             seq.stop_reason = None if token in params.eos_token_ids else token
             self.scheduler.finish(seq, "stop")
         elif seq.num_tokens >= seq.request.max_total_tokens:
@@ -192,16 +251,18 @@ def _loop(core: EngineCore, inputs, outputs, parent_pid: int | None) -> int:
                 core.finish_seqs(msg.seqs)
             elif isinstance(msg, Shutdown):
                 return 0
-        if core.scheduler.has_work():
+        if core.scheduler.has_work() or core.compiling:
             idle_stats_sent = False
-            deltas = core.step()
+            deltas = core.step()  # with only grammars compiling: waits a few ms for one
+            errors = core.take_failed()
             now = time.monotonic()
             stats = None
             if core.stats_due or now - stats_at >= STATS_PERIOD_S:
                 stats, stats_at = core.stats(), now
                 if _parent_gone(parent_pid):
                     return 1
-            outputs.send(encode(StepMessage(deltas, core.scheduler.num_preemptions, stats)))
+            if deltas or stats or errors:
+                outputs.send(encode(StepMessage(deltas, core.scheduler.num_preemptions, stats, errors)))
             continue
         if not idle_stats_sent or core.stats_due:  # the gauges at rest: nothing running
             outputs.send(encode(StepMessage([], core.scheduler.num_preemptions, core.stats())))

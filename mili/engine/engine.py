@@ -67,6 +67,9 @@ class LLMEngine:
         outputs, stopped = self.outputs.process(self.core.step())
         if stopped:  # stop strings: the core stops computing those sequences now
             self.core.finish_seqs(stopped)
+        for request_id, message in self.core.take_failed():  # a grammar that failed to compile (rare:
+            self.outputs.remove(request_id)                   # make_request checked it)
+            raise InvalidRequest(message, param="structured_outputs")
         return outputs
 
     def check_integrity(self) -> None:

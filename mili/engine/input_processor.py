@@ -11,6 +11,7 @@ from mili.engine.messages import AddRequest, Ready
 from mili.errors import ContextLengthExceeded, InvalidRequest
 from mili.model.loader import load_generation_defaults, load_hf_config, resolve_model_path
 from mili.sampling_params import SamplingParams
+from mili.structured import check as check_structured
 from mili.tokenizer.tokenizer import encode_prompt, load_eos_token_ids, load_tokenizer
 
 
@@ -42,6 +43,8 @@ class InputProcessor:
             raise InvalidRequest("the prompt must not be empty", param="prompt")
         if params.n > self.config.max_num_seqs:
             raise InvalidRequest(f"n ({params.n}) exceeds max_num_seqs ({self.config.max_num_seqs})", param="n")
+        if params.structured_outputs is not None:
+            check_structured(params.structured_outputs, "structured_outputs")
         max_total = self._check_length(len(token_ids), params.max_tokens)
         params = dataclasses.replace(params, eos_token_ids=list(self.eos_token_ids))
         return AddRequest(request_id, token_ids, params, max_total, time.monotonic())

@@ -11,9 +11,14 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from mili.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from mili.structured import SeqGrammar
 
 
 class SeqStatus(enum.Enum):
@@ -35,6 +40,7 @@ class Sequence:
     page_table: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # stop | length | abort
     stop_reason: int | None = None  # the stop token id that ended it (stop strings: the output processor)
+    grammar: "SeqGrammar | None" = None  # structured outputs: this sequence's matcher
 
     @property
     def params(self) -> SamplingParams:

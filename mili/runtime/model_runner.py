@@ -238,7 +238,8 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
-    def execute(self, sched_out) -> SamplerOutput | None:
+    def execute(self, sched_out, grammar: tuple | None = None) -> SamplerOutput | None:
+        """``grammar``: (token bitmask [sample rows, vocab / 32] int32, the constrained rows) or None."""
         self.copy_pages(sched_out.page_copies)
         if not sched_out.scheduled:
             return None
@@ -259,4 +260,7 @@ class ModelRunner:
             [s.params for s in seqs], [s.generator for s in seqs],
             [s.token_ids[:s.prompt_len] if penalties else [] for s in seqs],
             [s.output_token_ids if counts else [] for s in seqs], self.model_config.vocab_size, self.device)
+        if grammar is not None:
+            bitmask, meta.grammar_rows = grammar
+            meta.grammar_bitmask = bitmask.to(self.device, non_blocking=True)
         return self.sampler(logits, meta)

@@ -1,7 +1,7 @@
 """Batched sampling: logprobs, min_tokens, penalties, greedy / temperature / min_p / top_k / top_p.
 
-Processing order follows vLLM v1: logprobs come from the raw model logits; then min_tokens blocks stop
-tokens; then repetition / presence / frequency penalties; greedy rows take the argmax of the penalised
+Processing order follows vLLM v1: logprobs come from the raw model logits; then a grammar's bitmask masks
+the tokens it does not allow (structured outputs); then min_tokens blocks stop tokens; then repetition / presence / frequency penalties; greedy rows take the argmax of the penalised
 logits; the other rows are divided by their temperature, truncated (min_p, then top_k, then top_p) and
 sampled with the exponential race ``argmax(probs / q)``, ``q ~ Exp(1)``. A row with its own generator draws
 its own ``q``, so a seeded sequence's tokens do not depend on what else is in the batch.
@@ -73,6 +73,10 @@ class SamplingMetadata:
     logprob_rows: torch.Tensor | None
     num_logprobs: list[int]
     max_logprobs: int
+    # Structured outputs: rows constrained by a grammar, and their allowed tokens as xgrammar's bitmask
+    # ([num_rows, ceil(V / 32)] int32, one bit a token); set by the model runner.
+    grammar_rows: list[int] | None = None
+    grammar_bitmask: torch.Tensor | None = None
 
     @classmethod
     def build(cls, params: list[SamplingParams], generators: list[torch.Generator | None],
@@ -232,7 +236,7 @@ class Sampler:
         assert logits.dim() == 2 and logits.shape[0] == meta.num_rows, logits.shape
         assert logits.shape[1] >= meta.vocab_size, (logits.shape, meta.vocab_size)
         if (meta.greedy_rows.numel() == meta.num_rows and meta.logprob_rows is None and meta.blocked_rows is None
-                and meta.penalty_rows is None):
+                and meta.penalty_rows is None and meta.grammar_rows is None):
             return SamplerOutput(token_ids=self.argmax(logits[:, :meta.vocab_size]).tolist(),
                                  logprobs=[None] * meta.num_rows)
         # A private float32 copy (modified in place); columns past the vocab (padding) are dropped.
@@ -263,7 +267,12 @@ class Sampler:
 
     @staticmethod
     def _process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """min_tokens and penalties, in place on float32 ``logits`` [B, V] (returned)."""
+        """min_tokens, penalties and grammars, in place on float32 ``logits`` [B, V] (returned)."""
+        if meta.grammar_rows is not None:
+            from xgrammar import apply_token_bitmask_inplace
+
+            apply_token_bitmask_inplace(logits, meta.grammar_bitmask, vocab_size=meta.vocab_size,
+                                        indices=meta.grammar_rows)
         if meta.blocked_rows is not None:
             logits[meta.blocked_rows, meta.blocked_tokens] = _NEG_INF
         if meta.penalty_rows is not None:

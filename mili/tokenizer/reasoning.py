@@ -54,3 +54,9 @@ class ReasoningStream:
         r, c = reasoning[self._sent_reasoning:], content[self._sent_content:]
         self._sent_reasoning, self._sent_content = len(reasoning), len(content)
         return r, c
+
+
+def think_end_token_id(tokenizer) -> int | None:
+    """The id of ``</think>`` when the vocabulary has it as one token (every Qwen3's), else None."""
+    token_id = tokenizer.convert_tokens_to_ids(THINK_END)
+    return token_id if isinstance(token_id, int) and token_id != tokenizer.unk_token_id else None
