@@ -93,6 +93,40 @@ CHAIN = {198: 151667, 151667: 10061, 10061: 752, 752: 1744, 1744: 151668, 151668
          9707: 0, 0: 151645}
 
 
+def script_text(start: int, text: str, end: int = 151645) -> dict[int, int]:
+    """A chain (for ``build_scripted_checkpoint``) whose greedy output after token ``start`` decodes to
+    ``text``, then ``end``. The chain is first-order, so no token may appear twice: repeated pieces of
+    ``text`` are spelled with other tokens (longest unused vocabulary piece first)."""
+    from transformers import AutoTokenizer
+
+    backend = AutoTokenizer.from_pretrained(QWEN3_TOKENIZER).backend_tokenizer
+    pieces: dict[str, list[int]] = {}
+    for token, i in backend.get_vocab().items():
+        piece = backend.decoder.decode([token])
+        if "\ufffd" not in piece:
+            pieces.setdefault(piece, []).append(i)
+    import random
+
+    rng = random.Random(0)
+    for _ in range(5000):  # random spellings (longer pieces likelier) until one uses no token twice
+        used, ids, pos = {start, end}, [], 0
+        while pos < len(text):
+            options = [(length, i) for length in range(min(16, len(text) - pos), 0, -1)
+                       for i in pieces.get(text[pos:pos + length], []) if i not in used]
+            if not options:
+                break
+            length, i = rng.choices(options, weights=[n * n for n, _ in options])[0]
+            ids.append(i)
+            used.add(i)
+            pos += length
+        if pos == len(text):
+            break
+    else:
+        raise ValueError(f"no spelling of {text!r} found that uses each token once")
+    chain = [start, *ids, end]
+    return dict(zip(chain, chain[1:]))
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

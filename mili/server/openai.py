@@ -12,7 +12,8 @@ from mili.outputs import CompletionOutput, RequestOutput
 from mili.server.app import ServerState, merge, new_id, until_disconnect
 from mili.server.errors import APIError, sse, sse_error
 from mili.server.protocol import ChatCompletionRequest, CompletionRequest
-from mili.tokenizer.reasoning import THINK_START, ReasoningStream, split_reasoning
+from mili.tokenizer.reasoning import THINK_END, THINK_START, ReasoningStream, split_reasoning, think_end_token_id
+from mili.tokenizer.tool_calls import ToolCallStream, call_json, extract_tool_calls, new_call_id
 from mili.tokenizer.tokenizer import encode_chat
 
 router = APIRouter()
@@ -51,12 +52,13 @@ def _top(entry: dict, n: int) -> list:
 class _Choice:
     """Per-choice streaming bookkeeping: what was sent (logprob entries, text), whether it finished."""
 
-    def __init__(self, reasoning: bool = False, prompt_opened: bool = False):
+    def __init__(self, reasoning: bool = False, prompt_opened: bool = False, tools: bool = False):
         self.logprobs_sent = 0
         self.text_sent = 0
         self.done = False
         self.started = False
         self.reasoning = ReasoningStream(reasoning, prompt_opened)
+        self.tools = ToolCallStream() if tools else None
 
 
 # -- /v1/completions ---------------------------------------------------------------------------
@@ -151,12 +153,17 @@ async def chat_completions(body: ChatCompletionRequest, http: Request):
     st = _state(http)
     st.check_model(body.model)
     kwargs = body.chat_template_kwargs or {}
+    tool_mode, _ = body.tool_mode()
+    template_kwargs = {**kwargs, "tools": body.tools} if body.tools else kwargs
     text, prompt = encode_chat(st.tokenizer, [m.for_template() for m in body.messages], body.add_generation_prompt,
-                               kwargs)
+                               template_kwargs)
     thinking = kwargs.get("enable_thinking", True) is not False  # as Qwen3's template decides
     opened = thinking and text.rstrip().endswith(THINK_START)  # templates that open <think> themselves
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = body.sampling_params(max_tokens, body.logprobs_n(), st.openai_defaults)
+    if params.structured_outputs is not None and thinking and THINK_END not in text[-len(THINK_END) - 4:]:
+        params.structured_outputs.start_after_token_id = think_end_token_id(st.tokenizer)  # after the thinking
+    tools = tool_mode != "none"
     rid, created = new_id("chatcmpl"), int(time.time())
     streams = await st.start([prompt], [params], rid)
     head = {"id": rid, "object": "chat.completion", "created": created, "model": st.model_name}
@@ -167,11 +174,17 @@ async def chat_completions(body: ChatCompletionRequest, http: Request):
         choices = []
         for o in final.outputs:
             reasoning, content = split_reasoning(THINK_START * opened + o.text) if thinking else (None, o.text)
+            calls = []
+            if tools:
+                content, calls = extract_tool_calls(content)
             message = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = [call_json(None, new_call_id(), name, args) for name, args in calls]
             if reasoning is not None:
                 message["reasoning_content"] = message["reasoning"] = reasoning
+            finish = "tool_calls" if calls and o.finish_reason == "stop" else o.finish_reason
             choices.append({"index": o.index, "message": message, "logprobs": _chat_logprobs(o, 0, nlp),
-                            "finish_reason": o.finish_reason})
+                            "finish_reason": finish})
         return {**head, "choices": choices, "usage": _usage([final])}
 
     chunk_head = {**head, "object": "chat.completion.chunk"}
@@ -183,7 +196,7 @@ async def chat_completions(body: ChatCompletionRequest, http: Request):
             async for _, out in merge(streams):
                 final = out
                 for o in out.outputs:
-                    c = choices.setdefault(o.index, _Choice(thinking, opened))
+                    c = choices.setdefault(o.index, _Choice(thinking, opened, tools))
                     if not c.started:
                         c.started = True
                         yield sse({**chunk_head, "choices": [{"index": o.index, "delta": {"role": "assistant",
@@ -191,6 +204,9 @@ async def chat_completions(body: ChatCompletionRequest, http: Request):
                     if c.done:
                         continue
                     reasoning, content = c.reasoning.feed(o.delta, final=o.finished)
+                    calls = []
+                    if c.tools is not None:
+                        content, calls = c.tools.feed(content, final=o.finished)
                     lps = _chat_logprobs(o, c.logprobs_sent, nlp)
                     c.logprobs_sent = len(o.token_ids)
                     delta = {}
@@ -198,10 +214,15 @@ async def chat_completions(body: ChatCompletionRequest, http: Request):
                         delta["reasoning_content"] = delta["reasoning"] = reasoning
                     if content:
                         delta["content"] = content
+                    if calls:
+                        delta["tool_calls"] = calls
                     c.done = o.finished
+                    finish = o.finish_reason
+                    if finish == "stop" and c.tools is not None and c.tools.num_calls:
+                        finish = "tool_calls"
                     if delta or o.finished or (lps and lps["content"]):
                         yield sse({**chunk_head, "choices": [{"index": o.index, "delta": delta, "logprobs": lps,
-                                                              "finish_reason": o.finish_reason}]})
+                                                              "finish_reason": finish}]})
             if body.stream_options and body.stream_options.include_usage and final is not None:
                 yield sse({**chunk_head, "choices": [], "usage": _usage([final])})
         except Exception as e:

@@ -7,7 +7,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from mili.errors import InvalidRequest
-from mili.sampling_params import SamplingParams
+from mili.sampling_params import SamplingParams, StructuredOutputsParams
+from mili.structured import MAX_WHITESPACE
+from mili.structured import check as check_structured
+from mili.tokenizer.tool_calls import forced_tool_call_tag
 
 
 class _Strict(BaseModel):
@@ -43,8 +46,15 @@ class _Sampling(_Strict):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
-    # OpenAI fields MILI accepts only with the value that asks for nothing (see check_unsupported)
     response_format: dict[str, Any] | None = None
+    # vLLM's structured outputs: its newer object, and its older guided_* fields
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    # OpenAI fields MILI accepts only with the value that asks for nothing (see check_unsupported)
     logit_bias: dict[str, float] | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None  # labels for stored completions: no effect on the output
@@ -52,10 +62,9 @@ class _Sampling(_Strict):
 
     def check_unsupported(self) -> None:
         """A field MILI does not implement, set to ask for something, is a 400 naming it."""
-        fmt = (self.response_format or {}).get("type", "text")
-        if fmt != "text":
-            raise InvalidRequest(f"response_format of type {fmt!r} is not supported yet (structured outputs): "
-                                 f"only {{'type': 'text'}}", param="response_format")
+        if self.guided_decoding_backend not in (None, "auto", "xgrammar"):
+            raise InvalidRequest(f"guided_decoding_backend {self.guided_decoding_backend!r} is not available: MILI's "
+                                 "is xgrammar", param="guided_decoding_backend")
         if self.logit_bias:
             raise InvalidRequest("logit_bias is not supported", param="logit_bias")
         if self.store:
@@ -75,13 +84,60 @@ class _Sampling(_Strict):
             value = getattr(self, name)
             return value if value is not None else defaults.get(name, fallback)
 
+        structured = self.structured()
+        if structured is not None:
+            check_structured(structured[0], structured[1])
         return SamplingParams(
-            n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens,
+            structured_outputs=structured[0] if structured else None, n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens,
             temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0), top_k=pick("top_k", -1),
             min_p=self.min_p, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
             seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             logprobs=logprobs, skip_special_tokens=self.skip_special_tokens)
+
+
+    def structured(self) -> tuple[StructuredOutputsParams, str] | None:
+        """The request's output constraint and the field that asked for it; at most one field may."""
+        asked = [(name, value) for name, value in (
+            ("response_format", self.response_format), ("structured_outputs", self.structured_outputs),
+            ("guided_json", self.guided_json), ("guided_regex", self.guided_regex),
+            ("guided_choice", self.guided_choice), ("guided_grammar", self.guided_grammar))
+            if value is not None and not (name == "response_format" and value.get("type", "text") == "text")]
+        if not asked:
+            return None
+        if len(asked) > 1:
+            raise InvalidRequest(f"only one of {', '.join(n for n, _ in asked)} may be given", param=asked[1][0])
+        name, value = asked[0]
+        if name == "response_format":
+            return _response_format(value), name
+        if name == "structured_outputs":
+            allowed = {"json", "json_object", "regex", "choice", "grammar"}
+            unknown = sorted(set(value) - allowed - {"disable_any_whitespace", "backend"})
+            if unknown:
+                raise InvalidRequest(f"structured_outputs does not take {', '.join(unknown)} (it takes "
+                                     f"{', '.join(sorted(allowed))})", param=name)
+            spec = {k: v for k, v in value.items() if k in allowed}
+        else:
+            spec = {name.removeprefix("guided_"): value}
+        try:
+            return StructuredOutputsParams(**spec), name
+        except InvalidRequest as e:
+            raise InvalidRequest(str(e), param=name) from None
+
+
+def _response_format(fmt: dict[str, Any]) -> StructuredOutputsParams:
+    kind = fmt.get("type")
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise InvalidRequest("response_format of type json_schema needs json_schema.schema (an object)",
+                                 param="response_format")
+        return StructuredOutputsParams(json=schema)
+    raise InvalidRequest(f"response_format type {kind!r} is not one of text, json_object, json_schema",
+                         param="response_format")
 
 
 class CompletionRequest(_Sampling):
@@ -139,14 +195,48 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool = True
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None  # no effect without tools (which are refused)
+    parallel_tool_calls: bool | None = None
 
-    def check_unsupported(self) -> None:
-        super().check_unsupported()
-        if self.tools:
-            raise InvalidRequest("tools are not supported yet", param="tools")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise InvalidRequest("tool_choice other than none is not supported yet (no tools)", param="tool_choice")
+    def tool_mode(self) -> tuple[str, str | None]:
+        """("none" | "auto" | "required" | "named", the named function): what ``tools``/``tool_choice`` ask."""
+        names = []
+        for i, tool in enumerate(self.tools or []):
+            fn = tool.get("function")
+            if tool.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str) \
+                    or not fn["name"]:
+                raise InvalidRequest(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., "
+                                     "'parameters': ...}}}}", param="tools")
+            if not isinstance(fn.get("parameters", {}), (dict, type(None))):
+                raise InvalidRequest(f"tools[{i}].function.parameters must be a JSON schema object", param="tools")
+            names.append(fn["name"])
+        choice = self.tool_choice if self.tool_choice is not None else "auto"
+        if isinstance(choice, dict):
+            fn = choice.get("function")
+            name = fn.get("name") if isinstance(fn, dict) else None
+            if choice.get("type") != "function" or not isinstance(name, str):
+                raise InvalidRequest("tool_choice must be none, auto, required or {'type': 'function', 'function': "
+                                     "{'name': ...}}", param="tool_choice")
+            if name not in names:
+                raise InvalidRequest(f"tool_choice names the function {name!r}, which is not in tools",
+                                     param="tool_choice")
+            return "named", name
+        if choice not in ("none", "auto", "required"):
+            raise InvalidRequest(f"tool_choice {choice!r} is not one of none, auto, required or a named function",
+                                 param="tool_choice")
+        if choice == "required" and not names:
+            raise InvalidRequest("tool_choice required needs tools", param="tool_choice")
+        return (choice if names else "none"), None
+
+    def structured(self) -> tuple[StructuredOutputsParams, str] | None:
+        """A forced tool call (tool_choice required or named) is a grammar over the tool-call format."""
+        mode, name = self.tool_mode()
+        asked = super().structured()
+        if mode not in ("required", "named"):
+            return asked
+        if asked is not None:
+            raise InvalidRequest(f"{asked[1]} cannot be combined with tool_choice {mode}", param="tool_choice")
+        tag = forced_tool_call_tag(self.tools, name, self.parallel_tool_calls is not False, MAX_WHITESPACE)
+        return StructuredOutputsParams(structural_tag=tag), "tools"
 
     def logprobs_n(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:

@@ -128,10 +128,10 @@ def test_generate_out_of_range_is_4xx(server, body, param):
 
 
 @pytest.mark.parametrize("path, body, param", [
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {
-        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}}, "response_format"),
-    ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
-    ("/v1/completions", {"prompt": "x", "guided_json": {"type": "object"}}, "guided_json"),
+    ("/v1/completions", {"prompt": "x", "guided_regex": "a+", "guided_whitespace_pattern": " "},
+     "guided_whitespace_pattern"),
+    ("/v1/completions", {"prompt": "x", "guided_regex": "a+", "guided_decoding_backend": "outlines"},
+     "guided_decoding_backend"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"50": 10}}, "logit_bias"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
      "tool_choice"),
