@@ -3,9 +3,9 @@
 API side, ``check(structured, param)``: builds the vocabulary-free grammar, which is cheap (milliseconds)
 and finds every invalid JSON schema, regex, EBNF grammar or structural tag: an ``InvalidRequest`` naming
 the request field. Engine core, ``GrammarManager``: compiles grammars against the tokenizer's vocabulary
-in a worker thread (xgrammar releases the GIL while compiling, so steps go on meanwhile), cached by spec
-(xgrammar's compiler cache); ``SeqGrammar``: one matcher per constrained sequence, which fills that
-row's token bitmask before a step and advances with the sampled token after it.
+in a worker thread (xgrammar releases the GIL while compiling, so steps go on meanwhile), cached by spec,
+and fills a step's token bitmasks in parallel threads; ``SeqGrammar``: one matcher per constrained
+sequence, advanced with each sampled token.
 
 JSON whitespace is bounded (``MAX_WHITESPACE`` characters between two tokens of JSON), so even a random
 model cannot spend its ``max_tokens`` on spaces; schemas are strict (xgrammar's default, as vLLM):
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import re
 import threading
 from collections import OrderedDict
@@ -100,6 +101,8 @@ class GrammarManager:
         self._compiler = None
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()  # by spec, least recently used first
+        self._batch = None  # xgrammar's BatchGrammarMatcher: fills the rows' bitmasks in threads
+        self._fill_executor = ThreadPoolExecutor(1, thread_name_prefix="mili-bitmask")
 
     def compile(self, structured: StructuredOutputsParams) -> Future:
         """A future of the compiled grammar, shared by every request with the same spec (one compile, at
@@ -127,11 +130,27 @@ class GrammarManager:
     def _compile(self, kind: str, text: str):
         return self._get_compiler().compile_grammar(build_grammar(kind, text))
 
-    def allocate_bitmask(self, rows: int):
-        return _xgr().allocate_token_bitmask(rows, self.vocab_size)
+    def bitmask(self, grammars: list[SeqGrammar | None]) -> Future | None:
+        """A future of the token bitmask of a step's sampling rows ([rows, ceil(vocab / 32)] int32) and the
+        rows it constrains (those whose grammar is active); None when none is. It is filled in threads
+        (xgrammar's batch fill, without the GIL) while the model computes the step's logits."""
+        rows = [i for i, g in enumerate(grammars) if g is not None and g.active]
+        if not rows:
+            return None
+        matchers = [grammars[i].matcher for i in rows]
+        return self._fill_executor.submit(self._fill, matchers, rows, len(grammars))
+
+    def _fill(self, matchers: list, rows: list[int], num_rows: int):
+        xgr = _xgr()
+        if self._batch is None:
+            self._batch = xgr.BatchGrammarMatcher(max_threads=min(8, os.cpu_count() or 1))
+        bitmask = xgr.allocate_token_bitmask(num_rows, self.vocab_size)
+        self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+        return bitmask, rows
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._fill_executor.shutdown(wait=False, cancel_futures=True)
 
 
 class SeqGrammar:
@@ -149,9 +168,6 @@ class SeqGrammar:
     @property
     def active(self) -> bool:
         return self.waiting_for is None
-
-    def fill(self, bitmask, row: int) -> None:
-        self.matcher.fill_next_token_bitmask(bitmask, row)
 
     def accept(self, token: int) -> bool:
         """Advance with a sampled token; True when the output is complete (the grammar took a stop token)

@@ -156,15 +156,12 @@ class EngineCore:
             self._retire_if_finished(request)
         return deltas
 
-    def _grammar_bitmask(self, sample_rows) -> tuple | None:
-        """(bitmask [rows, vocab / 32], the constrained rows) for this step's sampling rows; None if none."""
-        rows = [i for i, (seq, _) in enumerate(sample_rows) if seq.grammar is not None and seq.grammar.active]
-        if not rows:
+    def _grammar_bitmask(self, sample_rows) -> Future | None:
+        """A future of (token bitmask [rows, vocab / 32], the constrained rows) for this step's sampling
+        rows, filled while the model runs; None if no row is constrained."""
+        if self.grammars is None:
             return None
-        bitmask = self.grammars.allocate_bitmask(len(sample_rows))
-        for i in rows:
-            sample_rows[i][0].grammar.fill(bitmask, i)
-        return bitmask, rows
+        return self.grammars.bitmask([seq.grammar for seq, _ in sample_rows])
 
     def _retire_if_finished(self, request: Request) -> None:
         """A request whose sequences have all ended leaves the core (its pages are back already)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 import logging
+from concurrent.futures import Future
 
 import torch
 
@@ -61,7 +62,9 @@ class ModelRunner:
         self.model.init_rotary(self.max_model_len, self.device)
         if hasattr(backend, "max_pages_per_seq"):
             backend.max_pages_per_seq = self.max_pages_per_seq
-        self.sampler = Sampler(cpu_ops.argmax) if self.cpu_kernels else Sampler()
+        self.sampler = Sampler(cpu_ops.argmax, cpu_ops.apply_bitmask) if self.cpu_kernels else Sampler()
+        if self.device.type == "cpu" and self.config.cpu_kernels and not self.cpu_kernels and cpu.available():
+            self.sampler.apply_bitmask = cpu_ops.apply_bitmask  # float32 logits: the kernel fits any model dtype
         self.graphs = None
         if self.device.type == "cuda" and self.attention_backend == "triton" and not config.enforce_eager:
             from mili.runtime.cuda_graph import CudaGraphRunner
@@ -238,8 +241,9 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
-    def execute(self, sched_out, grammar: tuple | None = None) -> SamplerOutput | None:
-        """``grammar``: (token bitmask [sample rows, vocab / 32] int32, the constrained rows) or None."""
+    def execute(self, sched_out, grammar: Future | None = None) -> SamplerOutput | None:
+        """``grammar``: a future of (token bitmask [sample rows, vocab / 32] int32, the constrained rows),
+        awaited once the logits are computed (it is filled meanwhile), or None."""
         self.copy_pages(sched_out.page_copies)
         if not sched_out.scheduled:
             return None
@@ -261,6 +265,6 @@ class ModelRunner:
             [s.token_ids[:s.prompt_len] if penalties else [] for s in seqs],
             [s.output_token_ids if counts else [] for s in seqs], self.model_config.vocab_size, self.device)
         if grammar is not None:
-            bitmask, meta.grammar_rows = grammar
+            bitmask, meta.grammar_rows = grammar.result()
             meta.grammar_bitmask = bitmask.to(self.device, non_blocking=True)
         return self.sampler(logits, meta)

@@ -3,8 +3,9 @@
 Processing order follows vLLM v1: logprobs come from the raw model logits; then a grammar's bitmask masks
 the tokens it does not allow (structured outputs); then min_tokens blocks stop tokens; then repetition / presence / frequency penalties; greedy rows take the argmax of the penalised
 logits; the other rows are divided by their temperature, truncated (min_p, then top_k, then top_p) and
-sampled with the exponential race ``argmax(probs / q)``, ``q ~ Exp(1)``. A row with its own generator draws
-its own ``q``, so a seeded sequence's tokens do not depend on what else is in the batch.
+sampled: on the CPU by inverse CDF (one uniform per row against its cumulative probabilities), elsewhere
+with the exponential race ``argmax(probs / q)``, ``q ~ Exp(1)`` (no host sync). A row with its own generator
+draws from it alone, so a seeded sequence's tokens do not depend on what else is in the batch.
 """
 
 from __future__ import annotations
@@ -219,6 +220,36 @@ def _exponential_race(probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tens
     return (probs / q).argmax(dim=-1)
 
 
+def _inverse_cdf(probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """A draw from ``probs`` with one uniform per row against the row's cumulative sum: the CPU's sampler,
+    ~20x cheaper there than drawing V exponentials per row (``exponential_`` runs at ~20 ns an element).
+    The float32 sum shifts the boundaries by ~1e-5 of the mass at most, as the top-p mask's does. Seeded
+    rows draw their uniform from their own generator."""
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    u = torch.empty(probs.shape[0], 1, dtype=probs.dtype, device=probs.device)
+    if meta.unseeded.numel() == probs.shape[0]:
+        u.uniform_()
+    elif meta.unseeded.numel():
+        u[meta.unseeded] = torch.rand(meta.unseeded.numel(), 1, dtype=probs.dtype, device=probs.device)
+    for j, gen in meta.seeded:
+        u[j] = torch.rand(1, dtype=probs.dtype, device=probs.device, generator=gen)
+    # u < total, so the first index whose cumulative sum passes u has a non-zero probability
+    u = torch.minimum(u.mul_(total), torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, u, right=True).squeeze(1)
+
+
+def _draw(probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """One token per row of ``probs``: the inverse CDF on the CPU, the exponential race elsewhere (no sync)."""
+    return _inverse_cdf(probs, meta) if probs.device.type == "cpu" else _exponential_race(probs, meta)
+
+
+def _apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], vocab_size: int) -> None:
+    from xgrammar import apply_token_bitmask_inplace  # (CUDA: its Triton/CUDA kernel)
+
+    apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size, indices=rows)
+
+
 def _float_argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.float().argmax(dim=-1)
 
@@ -228,8 +259,9 @@ class Sampler:
     of a step (all greedy, no min_tokens, penalties or logprobs): no float32 copy is made then. The CPU
     kernels give one that reads bf16 in place (a batch of 32 x 152k: ~0.4 ms, torch's ~9)."""
 
-    def __init__(self, argmax=_float_argmax):
+    def __init__(self, argmax=_float_argmax, apply_bitmask=_apply_bitmask):
         self.argmax = argmax
+        self.apply_bitmask = apply_bitmask
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """``logits`` [B, >= vocab] in the model's dtype (a private float32 copy is made where needed)."""
@@ -242,6 +274,8 @@ class Sampler:
         # A private float32 copy (modified in place); columns past the vocab (padding) are dropped.
         logits = logits[:, :meta.vocab_size].to(torch.float32, copy=True)
         raw = logits.index_select(0, meta.logprob_rows) if meta.logprob_rows is not None else None  # a copy
+        if meta.grammar_rows is not None:  # structured outputs: the tokens each grammar allows
+            self.apply_bitmask(logits, meta.grammar_bitmask, meta.grammar_rows, meta.vocab_size)
         logits = self._process_logits(logits, meta)
 
         sampled = torch.empty(meta.num_rows, dtype=torch.long, device=logits.device)
@@ -257,7 +291,7 @@ class Sampler:
             if meta.min_p is not None:
                 x = _apply_min_p(x, meta.min_p)
             x = _apply_top_k_top_p(x, meta.top_k, meta.top_p)
-            sampled[meta.random_rows] = _exponential_race(x.softmax(dim=-1), meta)
+            sampled[meta.random_rows] = _draw(x.softmax(dim=-1), meta)
 
         token_ids = sampled.tolist()
         logprobs: list[TokenLogprobs | None] = [None] * meta.num_rows
@@ -267,12 +301,7 @@ class Sampler:
 
     @staticmethod
     def _process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """min_tokens, penalties and grammars, in place on float32 ``logits`` [B, V] (returned)."""
-        if meta.grammar_rows is not None:
-            from xgrammar import apply_token_bitmask_inplace
-
-            apply_token_bitmask_inplace(logits, meta.grammar_bitmask, vocab_size=meta.vocab_size,
-                                        indices=meta.grammar_rows)
+        """min_tokens and penalties, in place on float32 ``logits`` [B, V] (returned)."""
         if meta.blocked_rows is not None:
             logits[meta.blocked_rows, meta.blocked_tokens] = _NEG_INF
         if meta.penalty_rows is not None:

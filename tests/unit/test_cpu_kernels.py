@@ -292,3 +292,27 @@ def test_sampler_takes_the_kernel_argmax_only_when_nothing_else_is_asked():
     sampler(logits, meta([SamplingParams(temperature=0, logprobs=1)] * 3))  # logprobs need the float copy
     sampler(logits, meta([SamplingParams(temperature=0), SamplingParams(temperature=1, seed=1)] * 1 + greedy[:1]))
     assert calls == [BF16]
+
+
+@needs_kernels
+@pytest.mark.parametrize("vocab", [151936, 1000, 37])
+def test_apply_bitmask_matches_xgrammar(vocab):
+    """The structured-output mask: -inf exactly where xgrammar's own apply puts it, rows not listed and
+    columns past the vocabulary untouched; words of all ones, all zeros and mixed."""
+    import xgrammar
+
+    torch.manual_seed(0)
+    rows, width = 6, (vocab + 31) // 32
+    bitmask = torch.randint(-2**31, 2**31 - 1, (rows, width), dtype=torch.int32)
+    bitmask[1] = -1
+    bitmask[2] = 0
+    bitmask[3, : width // 2] = 0
+    logits = torch.randn(rows, vocab + 40)
+    picked = [0, 1, 2, 3, 5]
+    expected = logits.clone()
+    xgrammar.apply_token_bitmask_inplace(expected, bitmask, vocab_size=vocab, indices=picked)
+    got = logits.clone()
+    ops.apply_bitmask(got, bitmask, picked, vocab)
+    assert torch.equal(got, expected)
+    assert torch.equal(got[4], logits[4]) and torch.equal(got[:, vocab:], logits[:, vocab:])
+    assert torch.isinf(got[2, :vocab]).all() and torch.equal(got[1], logits[1])

@@ -326,3 +326,28 @@ def test_partial_top_k_path_equals_the_full_sort(seed):
         assert torch.equal(torch.isinf(fast), torch.isinf(slow))
         assert torch.equal(fast[~torch.isinf(fast)], slow[~torch.isinf(slow)])
     assert (~torch.isinf(_apply_top_k_top_p(logits.clone(), ks, None)[2])).sum() == 50
+
+
+@pytest.mark.parametrize("draw", ["_inverse_cdf", "_exponential_race"])
+def test_both_draws_follow_the_distribution_and_skip_masked_tokens(draw):
+    """The CPU's inverse CDF and the GPU's exponential race, called directly (both run here on the CPU)."""
+    from mili.runtime import sampler as S
+
+    torch.manual_seed(3)
+    n = 4000
+    probs = torch.tensor([0.5, 0.0, 0.3, 0.0, 0.2]).expand(n, 5).clone()
+    seeded = [(j, gen(50 + j)) for j in range(0, n, 7)]
+    meta = S.SamplingMetadata.build([SamplingParams()] * n, [None] * n, [[]] * n, [[]] * n, 5, torch.device("cpu"))
+    meta.seeded = seeded
+    meta.unseeded = torch.tensor([j for j in range(n) if j % 7], dtype=torch.long)
+    got = getattr(S, draw)(probs, meta)
+    freq = torch.bincount(got, minlength=5).float() / n
+    assert freq[1] == 0 and freq[3] == 0
+    assert torch.allclose(freq, probs[0], atol=0.03), freq
+    again = getattr(S, draw)(probs, S.SamplingMetadata.build([SamplingParams()] * n, [None] * n, [[]] * n, [[]] * n,
+                                                              5, torch.device("cpu")))
+    assert not torch.equal(got, again)  # unseeded rows draw afresh
+    meta.seeded = [(j, gen(50 + j)) for j in range(0, n, 7)]
+    repeat = getattr(S, draw)(probs, meta)
+    rows = [j for j, _ in seeded]
+    assert torch.equal(repeat[rows], got[rows])  # seeded rows repeat

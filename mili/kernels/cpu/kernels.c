@@ -681,3 +681,25 @@ void mili_argmax_rows(const bf16 *x, int64_t ld, int64_t R, int64_t N, int64_t *
     out[r] = _mm512_mask_reduce_min_epi32(at_top, best_i);
   }
 }
+
+/* Structured outputs: logits[rows[j], t] = -inf for every token t whose bit is 0 in row rows[j] of an
+ * xgrammar bitmask (int32 words, bit b of word w = token 32 w + b; rows at stride ldm, logits at ld,
+ * V tokens). A word of all ones (the common case inside a JSON string) is skipped; the rest are two
+ * masked 16-lane stores. */
+void mili_apply_bitmask(float *logits, int64_t ld, const int32_t *bitmask, int64_t ldm, const int64_t *rows,
+                        int64_t nrows, int64_t V, int nthreads) {
+  const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nrows > 1)
+  for (int64_t j = 0; j < nrows; j++) {
+    float *row = logits + rows[j] * ld;
+    const uint32_t *words = (const uint32_t *)(bitmask + rows[j] * ldm);
+    for (int64_t w = 0; w * 32 < V; w++) {
+      uint32_t drop = ~words[w];
+      const int64_t left = V - w * 32;
+      if (left < 32) drop &= (uint32_t)((1ull << left) - 1);
+      if (!drop) continue;
+      _mm512_mask_storeu_ps(row + w * 32, (__mmask16)(drop & 0xffff), neg_inf);
+      _mm512_mask_storeu_ps(row + w * 32 + 16, (__mmask16)(drop >> 16), neg_inf);
+    }
+  }
+}

@@ -86,6 +86,16 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], vocab_size: int) -> None:
+    """In place: -inf in ``logits`` (float32 [B, >= vocab_size]) wherever row ``rows[j]`` of an xgrammar token
+    bitmask (int32 [B, ceil(V / 32)]) has a 0 bit; xgrammar's own CPU path is ~10x slower on 152k-wide rows."""
+    assert logits.dtype == torch.float32 and logits.stride(-1) == 1 and bitmask.dtype == torch.int32
+    assert bitmask.is_contiguous() and bitmask.shape[1] * 32 >= vocab_size and max(rows) < bitmask.shape[0]
+    index = torch.tensor(rows, dtype=torch.int64)
+    _lib().mili_apply_bitmask(logits.data_ptr(), logits.stride(0), bitmask.data_ptr(), bitmask.stride(0),
+                              index.data_ptr(), len(rows), vocab_size, _threads())
+
+
 # -- the ops set ---------------------------------------------------------------------------------
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     if (x.dtype != BF16 or x.dim() != 2 or x.stride(-1) != 1 or x.shape[1] % 16
