@@ -14,7 +14,7 @@ from mili.model.checks import check_architecture_settings
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16,
            "float": torch.float32}
-SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
+SUPPORTED_ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}  # -> model_type
 
 
 def resolve_device(device: str) -> torch.device:
@@ -42,15 +42,27 @@ class ModelConfig:
     tie_word_embeddings: bool
     checkpoint_dtype: torch.dtype
     hf_config: object = field(repr=False, default=None)  # the transformers config (rope parameters)
+    # Qwen3 MoE (Qwen3MoeForCausalLM); num_experts 0: dense
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    sparse_layers: tuple[bool, ...] = ()  # per layer: experts (True) or the dense MLP (False)
+
+    @property
+    def is_moe(self) -> bool:
+        return any(self.sparse_layers)
 
     @classmethod
     def from_hf(cls, hf_config) -> "ModelConfig":
         archs = list(getattr(hf_config, "architectures", None) or [])
-        if getattr(hf_config, "model_type", None) != "qwen3" or not set(archs) & set(SUPPORTED_ARCHITECTURES):
+        model_type = getattr(hf_config, "model_type", None)
+        if not any(SUPPORTED_ARCHITECTURES.get(a) == model_type for a in archs):
             raise ModelLoadError(
-                f"unsupported architecture {archs or hf_config.model_type!r}: "
-                f"MILI runs {', '.join(SUPPORTED_ARCHITECTURES)} (model_type 'qwen3')")
+                f"unsupported architecture {archs or model_type!r} (model_type {model_type!r}): MILI runs "
+                + ", ".join(f"{a} (model_type {t!r})" for a, t in SUPPORTED_ARCHITECTURES.items()))
         check_architecture_settings(hf_config)
+        moe = _moe_fields(hf_config) if model_type == "qwen3_moe" else {}
         heads = hf_config.num_attention_heads
         dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.float32
         if isinstance(dtype, str):
@@ -68,7 +80,24 @@ class ModelConfig:
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             checkpoint_dtype=dtype,
             hf_config=hf_config,
+            **moe,
         )
+
+
+def _moe_fields(hf_config) -> dict:
+    """Qwen3 MoE's settings, either config spelling (num_experts, or transformers 5's num_local_experts);
+    a layer has experts unless ``mlp_only_layers`` lists it or ``decoder_sparse_step`` skips it (as HF)."""
+    experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None) or 0
+    top_k = getattr(hf_config, "num_experts_per_tok", None) or 0
+    step = getattr(hf_config, "decoder_sparse_step", None) or 1
+    dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
+    if experts and not 1 <= top_k <= experts:
+        raise ModelLoadError(f"config.json: num_experts_per_tok {top_k} must be in [1, num_experts {experts}]")
+    sparse = tuple(experts > 0 and i not in dense and (i + 1) % step == 0
+                   for i in range(hf_config.num_hidden_layers))
+    return {"num_experts": experts, "num_experts_per_tok": top_k,
+            "moe_intermediate_size": getattr(hf_config, "moe_intermediate_size", None) or 0,
+            "norm_topk_prob": bool(getattr(hf_config, "norm_topk_prob", False)), "sparse_layers": sparse}
 
 
 @dataclass

@@ -54,6 +54,37 @@ def build_checkpoint(path: Path, shape: str, seed: int = 0, weight_scale: float 
     return path
 
 
+def build_moe_checkpoint(path: Path, seed: int = 0, weight_scale: float = 8.0, hub_spelling: bool = False,
+                         **overrides) -> Path:
+    """A random Qwen3 MoE checkpoint (saved in the hub layout: one tensor per expert and projection).
+    ``hub_spelling``: config.json says num_experts (as Qwen's releases) rather than num_local_experts."""
+    import json
+
+    from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    shape = dict(vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                 num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                 num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, decoder_sparse_step=1,
+                 mlp_only_layers=[], tie_word_embeddings=False)
+    cfg = Qwen3MoeConfig(max_position_embeddings=1024, rope_theta=10000.0, eos_token_id=None, bos_token_id=None,
+                         pad_token_id=None, **{**shape, **overrides})
+    model = Qwen3MoeForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2 and "embed" not in name:
+                p.mul_(weight_scale)
+            elif "norm" in name:
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(path)
+    if hub_spelling:
+        config = json.loads((path / "config.json").read_text())
+        config["num_experts"] = config.pop("num_local_experts")
+        (path / "config.json").write_text(json.dumps(config))
+    AutoTokenizer.from_pretrained(QWEN3_TOKENIZER).save_pretrained(path)
+    return path
+
+
 def build_scripted_checkpoint(path: Path, chain: dict[int, int], hidden: int = 32) -> Path:
     """A real Qwen3 checkpoint whose greedy next token is ``chain[current token]``.
 

@@ -19,6 +19,7 @@ from torch import nn
 
 from mili.errors import InvalidRequest
 from mili.kernels.cpu import ops as cpu_ops
+from mili.model.qwen3 import FusedExperts, RouterLinear
 
 
 class _SwappedLinear(nn.Module):
@@ -112,8 +113,15 @@ def swap_linears(model: nn.Module, kind: str, kernels: bool = False) -> None:
         return PackedLinear(weight, bias, shard_sizes)
 
     for module in list(model.modules()):
+        if isinstance(module, FusedExperts):  # each expert's slices of the stacked weights, then drop those
+            inter = module.inter
+            module.linears = nn.ModuleList(
+                linear for e in range(module.num_experts)
+                for linear in (make(module.w13[e], None, [inter, inter]), make(module.w2[e])))
+            module.w13 = module.w2 = None
+            continue
         for child_name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear):  # FusedLinear too (its shard sizes are kept)
+            if isinstance(child, nn.Linear) and not isinstance(child, RouterLinear):  # FusedLinear too
                 setattr(module, child_name, make(child.weight, child.bias, getattr(child, "shard_sizes", None)))
     if model.lm_head is not None:
         return

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -13,7 +14,7 @@ from tqdm.auto import tqdm
 
 from mili.errors import ModelLoadError
 from mili.model.checks import HARMLESS_SUFFIXES, check_quantization, check_tensors
-from mili.model.qwen3 import STACKED_PARAMS, FusedLinear, Qwen3ForCausalLM
+from mili.model.qwen3 import EXPERT_PARAMS, STACKED_PARAMS, FusedExperts, FusedLinear, Qwen3ForCausalLM
 
 log = logging.getLogger("mili")
 
@@ -95,17 +96,48 @@ def safetensors_files(path: str) -> list[str]:
     return [str(folder / f) for f in files]
 
 
+_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
 def _target(model: Qwen3ForCausalLM, name: str, params: dict[str, torch.nn.Parameter]):
-    """(parameter, row offset, row count or None for the whole) that checkpoint tensor ``name`` fills."""
+    """(key, the view of a parameter) that checkpoint tensor ``name`` fills, or None; ``key`` names the
+    view (parameter, expert, shard) so that every part of every parameter is seen to be loaded."""
+    expert = _EXPERT.match(name)
+    if expert is not None:  # hub layout: one tensor per expert and projection, stacked here
+        prefix, e, proj = expert.group(1), int(expert.group(2)), expert.group(3)
+        stacked, shard = EXPERT_PARAMS[proj]
+        pname = f"{prefix}.{stacked}"
+        if pname not in params or e >= params[pname].shape[0]:
+            return None
+        param = params[pname][e]
+        if stacked == "w13":
+            inter = param.shape[0] // 2
+            param = param[shard * inter:(shard + 1) * inter]
+        return (pname, e, shard), param
     for ckpt_name, (fused_name, shard) in STACKED_PARAMS.items():
         if f".{ckpt_name}." in name:
             fused = name.replace(f".{ckpt_name}.", f".{fused_name}.")
             if fused in params:
                 module: FusedLinear = model.get_submodule(fused.rsplit(".", 1)[0])
-                return fused, params[fused], module.shard_offset(shard), module.shard_sizes[shard]
+                offset, rows = module.shard_offset(shard), module.shard_sizes[shard]
+                return (fused, 0, offset), params[fused][offset:offset + rows]
     if name in params:
-        return name, params[name], 0, None
+        return (name, 0, 0), params[name]
     return None
+
+
+def _expected_keys(model: Qwen3ForCausalLM, params: dict[str, torch.nn.Parameter]) -> set[tuple]:
+    keys = set()
+    for n, p in params.items():
+        module = model.get_submodule(n.rsplit(".", 1)[0])
+        if isinstance(module, FusedLinear):
+            keys |= {(n, 0, module.shard_offset(s)) for s in range(len(module.shard_sizes))}
+        elif isinstance(module, FusedExperts):
+            shards = 2 if n.endswith(".w13") else 1
+            keys |= {(n, e, s) for e in range(p.shape[0]) for s in range(shards)}
+        else:
+            keys.add((n, 0, 0))
+    return keys
 
 
 def _skipped(model: Qwen3ForCausalLM, name: str) -> bool:
@@ -133,13 +165,8 @@ def load_weights(model: Qwen3ForCausalLM, path: str) -> None:
     """Copy every checkpoint tensor into ``model`` (converting the dtype); fail on missing, mismatched,
     unexpected or non-floating tensors before the first copy."""
     params = dict(model.named_parameters())
-    expected = {(n, 0) for n in params}
-    for n, p in params.items():
-        module = model.get_submodule(n.rsplit(".", 1)[0])
-        if isinstance(module, FusedLinear):
-            expected.discard((n, 0))
-            expected |= {(n, module.shard_offset(s)) for s in range(len(module.shard_sizes))}
-    loaded: set[tuple[str, int]] = set()
+    expected = _expected_keys(model, params)
+    loaded: set[tuple] = set()
     files = safetensors_files(path)
     _check_checkpoint(model, files, params)
     with tqdm(total=len(expected), desc="Loading weights", unit="tensor", leave=False,
@@ -149,15 +176,14 @@ def load_weights(model: Qwen3ForCausalLM, path: str) -> None:
                 for name in f.keys():
                     if _skipped(model, name):
                         continue
-                    pname, param, offset, rows = _target(model, name, params)
+                    key, dest = _target(model, name, params)
                     tensor = f.get_tensor(name)
-                    dest = param if rows is None else param[offset:offset + rows]
                     if tensor.shape != dest.shape:
                         raise ModelLoadError(f"weight {name} has shape {tuple(tensor.shape)}, the config "
                                              f"implies {tuple(dest.shape)}")
                     dest.copy_(tensor)
-                    loaded.add((pname, offset))
+                    loaded.add(key)
                     bar.update(1)
-    missing = sorted(n for n, _ in expected - loaded)
+    missing = sorted({n for n, *_ in expected - loaded})
     if missing:
         raise ModelLoadError(f"checkpoint {path!r} lacks {len(missing)} weights, e.g. {missing[:3]}")

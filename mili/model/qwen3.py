@@ -1,10 +1,17 @@
-"""Qwen3 dense (Qwen3ForCausalLM) over a paged KV cache, in one readable file.
+"""Qwen3 dense (Qwen3ForCausalLM) and Qwen3 MoE (Qwen3MoeForCausalLM) over a paged KV cache, in one
+readable file: the MoE model is the dense one with experts in place of the MLP in its sparse layers.
 
 Differences from the HF module, all numerically neutral: q/k/v and gate/up projections are fused,
 the batch is flat ([T] tokens of many sequences, positions explicit), attention goes through a
 backend that reads and writes the paged pool, the residual stream is carried beside the hidden
 state (so a kernel can fuse the add into the next norm), norms, RoPE and SwiGLU come from an ops
 set (torch, Triton or MILI's CPU kernels), and logits are computed only for sampled positions.
+
+MoE layers: a router (softmax over the experts in float32, the top k, renormalised when
+``norm_topk_prob``, cast back, as HF) and the experts' weights stacked per projection, gate|up as
+``w13`` [E, 2I, H] and down as ``w2`` [E, H, I]. The (token, expert) pairs are sorted by expert and each
+expert multiplies its rows in one matrix product (a loop over experts, never over tokens); on the CPU
+``swap_linears`` gives each expert MILI's kernel linears (bf16 or int8) over its slices.
 """
 
 from __future__ import annotations
@@ -18,11 +25,15 @@ from mili.kernels.reference import TorchOps
 from mili.model.layers import RMSNorm, RotaryEmbedding
 from mili.runtime.attention.base import AttentionBackend, ForwardBatch
 
-# HF checkpoint name -> (fused parameter, shard index)
+# HF checkpoint name -> (fused parameter, shard index); MoE experts: see EXPERT_PARAMS
 STACKED_PARAMS = {
     "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
     "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
 }
+
+
+# an expert's projection in a hub checkpoint (...mlp.experts.{e}.{name}.weight) -> (stacked parameter, shard)
+EXPERT_PARAMS = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", 0)}
 
 
 class FusedLinear(nn.Linear):
@@ -73,11 +84,68 @@ class Qwen3MLP(nn.Module):
         return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(h)))
 
 
+class RouterLinear(nn.Linear):
+    """The MoE router's [E, H] matrix: kept as it is by ``swap_linears`` (routing must not change)."""
+
+
+class FusedExperts(nn.Module):
+    """E SwiGLU experts, stacked: ``w13`` [E, 2I, H] (gate rows, then up rows) and ``w2`` [E, H, I]."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int, dtype: torch.dtype, ops=TorchOps):
+        super().__init__()
+        self.num_experts, self.inter, self.ops = num_experts, inter, ops
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden, dtype=dtype), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inter, dtype=dtype), requires_grad=False)
+        self.linears: nn.ModuleList | None = None  # per expert (gate_up, down) CPU linears, once swapped
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """sum over each token's k experts of weight * down(silu(gate(x)) * up(x)): [T, H]."""
+        fused = getattr(self.ops, "fused_experts", None)  # the Triton kernel (CUDA)
+        if fused is not None and self.linears is None:
+            return fused(x, self.w13, self.w2, topk_weights, topk_ids)
+        k = topk_ids.shape[1]
+        flat = topk_ids.flatten()
+        order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        tokens = order // k
+        rows = x.index_select(0, tokens)
+        out = torch.empty_like(rows)
+        start = 0
+        for e, n in enumerate(counts):
+            if not n:
+                continue
+            xe = rows[start:start + n]
+            if self.linears is not None:
+                gate_up, down = self.linears[e * 2], self.linears[e * 2 + 1]
+                out[start:start + n] = down(self.ops.silu_and_mul(gate_up(xe)))
+            else:
+                out[start:start + n] = F.linear(self.ops.silu_and_mul(F.linear(xe, self.w13[e])), self.w2[e])
+            start += n
+        out.mul_(topk_weights.flatten().index_select(0, order).unsqueeze(1))
+        return torch.zeros_like(x).index_add_(0, tokens, out)
+
+
+class Qwen3MoeBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, ops=TorchOps):
+        super().__init__()
+        self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.gate = RouterLinear(cfg.hidden_size, cfg.num_experts, bias=False, dtype=dtype)
+        self.experts = FusedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype, ops)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        logits = self.gate(h)
+        weights, ids = logits.softmax(dim=-1, dtype=torch.float32).topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights /= weights.sum(dim=-1, keepdim=True)
+        return self.experts(h, weights.to(h.dtype), ids)
+
+
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, ops=TorchOps):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, ops=TorchOps,
+                 sparse: bool = False):
         super().__init__()
         self.self_attn = Qwen3Attention(cfg, backend, dtype, ops)
-        self.mlp = Qwen3MLP(cfg, dtype, ops)
+        self.mlp = Qwen3MoeBlock(cfg, dtype, ops) if sparse else Qwen3MLP(cfg, dtype, ops)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
 
@@ -98,8 +166,9 @@ class Qwen3Model(nn.Module):
         # from_pretrained: no random init (nn.Embedding's normal_ would pull in torch._dynamo and triton,
         # ~140 MB of resident memory, when the model is built on the meta device)
         self.embed_tokens = nn.Embedding.from_pretrained(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype))
-        self.layers = nn.ModuleList(
-            Qwen3DecoderLayer(cfg, backend, dtype, ops) for _ in range(cfg.num_hidden_layers))
+        sparse = cfg.sparse_layers or (False,) * cfg.num_hidden_layers
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, backend, dtype, ops, sparse[i])
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
 
 

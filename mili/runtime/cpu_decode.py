@@ -54,7 +54,9 @@ class CpuDecodeRunner:
         self.lib = load()[0]
         self.layers: list[LayerDesc] = []
         self.why_not = "" if self.lib is not None else "no CPU kernels"
-        for layer in model.model.layers if self.lib is not None else []:
+        if self.lib is not None and model.config.is_moe:
+            self.why_not = "a mixture-of-experts model (its layers run as modules, experts on the kernels)"
+        for layer in model.model.layers if self.lib is not None and not model.config.is_moe else []:
             attn, mlp = layer.self_attn, layer.mlp
             linears = [_linear_desc(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
             norms = (layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm)

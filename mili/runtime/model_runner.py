@@ -66,7 +66,9 @@ class ModelRunner:
         if self.device.type == "cpu" and self.config.cpu_kernels and not self.cpu_kernels and cpu.available():
             self.sampler.apply_bitmask = cpu_ops.apply_bitmask  # float32 logits: the kernel fits any model dtype
         self.graphs = None
-        if self.device.type == "cuda" and self.attention_backend == "triton" and not config.enforce_eager:
+        if self.device.type == "cuda" and model_config.is_moe and not config.enforce_eager:
+            log.info("CUDA graphs off: MoE experts run eagerly until the fused-experts kernel lands")
+        elif self.device.type == "cuda" and self.attention_backend == "triton" and not config.enforce_eager:
             from mili.runtime.cuda_graph import CudaGraphRunner
 
             self.graphs = CudaGraphRunner(self)
