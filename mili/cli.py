@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from mili.model.demo import DEMO_MODEL
@@ -37,6 +38,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="CUDA: share of the GPU's memory for weights, activations and the KV cache")
     p.add_argument("--quantization", default=None, choices=["int8"],
                    help="int8: weight-only int8 (one scale per output channel); default: none")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model over N ranks on this node (torch.distributed: NCCL on CUDA, one GPU a "
+                        "rank; gloo on the CPU)")
     p.add_argument("--no-cpu-kernels", dest="cpu_kernels", action="store_false",
                    help="CPU bf16: torch ops and oneDNN instead of MILI's C kernels (AVX-512 BF16 or AMX linear "
                         "layers, fused norms, paged attention; built on first use with the system C compiler)")
@@ -58,7 +62,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 quantization=args.quantization, cpu_kernels=args.cpu_kernels,
                 cpu_weight_prepack=args.cpu_weight_prepack,
                 attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
-                gpu_memory_utilization=args.gpu_memory_utilization)
+                gpu_memory_utilization=args.gpu_memory_utilization,
+                tensor_parallel_size=args.tensor_parallel_size)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -177,6 +182,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def torchrun_rank() -> int | None:
+    """This process's rank when torchrun (or another launcher setting RANK and WORLD_SIZE) started it."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
+        return int(os.environ["RANK"])
+    return None
+
+
+def _torchrun(args: argparse.Namespace) -> int:
+    """Under torchrun every process runs the same command: rank 0 serves (or generates), the others hold
+    their shard and run the steps rank 0 broadcasts (the group meets at MASTER_ADDR:MASTER_PORT)."""
+    from mili.config import EngineConfig
+    from mili.errors import InvalidRequest
+
+    world = int(os.environ["WORLD_SIZE"])
+    if args.tensor_parallel_size not in (1, world):
+        raise InvalidRequest(f"--tensor-parallel-size {args.tensor_parallel_size} differs from torchrun's "
+                             f"WORLD_SIZE {world}", param="tensor_parallel_size")
+    args.tensor_parallel_size = world
+    rank = torchrun_rank()
+    if rank == 0:
+        return args.func(args)
+    from mili.engine.input_processor import InputProcessor
+    from mili.runtime.parallel import worker_main
+
+    config = EngineConfig(**engine_kwargs(args))
+    inputs = InputProcessor(config)  # the checkpoint's config, refused here as on rank 0 if MILI can't run it
+    worker_main(config, inputs.model_config, inputs.model_path, rank, "env://", os.getppid())
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -190,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
             values, sampling = read_config_file(args.config, parser.serve_parser)
             parser.serve_parser.set_defaults(**values, sampling_defaults=sampling)
             args = parser.parse_args(argv)
+        if getattr(args, "tensor_parallel_size", None) is not None and torchrun_rank() is not None:
+            return _torchrun(args)
         return args.func(args)
     except MiliError as e:
         print(f"error: {e}", file=sys.stderr)

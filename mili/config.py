@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 from dataclasses import dataclass, field
@@ -48,6 +49,33 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     sparse_layers: tuple[bool, ...] = ()  # per layer: experts (True) or the dense MLP (False)
+    # tensor parallelism: this rank's share (heads, KV heads, intermediate sizes are then the rank's own)
+    tp_rank: int = 0
+    tp_size: int = 1
+    total_num_key_value_heads: int = 0  # the checkpoint's (0: num_key_value_heads)
+
+    def shard(self, rank: int, size: int) -> "ModelConfig":
+        """This config as rank ``rank`` of ``size`` sees it: attention heads, MLP and expert columns and the
+        vocabulary split evenly; KV heads split too, or replicated when there are fewer than ranks."""
+        if size == 1:
+            return self
+        kv = self.num_key_value_heads
+
+        def need(ok: bool, what: str) -> None:
+            if not ok:
+                raise InvalidRequest(f"tensor_parallel_size {size}: {what}", param="tensor_parallel_size")
+
+        need(self.num_attention_heads % size == 0, f"{self.num_attention_heads} attention heads do not split evenly")
+        need(kv % size == 0 or size % kv == 0, f"{kv} KV heads neither split evenly nor replicate evenly")
+        need(self.intermediate_size % size == 0, f"intermediate_size {self.intermediate_size} does not split evenly")
+        need(self.moe_intermediate_size % size == 0,
+             f"moe_intermediate_size {self.moe_intermediate_size} does not split evenly")
+        need(self.vocab_size % size == 0, f"vocab_size {self.vocab_size} does not split evenly")
+        need(not getattr(self.hf_config, "attention_bias", False), "attention_bias is not supported")
+        return dataclasses.replace(
+            self, num_attention_heads=self.num_attention_heads // size, num_key_value_heads=max(kv // size, 1),
+            intermediate_size=self.intermediate_size // size, moe_intermediate_size=self.moe_intermediate_size // size,
+            tp_rank=rank, tp_size=size, total_num_key_value_heads=kv)
 
     @property
     def is_moe(self) -> bool:
@@ -120,6 +148,7 @@ class EngineConfig:
     enforce_eager: bool = False  # decode module by module: no CUDA graphs, no fused CPU decode layer
     gpu_memory_utilization: float = 0.9  # CUDA: share of the card for weights + activations + KV pool
     quantization: str | None = None  # None | int8 (per output channel; W8A8 with the CPU kernels)
+    tensor_parallel_size: int = 1  # ranks the model is split over (torch.distributed: gloo on CPU, NCCL on CUDA)
     cpu_kernels: bool = True  # CPU bf16: MILI's C kernels (AVX-512/AMX linear, fused ops, paged attention)
     cpu_weight_prepack: bool = True  # CPU bf16 without those kernels: weights in oneDNN's blocked layout
 
@@ -140,6 +169,9 @@ class EngineConfig:
         if self.quantization not in (None, "int8"):
             raise InvalidRequest(f"quantization must be int8 or none, got {self.quantization!r}",
                                  param="quantization")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise InvalidRequest(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}",
+                                 param="tensor_parallel_size")
         if self.schedule_policy not in ("fcfs", "lpm"):
             raise InvalidRequest(f"schedule_policy must be fcfs or lpm, got {self.schedule_policy!r}",
                                  param="schedule_policy")

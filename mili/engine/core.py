@@ -205,6 +205,7 @@ def run_core(core_factory, input_address: str, output_address: str, parent_pid: 
     outputs = ctx.socket(zmq.PUSH)
     outputs.setsockopt(zmq.LINGER, 5000)
     outputs.connect(output_address)
+    core = None
     try:
         try:
             core = core_factory()
@@ -225,6 +226,8 @@ def run_core(core_factory, input_address: str, output_address: str, parent_pid: 
             pass
         return 1
     finally:
+        if core is not None:
+            core.runner.close()
         inputs.close(0)
         outputs.close()
         ctx.term()
@@ -258,14 +261,17 @@ def _loop(core: EngineCore, inputs, outputs, parent_pid: int | None) -> int:
                 stats, stats_at = core.stats(), now
                 if _parent_gone(parent_pid):
                     return 1
+                core.runner.check_workers()
             if deltas or stats or errors:
                 outputs.send(encode(StepMessage(deltas, core.scheduler.num_preemptions, stats, errors)))
             continue
         if not idle_stats_sent or core.stats_due:  # the gauges at rest: nothing running
             outputs.send(encode(StepMessage([], core.scheduler.num_preemptions, core.stats())))
             idle_stats_sent = True
-        if not inputs.poll(1000) and _parent_gone(parent_pid):
-            return 1
+        if not inputs.poll(1000):
+            if _parent_gone(parent_pid):
+                return 1
+            core.runner.check_workers()  # a dead tensor-parallel rank ends the core (and so the server)
 
 
 def _parent_gone(parent_pid: int | None) -> bool:

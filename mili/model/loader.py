@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 from mili.errors import ModelLoadError
 from mili.model.checks import HARMLESS_SUFFIXES, check_quantization, check_tensors
 from mili.model.qwen3 import EXPERT_PARAMS, STACKED_PARAMS, FusedExperts, FusedLinear, Qwen3ForCausalLM
+from mili.runtime.parallel import kv_head_range, shard_range
 
 log = logging.getLogger("mili")
 
@@ -126,6 +127,39 @@ def _target(model: Qwen3ForCausalLM, name: str, params: dict[str, torch.nn.Param
     return None
 
 
+def _tp_slice(name: str, cfg) -> tuple[int, int, int] | None:
+    """(dimension, start, length) of checkpoint tensor ``name`` that this rank loads, None for all of it."""
+    if cfg.tp_size == 1:
+        return None
+    r, n, d = cfg.tp_rank, cfg.tp_size, cfg.head_dim
+    if name.endswith(".q_proj.weight"):
+        return 0, r * cfg.num_attention_heads * d, cfg.num_attention_heads * d
+    if name.endswith((".k_proj.weight", ".v_proj.weight")):
+        first, count = kv_head_range(cfg.total_num_key_value_heads, r, n)
+        return 0, first * d, count * d
+    if name.endswith(".o_proj.weight"):
+        return 1, r * cfg.num_attention_heads * d, cfg.num_attention_heads * d
+    inter = cfg.moe_intermediate_size if ".experts." in name else cfg.intermediate_size
+    if name.endswith((".gate_proj.weight", ".up_proj.weight")):
+        return 0, r * inter, inter
+    if name.endswith(".down_proj.weight"):
+        return 1, r * inter, inter
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        start, part = shard_range(cfg.vocab_size, r, n)
+        return 0, start, part
+    return None
+
+
+def _read(f, name: str, cfg) -> torch.Tensor:
+    """The checkpoint tensor, or only this rank's slice of it (read from the file as a slice)."""
+    part = _tp_slice(name, cfg)
+    if part is None:
+        return f.get_tensor(name)
+    dim, start, length = part
+    view = f.get_slice(name)
+    return view[start:start + length] if dim == 0 else view[:, start:start + length]
+
+
 def _expected_keys(model: Qwen3ForCausalLM, params: dict[str, torch.nn.Parameter]) -> set[tuple]:
     keys = set()
     for n, p in params.items():
@@ -177,7 +211,7 @@ def load_weights(model: Qwen3ForCausalLM, path: str) -> None:
                     if _skipped(model, name):
                         continue
                     key, dest = _target(model, name, params)
-                    tensor = f.get_tensor(name)
+                    tensor = _read(f, name, model.config)
                     if tensor.shape != dest.shape:
                         raise ModelLoadError(f"weight {name} has shape {tuple(tensor.shape)}, the config "
                                              f"implies {tuple(dest.shape)}")

@@ -24,6 +24,7 @@ from mili.config import ModelConfig
 from mili.kernels.reference import TorchOps
 from mili.model.layers import RMSNorm, RotaryEmbedding
 from mili.runtime.attention.base import AttentionBackend, ForwardBatch
+from mili.runtime.parallel import all_gather_last, all_reduce, shard_range
 
 # HF checkpoint name -> (fused parameter, shard index); MoE experts: see EXPERT_PARAMS
 STACKED_PARAMS = {
@@ -59,6 +60,7 @@ class Qwen3Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, ops)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, ops)
         self.backend, self.ops = backend, ops
+        self.tp_size = cfg.tp_size
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
@@ -69,7 +71,7 @@ class Qwen3Attention(nn.Module):
                                      self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, *cos_sin)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         o = self.backend.forward(q, k, v, k_cache, v_cache, batch)
-        return self.o_proj(o.reshape(t, -1))
+        return _reduce(self.o_proj(o.reshape(t, -1)), self.tp_size)
 
 
 class Qwen3MLP(nn.Module):
@@ -79,9 +81,31 @@ class Qwen3MLP(nn.Module):
         inter = cfg.intermediate_size
         self.gate_up_proj = FusedLinear(cfg.hidden_size, [inter, inter], False, dtype)
         self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=False, dtype=dtype)
+        self.tp_size = cfg.tp_size
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(h)))
+        return _reduce(self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(h))), self.tp_size)
+
+
+def _reduce(x: torch.Tensor, tp_size: int) -> torch.Tensor:
+    """Sum a row-parallel product's partial results over the ranks (tensor parallelism)."""
+    return all_reduce(x) if tp_size > 1 else x
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rank r holds rows [r V/N, (r+1) V/N) of the table: it looks up its own ids, zeros the others, and
+    the ranks' sum is the embedding."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.start, part = shard_range(cfg.vocab_size, cfg.tp_rank, cfg.tp_size)
+        self.weight = nn.Parameter(torch.empty(part, cfg.hidden_size, dtype=dtype), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        mine = (local >= 0) & (local < self.weight.shape[0])
+        out = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight) * mine.unsqueeze(-1)
+        return all_reduce(out)
 
 
 class RouterLinear(nn.Linear):
@@ -131,13 +155,14 @@ class Qwen3MoeBlock(nn.Module):
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.gate = RouterLinear(cfg.hidden_size, cfg.num_experts, bias=False, dtype=dtype)
         self.experts = FusedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype, ops)
+        self.tp_size = cfg.tp_size  # tensor parallel: every rank has every expert, a slice of its columns
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         logits = self.gate(h)
         weights, ids = logits.softmax(dim=-1, dtype=torch.float32).topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights /= weights.sum(dim=-1, keepdim=True)
-        return self.experts(h, weights.to(h.dtype), ids)
+        return _reduce(self.experts(h, weights.to(h.dtype), ids), self.tp_size)
 
 
 class Qwen3DecoderLayer(nn.Module):
@@ -165,7 +190,8 @@ class Qwen3Model(nn.Module):
         super().__init__()
         # from_pretrained: no random init (nn.Embedding's normal_ would pull in torch._dynamo and triton,
         # ~140 MB of resident memory, when the model is built on the meta device)
-        self.embed_tokens = nn.Embedding.from_pretrained(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype))
+        self.embed_tokens = (VocabParallelEmbedding(cfg, dtype) if cfg.tp_size > 1 else
+                             nn.Embedding.from_pretrained(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype)))
         sparse = cfg.sparse_layers or (False,) * cfg.num_hidden_layers
         self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, backend, dtype, ops, sparse[i])
                                     for i in range(cfg.num_hidden_layers))
@@ -180,7 +206,7 @@ class Qwen3ForCausalLM(nn.Module):
         # Tied checkpoints have no lm_head: logits come from the embedding table (unless a CPU linear
         # swap gives the head a copy of its own in another layout, see model/cpu_linear.py).
         self.lm_head = (None if cfg.tie_word_embeddings
-                        else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype))
+                        else nn.Linear(cfg.hidden_size, cfg.vocab_size // cfg.tp_size, bias=False, dtype=dtype))
         self.rotary: RotaryEmbedding | None = None  # built by init_rotary once weights are on the device
 
     def init_rotary(self, max_positions: int, device: torch.device) -> None:
@@ -196,6 +222,9 @@ class Qwen3ForCausalLM(nn.Module):
         return self.model.norm(h[rows], residual[rows])[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[S, vocab]; with tensor parallelism each rank computes its vocabulary shard, then all gather."""
         if self.lm_head is None:
-            return F.linear(hidden, self.model.embed_tokens.weight)
-        return self.lm_head(hidden)
+            logits = F.linear(hidden, self.model.embed_tokens.weight)
+        else:
+            logits = self.lm_head(hidden)
+        return all_gather_last(logits, self.config.tp_size) if self.config.tp_size > 1 else logits

@@ -5,9 +5,11 @@ from __future__ import annotations
 import ctypes
 import itertools
 import logging
+import os
 from concurrent.futures import Future
 
 import torch
+import torch.distributed as dist
 
 from mili.cache.page_pool import PagePool
 from mili.config import EngineConfig, ModelConfig, default_kv_cache_bytes
@@ -18,6 +20,7 @@ from mili.kernels.reference import TorchOps
 from mili.model.cpu_linear import prepack_available, swap_linears
 from mili.model.loader import load_weights
 from mili.model.qwen3 import Qwen3ForCausalLM
+from mili.runtime import parallel
 from mili.runtime.attention.base import ForwardBatch
 from mili.runtime.attention.torch_backend import TorchAttentionBackend
 from mili.runtime.sampler import Sampler, SamplerOutput, SamplingMetadata
@@ -34,12 +37,26 @@ def release_freed_memory() -> None:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, path: str):
-        self.config, self.model_config = config, model_config
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, path: str, rank: int = 0,
+                 address: str | None = None):
+        """``rank``/``address``: tensor parallelism (``config.tensor_parallel_size`` > 1): rank 0 starts the
+        other ranks' processes on this node; each runner then holds its rank's shard of the weights and KV."""
+        self.tp_size, self.rank, self.workers = config.tensor_parallel_size, rank, []
         self.device = config.torch_device
+        if self.tp_size > 1:
+            model_config.shard(rank, self.tp_size)  # a config that cannot be split fails before anything starts
+            if rank == 0 and parallel.under_torchrun():
+                address = "env://"  # the other ranks are torchrun's processes
+            elif rank == 0:
+                self.workers, address = parallel.start_workers(config, model_config, path)
+            if self.device.type == "cuda":
+                self.device = torch.device("cuda", parallel.local_rank(rank))
+            parallel.init_group(rank, self.tp_size, address, self.device)
+            model_config = model_config.shard(rank, self.tp_size)
+        self.config, self.model_config = config, model_config
         self.dtype = config.torch_dtype(model_config)
-        if config.num_threads and self.device.type == "cpu":
-            torch.set_num_threads(config.num_threads)
+        if self.device.type == "cpu" and (config.num_threads or self.tp_size > 1):
+            torch.set_num_threads(config.num_threads or max(1, (os.cpu_count() or 1) // self.tp_size))
         self.max_model_len = config.resolve_max_model_len(model_config)
         self.attention_backend = config.resolve_attention_backend()
         self.cpu_kernels = self._use_cpu_kernels()
@@ -50,7 +67,11 @@ class ModelRunner:
         self.model = model.to_empty(device=self.device)
         load_weights(self.model, path)
         self.model.eval()
-        if config.quantization == "int8":
+        if self.tp_size > 1:
+            if config.quantization:
+                raise InvalidRequest("quantization with tensor parallelism is not supported yet",
+                                     param="quantization")
+        elif config.quantization == "int8":
             swap_linears(self.model, "int8", kernels=self.cpu_kernels and cpu.int8_available())
         elif self.cpu_kernels:
             swap_linears(self.model, "kernel")
@@ -66,8 +87,8 @@ class ModelRunner:
         if self.device.type == "cpu" and self.config.cpu_kernels and not self.cpu_kernels and cpu.available():
             self.sampler.apply_bitmask = cpu_ops.apply_bitmask  # float32 logits: the kernel fits any model dtype
         self.graphs = None
-        if self.device.type == "cuda" and model_config.is_moe and not config.enforce_eager:
-            log.info("CUDA graphs off: MoE experts run eagerly until the fused-experts kernel lands")
+        if self.device.type == "cuda" and (model_config.is_moe or self.tp_size > 1) and not config.enforce_eager:
+            log.info("CUDA graphs off: MoE and tensor-parallel models run eagerly until verified under capture")
         elif self.device.type == "cuda" and self.attention_backend == "triton" and not config.enforce_eager:
             from mili.runtime.cuda_graph import CudaGraphRunner
 
@@ -86,9 +107,10 @@ class ModelRunner:
         return -(-self.max_model_len // self.config.page_size)
 
     def _use_cpu_kernels(self) -> bool:
-        """MILI's C kernels: on the CPU, in bf16, with the torch attention path, where they build."""
+        """MILI's C kernels: on the CPU, in bf16, with the torch attention path, where they build (not yet
+        with tensor parallelism: its ranks run torch ops)."""
         if not (self.config.cpu_kernels and self.device.type == "cpu" and self.dtype == torch.bfloat16
-                and self.attention_backend == "torch"):
+                and self.attention_backend == "torch" and self.tp_size == 1):
             return False
         lib, why = cpu.load()
         if lib is None:
@@ -162,6 +184,10 @@ class ModelRunner:
         else:
             budget = self._kv_budget(bytes_per_page)
             num_pages = min(budget // bytes_per_page, self.max_pages_per_seq * self.config.max_num_seqs)
+        if self.tp_size > 1:  # every rank holds the same pages (its own KV heads of them)
+            agreed = torch.tensor([num_pages], dtype=torch.long)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+            num_pages = int(agreed)
         if num_pages < 1:
             raise InvalidRequest(f"the KV cache budget ({budget} bytes) is less than one page "
                                  f"({bytes_per_page} bytes)", param="kv_cache_memory")
@@ -185,6 +211,8 @@ class ModelRunner:
     def copy_pages(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
             return
+        if self.tp_size > 1 and self.rank == 0:
+            parallel.broadcast(("copy", copies))
         src = torch.tensor([s for s, _ in copies], device=self.device)
         dst = torch.tensor([d for _, d in copies], device=self.device)
         for k_cache, v_cache in self.kv_caches:
@@ -230,6 +258,8 @@ class ModelRunner:
         model's dtype (the sampler takes a float32 copy where it needs one). With CUDA graphs it may be a
         view of the graph's output buffer: valid until the next step."""
         batch = self.prepare(scheduled)
+        if self.tp_size > 1:  # every rank runs the same batch
+            parallel.broadcast(("step", batch))
         if self.graphs is not None:
             logits = self.graphs.run(batch)  # all rows of a decode batch; None when no graph fits
             if logits is not None:
@@ -241,6 +271,35 @@ class ModelRunner:
         if hidden is None:
             hidden = self.model(batch, self.kv_caches)
         return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def serve_steps(self) -> None:
+        """A rank > 0: run what rank 0 broadcasts (page copies, model steps) until it sends None."""
+        while True:
+            msg = parallel.broadcast(None)
+            if msg is None:
+                return
+            if msg[0] == "copy":
+                self.copy_pages(msg[1])
+            else:
+                self.model.compute_logits(self.model(msg[1], self.kv_caches))
+
+    def check_workers(self) -> None:
+        """Raise if another rank's process has exited (the model cannot run without it)."""
+        for rank, proc in enumerate(self.workers, 1):
+            if not proc.is_alive():
+                raise RuntimeError(f"tensor-parallel rank {rank} exited (code {proc.exitcode})")
+
+    def close(self) -> None:
+        """Stop the other ranks (rank 0, tensor parallelism); nothing to do otherwise."""
+        if self.workers:
+            try:
+                parallel.broadcast(None)
+            except Exception:
+                pass
+            for proc in self.workers:
+                proc.join(timeout=10)
+            self.workers = []
 
     @torch.inference_mode()
     def execute(self, sched_out, grammar: Future | None = None) -> SamplerOutput | None:

@@ -1,0 +1,54 @@
+"""Tensor parallelism on the CPU (gloo, two rank processes): TP=2 gives the TP=1 greedy tokens in float32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import build_checkpoint, build_moe_checkpoint
+from mili import LLM, InvalidRequest, SamplingParams
+
+PARAMS = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+def _prompts(vocab: int) -> list[dict]:
+    g = torch.Generator().manual_seed(11)
+    return [{"prompt_token_ids": torch.randint(0, vocab, (n,), generator=g).tolist()} for n in (1, 9, 40, 70)]
+
+
+@pytest.fixture(scope="module")
+def tp_checkpoints(tmp_path_factory, checkpoints):
+    root = tmp_path_factory.mktemp("tp")
+    return {
+        "gqa_untied": checkpoints["gqa_untied"],  # 2 KV heads: one a rank
+        "mha_tied": checkpoints["mha_tied"],  # tied embedding: the head is the vocabulary-split table
+        "one_kv_head": build_checkpoint(root / "one_kv", "gqa_untied", num_key_value_heads=1),  # replicated
+        "moe": build_moe_checkpoint(root / "moe", num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+                                    mlp_only_layers=[1]),
+    }
+
+
+@pytest.mark.parametrize("shape", ["gqa_untied", "mha_tied", "one_kv_head", "moe"])
+def test_tp2_matches_tp1(tp_checkpoints, shape):
+    path = str(tp_checkpoints[shape])
+    one = LLM(path, dtype="float32", max_num_batched_tokens=32)
+    prompts = _prompts(one.engine.model_config.vocab_size)
+    expected = [o.outputs[0].token_ids for o in one.generate(prompts, PARAMS, use_tqdm=False)]
+    two = LLM(path, dtype="float32", max_num_batched_tokens=32, tensor_parallel_size=2)
+    try:
+        runner = two.engine.runner
+        assert runner.tp_size == 2 and len(runner.workers) == 1 and runner.workers[0].is_alive()
+        cfg = runner.model_config
+        assert cfg.num_attention_heads * 2 == one.engine.runner.model_config.num_attention_heads
+        got = [o.outputs[0].token_ids for o in two.generate(prompts, PARAMS, use_tqdm=False)]
+        assert got == expected
+        two.engine.check_integrity()
+    finally:
+        two.engine.runner.close()
+    assert not runner.workers
+
+
+def test_a_model_that_does_not_split_is_refused_before_anything_starts(tp_checkpoints):
+    with pytest.raises(InvalidRequest, match="attention heads do not split evenly") as e:
+        LLM(str(tp_checkpoints["gqa_untied"]), dtype="float32", tensor_parallel_size=3)
+    assert e.value.param == "tensor_parallel_size"
