@@ -6,12 +6,22 @@ import httpx
 import pytest
 from openai import OpenAI
 
+from helpers import Server
+
 MSGS = [{"role": "user", "content": "Say hello."}]
 NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
 
 
 def _client(s) -> OpenAI:
     return OpenAI(base_url=s.url + "/v1", api_key="x", timeout=60, max_retries=0)
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def server(request, random_model):
+    """The whole suite against one rank and against two (tensor parallelism over gloo on the CPU)."""
+    s = Server(random_model, *(["--tensor-parallel-size", "2"] if request.param == 2 else []))
+    yield s
+    assert s.stop() == 0, s.output()
 
 
 @pytest.fixture(scope="module")
