@@ -8,6 +8,8 @@ saying what was found and why it is refused.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from mili.errors import ModelLoadError
 
 # RoPE types whose tables MILI computes once, as transformers does (no length-dependent rescaling).
@@ -23,8 +25,44 @@ _DTYPE_NAMES = {"F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "I8": "int
                 "I16": "int16", "I32": "int32", "I64": "int64", "BOOL": "bool"}
 
 
+@dataclass(frozen=True)
+class WeightQuant:
+    """A quantized checkpoint MILI loads, its FP8 weights dequantized as they load (the CPU computes with
+    them; FP8 kernels are for GPUs): Qwen's block-wise ``fp8`` (``weight_scale_inv`` per block) or
+    compressed-tensors ``float-quantized`` (``weight_scale`` per output channel or per tensor)."""
+
+    method: str
+    block: tuple[int, int] | None  # fp8: weight_block_size
+    scale_suffix: str  # the scale tensor beside each quantized weight
+    ignore: tuple[str, ...] = ()
+
+
+def weight_quant(raw_config: dict) -> WeightQuant | None:
+    """The quantization MILI loads that ``config.json`` declares, or None (none, or one MILI refuses)."""
+    q = raw_config.get("quantization_config")
+    if not isinstance(q, dict):
+        return None
+    block = q.get("weight_block_size")
+    if (q.get("quant_method") == "fp8" and q.get("fmt", "e4m3") == "e4m3" and isinstance(block, list)
+            and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        return WeightQuant("fp8", (block[0], block[1]), "weight_scale_inv", tuple(q.get("modules_to_not_convert") or ()))
+    groups = q.get("config_groups")
+    if q.get("quant_method") == "compressed-tensors" and q.get("format") == "float-quantized" and groups \
+            and isinstance(groups, dict) and all(_fp8_group(g) for g in groups.values()):
+        return WeightQuant("compressed-tensors", None, "weight_scale", tuple(q.get("ignore") or ()))
+    return None
+
+
+def _fp8_group(group) -> bool:
+    weights = group.get("weights") if isinstance(group, dict) else None
+    return (isinstance(weights, dict) and weights.get("num_bits") == 8 and weights.get("type") == "float"
+            and weights.get("strategy") in ("channel", "tensor"))
+
+
 def check_quantization(raw_config: dict) -> None:
-    """Refuse a checkpoint quantized by any method: MILI loads none of them yet."""
+    """Refuse a checkpoint quantized by a method MILI does not load (any but those ``weight_quant`` reads)."""
+    if weight_quant(raw_config) is not None and not raw_config.get("compression_config"):
+        return
     for key in ("quantization_config", "compression_config"):
         qconfig = raw_config.get(key)
         if not qconfig:
@@ -35,8 +73,9 @@ def check_quantization(raw_config: dict) -> None:
                             if fields.get(k) not in (None, False))
         described = f"{method or 'an unnamed method'!r}".replace('"', "'") + (f" ({details})" if details else "")
         raise ModelLoadError(f"this checkpoint is quantized with {described} (config.json {key}), which MILI "
-                             f"does not load yet; use the unquantized release of the model "
-                             f"(MILI's own --quantization int8 quantizes it on load)")
+                             f"does not load yet (it loads Qwen's block-wise fp8 and compressed-tensors FP8); "
+                             f"use the unquantized release of the model (MILI's own --quantization int8 "
+                             f"quantizes it on load)")
 
 
 def check_architecture_settings(hf_config) -> None:

@@ -13,7 +13,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from mili.errors import ModelLoadError
-from mili.model.checks import HARMLESS_SUFFIXES, check_quantization, check_tensors
+from mili.model.checks import HARMLESS_SUFFIXES, WeightQuant, check_quantization, check_tensors, weight_quant
 from mili.model.qwen3 import EXPERT_PARAMS, STACKED_PARAMS, FusedExperts, FusedLinear, Qwen3ForCausalLM
 from mili.runtime.parallel import kv_head_range, shard_range
 
@@ -150,9 +150,13 @@ def _tp_slice(name: str, cfg) -> tuple[int, int, int] | None:
     return None
 
 
-def _read(f, name: str, cfg) -> torch.Tensor:
-    """The checkpoint tensor, or only this rank's slice of it (read from the file as a slice)."""
+def _read(f, name: str, cfg, dequant=None) -> torch.Tensor:
+    """The checkpoint tensor, or only this rank's slice of it (read from the file as a slice); an FP8
+    weight is read whole, dequantized, then sliced."""
     part = _tp_slice(name, cfg)
+    if dequant is not None and dequant.quantized(name, f.get_slice(name).get_dtype()):
+        tensor = dequant(name, f.get_tensor(name))
+        return tensor if part is None else tensor.narrow(part[0], part[1], part[2])
     if part is None:
         return f.get_tensor(name)
     dim, start, length = part
@@ -179,19 +183,57 @@ def _skipped(model: Qwen3ForCausalLM, name: str) -> bool:
     return name.endswith(HARMLESS_SUFFIXES) or (name == "lm_head.weight" and model.config.tie_word_embeddings)
 
 
-def _check_checkpoint(model: Qwen3ForCausalLM, files: list[str], params: dict) -> None:
-    """Read only the headers: every tensor must be a floating-point weight the model has (or harmless)."""
-    found: dict[str, str] = {}
-    unexpected: list[str] = []
+class _Dequantizer:
+    """A quantized checkpoint's FP8 weights in float32, each with the scale stored beside it."""
+
+    def __init__(self, quant: WeightQuant, where: dict[str, str]):
+        self.quant, self.where = quant, where
+
+    def is_scale(self, name: str) -> bool:
+        return name.endswith((f".{self.quant.scale_suffix}", ".input_scale"))  # (activations: not quantized here)
+
+    def quantized(self, name: str, dtype: str) -> bool:
+        return dtype.startswith("F8") and self.scale_name(name) in self.where
+
+    def scale_name(self, name: str) -> str:
+        return name.removesuffix("weight") + self.quant.scale_suffix
+
+    def __call__(self, name: str, weight: torch.Tensor) -> torch.Tensor:
+        with safe_open(self.where[self.scale_name(name)], framework="pt") as f:
+            scale = f.get_tensor(self.scale_name(name)).float()
+        w = weight.float()
+        if self.quant.block is not None:  # one scale per block (the last row/column of blocks may be partial)
+            rows, cols = w.shape
+            b0, b1 = self.quant.block
+            if scale.shape != (-(-rows // b0), -(-cols // b1)):
+                raise ModelLoadError(f"{self.scale_name(name)} has shape {tuple(scale.shape)}, the weight {name} "
+                                     f"{tuple(w.shape)} in {b0}x{b1} blocks needs {(-(-rows // b0), -(-cols // b1))}")
+            scale = scale.repeat_interleave(b0, 0)[:rows].repeat_interleave(b1, 1)[:, :cols]
+        return w * scale  # per channel: [out, 1]; per tensor: a scalar
+
+
+def _check_checkpoint(model: Qwen3ForCausalLM, files: list[str], params: dict,
+                      quant: WeightQuant | None) -> _Dequantizer | None:
+    """Read only the headers: every tensor must be a floating-point weight the model has (or harmless), or,
+    in a quantized checkpoint MILI loads, an FP8 weight with its scale."""
+    dtypes: dict[str, str] = {}
+    where: dict[str, str] = {}
     for file in files:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
-                if _skipped(model, name):
-                    continue
-                found[name] = f.get_slice(name).get_dtype()
-                if _target(model, name, params) is None:
-                    unexpected.append(name)
+                dtypes[name], where[name] = f.get_slice(name).get_dtype(), file
+    dequant = _Dequantizer(quant, where) if quant is not None else None
+    found: dict[str, str] = {}
+    unexpected: list[str] = []
+    for name, dtype in dtypes.items():
+        if _skipped(model, name) or (dequant is not None and dequant.is_scale(name)):
+            continue
+        if dequant is None or not dequant.quantized(name, dtype):
+            found[name] = dtype
+        if _target(model, name, params) is None:
+            unexpected.append(name)
     check_tensors(found, unexpected)
+    return dequant
 
 
 @torch.no_grad()
@@ -202,16 +244,21 @@ def load_weights(model: Qwen3ForCausalLM, path: str) -> None:
     expected = _expected_keys(model, params)
     loaded: set[tuple] = set()
     files = safetensors_files(path)
-    _check_checkpoint(model, files, params)
+    quant = weight_quant({"quantization_config": getattr(model.config.hf_config, "quantization_config", None)})
+    dequant = _check_checkpoint(model, files, params, quant)
+    if quant is not None:
+        log.info("weights: %s FP8 (%s), dequantized to %s as they load", quant.method,
+                 f"{quant.block[0]}x{quant.block[1]} blocks" if quant.block else "per channel or tensor",
+                 str(next(iter(params.values())).dtype).removeprefix("torch."))
     with tqdm(total=len(expected), desc="Loading weights", unit="tensor", leave=False,
               disable=os.environ.get("MILI_NO_PROGRESS") == "1") as bar:
         for file in files:
             with safe_open(file, framework="pt") as f:  # memory-mapped
                 for name in f.keys():
-                    if _skipped(model, name):
+                    if _skipped(model, name) or (dequant is not None and dequant.is_scale(name)):
                         continue
                     key, dest = _target(model, name, params)
-                    tensor = _read(f, name, model.config)
+                    tensor = _read(f, name, model.config, dequant)
                     if tensor.shape != dest.shape:
                         raise ModelLoadError(f"weight {name} has shape {tuple(tensor.shape)}, the config "
                                              f"implies {tuple(dest.shape)}")

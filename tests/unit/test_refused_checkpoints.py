@@ -53,15 +53,16 @@ def quantize(weights: dict[str, torch.Tensor], layout: str) -> dict[str, torch.T
     return out
 
 
+# Methods MILI does not load (Qwen's block-wise fp8 and compressed-tensors FP8 load: test_quantized_checkpoints)
 QUANTIZED = {
-    "fp8_block": ({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                   "weight_block_size": [128, 128]}, r"quantized with 'fp8' \(fmt e4m3, weight_block_size \[128, 128\]\)"),
-    "compressed_tensors": ({"quant_method": "compressed-tensors", "format": "float-quantized",
-                            "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
-                                "num_bits": 8, "type": "float", "strategy": "channel"}}},
-                            "ignore": ["lm_head"]}, r"quantized with 'compressed-tensors' \(format float-quantized\)"),
     "bitsandbytes": ({"quant_method": "bitsandbytes", "load_in_8bit": True, "load_in_4bit": False},
                      r"quantized with 'bitsandbytes' \(load_in_8bit True\)"),
+    "compressed_tensors_int4": ({"quant_method": "compressed-tensors", "format": "pack-quantized",
+                                 "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                                     "num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}}}},
+                                r"quantized with 'compressed-tensors' \(format pack-quantized\)"),
+    "fp8_per_tensor_e5m2": ({"quant_method": "fp8", "fmt": "e5m2", "activation_scheme": "dynamic"},
+                            r"quantized with 'fp8' \(fmt e5m2\)"),
 }
 
 
@@ -91,15 +92,15 @@ def test_older_compression_config_spelling_is_refused(tiny_checkpoint, tmp_path)
 
 
 def test_mili_serve_exits_nonzero_naming_the_method(tiny_checkpoint, plain_weights, tmp_path):
-    qconfig, _ = QUANTIZED["fp8_block"]
-    path = derived(tiny_checkpoint, tmp_path / "fp8", {"quantization_config": qconfig},
-                   quantize(plain_weights, "fp8_block"))
+    qconfig, _ = QUANTIZED["bitsandbytes"]
+    path = derived(tiny_checkpoint, tmp_path / "bnb", {"quantization_config": qconfig},
+                   quantize(plain_weights, "bitsandbytes"))
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "mili.cli", "serve", str(path), "--port", "1"],
                           capture_output=True, text=True, timeout=120)
     elapsed = time.monotonic() - start
     assert proc.returncode != 0
-    assert "quantized with 'fp8' (fmt e4m3, weight_block_size [128, 128])" in proc.stderr
+    assert "quantized with 'bitsandbytes' (load_in_8bit True)" in proc.stderr
     assert "Uvicorn running" not in proc.stderr and elapsed < 60
 
 
