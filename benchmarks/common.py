@@ -16,20 +16,27 @@ SHARED = Path(os.environ.get("MILI_SHARED_DIR", ROOT.parent / "shared"))
 CACHE = Path(os.environ.get("MILI_BENCH_CACHE", Path.home() / ".cache" / "mili" / "bench"))
 
 
-def qwen3_checkpoint(name: str = "Qwen3-0.6B", dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> str:
-    """A random-weight checkpoint of an official Qwen3 shape, with the real tokenizer; built once."""
-    from transformers import AutoTokenizer, GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+def qwen3_checkpoint(name: str = "Qwen3-0.6B", dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+                     layers: int | None = None) -> str:
+    """A random-weight checkpoint of an official Qwen3 shape (dense or MoE), with the real tokenizer; built
+    once. ``layers``: cut to that many decoder layers."""
+    from transformers import (AutoTokenizer, GenerationConfig, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
+                              Qwen3MoeForCausalLM)
 
-    path = CACHE / f"{name}-random-{str(dtype).removeprefix('torch.')}-s{seed}"
+    path = CACHE / (f"{name}-random-{str(dtype).removeprefix('torch.')}-s{seed}"
+                    + (f"-{layers}layers" if layers is not None else ""))
     if (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file():
         return str(path)
     shape = {k: v for k, v in json.loads((SHARED / "qwen3_configs.json").read_text())[name].items()
              if not k.startswith("_")}
     shape.pop("torch_dtype", None)
-    config = Qwen3Config(**shape)
+    if layers is not None:
+        shape.update(num_hidden_layers=layers, max_window_layers=layers)
+    moe = shape.get("model_type") == "qwen3_moe"
+    config = (Qwen3MoeConfig if moe else Qwen3Config)(**shape)
     torch.manual_seed(seed)
     with torch.device("cpu"):
-        model = Qwen3ForCausalLM(config).to(dtype).eval()
+        model = (Qwen3MoeForCausalLM if moe else Qwen3ForCausalLM)(config).to(dtype).eval()
     model.generation_config = GenerationConfig(eos_token_id=[151645, 151643], pad_token_id=151643)
     tmp = path.with_name(path.name + ".tmp")
     model.save_pretrained(tmp)

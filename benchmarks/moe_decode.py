@@ -13,33 +13,11 @@ layers by the per-layer share of the step time.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import time
 
 import torch
 
-from common import CACHE, SHARED, machine, print_table
-
-
-def checkpoint(layers: int) -> str:
-    from transformers import AutoTokenizer, GenerationConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    path = CACHE / f"Qwen3-30B-A3B-random-bfloat16-{layers}layers"
-    if (path / "model.safetensors.index.json").is_file() or (path / "model.safetensors").is_file():
-        return str(path)
-    shape = {k: v for k, v in json.loads((SHARED / "qwen3_configs.json").read_text())["Qwen3-30B-A3B"].items()
-             if not k.startswith("_") and k != "torch_dtype"}
-    shape.update(num_hidden_layers=layers, max_window_layers=layers)
-    torch.manual_seed(0)
-    with torch.device("cpu"):
-        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**shape)).to(torch.bfloat16).eval()
-    model.generation_config = GenerationConfig(eos_token_id=[151645, 151643], pad_token_id=151643)
-    tmp = path.with_name(path.name + ".tmp")
-    model.save_pretrained(tmp)
-    AutoTokenizer.from_pretrained(SHARED / "qwen3-tokenizer").save_pretrained(tmp)
-    os.replace(tmp, path)
-    return str(path)
+from common import machine, print_table, qwen3_checkpoint
 
 
 def active_bytes(cfg) -> int:
@@ -57,7 +35,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=16)
     args = p.parse_args()
-    path = checkpoint(args.layers)
+    path = qwen3_checkpoint("Qwen3-30B-A3B", layers=args.layers)
     prompt = list(range(1000, 1000 + args.prompt_len))
 
     from transformers import AutoConfig, Qwen3MoeForCausalLM
