@@ -182,14 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def torchrun_rank() -> int | None:
-    """This process's rank when torchrun (or another launcher setting RANK and WORLD_SIZE) started it."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
-        return int(os.environ["RANK"])
-    return None
-
-
-def _torchrun(args: argparse.Namespace) -> int:
+def _torchrun(args: argparse.Namespace, rank: int) -> int:
     """Under torchrun every process runs the same command: rank 0 serves (or generates), the others hold
     their shard and run the steps rank 0 broadcasts (the group meets at MASTER_ADDR:MASTER_PORT)."""
     from mili.config import EngineConfig
@@ -200,7 +193,6 @@ def _torchrun(args: argparse.Namespace) -> int:
         raise InvalidRequest(f"--tensor-parallel-size {args.tensor_parallel_size} differs from torchrun's "
                              f"WORLD_SIZE {world}", param="tensor_parallel_size")
     args.tensor_parallel_size = world
-    rank = torchrun_rank()
     if rank == 0:
         return args.func(args)
     from mili.engine.input_processor import InputProcessor
@@ -225,8 +217,12 @@ def main(argv: list[str] | None = None) -> int:
             values, sampling = read_config_file(args.config, parser.serve_parser)
             parser.serve_parser.set_defaults(**values, sampling_defaults=sampling)
             args = parser.parse_args(argv)
-        if getattr(args, "tensor_parallel_size", None) is not None and torchrun_rank() is not None:
-            return _torchrun(args)
+        if getattr(args, "tensor_parallel_size", None) is not None:
+            from mili.runtime.parallel import torchrun_rank
+
+            rank = torchrun_rank()
+            if rank is not None:
+                return _torchrun(args, rank)
         return args.func(args)
     except MiliError as e:
         print(f"error: {e}", file=sys.stderr)

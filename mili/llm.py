@@ -12,7 +12,7 @@ from mili.engine.engine import LLMEngine
 from mili.errors import InvalidRequest
 from mili.outputs import RequestOutput
 from mili.sampling_params import SamplingParams
-from mili.tokenizer.reasoning import think_end_token_id
+from mili.tokenizer.reasoning import constraint_start
 from mili.tokenizer.tokenizer import encode_chat
 
 PromptType = str | dict
@@ -62,14 +62,15 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.engine.tokenizer
         kwargs = {**(chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
-        prompts = [{"prompt_token_ids": encode_chat(tok, conv, add_generation_prompt, kwargs)[1]}
-                   for conv in conversations]
-        if kwargs.get("enable_thinking", True) is not False:
-            think_end = think_end_token_id(tok)
+        encoded = [encode_chat(tok, conv, add_generation_prompt, kwargs) for conv in conversations]
+        # (one template and one set of kwargs: every prompt ends alike)
+        start = constraint_start(tok, encoded[0][0], kwargs.get("enable_thinking", True) is not False) \
+            if encoded else None
+        if start is not None:
             many = isinstance(sampling_params, (list, tuple))
-            sampling_params = [_after(p, think_end) for p in (sampling_params if many else [sampling_params])]
+            sampling_params = [_after(p, start) for p in (sampling_params if many else [sampling_params])]
             sampling_params = sampling_params if many else sampling_params[0]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate([{"prompt_token_ids": ids} for _, ids in encoded], sampling_params, use_tqdm)
 
     def _run(self, prompts: list, params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine

@@ -148,10 +148,6 @@ class GrammarManager:
         self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
         return bitmask, rows
 
-    def shutdown(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
-        self._fill_executor.shutdown(wait=False, cancel_futures=True)
-
 
 class SeqGrammar:
     """One sequence's constraint: an xgrammar matcher, idle until ``start_after_token_id`` (if any) is sampled.

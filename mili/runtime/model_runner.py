@@ -44,15 +44,15 @@ class ModelRunner:
         self.tp_size, self.rank, self.workers = config.tensor_parallel_size, rank, []
         self.device = config.torch_device
         if self.tp_size > 1:
-            model_config.shard(rank, self.tp_size)  # a config that cannot be split fails before anything starts
-            if rank == 0 and parallel.under_torchrun():
+            shard = model_config.shard(rank, self.tp_size)  # one that cannot be split fails before anything starts
+            if rank == 0 and parallel.torchrun_rank() is not None:
                 address = "env://"  # the other ranks are torchrun's processes
             elif rank == 0:
                 self.workers, address = parallel.start_workers(config, model_config, path)
             if self.device.type == "cuda":
                 self.device = torch.device("cuda", parallel.local_rank(rank))
             parallel.init_group(rank, self.tp_size, address, self.device)
-            model_config = model_config.shard(rank, self.tp_size)
+            model_config = shard
         self.config, self.model_config = config, model_config
         self.dtype = config.torch_dtype(model_config)
         if self.device.type == "cpu" and (config.num_threads or self.tp_size > 1):
@@ -83,9 +83,9 @@ class ModelRunner:
         self.model.init_rotary(self.max_model_len, self.device)
         if hasattr(backend, "max_pages_per_seq"):
             backend.max_pages_per_seq = self.max_pages_per_seq
-        self.sampler = Sampler(cpu_ops.argmax, cpu_ops.apply_bitmask) if self.cpu_kernels else Sampler()
-        if self.device.type == "cpu" and self.config.cpu_kernels and not self.cpu_kernels and cpu.available():
-            self.sampler.apply_bitmask = cpu_ops.apply_bitmask  # float32 logits: the kernel fits any model dtype
+        self.sampler = Sampler(cpu_ops.argmax) if self.cpu_kernels else Sampler()
+        if self.device.type == "cpu" and config.cpu_kernels and cpu.available():  # (float32 logits: any model dtype)
+            self.sampler.apply_bitmask = cpu_ops.apply_bitmask
         self.graphs = None
         if self.device.type == "cuda" and (model_config.is_moe or self.tp_size > 1) and not config.enforce_eager:
             log.info("CUDA graphs off: MoE and tensor-parallel models run eagerly until verified under capture")

@@ -48,9 +48,12 @@ def kv_head_range(total_kv: int, rank: int, size: int) -> tuple[int, int]:
     return rank * total_kv // size, 1
 
 
-def under_torchrun() -> bool:
-    """torchrun (or a launcher like it) started the ranks: the group meets at MASTER_ADDR:MASTER_PORT."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+def torchrun_rank() -> int | None:
+    """This process's rank when torchrun (or a launcher like it, setting RANK and WORLD_SIZE > 1) started
+    the ranks; the group then meets at MASTER_ADDR:MASTER_PORT. None otherwise."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
+        return int(os.environ["RANK"])
+    return None
 
 
 def local_rank(rank: int) -> int:

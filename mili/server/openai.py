@@ -12,7 +12,7 @@ from mili.outputs import CompletionOutput, RequestOutput
 from mili.server.app import ServerState, merge, new_id, until_disconnect
 from mili.server.errors import APIError, sse, sse_error
 from mili.server.protocol import ChatCompletionRequest, CompletionRequest
-from mili.tokenizer.reasoning import THINK_END, THINK_START, ReasoningStream, split_reasoning, think_end_token_id
+from mili.tokenizer.reasoning import THINK_START, ReasoningStream, constraint_start, split_reasoning
 from mili.tokenizer.tool_calls import ToolCallStream, call_json, extract_tool_calls, new_call_id
 from mili.tokenizer.tokenizer import encode_chat
 
@@ -161,8 +161,8 @@ async def chat_completions(body: ChatCompletionRequest, http: Request):
     opened = thinking and text.rstrip().endswith(THINK_START)  # templates that open <think> themselves
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = body.sampling_params(max_tokens, body.logprobs_n(), st.openai_defaults)
-    if params.structured_outputs is not None and thinking and THINK_END not in text[-len(THINK_END) - 4:]:
-        params.structured_outputs.start_after_token_id = think_end_token_id(st.tokenizer)  # after the thinking
+    if params.structured_outputs is not None:
+        params.structured_outputs.start_after_token_id = constraint_start(st.tokenizer, text, thinking)
     tools = tool_mode != "none"
     rid, created = new_id("chatcmpl"), int(time.time())
     streams = await st.start([prompt], [params], rid)

@@ -25,12 +25,12 @@ def split_reasoning(text: str, final: bool = True) -> tuple[str | None, str]:
     if end == -1:
         reasoning = text[start:].lstrip("\n")
         if not final:  # hold back what may be the start of "</think>"
-            reasoning = reasoning[:len(reasoning) - _partial_suffix(reasoning, THINK_END)]
+            reasoning = reasoning[:len(reasoning) - partial_suffix(reasoning, THINK_END)]
         return reasoning, ""
     return text[start:end].lstrip("\n") if end >= start else "", text[end + len(THINK_END):].lstrip("\n")
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
     return next((k for k in range(min(len(tag) - 1, len(text)), 0, -1) if tag.startswith(text[-k:])), 0)
 
@@ -60,3 +60,11 @@ def think_end_token_id(tokenizer) -> int | None:
     """The id of ``</think>`` when the vocabulary has it as one token (every Qwen3's), else None."""
     token_id = tokenizer.convert_tokens_to_ids(THINK_END)
     return token_id if isinstance(token_id, int) and token_id != tokenizer.unk_token_id else None
+
+
+def constraint_start(tokenizer, prompt_text: str, thinking: bool) -> int | None:
+    """The token after which a structured-output constraint starts in a chat reply: ``</think>`` when
+    the model thinks first (thinking on, and the prompt did not close the thinking itself), else None."""
+    if not thinking or THINK_END in prompt_text[-len(THINK_END) - 4:]:
+        return None
+    return think_end_token_id(tokenizer)

@@ -18,6 +18,8 @@ import json
 import re
 import uuid
 
+from mili.tokenizer.reasoning import partial_suffix
+
 TOOL_START, TOOL_END = "<tool_call>", "</tool_call>"
 # a block's start up to its arguments (the lookahead: whitespace still arriving is not yet the arguments)
 _HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\S)')
@@ -72,11 +74,6 @@ def call_json(index: int | None, call_id: str | None, name: str | None, argument
     return out
 
 
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
-    return next((k for k in range(min(len(tag) - 1, len(text)), 0, -1) if tag.startswith(text[-k:])), 0)
-
-
 class ToolCallStream:
     """Turns the growing content of one choice into (content delta, ``delta.tool_calls`` entries)."""
 
@@ -95,7 +92,7 @@ class ToolCallStream:
                 self.pending += text
                 start = self.pending.find(TOOL_START)
                 if start == -1:
-                    keep = 0 if final else _partial_suffix(self.pending, TOOL_START)
+                    keep = 0 if final else partial_suffix(self.pending, TOOL_START)
                     content.append(self.pending[:len(self.pending) - keep])
                     self.pending = self.pending[len(self.pending) - keep:]
                     break
@@ -130,7 +127,7 @@ class ToolCallStream:
             self._header_end = header.end()
             out.append(call_json(self.num_calls, new_call_id(), name, ""))
             self.num_calls += 1
-        visible = self.call[:len(self.call) - _partial_suffix(self.call, TOOL_END)]
+        visible = self.call[:len(self.call) - partial_suffix(self.call, TOOL_END)]
         args = visible[self._header_end:]
         args = args[:_ARGS_TAIL.search(args).start()]
         if len(args) > self._args_sent:
