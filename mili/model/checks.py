@@ -27,14 +27,25 @@ _DTYPE_NAMES = {"F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "I8": "int
 
 @dataclass(frozen=True)
 class WeightQuant:
-    """A quantized checkpoint MILI loads, its FP8 weights dequantized as they load (the CPU computes with
-    them; FP8 kernels are for GPUs): Qwen's block-wise ``fp8`` (``weight_scale_inv`` per block) or
-    compressed-tensors ``float-quantized`` (``weight_scale`` per output channel or per tensor)."""
+    """A quantized checkpoint MILI loads: Qwen's block-wise ``fp8`` (``weight_scale_inv`` per block),
+    compressed-tensors ``float-quantized`` FP8 (``weight_scale`` per output channel or per tensor), or
+    ``awq`` GEMM int4 (``qweight``/``qzeros`` packed 8 per int32, fp16 ``scales`` per group of input
+    channels). The loader dequantizes each weight as it loads; the CPU then computes with those weights
+    (float32) or maps them onto its int8 / int4 kernels (bf16)."""
 
     method: str
     block: tuple[int, int] | None  # fp8: weight_block_size
     scale_suffix: str  # the scale tensor beside each quantized weight
     ignore: tuple[str, ...] = ()
+    bits: int = 8
+    group_size: int = 0  # awq: input channels per scale and zero point
+
+    def describe(self) -> str:
+        if self.method == "awq":
+            return f"awq int4 (group {self.group_size}, zero points)"
+        if self.block is not None:
+            return f"fp8 e4m3 ({self.block[0]}x{self.block[1]} blocks)"
+        return "compressed-tensors fp8 e4m3 (per channel or tensor)"
 
 
 def weight_quant(raw_config: dict) -> WeightQuant | None:
@@ -50,6 +61,11 @@ def weight_quant(raw_config: dict) -> WeightQuant | None:
     if q.get("quant_method") == "compressed-tensors" and q.get("format") == "float-quantized" and groups \
             and isinstance(groups, dict) and all(_fp8_group(g) for g in groups.values()):
         return WeightQuant("compressed-tensors", None, "weight_scale", tuple(q.get("ignore") or ()))
+    group = q.get("group_size")
+    if (q.get("quant_method") == "awq" and str(q.get("version", "gemm")).lower() == "gemm" and q.get("bits") == 4
+            and q.get("zero_point", True) is True and isinstance(group, int) and group > 0 and group % 8 == 0):
+        return WeightQuant("awq", None, "scales", tuple(q.get("modules_to_not_convert") or ()), bits=4,
+                           group_size=group)
     return None
 
 
@@ -73,7 +89,8 @@ def check_quantization(raw_config: dict) -> None:
                             if fields.get(k) not in (None, False))
         described = f"{method or 'an unnamed method'!r}".replace('"', "'") + (f" ({details})" if details else "")
         raise ModelLoadError(f"this checkpoint is quantized with {described} (config.json {key}), which MILI "
-                             f"does not load yet (it loads Qwen's block-wise fp8 and compressed-tensors FP8); "
+                             f"does not load yet (it loads Qwen's block-wise fp8, compressed-tensors FP8 and "
+                             f"AWQ GEMM int4 with zero points); "
                              f"use the unquantized release of the model (MILI's own --quantization int8 "
                              f"quantizes it on load)")
 

@@ -13,6 +13,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from mili.errors import ModelLoadError
+from mili.model import quant
 from mili.model.checks import HARMLESS_SUFFIXES, WeightQuant, check_quantization, check_tensors, weight_quant
 from mili.model.qwen3 import EXPERT_PARAMS, STACKED_PARAMS, FusedExperts, FusedLinear, Qwen3ForCausalLM
 from mili.runtime.parallel import kv_head_range, shard_range
@@ -150,13 +151,14 @@ def _tp_slice(name: str, cfg) -> tuple[int, int, int] | None:
     return None
 
 
-def _read(f, name: str, cfg, dequant=None) -> torch.Tensor:
-    """The checkpoint tensor, or only this rank's slice of it (read from the file as a slice); an FP8
+def _read(f, name: str, cfg, dequant=None, keep_int4: bool = False) -> torch.Tensor:
+    """The checkpoint tensor, or only this rank's slice of it (read from the file as a slice); a quantized
     weight is read whole, dequantized, then sliced."""
-    part = _tp_slice(name, cfg)
     if dequant is not None and dequant.quantized(name, f.get_slice(name).get_dtype()):
-        tensor = dequant(name, f.get_tensor(name))
+        part = _tp_slice(dequant.weight_name(name), cfg)
+        tensor = dequant(name, f.get_tensor(name), keep_int4 and part is None)
         return tensor if part is None else tensor.narrow(part[0], part[1], part[2])
+    part = _tp_slice(name, cfg)
     if part is None:
         return f.get_tensor(name)
     dim, start, length = part
@@ -184,38 +186,63 @@ def _skipped(model: Qwen3ForCausalLM, name: str) -> bool:
 
 
 class _Dequantizer:
-    """A quantized checkpoint's FP8 weights in float32, each with the scale stored beside it."""
+    """A quantized checkpoint's weights in float32, each from the tensors stored beside it (FP8: its scale;
+    AWQ: its ``qweight``, ``qzeros`` and ``scales``). An AWQ layer's int4 parts are also kept in ``int4``
+    (by weight name) for the CPU's int4 kernel."""
 
     def __init__(self, quant: WeightQuant, where: dict[str, str]):
         self.quant, self.where = quant, where
+        self.int4: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.awq = quant.method == "awq"
 
-    def is_scale(self, name: str) -> bool:
-        return name.endswith((f".{self.quant.scale_suffix}", ".input_scale"))  # (activations: not quantized here)
+    def is_aux(self, name: str) -> bool:
+        """A tensor read only beside its weight (activation scales: activations are quantized dynamically)."""
+        if self.awq:
+            return name.endswith((".qzeros", ".scales"))
+        return name.endswith((f".{self.quant.scale_suffix}", ".input_scale"))
+
+    def weight_name(self, name: str) -> str:
+        """The plain weight a checkpoint tensor stands for (AWQ's ``x.qweight`` is ``x.weight``)."""
+        return name.removesuffix("qweight") + "weight" if self.awq and name.endswith(".qweight") else name
 
     def quantized(self, name: str, dtype: str) -> bool:
-        return dtype.startswith("F8") and self.scale_name(name) in self.where
+        if self.awq:
+            return name.endswith(".qweight")
+        return dtype.startswith("F8") and self._aux(name, self.quant.scale_suffix) in self.where
 
-    def scale_name(self, name: str) -> str:
-        return name.removesuffix("weight") + self.quant.scale_suffix
+    def _aux(self, name: str, suffix: str) -> str:
+        return name.removesuffix("qweight" if self.awq else "weight") + suffix
 
-    def __call__(self, name: str, weight: torch.Tensor) -> torch.Tensor:
-        with safe_open(self.where[self.scale_name(name)], framework="pt") as f:
-            scale = f.get_tensor(self.scale_name(name)).float()
-        w = weight.float()
-        if self.quant.block is not None:  # one scale per block (the last row/column of blocks may be partial)
-            rows, cols = w.shape
-            b0, b1 = self.quant.block
-            if scale.shape != (-(-rows // b0), -(-cols // b1)):
-                raise ModelLoadError(f"{self.scale_name(name)} has shape {tuple(scale.shape)}, the weight {name} "
-                                     f"{tuple(w.shape)} in {b0}x{b1} blocks needs {(-(-rows // b0), -(-cols // b1))}")
-            scale = scale.repeat_interleave(b0, 0)[:rows].repeat_interleave(b1, 1)[:, :cols]
-        return w * scale  # per channel: [out, 1]; per tensor: a scalar
+    def _get(self, name: str, suffix: str) -> torch.Tensor:
+        aux = self._aux(name, suffix)
+        if aux not in self.where:
+            raise ModelLoadError(f"the quantized weight {name} has no {aux} beside it")
+        with safe_open(self.where[aux], framework="pt") as f:
+            return f.get_tensor(aux)
+
+    def __call__(self, name: str, stored: torch.Tensor, keep_int4: bool = False) -> torch.Tensor:
+        if self.awq:
+            try:
+                parts = quant.awq_int4(stored, self._get(name, "qzeros"), self._get(name, "scales"),
+                                       self.quant.group_size)
+            except ValueError as e:
+                raise ModelLoadError(f"{name}: {e}") from e
+            if keep_int4:
+                self.int4[self.weight_name(name)] = parts
+            return quant.dequantize_int4(*parts)
+        scale = self._get(name, self.quant.scale_suffix)
+        block = self.quant.block
+        if block is not None and tuple(scale.shape) != quant.fp8_block_scale_shape(tuple(stored.shape), block):
+            raise ModelLoadError(f"{self._aux(name, self.quant.scale_suffix)} has shape {tuple(scale.shape)}, the "
+                                 f"weight {name} {tuple(stored.shape)} in {block[0]}x{block[1]} blocks needs "
+                                 f"{quant.fp8_block_scale_shape(tuple(stored.shape), block)}")
+        return quant.dequantize_fp8(stored, scale, block)
 
 
 def _check_checkpoint(model: Qwen3ForCausalLM, files: list[str], params: dict,
                       quant: WeightQuant | None) -> _Dequantizer | None:
     """Read only the headers: every tensor must be a floating-point weight the model has (or harmless), or,
-    in a quantized checkpoint MILI loads, an FP8 weight with its scale."""
+    in a quantized checkpoint MILI loads, a quantized weight (with its scales, checked as it loads)."""
     dtypes: dict[str, str] = {}
     where: dict[str, str] = {}
     for file in files:
@@ -226,20 +253,21 @@ def _check_checkpoint(model: Qwen3ForCausalLM, files: list[str], params: dict,
     found: dict[str, str] = {}
     unexpected: list[str] = []
     for name, dtype in dtypes.items():
-        if _skipped(model, name) or (dequant is not None and dequant.is_scale(name)):
+        if _skipped(model, name) or (dequant is not None and dequant.is_aux(name)):
             continue
         if dequant is None or not dequant.quantized(name, dtype):
             found[name] = dtype
-        if _target(model, name, params) is None:
+        if _target(model, dequant.weight_name(name) if dequant else name, params) is None:
             unexpected.append(name)
     check_tensors(found, unexpected)
     return dequant
 
 
 @torch.no_grad()
-def load_weights(model: Qwen3ForCausalLM, path: str) -> None:
+def load_weights(model: Qwen3ForCausalLM, path: str, keep_int4: bool = False) -> dict:
     """Copy every checkpoint tensor into ``model`` (converting the dtype); fail on missing, mismatched,
-    unexpected or non-floating tensors before the first copy."""
+    unexpected or non-floating tensors before the first copy. Quantized weights are dequantized; with
+    ``keep_int4``, an AWQ checkpoint's int4 layers are returned too (by weight name: q, zeros, scales)."""
     params = dict(model.named_parameters())
     expected = _expected_keys(model, params)
     loaded: set[tuple] = set()
@@ -247,18 +275,18 @@ def load_weights(model: Qwen3ForCausalLM, path: str) -> None:
     quant = weight_quant({"quantization_config": getattr(model.config.hf_config, "quantization_config", None)})
     dequant = _check_checkpoint(model, files, params, quant)
     if quant is not None:
-        log.info("weights: %s FP8 (%s), dequantized to %s as they load", quant.method,
-                 f"{quant.block[0]}x{quant.block[1]} blocks" if quant.block else "per channel or tensor",
+        log.info("weights: %s, dequantized to %s as they load", quant.describe(),
                  str(next(iter(params.values())).dtype).removeprefix("torch."))
     with tqdm(total=len(expected), desc="Loading weights", unit="tensor", leave=False,
               disable=os.environ.get("MILI_NO_PROGRESS") == "1") as bar:
         for file in files:
             with safe_open(file, framework="pt") as f:  # memory-mapped
-                for name in f.keys():
-                    if _skipped(model, name) or (dequant is not None and dequant.is_scale(name)):
+                for stored in f.keys():
+                    if _skipped(model, stored) or (dequant is not None and dequant.is_aux(stored)):
                         continue
+                    name = dequant.weight_name(stored) if dequant else stored
                     key, dest = _target(model, name, params)
-                    tensor = _read(f, name, model.config, dequant)
+                    tensor = _read(f, stored, model.config, dequant, keep_int4)
                     if tensor.shape != dest.shape:
                         raise ModelLoadError(f"weight {name} has shape {tuple(tensor.shape)}, the config "
                                              f"implies {tuple(dest.shape)}")
@@ -268,3 +296,4 @@ def load_weights(model: Qwen3ForCausalLM, path: str) -> None:
     missing = sorted({n for n, *_ in expected - loaded})
     if missing:
         raise ModelLoadError(f"checkpoint {path!r} lacks {len(missing)} weights, e.g. {missing[:3]}")
+    return dequant.int4 if dequant is not None else {}

@@ -136,3 +136,83 @@ def test_a_quantized_weight_without_its_scale_is_refused(dense, tmp_path):
     path = _write(dense, tmp_path / "noscale", tensors, {"quant_method": "fp8", "weight_block_size": [128, 128]})
     with pytest.raises(ModelLoadError, match="up_proj.weight is stored as float8_e4m3fn"):
         LLM(str(path), dtype="float32")
+
+
+# -- AWQ --------------------------------------------------------------------------------------------------
+def autoawq_pack(values: torch.Tensor) -> torch.Tensor:
+    """AutoAWQ's WQLinear_GEMM packing, as it is written there: [rows, cols] 4-bit -> [rows, cols / 8] int32,
+    word nibble i holding column order_map[i] of its 8."""
+    order_map = [0, 2, 4, 6, 1, 3, 5, 7]
+    packed = torch.zeros(values.shape[0], values.shape[1] // 8, dtype=torch.int32)
+    for col in range(values.shape[1] // 8):
+        for i in range(8):
+            packed[:, col] |= values[:, col * 8 + order_map[i]].to(torch.int32) << (i * 4)
+    return packed
+
+
+def awq_layout(weights: dict, group: int) -> tuple[dict, dict]:
+    """(AutoAWQ's GEMM layout, the dequantized weights): asymmetric 4-bit per group of input channels."""
+    out, dequantized = {}, {}
+    for name, w in weights.items():
+        if not name.endswith(tuple(f"{p}.weight" for p in LINEARS)):
+            out[name] = dequantized[name] = w
+            continue
+        wt = w.float().t()  # AWQ stores [in, out]
+        k, n = wt.shape
+        g = wt.reshape(k // group, group, n)
+        lo, hi = g.amin(dim=1), g.amax(dim=1)
+        scales = ((hi - lo).clamp(min=1e-5) / 15).half()
+        zeros = torch.round(-lo / scales.float()).clamp(0, 15)
+        q = torch.round(g / scales.float()[:, None] + zeros[:, None]).clamp(0, 15).reshape(k, n)
+        stem = name.removesuffix("weight")
+        out[stem + "qweight"] = autoawq_pack(q.to(torch.int32))
+        out[stem + "qzeros"] = autoawq_pack(zeros.to(torch.int32))
+        out[stem + "scales"] = scales
+        deq = (q.reshape(k // group, group, n) - zeros[:, None]) * scales.float()[:, None]
+        dequantized[name] = deq.reshape(k, n).t().contiguous()
+    return out, dequantized
+
+
+def test_awq_packing_order():
+    from mili.model.quant import pack_awq, unpack_awq
+
+    # columns 0..7 holding the values 0..7 pack as AutoAWQ's nibble order 0 2 4 6 1 3 5 7 (low to high)
+    word = autoawq_pack(torch.arange(8, dtype=torch.int32)[None])
+    assert word.item() == 0x75316420
+    assert unpack_awq(word).tolist() == [list(range(8))]
+    values = torch.randint(0, 16, (5, 32))
+    assert torch.equal(pack_awq(values), autoawq_pack(values.to(torch.int32)))
+    assert torch.equal(unpack_awq(pack_awq(values)), values.to(torch.uint8))
+
+
+@pytest.mark.parametrize("group", [128, 64])
+def test_awq_matches_the_dequantized_model(dense, tmp_path, group):
+    from transformers import Qwen3ForCausalLM
+
+    tensors, dequantized = awq_layout(load_file(dense / "model.safetensors"), group)
+    assert tensors["model.layers.0.self_attn.q_proj.qweight"].shape == (128, 128 // 8)
+    qconfig = {"quant_method": "awq", "bits": 4, "group_size": group, "version": "gemm", "zero_point": True,
+               "modules_to_not_convert": None}
+    path = _write(dense, tmp_path / f"awq{group}", tensors, qconfig)
+    plain = tmp_path / "plain"
+    shutil.copytree(dense, plain, dirs_exist_ok=True)
+    save_file({k: v.contiguous() for k, v in dequantized.items()}, plain / "model.safetensors")
+    reference = Qwen3ForCausalLM.from_pretrained(plain, dtype=torch.float32).eval()
+    _greedy_equal(path, reference, PROMPTS)
+    original = load_file(dense / "model.safetensors")["model.layers.0.mlp.down_proj.weight"]
+    assert not torch.equal(dequantized["model.layers.0.mlp.down_proj.weight"], original)
+
+
+def test_awq_without_zero_points_or_scales_is_refused(dense, tmp_path):
+    from mili import ModelLoadError
+
+    tensors, _ = awq_layout(load_file(dense / "model.safetensors"), 128)
+    qconfig = {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm", "zero_point": True}
+    del tensors["model.layers.1.mlp.up_proj.scales"]
+    path = _write(dense, tmp_path / "noscales", tensors, qconfig)
+    with pytest.raises(ModelLoadError, match="up_proj.qweight has no model.layers.1.mlp.up_proj.scales"):
+        LLM(str(path), dtype="float32")
+    for other in ({**qconfig, "version": "gemv"}, {**qconfig, "zero_point": False}, {**qconfig, "bits": 3}):
+        path = _write(dense, tmp_path / f"awq-{len(list(tmp_path.iterdir()))}", tensors, other)
+        with pytest.raises(ModelLoadError, match="quantized with 'awq'"):
+            LLM(str(path), dtype="float32")

@@ -1,0 +1,71 @@
+"""The quantized weight formats MILI reads, as plain tensor functions (the loader and the linears use them).
+
+* FP8 e4m3 with a scale per 128 x 128 block (Qwen's ``weight_scale_inv``), per output channel or per tensor
+  (compressed-tensors' ``weight_scale``): ``w = q * scale``.
+* AWQ GEMM int4: ``qweight`` [in, out / 8] and ``qzeros`` [in / group, out / 8] int32, each word holding 8
+  output columns' 4-bit values in AWQ's interleaved order, and fp16 ``scales`` [in / group, out]:
+  ``w[k, n] = (q[k, n] - z[k // group, n]) * s[k // group, n]`` (transposed to MILI's [out, in]).
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_MAX = 448.0  # the largest float8_e4m3fn
+# Word nibble i holds column AWQ_ORDER[i] of its 8 (AutoAWQ's pack); reading nibbles in AWQ_REVERSE_ORDER
+# gives columns 0..7 back.
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
+    """float32 weights from FP8 ``q`` [out, in]: one scale per block (the last row/column of blocks may be
+    partial), else per output channel ([out, 1]) or per tensor (one value)."""
+    w, scale = q.float(), scale.float()
+    if block is not None:
+        rows, cols = w.shape
+        scale = scale.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+    return w * scale
+
+
+def fp8_block_scale_shape(shape: tuple[int, int], block: tuple[int, int]) -> tuple[int, int]:
+    return -(-shape[0] // block[0]), -(-shape[1] // block[1])
+
+
+def quantize_fp8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn weights, float32 scales [out]) with one scale per output channel: round to nearest."""
+    scale = (w.float().abs().amax(dim=1) / FP8_MAX).clamp(min=1e-12)
+    return (w.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
+    """[rows, cols / 8] int32 words -> [rows, cols] uint8 values in 0..15, columns in their natural order."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    nibbles = (packed[:, :, None] >> shifts[list(AWQ_REVERSE_ORDER)]) & 0xF
+    return nibbles.reshape(packed.shape[0], -1).to(torch.uint8)
+
+
+def pack_awq(values: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``unpack_awq``: [rows, cols] in 0..15 -> [rows, cols / 8] int32 (AutoAWQ's order)."""
+    v = values.to(torch.int64).reshape(values.shape[0], -1, 8)
+    word = sum(v[:, :, col] << (4 * i) for i, col in enumerate(AWQ_ORDER))
+    return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
+
+
+def awq_int4(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group: int,
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An AWQ layer in MILI's orientation: (q [out, in] uint8, zeros [out, in / group] uint8, scales
+    [out, in / group] float16), checked against each other's shapes."""
+    q, z = unpack_awq(qweight), unpack_awq(qzeros)
+    k, n = q.shape
+    if k % group or z.shape != (k // group, n) or tuple(scales.shape) != (k // group, n):
+        raise ValueError(f"qweight {tuple(qweight.shape)}, qzeros {tuple(qzeros.shape)} and scales "
+                         f"{tuple(scales.shape)} do not make an AWQ layer with groups of {group}")
+    return q.t().contiguous(), z.t().contiguous(), scales.t().to(torch.float16).contiguous()
+
+
+def dequantize_int4(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """float32 [out, in] from ``awq_int4``'s parts."""
+    group = q.shape[1] // zeros.shape[1]
+    z = zeros.float().repeat_interleave(group, 1)
+    return (q.float() - z) * scales.float().repeat_interleave(group, 1)
