@@ -36,8 +36,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "one-call-per-layer step on the CPU")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="CUDA: share of the GPU's memory for weights, activations and the KV cache")
-    p.add_argument("--quantization", default=None, choices=["int8"],
-                   help="int8: weight-only int8 (one scale per output channel); default: none")
+    p.add_argument("--quantization", default=None, choices=["int8", "fp8"],
+                   help="quantize an unquantized checkpoint as it loads, one scale per output channel: int8, or "
+                        "fp8 (e4m3; FP8 GEMMs on CUDA SM 89+, int8 kernels on the CPU in bf16). Quantized "
+                        "checkpoints (FP8, AWQ) need no flag; default: none")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over N ranks on this node (torch.distributed: NCCL on CUDA, one GPU a "
                         "rank; gloo on the CPU)")

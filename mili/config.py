@@ -147,7 +147,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto (triton on CUDA, torch elsewhere) | torch | triton
     enforce_eager: bool = False  # decode module by module: no CUDA graphs, no fused CPU decode layer
     gpu_memory_utilization: float = 0.9  # CUDA: share of the card for weights + activations + KV pool
-    quantization: str | None = None  # None | int8 (per output channel; W8A8 with the CPU kernels)
+    quantization: str | None = None  # None | int8 (per output channel; W8A8 with the CPU kernels) | fp8
     tensor_parallel_size: int = 1  # ranks the model is split over (torch.distributed: gloo on CPU, NCCL on CUDA)
     cpu_kernels: bool = True  # CPU bf16: MILI's C kernels (AVX-512/AMX linear, fused ops, paged attention)
     cpu_weight_prepack: bool = True  # CPU bf16 without those kernels: weights in oneDNN's blocked layout
@@ -166,8 +166,8 @@ class EngineConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise InvalidRequest(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}",
                                  param="gpu_memory_utilization")
-        if self.quantization not in (None, "int8"):
-            raise InvalidRequest(f"quantization must be int8 or none, got {self.quantization!r}",
+        if self.quantization not in (None, "int8", "fp8"):
+            raise InvalidRequest(f"quantization must be int8, fp8 or none, got {self.quantization!r}",
                                  param="quantization")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise InvalidRequest(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}",

@@ -52,8 +52,9 @@ class EngineCore:
         self.num_generated_tokens = 0
 
     def ready(self) -> Ready:
-        return Ready(self.max_model_len, str(self.runner.device), str(self.runner.dtype).removeprefix("torch."),
-                     self.stats())
+        dtype = str(self.runner.dtype).removeprefix("torch.")
+        return Ready(self.max_model_len, str(self.runner.device), dtype, self.stats(), self.runner.weight_format,
+                     dtype)
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, add: AddRequest) -> Request:

@@ -74,6 +74,8 @@ class Ready(msgspec.Struct, array_like=True, tag=True):
     device: str
     dtype: str
     stats: Stats
+    quantization: str = "unquantized"  # what the weights compute as (the model runner's weight_format)
+    kv_cache_dtype: str = ""  # the KV pages' dtype
 
 
 class Dead(msgspec.Struct, array_like=True, tag=True):

@@ -1,4 +1,5 @@
-"""Linear layers for the CPU, swapped in after loading (the model code does not branch on them).
+"""Linear layers swapped in after loading (the model code does not branch on them); all but Fp8Linear are
+the CPU's.
 
 * ``PackedLinear``: bf16 weights reordered once into oneDNN's blocked layout (what torch.compile's
   freezing pass does), ~1.4x faster matrix-vector products than aten's linear on plain weights.
@@ -9,6 +10,11 @@
 * ``Int8Linear``: int8 weights with one scale per output channel (symmetric, round to nearest): MILI's
   kernel (activations quantized per row too: AMX-INT8 or AVX-512 VNNI), or aten's weight-only
   ``_weight_int8pack_mm``: half the bytes of bf16 per decode step.
+* ``Fp8Linear``: FP8 e4m3 weights with one scale per output channel and activations quantized per token,
+  through ``torch._scaled_mm`` (GPUs with FP8, SM 89+; the CPU has it too, but ~100x slower than the int8
+  kernel, so the CPU maps FP8 weights onto Int8Linear instead).
+* ``Int4Linear``: an AWQ checkpoint's int4 weights as they are stored (a scale and zero point per group of
+  input channels), on MILI's int4 kernel: a quarter of bf16's bytes.
 """
 
 from __future__ import annotations
@@ -19,7 +25,8 @@ from torch import nn
 
 from mili.errors import InvalidRequest
 from mili.kernels.cpu import ops as cpu_ops
-from mili.model.qwen3 import FusedExperts, RouterLinear
+from mili.model import quant
+from mili.model.qwen3 import STACKED_PARAMS, FusedExperts, RouterLinear
 
 
 class _SwappedLinear(nn.Module):
@@ -94,25 +101,86 @@ class Int8Linear(_SwappedLinear):
         return out if self.bias is None else out + self.bias
 
 
+class Fp8Linear(_SwappedLinear):
+    def __init__(self, weight, bias=None, shard_sizes=None):
+        super().__init__(weight, bias, shard_sizes)
+        qweight, scales = quant.quantize_fp8_per_channel(weight.detach())
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scales", scales[None, :].contiguous())  # [1, out] float32
+
+    def _matmul(self, x2d):
+        xq, sx = quant.quantize_fp8_per_row(x2d)
+        return torch._scaled_mm(xq, self.qweight.t(), scale_a=sx, scale_b=self.scales, bias=self.bias,
+                                out_dtype=x2d.dtype)
+
+
+class Int4Linear(_SwappedLinear):
+    def __init__(self, q, zeros, scales, bias=None, shard_sizes=None):
+        """``q`` [out, in] (values 0..15), ``zeros`` and ``scales`` [out, in / group] (see mili/model/quant.py)."""
+        super().__init__(q, bias, shard_sizes)
+        self.group = q.shape[1] // zeros.shape[1]
+        pad = -q.shape[0] % 16  # (padded rows are all zero: their outputs are cut off)
+        q, zeros, scales = (F.pad(t, (0, 0, 0, pad)) for t in (q, zeros, scales))
+        packed, scales, zeros = cpu_ops.pack_int4(q, zeros, scales)
+        self.register_buffer("qweight", packed)
+        self.register_buffer("scales", scales)
+        self.register_buffer("zeros", zeros)
+
+    def _matmul(self, x2d):
+        out = cpu_ops.linear_int4(x2d, self.qweight, self.scales, self.zeros)[:, :self.out_features]
+        return out if self.bias is None else out + self.bias
+
+
+def fp8_gemm_available(device: torch.device) -> bool:
+    """torch._scaled_mm's FP8 GEMM runs fast on CUDA devices of compute capability 8.9 and later."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+@torch.no_grad()
+def fp8_round_trip_linears(model: nn.Module) -> None:
+    """``--quantization fp8`` where the weights then compute in another form: every linear weight (and each
+    expert's) in place through per-channel FP8 and back, the lm_head and router aside."""
+    for name, module in model.named_modules():
+        if isinstance(module, FusedExperts):
+            for w in (module.w13, module.w2):
+                w.copy_(torch.stack([quant.fp8_round_trip(e) for e in w]))
+        elif isinstance(module, nn.Linear) and not isinstance(module, RouterLinear) and name != "lm_head":
+            module.weight.copy_(quant.fp8_round_trip(module.weight))
+
+
 def prepack_available(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
 
 
-def swap_linears(model: nn.Module, kind: str, kernels: bool = False) -> None:
+def swap_linears(model: nn.Module, kind: str, kernels: bool = False, int4: dict | None = None) -> None:
     """Replace every nn.Linear of ``model`` (and its lm_head, tied or not) with ``kind``: kernel | packed |
     int8. With kernel, a layer the kernel can't take (in_features not a multiple of 32) is packed instead;
-    int8 uses MILI's int8 kernel when ``kernels``."""
-    if kind not in ("kernel", "packed", "int8"):
+    int8 uses MILI's int8 kernel when ``kernels``; fp8 (CUDA) quantizes per channel, the lm_head aside.
+    ``int4``: an AWQ checkpoint's int4 layers by checkpoint weight name (the loader's); those layers become
+    Int4Linear (a fused layer from its shards), the others ``kind``."""
+    if kind not in ("kernel", "packed", "int8", "fp8"):
         raise InvalidRequest(f"unknown linear kind {kind!r}", param="quantization")
 
     def make(weight, bias=None, shard_sizes=None):
         if kind == "int8":
             return Int8Linear(weight, bias, shard_sizes, kernels=kernels)
+        if kind == "fp8":
+            return Fp8Linear(weight, bias, shard_sizes)
         if kind == "kernel" and cpu_ops.linear_supported(weight):
             return KernelLinear(weight, bias, shard_sizes)
         return PackedLinear(weight, bias, shard_sizes)
 
-    for module in list(model.modules()):
+    def make_int4(name, child):
+        shards = [f"{name.rsplit('.', 1)[0]}.{ckpt}.weight" for ckpt, (fused, _) in
+                  sorted(STACKED_PARAMS.items(), key=lambda kv: kv[1][1]) if name.endswith(f".{fused}")]
+        parts = [int4.get(n) for n in shards or [f"{name}.weight"]]
+        if None in parts or not cpu_ops.int4_supported(child.out_features, child.in_features,
+                                                       child.in_features // parts[0][1].shape[1]):
+            return None
+        q, zeros, scales = (torch.cat(ts) for ts in zip(*parts))
+        return Int4Linear(q, zeros, scales, child.bias, getattr(child, "shard_sizes", None))
+
+    for module_name, module in list(model.named_modules()):
         if isinstance(module, FusedExperts):  # each expert's slices of the stacked weights, then drop those
             inter = module.inter
             module.linears = nn.ModuleList(
@@ -121,9 +189,14 @@ def swap_linears(model: nn.Module, kind: str, kernels: bool = False) -> None:
             module.w13 = module.w2 = None
             continue
         for child_name, child in list(module.named_children()):
+            name = f"{module_name}.{child_name}" if module_name else child_name
+            if kind == "fp8" and name == "lm_head":
+                continue
             if isinstance(child, nn.Linear) and not isinstance(child, RouterLinear):  # FusedLinear too
-                setattr(module, child_name, make(child.weight, child.bias, getattr(child, "shard_sizes", None)))
-    if model.lm_head is not None:
+                layer = make_int4(name, child) if int4 else None
+                setattr(module, child_name, layer or make(child.weight, child.bias,
+                                                          getattr(child, "shard_sizes", None)))
+    if model.lm_head is not None or kind == "fp8":
         return
     embed = model.model.embed_tokens
     if kind == "int8":  # int8 halves the bytes the head reads: it gets its own (smaller) copy

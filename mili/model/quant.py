@@ -38,6 +38,18 @@ def quantize_fp8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return (w.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
 
+def quantize_fp8_per_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-token activation quantization: (float8_e4m3fn rows, float32 scales [rows, 1])."""
+    scale = (x.float().abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+def fp8_round_trip(w: torch.Tensor) -> torch.Tensor:
+    """``w`` through per-channel FP8 and back (what an FP8 weight computes with), in ``w``'s dtype."""
+    q, scale = quantize_fp8_per_channel(w)
+    return (q.float() * scale[:, None]).to(w.dtype)
+
+
 def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
     """[rows, cols / 8] int32 words -> [rows, cols] uint8 values in 0..15, columns in their natural order."""
     shifts = torch.arange(0, 32, 4, dtype=torch.int32)

@@ -16,14 +16,14 @@ import torch
 
 from mili.kernels.cpu import load
 from mili.kernels.cpu.ops import decode_metadata
-from mili.model.cpu_linear import Int8Linear, KernelLinear
+from mili.model.cpu_linear import Int4Linear, Int8Linear, KernelLinear
 from mili.runtime.attention.base import ForwardBatch
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
 class LinearDesc(ctypes.Structure):
-    _fields_ = [("w", _P), ("scales", _P), ("colsum", _P), ("n", _I), ("k", _I)]
+    _fields_ = [("w", _P), ("scales", _P), ("aux", _P), ("n", _I), ("k", _I), ("group", _I)]
 
 
 class LayerDesc(ctypes.Structure):
@@ -38,10 +38,13 @@ def _linear_desc(layer) -> LinearDesc | None:
     if layer.bias is not None or layer.out_features % 16:
         return None
     if isinstance(layer, KernelLinear):
-        return LinearDesc(layer.packed.data_ptr(), None, None, layer.out_features, layer.in_features)
+        return LinearDesc(layer.packed.data_ptr(), None, None, layer.out_features, layer.in_features, 0)
     if isinstance(layer, Int8Linear) and layer.kernel:
         return LinearDesc(layer.qweight.data_ptr(), layer.scales.data_ptr(), layer.column_sums.data_ptr(),
-                          layer.out_features, layer.in_features)
+                          layer.out_features, layer.in_features, 0)
+    if isinstance(layer, Int4Linear):
+        return LinearDesc(layer.qweight.data_ptr(), layer.scales.data_ptr(), layer.zeros.data_ptr(),
+                          layer.out_features, layer.in_features, layer.group)
     return None
 
 

@@ -17,7 +17,8 @@ from mili.errors import InvalidRequest
 from mili.kernels import cpu
 from mili.kernels.cpu import ops as cpu_ops
 from mili.kernels.reference import TorchOps
-from mili.model.cpu_linear import prepack_available, swap_linears
+from mili.model.checks import weight_quant
+from mili.model.cpu_linear import fp8_gemm_available, fp8_round_trip_linears, prepack_available, swap_linears
 from mili.model.loader import load_weights
 from mili.model.qwen3 import Qwen3ForCausalLM
 from mili.runtime import parallel
@@ -65,18 +66,12 @@ class ModelRunner:
         with torch.device("meta"):
             model = Qwen3ForCausalLM(model_config, backend, self.dtype, ops)
         self.model = model.to_empty(device=self.device)
-        load_weights(self.model, path)
+        self.weight_quant = weight_quant(
+            {"quantization_config": getattr(model_config.hf_config, "quantization_config", None)})
+        int4 = load_weights(self.model, path, keep_int4=self.cpu_kernels)
         self.model.eval()
-        if self.tp_size > 1:
-            if config.quantization:
-                raise InvalidRequest("quantization with tensor parallelism is not supported yet",
-                                     param="quantization")
-        elif config.quantization == "int8":
-            swap_linears(self.model, "int8", kernels=self.cpu_kernels and cpu.int8_available())
-        elif self.cpu_kernels:
-            swap_linears(self.model, "kernel")
-        elif self.device.type == "cpu" and config.cpu_weight_prepack and prepack_available(self.dtype):
-            swap_linears(self.model, "packed")
+        self.weight_format = self._swap_linears(int4)
+        log.info("weights: %s", self.weight_format)
         if self.device.type == "cpu":
             release_freed_memory()  # the plain weights a swap replaced go back to the OS
         self._allocate_kv_cache()  # may lower max_model_len to what the pool holds
@@ -101,6 +96,39 @@ class ModelRunner:
             if not self.cpu_decode.available:
                 log.info("fused CPU decode off (%s)", self.cpu_decode.why_not)
                 self.cpu_decode = None
+
+    def _swap_linears(self, int4: dict) -> str:
+        """Put the linear layers on the kernels for this device, dtype and weight format; returns what the
+        weights compute as (for /health and the start-up log)."""
+        config, quant = self.config, self.weight_quant
+        cpu_bf16 = self.device.type == "cpu" and self.dtype == torch.bfloat16
+        if config.quantization and quant is not None:
+            raise InvalidRequest(f"--quantization {config.quantization}: the checkpoint is already quantized "
+                                 f"({quant.describe()})", param="quantization")
+        if self.tp_size > 1:
+            if config.quantization:
+                raise InvalidRequest("quantization with tensor parallelism is not supported yet",
+                                     param="quantization")
+            return f"{quant.describe()}, dequantized" if quant else "unquantized"
+        if config.quantization == "fp8":
+            fp8_round_trip_linears(self.model)
+            if self.device.type == "cuda" and fp8_gemm_available(self.device):
+                swap_linears(self.model, "fp8")
+                return "fp8 e4m3 per channel (torch._scaled_mm, per-token activations)"
+        if config.quantization in ("int8", "fp8") or (quant is not None and quant.method != "awq" and cpu_bf16):
+            kernels = self.cpu_kernels and cpu.int8_available()
+            swap_linears(self.model, "int8", kernels=kernels)
+            origin = quant.describe() if quant else ("fp8 values" if config.quantization == "fp8" else "")
+            return f"int8 per channel ({'W8A8 kernel' if kernels else 'weight-only'})" + \
+                (f", requantized from {origin}" if origin else "")
+        if self.cpu_kernels:
+            swap_linears(self.model, "kernel", int4=int4)
+            if int4:
+                return f"{quant.describe()} on the int4 kernel (W4A8)"
+        elif self.device.type == "cpu" and config.cpu_weight_prepack and prepack_available(self.dtype):
+            swap_linears(self.model, "packed")
+        return f"{quant.describe()}, dequantized to {str(self.dtype).removeprefix('torch.')}" if quant \
+            else "unquantized"
 
     @property
     def max_pages_per_seq(self) -> int:

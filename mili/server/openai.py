@@ -28,7 +28,8 @@ async def models(http: Request):
     st = _state(http)
     return {"object": "list", "data": [{
         "id": st.model_name, "object": "model", "created": st.created, "owned_by": "mili",
-        "root": st.engine.model_path, "max_model_len": st.engine.max_model_len}]}
+        "root": st.engine.model_path, "max_model_len": st.engine.max_model_len,
+        "quantization": st.engine.info.quantization, "kv_cache_dtype": st.engine.info.kv_cache_dtype}]}
 
 
 def _usage(finals: list[RequestOutput]) -> dict:

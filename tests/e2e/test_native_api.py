@@ -91,6 +91,7 @@ def test_health_and_root(server):
     assert health["model_loaded"] is True and health["tokenizer_ready"] is True and health["scheduler_ready"] is True
     assert health["model_type"] == "qwen3" and health["vocab_size"] == 151936 and health["max_seq_length"] == 1024
     assert health["model"] == "test" and health["kv_cache_pages"] >= 1  # MILI's extras stay
+    assert health["quantization"] == "unquantized" and health["kv_cache_dtype"] == "float32"
     root = curl(f"{server.url}/")
     assert {"message", "version", "docs", "health", "generate"} <= set(root)
     assert root["health"] == "/health" and root["generate"] == "/generate" and "POST /generate" in root["endpoints"]

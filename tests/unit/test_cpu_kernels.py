@@ -316,3 +316,29 @@ def test_apply_bitmask_matches_xgrammar(vocab):
     assert torch.equal(got, expected)
     assert torch.equal(got[4], logits[4]) and torch.equal(got[:, vocab:], logits[:, vocab:])
     assert torch.isinf(got[2, :vocab]).all() and torch.equal(got[1], logits[1])
+
+
+@needs_kernels
+@pytest.mark.parametrize("m", [1, 2, 5])
+@pytest.mark.parametrize("n,k,group", [(48, 256, 128), (272, 1024, 64), (16, 128, 32)])
+def test_int4_kernel_is_the_integer_product(m, n, k, group):
+    """W4A8 exactly: x quantized to int8 per row and group (round half to even, times the float32
+    reciprocal), integer sums of x (q - z) per group, times both scales, summed over groups in float32, one
+    bf16 rounding."""
+    from mili.model.cpu_linear import Int4Linear
+
+    torch.manual_seed(m + n + group)
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    zeros = torch.randint(0, 16, (n, k // group), dtype=torch.uint8)
+    scales = (torch.rand(n, k // group) * 0.02 + 1e-3).half()
+    x = (torch.randn(m, k) * 30).to(BF16)
+    layer = Int4Linear(q, zeros, scales)
+    xg = x.float().view(m, k // group, group)
+    sx = xg.abs().amax(dim=2) / 127
+    xq = torch.round(xg * (1 / sx)[:, :, None])
+    wq = (q.double() - zeros.double().repeat_interleave(group, 1)).view(n, k // group, group)
+    sums = torch.einsum("mgk,ngk->mng", xq.double(), wq)  # exact integers
+    want = (sums * sx[:, None, :].double() * scales.double()[None]).sum(dim=2)
+    got = layer(x)
+    assert got.shape == (m, n)
+    torch.testing.assert_close(got.double(), want.to(BF16).double(), rtol=1e-2, atol=1e-6)

@@ -5,15 +5,15 @@ weights; its greedy tokens are HF transformers' for the same checkpoint (HF's ow
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from helpers import build_checkpoint
+from helpers import autoawq_pack, awq_layout, build_checkpoint, write_quantized_checkpoint
 from mili import LLM, SamplingParams
+from mili.kernels import cpu
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SHAPE = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=4, head_dim=32, intermediate_size=256,
@@ -25,15 +25,6 @@ PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 @pytest.fixture(scope="module")
 def dense(tmp_path_factory):
     return build_checkpoint(tmp_path_factory.mktemp("quant") / "dense", "gqa_untied", **SHAPE)
-
-
-def _write(dense, dest, tensors, qconfig):
-    shutil.copytree(dense, dest)
-    save_file(tensors, dest / "model.safetensors")
-    cfg = json.loads((dest / "config.json").read_text())
-    cfg["quantization_config"] = qconfig
-    (dest / "config.json").write_text(json.dumps(cfg))
-    return dest
 
 
 def qwen_fp8(weights: dict, scale_dtype: torch.dtype) -> tuple[dict, dict]:
@@ -98,7 +89,7 @@ def test_qwen_block_fp8_matches_hf(dense, tmp_path, scale_dtype):
 
     tensors, dequantized = qwen_fp8(load_file(dense / "model.safetensors"), scale_dtype)
     assert tensors["model.layers.0.self_attn.q_proj.weight"].dtype == torch.float8_e4m3fn
-    path = _write(dense, tmp_path / "fp8", tensors, {"quant_method": "fp8", "fmt": "e4m3",
+    path = write_quantized_checkpoint(dense, tmp_path / "fp8", tensors, {"quant_method": "fp8", "fmt": "e4m3",
                                                      "activation_scheme": "dynamic", "weight_block_size": [128, 128]})
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
                                                      quantization_config=FineGrainedFP8Config(dequantize=True)).eval()
@@ -117,7 +108,7 @@ def test_compressed_tensors_fp8_matches_the_dequantized_model(dense, tmp_path, s
                                                  "weights": {"num_bits": 8, "type": "float", "strategy": strategy},
                                                  "input_activations": {"num_bits": 8, "type": "float",
                                                                        "strategy": "token", "dynamic": True}}}}
-    path = _write(dense, tmp_path / f"ct_{strategy}", tensors, qconfig)
+    path = write_quantized_checkpoint(dense, tmp_path / f"ct_{strategy}", tensors, qconfig)
     plain = tmp_path / "plain"  # the reference: the dequantized weights as a plain checkpoint
     shutil.copytree(dense, plain, dirs_exist_ok=True)
     save_file({k: v.contiguous() for k, v in dequantized.items()}, plain / "model.safetensors")
@@ -133,46 +124,12 @@ def test_a_quantized_weight_without_its_scale_is_refused(dense, tmp_path):
 
     tensors, _ = qwen_fp8(load_file(dense / "model.safetensors"), torch.bfloat16)
     del tensors["model.layers.1.mlp.up_proj.weight_scale_inv"]
-    path = _write(dense, tmp_path / "noscale", tensors, {"quant_method": "fp8", "weight_block_size": [128, 128]})
+    path = write_quantized_checkpoint(dense, tmp_path / "noscale", tensors, {"quant_method": "fp8", "weight_block_size": [128, 128]})
     with pytest.raises(ModelLoadError, match="up_proj.weight is stored as float8_e4m3fn"):
         LLM(str(path), dtype="float32")
 
 
 # -- AWQ --------------------------------------------------------------------------------------------------
-def autoawq_pack(values: torch.Tensor) -> torch.Tensor:
-    """AutoAWQ's WQLinear_GEMM packing, as it is written there: [rows, cols] 4-bit -> [rows, cols / 8] int32,
-    word nibble i holding column order_map[i] of its 8."""
-    order_map = [0, 2, 4, 6, 1, 3, 5, 7]
-    packed = torch.zeros(values.shape[0], values.shape[1] // 8, dtype=torch.int32)
-    for col in range(values.shape[1] // 8):
-        for i in range(8):
-            packed[:, col] |= values[:, col * 8 + order_map[i]].to(torch.int32) << (i * 4)
-    return packed
-
-
-def awq_layout(weights: dict, group: int) -> tuple[dict, dict]:
-    """(AutoAWQ's GEMM layout, the dequantized weights): asymmetric 4-bit per group of input channels."""
-    out, dequantized = {}, {}
-    for name, w in weights.items():
-        if not name.endswith(tuple(f"{p}.weight" for p in LINEARS)):
-            out[name] = dequantized[name] = w
-            continue
-        wt = w.float().t()  # AWQ stores [in, out]
-        k, n = wt.shape
-        g = wt.reshape(k // group, group, n)
-        lo, hi = g.amin(dim=1), g.amax(dim=1)
-        scales = ((hi - lo).clamp(min=1e-5) / 15).half()
-        zeros = torch.round(-lo / scales.float()).clamp(0, 15)
-        q = torch.round(g / scales.float()[:, None] + zeros[:, None]).clamp(0, 15).reshape(k, n)
-        stem = name.removesuffix("weight")
-        out[stem + "qweight"] = autoawq_pack(q.to(torch.int32))
-        out[stem + "qzeros"] = autoawq_pack(zeros.to(torch.int32))
-        out[stem + "scales"] = scales
-        deq = (q.reshape(k // group, group, n) - zeros[:, None]) * scales.float()[:, None]
-        dequantized[name] = deq.reshape(k, n).t().contiguous()
-    return out, dequantized
-
-
 def test_awq_packing_order():
     from mili.model.quant import pack_awq, unpack_awq
 
@@ -193,7 +150,7 @@ def test_awq_matches_the_dequantized_model(dense, tmp_path, group):
     assert tensors["model.layers.0.self_attn.q_proj.qweight"].shape == (128, 128 // 8)
     qconfig = {"quant_method": "awq", "bits": 4, "group_size": group, "version": "gemm", "zero_point": True,
                "modules_to_not_convert": None}
-    path = _write(dense, tmp_path / f"awq{group}", tensors, qconfig)
+    path = write_quantized_checkpoint(dense, tmp_path / f"awq{group}", tensors, qconfig)
     plain = tmp_path / "plain"
     shutil.copytree(dense, plain, dirs_exist_ok=True)
     save_file({k: v.contiguous() for k, v in dequantized.items()}, plain / "model.safetensors")
@@ -209,10 +166,124 @@ def test_awq_without_zero_points_or_scales_is_refused(dense, tmp_path):
     tensors, _ = awq_layout(load_file(dense / "model.safetensors"), 128)
     qconfig = {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm", "zero_point": True}
     del tensors["model.layers.1.mlp.up_proj.scales"]
-    path = _write(dense, tmp_path / "noscales", tensors, qconfig)
+    path = write_quantized_checkpoint(dense, tmp_path / "noscales", tensors, qconfig)
     with pytest.raises(ModelLoadError, match="up_proj.qweight has no model.layers.1.mlp.up_proj.scales"):
         LLM(str(path), dtype="float32")
     for other in ({**qconfig, "version": "gemv"}, {**qconfig, "zero_point": False}, {**qconfig, "bits": 3}):
-        path = _write(dense, tmp_path / f"awq-{len(list(tmp_path.iterdir()))}", tensors, other)
+        path = write_quantized_checkpoint(dense, tmp_path / f"awq-{len(list(tmp_path.iterdir()))}", tensors, other)
         with pytest.raises(ModelLoadError, match="quantized with 'awq'"):
             LLM(str(path), dtype="float32")
+
+
+# -- the CPU in bf16: quantized weights on MILI's kernels ---------------------------------------------------
+AWQ_CONFIG = {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm", "zero_point": True}
+
+
+def _runner(llm):
+    return llm.engine.core.runner
+
+
+@pytest.mark.skipif(not cpu.int8_available(), reason="MILI's int kernels need AVX-512 VNNI or AMX")
+def test_awq_in_bf16_runs_on_the_int4_kernel(dense, tmp_path):
+    from mili.model.cpu_linear import Int4Linear, KernelLinear
+
+    tensors, _ = awq_layout(load_file(dense / "model.safetensors"), 128)
+    path = write_quantized_checkpoint(dense, tmp_path / "awq", tensors, AWQ_CONFIG)
+    fused = LLM(str(path), dtype="bfloat16")
+    runner = _runner(fused)
+    layer = runner.model.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, Int4Linear) and isinstance(layer.mlp.down_proj, Int4Linear)
+    assert isinstance(runner.model.lm_head, KernelLinear)  # not quantized in the checkpoint: bf16
+    assert runner.cpu_decode is not None and "int4" in runner.weight_format
+    # the fused decode layer runs the int4 kernel: the same tokens as the module path
+    eager = LLM(str(path), dtype="bfloat16", enforce_eager=True)
+    a = fused.generate(PROMPTS, PARAMS, use_tqdm=False)
+    b = eager.generate(PROMPTS, PARAMS, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+    # and W4A8 in bf16 stays near the float32 dequantized model: the first greedy token agrees
+    exact = LLM(str(path), dtype="float32").generate(PROMPTS, PARAMS, use_tqdm=False)
+    assert sum(x.outputs[0].token_ids[0] == y.outputs[0].token_ids[0] for x, y in zip(a, exact)) >= 2
+
+
+def test_fp8_checkpoint_in_bf16_maps_onto_int8(dense, tmp_path):
+    from mili.model.cpu_linear import Int8Linear
+
+    tensors, _ = qwen_fp8(load_file(dense / "model.safetensors"), torch.bfloat16)
+    path = write_quantized_checkpoint(dense, tmp_path / "fp8", tensors,
+                                      {"quant_method": "fp8", "weight_block_size": [128, 128]})
+    llm = LLM(str(path), dtype="bfloat16")
+    runner = _runner(llm)
+    assert isinstance(runner.model.model.layers[1].mlp.gate_up_proj, Int8Linear)
+    assert "int8 per channel" in runner.weight_format and "fp8" in runner.weight_format
+    assert llm.generate(PROMPTS[:1], PARAMS, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_quantization_flag_on_a_quantized_checkpoint_is_refused(dense, tmp_path):
+    from mili.errors import InvalidRequest
+
+    tensors, _ = awq_layout(load_file(dense / "model.safetensors"), 128)
+    path = write_quantized_checkpoint(dense, tmp_path / "awq", tensors, AWQ_CONFIG)
+    with pytest.raises(InvalidRequest, match="already quantized \\(awq int4"):
+        LLM(str(path), dtype="float32", quantization="fp8")
+
+
+def test_fp8_linear_is_scaled_mm_of_per_channel_weights_and_per_token_activations():
+    """The CUDA FP8 layer (torch._scaled_mm), checked on the CPU's _scaled_mm against its definition."""
+    from mili.model.cpu_linear import Fp8Linear
+    from mili.model.quant import FP8_MAX
+
+    torch.manual_seed(0)
+    w, x = torch.randn(96, 64), torch.randn(5, 64) * 3
+    layer = Fp8Linear(w.to(torch.bfloat16))
+    assert layer.qweight.dtype == torch.float8_e4m3fn and layer.scales.shape == (1, 96)
+    sw = w.to(torch.bfloat16).float().abs().amax(dim=1) / FP8_MAX
+    sx = x.to(torch.bfloat16).float().abs().amax(dim=1, keepdim=True) / FP8_MAX
+    wq = (w.to(torch.bfloat16).float() / sw[:, None]).to(torch.float8_e4m3fn).float() * sw[:, None]
+    xq = (x.to(torch.bfloat16).float() / sx).to(torch.float8_e4m3fn).float() * sx
+    got = layer(x.to(torch.bfloat16)).float()
+    torch.testing.assert_close(got, xq @ wq.T, rtol=1e-2, atol=1e-2)
+    assert (got - x @ w.T).abs().max() > 1e-2  # and it is quantized
+
+
+def _next_token_logprobs(llm, prompts: list[list[int]]) -> torch.Tensor:
+    """The full next-token log-distribution after each prompt, through the engine's own forward."""
+    core = llm.engine.core
+    rows = []
+    for prompt in prompts:
+        rid = llm.engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1))
+        sched = core.scheduler.schedule()
+        rows.append(core.runner.forward_logits(sched.scheduled)[0].float().log_softmax(-1))
+        core.scheduler.after_step(sched.scheduled)
+        llm.engine.abort_request(rid)
+    return torch.stack(rows)
+
+
+def test_fp8_quantization_kl_within_its_rounding_budget(tmp_path, qwen3_tokenizer):
+    """``--quantization fp8`` on real text through the real tokenizer: the next-token distributions' mean
+    KL divergence from the unquantized model (float32, so only the weights' FP8 rounding differs).
+
+    The bound: e4m3 keeps 3 mantissa bits, so rounding a weight changes it by a relative error uniform in
+    +-2^-4 of its binade's top, an RMS of 2^-4 / sqrt(3) ~ 3.6% at most (~2.7% averaged over a binade). The
+    same model with every linear weight times (1 + N(0, 3.6%^2)) is the budget: FP8 must cost less than that
+    (any scale misapplied, a channel's scale on another, or a dropped layer costs far more), and more than a
+    tenth of it (the rounding is really applied)."""
+    dense = build_checkpoint(tmp_path / "real", "gqa4_realvocab")
+    text = ("The quick brown fox jumps over the lazy dog. Tokenizers split text into pieces; a language model "
+            "predicts the next piece from the ones before it, one distribution at a time.")
+    ids = qwen3_tokenizer(text)["input_ids"]
+    prompts = [ids[:n] for n in range(4, len(ids), 3)]
+    common = dict(dtype="float32", enable_prefix_caching=False)
+    ref = _next_token_logprobs(LLM(str(dense), **common), prompts)
+    fp8 = _next_token_logprobs(LLM(str(dense), quantization="fp8", **common), prompts)
+    noisy = LLM(str(dense), **common)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in _runner(noisy).model.named_parameters():
+            if p.dim() == 2 and "embed" not in name and "lm_head" not in name:
+                p.mul_(1 + torch.randn(p.shape, generator=generator) * (2 ** -4 / 3 ** 0.5))
+    budget = _next_token_logprobs(noisy, prompts)
+
+    def kl(q):
+        return (ref.exp() * (ref - q)).sum(-1).mean().item()
+
+    assert 0.1 * kl(budget) < kl(fp8) < kl(budget), (kl(fp8), kl(budget))

@@ -37,6 +37,7 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {  # name -> argument types (all return void but mili_amx_init)
     "mili_linear": [_P, _P, _P, _I, _I, _I, ctypes.c_int],
     "mili_linear_int8": [_P, _P, _P, _P, _P, _I, _I, _I, ctypes.c_int],
+    "mili_linear_int4": [_P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int],
     "mili_use_amx": [ctypes.c_int],
     "mili_uses_amx": [],
     "mili_rms_norm": [_P, _I, _P, _P, _P, _P, _I, _I, _F, ctypes.c_int],

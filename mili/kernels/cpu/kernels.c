@@ -285,6 +285,114 @@ void mili_linear_int8(const int8_t *w, const float *sw, const int32_t *colsum, c
   free(sx);
 }
 
+/* -- int4 weights (AWQ: 4-bit, a scale and zero point per group of input channels) --------------------------
+ * W[n, k] = (q - z[n, g]) * s[n, g], g = k / group. q packed [N/16][K/8][64 bytes]: byte 4c + j of a row holds
+ * column c's q at k0 + j in its low nibble and at k0 + 4 + j in its high one, so masking and shifting a
+ * 64-byte load gives two of the int8 kernel's [16 columns][4 k] operands. Scales (fp16) and zero points
+ * (uint8) are [N/16][G][16]. x is quantized to int8 per row and group (sx, and each group's sum xsum, which
+ * takes the zero points off: sum_k x (q - z) = sum_k x q - z sum_k x); vpdpbusd takes q unsigned, x signed. */
+#define I4_MR 2
+VNNI static inline __attribute__((always_inline)) void int4_micro(
+    const uint8_t *w, int64_t wblock, const uint16_t *ws, const uint8_t *wz, int64_t G, int64_t k8_per_group,
+    const int8_t *xq, int64_t K, const float *sx, const int32_t *xsum, bf16 *y, int64_t ldy, const int MR,
+    const int NB, int prefetch) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 f[I4_MR][NB_MAX];
+  for (int i = 0; i < MR; i++)
+    for (int j = 0; j < NB; j++) f[i][j] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; g++) {
+    __m512i acc[I4_MR][NB_MAX];
+    for (int i = 0; i < MR; i++)
+      for (int j = 0; j < NB; j++) acc[i][j] = _mm512_setzero_si512();
+    for (int64_t p = g * k8_per_group; p < (g + 1) * k8_per_group; p++) {
+      __m512i lo[NB_MAX], hi[NB_MAX];
+      for (int j = 0; j < NB; j++) {
+        const uint8_t *wp = w + j * wblock + p * 64;
+        if (prefetch) _mm_prefetch((const char *)wp + PF_DIST, _MM_HINT_T0);
+        const __m512i v = _mm512_loadu_si512(wp);
+        lo[j] = _mm512_and_si512(v, low);
+        hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      }
+      for (int i = 0; i < MR; i++) {
+        int32_t w0, w1;
+        memcpy(&w0, xq + i * K + p * 8, 4);
+        memcpy(&w1, xq + i * K + p * 8 + 4, 4);
+        const __m512i x0 = _mm512_set1_epi32(w0), x1 = _mm512_set1_epi32(w1);
+        for (int j = 0; j < NB; j++)
+          acc[i][j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[i][j], lo[j], x0), hi[j], x1);
+      }
+    }
+    for (int j = 0; j < NB; j++) {
+      const int64_t at = j * G * 16 + g * 16;
+      const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ws + at)));
+      const __m512i z = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(wz + at)));
+      for (int i = 0; i < MR; i++) {
+        const __m512i t = _mm512_sub_epi32(acc[i][j], _mm512_mullo_epi32(z, _mm512_set1_epi32(xsum[i * G + g])));
+        f[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(s, _mm512_set1_ps(sx[i * G + g])), f[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < MR; i++)
+    for (int j = 0; j < NB; j++)
+      _mm256_storeu_si256((__m256i *)(y + i * ldy + j * 16), (__m256i)_mm512_cvtneps_pbh(f[i][j]));
+}
+
+#define I4_NB(MR, NB) \
+  int4_micro(w, wblock, ws, wz, G, k8g, xq, K, sx, xsum, y, ldy, MR, NB, prefetch)
+#define I4_MR_CASE(MR)               \
+  switch (nb) {                      \
+    case 1: I4_NB(MR, 1); break;     \
+    case 2: I4_NB(MR, 2); break;     \
+    case 3: I4_NB(MR, 3); break;     \
+    default: I4_NB(MR, 4); break;    \
+  }
+VNNI static void int4_micro_any(const uint8_t *w, int64_t wblock, const uint16_t *ws, const uint8_t *wz, int64_t G,
+                                int64_t k8g, const int8_t *xq, int64_t K, const float *sx, const int32_t *xsum,
+                                bf16 *y, int64_t ldy, int mr, int nb, int prefetch) {
+  if (mr == 1) {
+    I4_MR_CASE(1);
+  } else {
+    I4_MR_CASE(2);
+  }
+}
+
+/* y[M, N] = x[M, K] @ W^T for int4 W (layout above). N % 16 == 0, K % group == 0, group % 8 == 0. */
+void mili_linear_int4(const uint8_t *w, const uint16_t *ws, const uint8_t *wz, const bf16 *x, bf16 *y, int64_t M,
+                      int64_t N, int64_t K, int64_t group, int nthreads) {
+  const int64_t G = K / group, nblocks = N / 16, ngroups = (nblocks + NB_MAX - 1) / NB_MAX, wblock = K * 8;
+  int8_t *xq = malloc(M * K);
+  float *sx = malloc(M * G * sizeof(float));
+  int32_t *xsum = malloc(M * G * sizeof(int32_t));
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (M * K >= 65536)
+  for (int64_t r = 0; r < M * G; r++) { /* one group of one row */
+    const bf16 *xr = x + (r / G) * K + (r % G) * group;
+    int8_t *qr = xq + (r / G) * K + (r % G) * group;
+    float amax = 0.f;
+    for (int64_t k = 0; k < group; k++) amax = fmaxf(amax, fabsf(bf16_to_float(xr[k])));
+    const float scale = amax > 0.f ? amax / 127.f : 1.f, inv = 1.f / scale;
+    int32_t sum = 0;
+    for (int64_t k = 0; k < group; k++) {
+      qr[k] = (int8_t)lrintf(bf16_to_float(xr[k]) * inv);
+      sum += qr[k];
+    }
+    sx[r] = scale;
+    xsum[r] = sum;
+  }
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (ngroups > 1)
+  for (int64_t c = 0; c < ngroups; c++) {
+    const int64_t nb0 = c * NB_MAX;
+    const int nb = nblocks - nb0 < NB_MAX ? (int)(nblocks - nb0) : NB_MAX;
+    for (int64_t m0 = 0; m0 < M; m0 += I4_MR) {
+      const int mr = M - m0 < I4_MR ? (int)(M - m0) : I4_MR;
+      int4_micro_any(w + nb0 * wblock, wblock, ws + nb0 * G * 16, wz + nb0 * G * 16, G, group / 8, xq + m0 * K, K,
+                     sx + m0 * G, xsum + m0 * G, y + m0 * N + nb0 * 16, N, mr, nb, M <= 8);
+    }
+  }
+  free(xq);
+  free(sx);
+  free(xsum);
+}
+
 /* exp(x): x = n ln2 + r, 2^n exactly by scalef, e^r by its Taylor series to r^6 (|r| <= ln2/2:
  * relative error ~1e-7); below -87 it gives ~0, above ~88 infinity. */
 static inline __m512 exp_ps(__m512 x) {
@@ -607,9 +715,10 @@ void mili_prefill_attention(const bf16 *q, int64_t ldq, const bf16 *k, int64_t l
  * same order, same roundings: the result is bit for bit the module path's. */
 typedef struct {
   const void *w;       /* packed weight */
-  const float *scales; /* int8: per output column, else NULL */
-  const int32_t *colsum;
+  const void *scales;  /* int8: float per output column; int4: fp16 per column and group; bf16: NULL */
+  const void *aux;     /* int8: column sums (int32); int4: zero points (uint8) */
   int64_t n, k; /* output (a multiple of 16: no padding) and input features */
+  int64_t group; /* int4: input features per scale, else 0 */
 } mili_linear_desc;
 
 typedef struct {
@@ -620,7 +729,8 @@ typedef struct {
 } mili_layer_desc;
 
 static void run_linear(const mili_linear_desc *l, const bf16 *x, bf16 *y, int64_t M, int nthreads) {
-  if (l->scales) mili_linear_int8(l->w, l->scales, l->colsum, x, y, M, l->n, l->k, nthreads);
+  if (l->group) mili_linear_int4(l->w, l->scales, l->aux, x, y, M, l->n, l->k, l->group, nthreads);
+  else if (l->scales) mili_linear_int8(l->w, l->scales, l->aux, x, y, M, l->n, l->k, nthreads);
   else mili_linear(l->w, x, y, M, l->n, l->k, nthreads);
 }
 

@@ -76,6 +76,33 @@ def linear_int8(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, col
         _threads()))
 
 
+def pack_int4(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """int4 weights q [N, K] (uint8 values 0..15; N % 16 == 0, K % 8 == 0) with zero points (uint8) and
+    scales [N, groups] -> the int4 kernel's layout (kernels.c): q [N/16, K/8, 64] bytes (byte 4c + j: column
+    c at k0 + j low, k0 + 4 + j high), scales (fp16) and zeros [N/16, groups, 16]."""
+    n, k = q.shape
+    cols = q.view(n // 16, 16, k // 8, 2, 4).permute(0, 2, 3, 1, 4)  # [N/16, K/8, lo|hi, 16, 4]
+    packed = (cols[:, :, 0] | (cols[:, :, 1] << 4)).reshape(n // 16, k // 8, 64).contiguous()
+
+    def blocked(t):
+        return t.reshape(n // 16, 16, -1).transpose(1, 2).contiguous()
+
+    return packed, blocked(scales.to(torch.float16)), blocked(zeros.to(torch.uint8))
+
+
+def int4_supported(out_features: int, in_features: int, group: int) -> bool:
+    return out_features % 16 == 0 and in_features % group == 0 and group % 8 == 0
+
+
+def linear_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ W^T for int4 W (:func:`pack_int4`), x quantized to int8 per row and group in the kernel."""
+    group = packed.shape[1] * 8 // scales.shape[1]
+    return _packed_product(x, packed, packed.shape[0] * 16, lambda x, y, m, n, k: _lib().mili_linear_int4(
+        packed.data_ptr(), scales.data_ptr(), zeros.data_ptr(), x.data_ptr(), y.data_ptr(), m, n, k, group,
+        _threads()))
+
+
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """The first index of each row's largest value (torch.argmax(dim=-1)), read straight from bf16."""
     if logits.dtype != BF16 or logits.dim() != 2 or logits.stride(-1) != 1 or not logits.shape[1]:
