@@ -88,7 +88,7 @@ def weight_bytes_per_step(model) -> int:
     for name, module in model.named_modules():
         if name == "model.embed_tokens":
             continue
-        for attr in ("weight", "qweight", "packed"):
+        for attr in ("weight", "qweight", "packed", "scales", "zeros"):
             t = getattr(module, attr, None)
             if isinstance(t, torch.Tensor) and t.dim() >= 2:
                 total += t.numel() * t.element_size()
@@ -345,7 +345,7 @@ def add_parser(sub) -> None:
     p.add_argument("mode", choices=["latency", "throughput", "serve"])
     p.add_argument("model", nargs="?", default=DEMO_MODEL, help="checkpoint (latency, throughput)")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--quantization", default=None, choices=[None, "int8"])
+    p.add_argument("--quantization", default=None, choices=[None, "int8", "fp8"])
     p.add_argument("--no-cpu-kernels", dest="cpu_kernels", action="store_false",
                    help="torch ops and oneDNN instead of MILI's CPU kernels")
     p.add_argument("--baseline", default=None, choices=[None, "hf", "bf16"],
