@@ -61,7 +61,7 @@ def pack_awq(values: torch.Tensor) -> torch.Tensor:
     """The inverse of ``unpack_awq``: [rows, cols] in 0..15 -> [rows, cols / 8] int32 (AutoAWQ's order)."""
     v = values.to(torch.int64).reshape(values.shape[0], -1, 8)
     word = sum(v[:, :, col] << (4 * i) for i, col in enumerate(AWQ_ORDER))
-    return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
+    return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32).contiguous()
 
 
 def awq_int4(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group: int,
