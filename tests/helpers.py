@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import socket
@@ -124,10 +125,46 @@ CHAIN = {198: 151667, 151667: 10061, 10061: 752, 752: 1744, 1744: 151668, 151668
          9707: 0, 0: 151645}
 
 
-def script_text(start: int, text: str, end: int = 151645) -> dict[int, int]:
+# A scripted model that thinks, talks and calls a tool: with thinking on, "<think>Let me think</think>\n\n"
+# then CALLER_TEXT; with it off (the prompt then ends with "</think>\n\n", token 271), CALLER_TEXT alone.
+CALLER_THINKING = {198: 151667, 151667: 10061, 10061: 752, 752: 1744, 1744: 151668, 151668: 271}
+CALLER_TEXT = 'I will check.\n<tool_call>\n{"name": "get_time", "arguments" : {"zone":"CET"}}\n</tool_call>'
+
+
+def build_caller_checkpoint(path: Path) -> tuple[Path, dict[int, int]]:
+    """The scripted checkpoint above, and its chain."""
+    chain = {**CALLER_THINKING, **script_text(271, CALLER_TEXT, avoid=tuple(CALLER_THINKING))}
+    return build_scripted_checkpoint(path, chain, hidden=64), chain
+
+
+def chain_length(chain: dict[int, int], start: int, end: int = 151645) -> int:
+    """How many tokens the scripted model writes after ``start``, ``end`` included."""
+    n, token = 0, start
+    while token != end:
+        token, n = chain[token], n + 1
+    return n
+
+
+@functools.cache
+def _qwen3_tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(QWEN3_TOKENIZER)
+
+
+def prompt_tokens(messages: list[dict], **kwargs) -> int:
+    """How many tokens HF's Qwen3 chat template makes of ``messages`` (with the generation prompt);
+    ``kwargs`` go to the template (tools, enable_thinking)."""
+    tokenizer = _qwen3_tokenizer()
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+    return len(tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def script_text(start: int, text: str, end: int = 151645, avoid: tuple[int, ...] = ()) -> dict[int, int]:
     """A chain (for ``build_scripted_checkpoint``) whose greedy output after token ``start`` decodes to
     ``text``, then ``end``. The chain is first-order, so no token may appear twice: repeated pieces of
-    ``text`` are spelled with other tokens (longest unused vocabulary piece first)."""
+    ``text`` are spelled with other tokens (longest unused vocabulary piece first), and none of ``avoid``
+    (the tokens of another chain this one joins) is used."""
     from transformers import AutoTokenizer
 
     backend = AutoTokenizer.from_pretrained(QWEN3_TOKENIZER).backend_tokenizer
@@ -140,7 +177,7 @@ def script_text(start: int, text: str, end: int = 151645) -> dict[int, int]:
 
     rng = random.Random(0)
     for _ in range(5000):  # random spellings (longer pieces likelier) until one uses no token twice
-        used, ids, pos = {start, end}, [], 0
+        used, ids, pos = {start, end, *avoid}, [], 0
         while pos < len(text):
             options = [(length, i) for length in range(min(16, len(text) - pos), 0, -1)
                        for i in pieces.get(text[pos:pos + length], []) if i not in used]

@@ -13,13 +13,13 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 import mili
 from mili.engine.client import AsyncLLM
 from mili.outputs import RequestOutput
 from mili.sampling_params import SamplingParams
-from mili.server.errors import APIError, error_body, install_error_handlers
+from mili.server.errors import APIError, error_response, install_error_handlers
 from mili.server.metrics import Metrics
 from mili.server.protocol import DetokenizeRequest, TokenizeRequest
 from mili.tokenizer.tokenizer import encode_chat, encode_prompt
@@ -147,13 +147,21 @@ async def until_disconnect(http_request: Request, work):
             raise APIError(499, "client disconnected", "invalid_request_error")
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+async def final_output(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+    """The last (finished) output of one request's stream."""
+    out = None
+    async for out in stream:
+        pass
+    return out
+
+
+def new_id(prefix: str, sep: str = "-") -> str:
+    return f"{prefix}{sep}{uuid.uuid4().hex[:24]}"
 
 
 def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
               max_queued_requests: int = 1024, sampling_defaults: dict | None = None) -> FastAPI:
-    from mili.server import native, openai
+    from mili.server import anthropic, native, openai, responses
 
     state = ServerState(engine, model_name, api_key, max_queued_requests, sampling_defaults)
 
@@ -172,8 +180,9 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
             auth = request.headers.get("authorization", "")
             token = auth[7:] if auth.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
             if not hmac.compare_digest(token.encode(), state.api_key.encode()):
-                return JSONResponse(error_body("Incorrect or missing API key. Send it as 'Authorization: Bearer "
-                                               "KEY'.", "invalid_request_error", None, "invalid_api_key"), 401)
+                return error_response(request.url.path, APIError(
+                    401, "Incorrect or missing API key. Send it as 'Authorization: Bearer KEY' or 'x-api-key: KEY'.",
+                    code="invalid_api_key"))
         return await call_next(request)
 
     @app.get("/metrics")
@@ -203,5 +212,7 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
         return {"prompt": state.tokenizer.decode(body.tokens)}
 
     app.include_router(openai.router)
+    app.include_router(anthropic.router)
+    app.include_router(responses.router)
     app.include_router(native.router)
     return app

@@ -1,4 +1,6 @@
-"""Every error a client can cause, in OpenAI's shape, mapped to its HTTP status in one place."""
+"""Every error a client can cause, mapped to its HTTP status and body in one place: OpenAI's shape
+(``{"error": {...}}``) everywhere but Anthropic's routes (``/v1/messages``), which answer in Anthropic's
+(``{"type": "error", "error": {"type", "message"}}``)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mili.errors import EngineDeadError, MiliError
@@ -35,7 +38,33 @@ def to_api_error(e: BaseException) -> APIError:
                         None, e.code)
     if isinstance(e, MiliError):
         return APIError(400, str(e), "invalid_request_error", e.param, e.code)
+    if isinstance(e, ValidationError):  # a body a route built itself (a dialect's request, translated)
+        return _validation_error(e.errors())
     return APIError(500, f"internal error: {type(e).__name__}", "internal_server_error", None, "internal_error")
+
+
+ANTHROPIC_PATHS = "/v1/messages"  # these paths (and those below them) answer in Anthropic's error shape
+# Anthropic's error types by status (docs.anthropic.com, "Errors"): a full queue is its 529
+# overloaded_error, any other server-side failure (a dead engine too) its 500 api_error.
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                    500: "api_error", 529: "overloaded_error"}
+
+
+def anthropic_error(err: APIError) -> tuple[int, dict]:
+    """(status, body) of an error in Anthropic's shape."""
+    status = 529 if err.code == "queue_full" else 500 if err.status >= 500 else err.status
+    kind = _ANTHROPIC_TYPES.get(status, "invalid_request_error")
+    return status, {"type": "error", "error": {"type": kind, "message": err.message}}
+
+
+def error_response(path: str, e: BaseException) -> JSONResponse:
+    """The response for an error raised while serving ``path``, in that API's shape."""
+    err = to_api_error(e)
+    if path == ANTHROPIC_PATHS or path.startswith(ANTHROPIC_PATHS + "/"):
+        status, body = anthropic_error(err)
+        return JSONResponse(body, status, headers=err.headers)
+    return JSONResponse(error_body(err.message, err.type, err.param, err.code), err.status, headers=err.headers)
 
 
 # Characters JSON leaves raw that line readers built on str.splitlines() (httpx's among them) take for
@@ -43,9 +72,10 @@ def to_api_error(e: BaseException) -> APIError:
 _LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
 
 
-def sse(obj) -> str:
-    """One server-sent event carrying ``obj`` as JSON."""
-    return f"data: {json.dumps(obj, ensure_ascii=False).translate(_LINE_BREAKS)}\n\n"
+def sse(obj, event: str | None = None) -> str:
+    """One server-sent event carrying ``obj`` as JSON (named ``event``, for the APIs that name them)."""
+    data = f"data: {json.dumps(obj, ensure_ascii=False).translate(_LINE_BREAKS)}\n\n"
+    return data if event is None else f"event: {event}\n{data}"
 
 
 def sse_error(e: BaseException) -> str:
@@ -54,41 +84,43 @@ def sse_error(e: BaseException) -> str:
     return sse(error_body(err.message, err.type, err.param, err.code))
 
 
+def _validation_error(errors: list) -> APIError:
+    """pydantic's errors as one 400 naming the wrong field (never FastAPI's 422): the first of the deepest
+    ones, the most specific where a union's branches each failed, its location without branch labels."""
+    first = max(errors, key=lambda e: len(e.get("loc", ())), default={})
+    if first.get("type") == "json_invalid":
+        msg = f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg', ''))}"
+        return APIError(400, msg, code="invalid_json")
+    loc = [str(x) for x in first.get("loc", ()) if x != "body" and "[" not in str(x)]
+    if not loc and first.get("type") in ("model_attributes_type", "dict_type", "missing"):
+        return APIError(400, "the request body must be a JSON object (send Content-Type: application/json)",
+                        code="invalid_json")
+    param = ".".join(loc) or None
+    if first.get("type") == "extra_forbidden":
+        return APIError(400, f"unknown field {param!r}: MILI does not implement it (see the API reference in the "
+                        "README)", param=param, code="unsupported_parameter")
+    msg = f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "invalid request")
+    return APIError(400, msg, param=param, code="invalid_parameter")
+
+
 def install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(APIError)
-    async def api_error(_: Request, e: APIError):
-        return JSONResponse(error_body(e.message, e.type, e.param, e.code), e.status, headers=e.headers)
-
-    @app.exception_handler(MiliError)
-    async def mili_error(_: Request, e: MiliError):
-        err = to_api_error(e)
-        return JSONResponse(error_body(err.message, err.type, err.param, err.code), err.status)
-
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, e: RequestValidationError):
-        first = e.errors()[0] if e.errors() else {}
-        if first.get("type") == "json_invalid":
-            msg = f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg', ''))}"
-            return JSONResponse(error_body(msg, "invalid_request_error", None, "invalid_json"), 400)
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        if not loc and first.get("type") in ("model_attributes_type", "dict_type", "missing"):
-            msg = "the request body must be a JSON object (send Content-Type: application/json)"
-            return JSONResponse(error_body(msg, "invalid_request_error", None, "invalid_json"), 400)
-        param = ".".join(loc) or None
-        if first.get("type") == "extra_forbidden":
-            msg = f"unknown field {param!r}: MILI does not implement it (see the API reference in the README)"
-            return JSONResponse(error_body(msg, "invalid_request_error", param, "unsupported_parameter"), 400)
-        msg = f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "invalid request")
-        return JSONResponse(error_body(msg, "invalid_request_error", param, "invalid_parameter"), 400)
+    async def validation_error(request: Request, e: RequestValidationError):
+        return error_response(request.url.path, _validation_error(e.errors()))
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, e: StarletteHTTPException):
+    async def http_error(request: Request, e: StarletteHTTPException):
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(str(e.detail), kind, None, e.status_code), e.status_code,
-                            headers=getattr(e, "headers", None))
+        err = APIError(e.status_code, str(e.detail), kind, None, e.status_code, getattr(e, "headers", None))
+        return error_response(request.url.path, err)
 
-    @app.exception_handler(Exception)
-    async def unexpected(_: Request, e: Exception):
+    async def client_error(request: Request, e: Exception):
+        return error_response(request.url.path, e)
+
+    for kind in (APIError, MiliError, ValidationError):  # ours, answered where they are raised
+        app.add_exception_handler(kind, client_error)
+
+    @app.exception_handler(Exception)  # anything else (Starlette answers it, then re-raises it)
+    async def unexpected(request: Request, e: Exception):
         log.exception("unexpected error while serving a request")
-        err = to_api_error(e)
-        return JSONResponse(error_body(err.message, err.type, err.param, err.code), err.status)
+        return error_response(request.url.path, e)

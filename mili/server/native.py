@@ -6,7 +6,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 import mili
-from mili.server.app import ServerState, new_id, until_disconnect
+from mili.server.app import ServerState, final_output, new_id, until_disconnect
 from mili.server.errors import sse, sse_error
 from mili.server.protocol import GenerateRequest
 
@@ -14,7 +14,7 @@ router = APIRouter()
 
 ENDPOINTS = ["GET /", "GET /health", "GET /version", "GET /metrics", "POST /generate", "GET /status/{request_id}",
              "POST /tokenize", "POST /detokenize", "GET /v1/models", "POST /v1/completions",
-             "POST /v1/chat/completions"]
+             "POST /v1/chat/completions", "POST /v1/responses", "POST /v1/messages", "POST /v1/messages/count_tokens"]
 
 
 def _state(http: Request) -> ServerState:
@@ -69,13 +69,7 @@ async def generate(body: GenerateRequest, http: Request):
                 "finish_reason": o.finish_reason}
 
     if not body.stream:
-        async def last():
-            out = None
-            async for out in stream:
-                pass
-            return out
-
-        return reply(await until_disconnect(http, last()))
+        return reply(await until_disconnect(http, final_output(stream)))
 
     async def events():
         sent = 0

@@ -10,11 +10,11 @@ from fastapi.responses import StreamingResponse
 
 from mili.outputs import CompletionOutput, RequestOutput
 from mili.server.app import ServerState, merge, new_id, until_disconnect
+from mili.server.chat import ChatPrompt
 from mili.server.errors import APIError, sse, sse_error
 from mili.server.protocol import ChatCompletionRequest, CompletionRequest
-from mili.tokenizer.reasoning import THINK_START, ReasoningStream, constraint_start, split_reasoning
+from mili.tokenizer.reasoning import THINK_START, ReasoningStream, split_reasoning
 from mili.tokenizer.tool_calls import ToolCallStream, call_json, extract_tool_calls, new_call_id
-from mili.tokenizer.tokenizer import encode_chat
 
 router = APIRouter()
 
@@ -153,20 +153,12 @@ def _chat_logprobs(o: CompletionOutput, start: int, n: int) -> dict | None:
 async def chat_completions(body: ChatCompletionRequest, http: Request):
     st = _state(http)
     st.check_model(body.model)
-    kwargs = body.chat_template_kwargs or {}
-    tool_mode, _ = body.tool_mode()
-    template_kwargs = {**kwargs, "tools": body.tools} if body.tools else kwargs
-    text, prompt = encode_chat(st.tokenizer, [m.for_template() for m in body.messages], body.add_generation_prompt,
-                               template_kwargs)
-    thinking = kwargs.get("enable_thinking", True) is not False  # as Qwen3's template decides
-    opened = thinking and text.rstrip().endswith(THINK_START)  # templates that open <think> themselves
+    prompt = ChatPrompt.render(st.tokenizer, body)
+    thinking, opened, tools = prompt.thinking, prompt.opened, prompt.tools
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    params = body.sampling_params(max_tokens, body.logprobs_n(), st.openai_defaults)
-    if params.structured_outputs is not None:
-        params.structured_outputs.start_after_token_id = constraint_start(st.tokenizer, text, thinking)
-    tools = tool_mode != "none"
+    params = prompt.params(st.tokenizer, body, max_tokens, body.logprobs_n(), st.openai_defaults)
     rid, created = new_id("chatcmpl"), int(time.time())
-    streams = await st.start([prompt], [params], rid)
+    streams = await st.start([prompt.token_ids], [params], rid)
     head = {"id": rid, "object": "chat.completion", "created": created, "model": st.model_name}
     nlp = body.top_logprobs or 0
 

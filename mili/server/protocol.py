@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from mili.errors import InvalidRequest
 from mili.sampling_params import SamplingParams, StructuredOutputsParams
@@ -13,17 +13,31 @@ from mili.structured import check as check_structured
 from mili.tokenizer.tool_calls import forced_tool_call_tag
 
 
-class _Strict(BaseModel):
+class Strict(BaseModel):
     """A request body whose unknown fields are a 400 naming them: nothing is silently ignored."""
 
     model_config = ConfigDict(extra="forbid")
 
 
-class StreamOptions(_Strict):
+def only_types(*types: str, default: str | None = None) -> BeforeValidator:
+    """For a field holding a list of typed items (a union): the first item whose ``type`` is not one of
+    ``types`` (``default``: the type of an item without one) is an error naming it, not lost in the
+    errors of every branch of the union."""
+    def check(items: Any) -> Any:
+        for item in items if isinstance(items, list) else []:
+            kind = item.get("type", default) if isinstance(item, dict) else None
+            if kind not in types:
+                raise ValueError(f"items of type {kind!r} are not supported (MILI takes {', '.join(types)})")
+        return items
+
+    return BeforeValidator(check)
+
+
+class StreamOptions(Strict):
     include_usage: bool = False
 
 
-class _Sampling(_Strict):
+class _Sampling(Strict):
     """Parameters shared by /v1/completions and /v1/chat/completions (OpenAI's, then vLLM's extras)."""
 
     model: str | None = None
@@ -249,7 +263,7 @@ class ChatCompletionRequest(_Sampling):
 GENERATE_DEFAULTS = {"temperature": 1.0, "top_p": 0.95, "top_k": 50}
 
 
-class GenerateRequest(_Strict):
+class GenerateRequest(Strict):
     """The native API of the original design: its fields and defaults, plus MILI's seed and stop."""
 
     prompt: str = Field(min_length=1)
@@ -268,7 +282,7 @@ class GenerateRequest(_Strict):
         return SamplingParams(max_tokens=self.max_tokens, seed=self.seed, stop=self.stop, **picked)
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(Strict):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
@@ -276,5 +290,5 @@ class TokenizeRequest(_Strict):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(Strict):
     tokens: list[int]

@@ -85,7 +85,12 @@ class ToolCallStream:
         self._args_sent = 0
 
     def feed(self, delta: str, final: bool = False) -> tuple[str, list[dict]]:
-        content, calls = [], []
+        parts = self.feed_parts(delta, final)
+        return "".join(p for p in parts if isinstance(p, str)), [p for p in parts if isinstance(p, dict)]
+
+    def feed_parts(self, delta: str, final: bool = False) -> list[str | dict]:
+        """The same as ``feed``, in the order the model wrote it: content strings and call entries."""
+        parts: list[str | dict] = []
         text = delta
         while True:
             if self.call is None:
@@ -93,28 +98,28 @@ class ToolCallStream:
                 start = self.pending.find(TOOL_START)
                 if start == -1:
                     keep = 0 if final else partial_suffix(self.pending, TOOL_START)
-                    content.append(self.pending[:len(self.pending) - keep])
+                    parts.append(self.pending[:len(self.pending) - keep])
                     self.pending = self.pending[len(self.pending) - keep:]
                     break
-                content.append(self.pending[:start])
+                parts.append(self.pending[:start])
                 text, self.pending = self.pending[start + len(TOOL_START):], ""
                 self.call, self._header_end, self._args_sent = "", 0, 0
                 continue
             self.call += text
             end = self.call.find(TOOL_END)
             if end == -1 and not final:
-                calls += self._progress()
+                parts += self._progress()
                 break
             body, text = (self.call[:end], self.call[end + len(TOOL_END):]) if end != -1 else (self.call, "")
             self.call = None
             closed = self._close(body)
             if closed is None:  # not a tool call: its text is content (or lost if its name went out)
-                content.append(TOOL_START + body + (TOOL_END if end != -1 else ""))
+                parts.append(TOOL_START + body + (TOOL_END if end != -1 else ""))
             else:
-                calls += closed
+                parts += closed
             if not text and end == -1:
                 break
-        return "".join(content), calls
+        return [p for p in parts if p != ""]
 
     def _progress(self) -> list[dict]:
         """The open block's name once it is complete, then each new piece of its arguments."""

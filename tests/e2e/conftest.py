@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import CHAIN, Server, build_checkpoint, build_scripted_checkpoint, metric  # noqa: F401
+from helpers import (CHAIN, Server, build_caller_checkpoint, build_checkpoint,  # noqa: F401
+                     build_scripted_checkpoint, metric)
 
 @pytest.fixture(scope="session")
 def random_model(tmp_path_factory) -> Path:
@@ -16,6 +17,12 @@ def random_model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def scripted_model(tmp_path_factory) -> Path:
     return build_scripted_checkpoint(tmp_path_factory.mktemp("e2e") / "scripted", CHAIN)
+
+
+@pytest.fixture(scope="session")
+def caller_model(tmp_path_factory) -> tuple[Path, dict[int, int]]:
+    """A scripted checkpoint that thinks, says a sentence and calls get_time (helpers.CALLER_TEXT), and its chain."""
+    return build_caller_checkpoint(tmp_path_factory.mktemp("e2e") / "caller")
 
 
 @pytest.fixture(scope="module")

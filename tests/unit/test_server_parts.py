@@ -87,3 +87,113 @@ def test_sse_events_never_contain_a_line_break_a_line_reader_would_split_on():
     event = sse({"text": text})
     assert event.endswith("\n\n") and len(event[:-2].splitlines()) == 1
     assert json.loads(event[6:])["text"] == text
+
+
+# -- the dialects' shared pieces ----------------------------------------------------------------------
+REPLY = ('<think>\nLet me think.\n</think>\n\nI will check.\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n'
+         '</tool_call>\n<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>\n  Done.\n')
+
+
+def _replay(events) -> list[tuple]:
+    """The blocks a client rebuilds from the events, checking each is started, extended, then stopped."""
+    built, state = {}, {}
+    for kind, block, text in events:
+        if kind == "start":
+            assert block.index not in state and block.index == len(built) and text == ""
+            built[block.index], state[block.index] = [block.kind, block.name, ""], "open"
+        elif kind == "delta":
+            assert state[block.index] == "open" and text
+            built[block.index][2] += text
+        else:
+            assert state[block.index] == "open"
+            state[block.index] = "stopped"
+    assert all(s == "stopped" for s in state.values())
+    return [tuple(b) for b in built.values()]
+
+
+@pytest.mark.parametrize("text, thinking, tools, expected", [
+    (REPLY, True, True, [("reasoning", None, "Let me think.\n"), ("text", None, "I will check."),
+                         ("tool_call", "f", '{"a": 1}'), ("tool_call", "g", "{}"), ("text", None, "Done.\n")]),
+    (REPLY[:REPLY.index("check")], True, True,  # cut short: the whitespace at its end is the text's
+     [("reasoning", None, "Let me think.\n"), ("text", None, "I will ")]),
+    ("Hello <b>world</b>\n\n", False, True, [("text", None, "Hello <b>world</b>\n\n")]),
+    ("<think>x</think>y", False, False, [("text", None, "<think>x</think>y")]),
+])
+def test_reply_blocks_are_the_same_streamed_or_whole(text, thinking, tools, expected):
+    from mili.server.chat import ChatPrompt, ReplyBlocks
+
+    prompt = ChatPrompt("", [], thinking, False, tools)
+    whole = ReplyBlocks(prompt)
+    assert _replay(whole.feed(text, final=True)) == [(b.kind, b.name, b.text) for b in whole.blocks] == expected
+    for cut in range(1, 8):
+        stream, pieces = ReplyBlocks(prompt), [text[i:i + cut] for i in range(0, len(text), cut)]
+        events = [e for k, piece in enumerate(pieces) for e in stream.feed(piece, final=k == len(pieces) - 1)]
+        assert _replay(events) == expected
+        assert [b.call_id is not None for b in stream.blocks] == [b.kind == "tool_call" for b in stream.blocks]
+
+
+def test_anthropic_error_types():
+    from mili.server.errors import APIError, anthropic_error
+
+    def kind(err):
+        status, body = anthropic_error(err)
+        assert set(body) == {"type", "error"} and body["error"]["message"] == err.message
+        return status, body["error"]["type"]
+
+    assert kind(APIError(400, "bad")) == (400, "invalid_request_error")
+    assert kind(APIError(401, "key", code="invalid_api_key")) == (401, "authentication_error")
+    assert kind(APIError(404, "model", "not_found_error")) == (404, "not_found_error")
+    assert kind(APIError(503, "busy", "server_error", code="queue_full")) == (529, "overloaded_error")
+    assert kind(APIError(503, "dead", "server_error", code="engine_dead")) == (500, "api_error")
+
+
+@pytest.fixture
+def dying_client(checkpoints, monkeypatch):
+    """An app whose engine fails on its fourth step."""
+    engine = AsyncLLM(EngineConfig(model=str(checkpoints["gqa4_realvocab"]), dtype="float32"), core_in_thread=True)
+    real_step, calls = engine.core.step, []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) > 3:
+            raise RuntimeError("simulated device failure")
+        return real_step()
+
+    monkeypatch.setattr(engine.core, "step", failing_step)
+    with TestClient(build_app(engine, "tiny"), raise_server_exceptions=False) as c:
+        yield c
+    engine.shutdown()
+
+
+def _named_events(r) -> list[tuple[str, dict]]:
+    lines = [line for line in r.iter_lines() if line]
+    assert all(a.startswith("event: ") and b.startswith("data: ") for a, b in zip(lines[::2], lines[1::2]))
+    return [(a[7:], json.loads(b[6:])) for a, b in zip(lines[::2], lines[1::2])]
+
+
+def test_anthropic_stream_error_then_api_error(dying_client):
+    body = {"model": "tiny", "max_tokens": 50, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    with dying_client.stream("POST", "/v1/messages", json=body) as r:
+        assert r.status_code == 200
+        events = _named_events(r)
+    assert events[0][0] == "message_start" and "content_block_delta" in [name for name, _ in events]
+    name, error = events[-1]
+    assert name == "error" and error["type"] == "error" and error["error"]["type"] == "api_error"
+    assert "simulated device failure" in error["error"]["message"]
+    r = dying_client.post("/v1/messages", json={**body, "stream": False})
+    assert r.status_code == 500 and r.json()["error"]["type"] == "api_error"
+
+
+def test_responses_stream_fails(dying_client):
+    body = {"model": "tiny", "max_output_tokens": 50, "input": "hi", "stream": True}
+    with dying_client.stream("POST", "/v1/responses", json=body) as r:
+        assert r.status_code == 200
+        events = _named_events(r)
+    assert [name for name, _ in events[:2]] == ["response.created", "response.in_progress"]
+    name, failed = events[-1]
+    assert name == failed["type"] == "response.failed" and failed["response"]["status"] == "failed"
+    assert failed["response"]["error"]["code"] == "server_error"
+    assert "simulated device failure" in failed["response"]["error"]["message"]
+    assert [e["sequence_number"] for _, e in events] == list(range(len(events)))
+    r = dying_client.post("/v1/responses", json={**body, "stream": False})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"

@@ -1,0 +1,281 @@
+"""Anthropic's Messages API: POST /v1/messages (streamed or not) and POST /v1/messages/count_tokens.
+
+A request is translated into the chat path the OpenAI API uses (``mili.server.chat``): system, user and
+assistant turns with ``tool_use``/``tool_result`` blocks become the chat template's messages, ``tools``
+its tools, ``tool_choice`` ``any``/``tool`` the same grammar-enforced tool calls as OpenAI's
+``required``/named choice, ``thinking`` Qwen3's enable_thinking. The reply's blocks (thinking, text,
+tool_use) come from the shared reasoning and tool-call parsers. Errors on these paths are in Anthropic's
+shape (``mili.server.errors``).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+from pydantic import Field
+
+from mili.errors import InvalidRequest
+from mili.outputs import CompletionOutput
+from mili.server.app import ServerState, final_output, new_id, until_disconnect
+from mili.server.chat import Block, ChatPrompt, ReplyBlocks, start_chat
+from mili.server.errors import anthropic_error, sse, to_api_error
+from mili.server.protocol import ChatCompletionRequest, Strict, only_types
+
+router = APIRouter()
+SIGNATURE = "mili"  # thinking blocks' signature: MILI signs nothing, and ignores the signatures sent back
+
+
+class _Block(Strict):
+    cache_control: dict[str, Any] | None = None  # a prompt-caching hint: MILI's prefix cache needs none
+
+
+class TextBlock(_Block):
+    type: Literal["text"]
+    text: str
+    citations: list[dict[str, Any]] | None = None
+
+
+class ToolUseBlock(_Block):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class ToolResultBlock(_Block):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: Annotated[str | list[TextBlock], only_types("text")] = ""
+    is_error: bool | None = None
+
+
+class ThinkingBlock(_Block):
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+
+
+class RedactedThinkingBlock(_Block):
+    type: Literal["redacted_thinking"]
+    data: str
+
+
+ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
+                         Field(discriminator="type")]
+
+
+class Message(Strict):
+    role: Literal["user", "assistant"]
+    content: Annotated[str | list[ContentBlock], only_types("text", "tool_use", "tool_result", "thinking",
+                                                            "redacted_thinking")]
+
+
+
+class Tool(Strict):
+    type: Literal["custom"] | None = None
+    name: str = Field(min_length=1)
+    description: str | None = None
+    input_schema: dict[str, Any]
+    cache_control: dict[str, Any] | None = None
+
+
+class ToolChoice(Strict):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class JsonOutputFormat(Strict):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(Strict):
+    format: JsonOutputFormat | None = None  # structured outputs: the reply's text follows the schema
+
+
+class Thinking(Strict):
+    type: Literal["enabled", "adaptive", "disabled"]
+    budget_tokens: int | None = Field(default=None, ge=1)
+
+
+def _text(content: str | list[TextBlock]) -> str:
+    return content if isinstance(content, str) else "\n".join(b.text for b in content)
+
+
+class CountTokensRequest(Strict):
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    system: Annotated[str | list[TextBlock], only_types("text")] | None = None
+    thinking: Thinking | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+
+    def chat(self, **sampling) -> ChatCompletionRequest:
+        """The equivalent OpenAI chat request (``sampling``: its sampling fields)."""
+        choice, tool_choice = self.tool_choice, None
+        if choice is not None:
+            if choice.type in ("any", "tool") and not self.tools:
+                raise InvalidRequest(f"tool_choice {choice.type} needs tools", param="tool_choice")
+            if choice.type == "tool" and not choice.name:
+                raise InvalidRequest("tool_choice of type tool needs the tool's name", param="tool_choice")
+            tool_choice = ({"type": "function", "function": {"name": choice.name}} if choice.type == "tool" else
+                           {"any": "required"}.get(choice.type, choice.type))
+        tools = [{"type": "function", "function": {**t.model_dump(include={"name", "description"}, exclude_none=True),
+                                                   "parameters": t.input_schema}} for t in self.tools or []]
+        thinking = self.thinking is not None and self.thinking.type != "disabled"
+        return ChatCompletionRequest(
+            messages=self._messages(), tools=tools or None, tool_choice=tool_choice,
+            parallel_tool_calls=None if choice is None else not choice.disable_parallel_tool_use,
+            chat_template_kwargs={"enable_thinking": thinking}, **sampling)
+
+    def _messages(self) -> list[dict]:
+        out = [{"role": "system", "content": _text(self.system)}] if self.system else []
+        for i, m in enumerate(self.messages):
+            if isinstance(m.content, str):
+                out.append({"role": m.role, "content": m.content})
+                continue
+            texts, message = [], {"role": "assistant", "content": ""}
+            for b in m.content:
+                if b.type == "text":
+                    texts.append(b.text)
+                elif m.role == "user" and b.type == "tool_result":
+                    if texts:  # text before a result: its own user turn
+                        out.append({"role": "user", "content": "\n".join(texts)})
+                        texts = []
+                    out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": _text(b.content)})
+                elif m.role == "assistant" and b.type == "tool_use":
+                    message.setdefault("tool_calls", []).append(
+                        {"id": b.id, "type": "function", "function": {"name": b.name, "arguments": b.input}})
+                elif m.role == "assistant" and b.type == "thinking":
+                    message["reasoning_content"] = b.thinking  # the template shows it where Qwen3 would
+                elif b.type != "redacted_thinking" or m.role != "assistant":
+                    raise InvalidRequest(f"messages[{i}]: {b.type} blocks are not allowed in {m.role} turns",
+                                         param="messages")
+            if m.role == "user":
+                out += [{"role": "user", "content": "\n".join(texts)}] if texts else []
+            else:
+                out.append({**message, "content": "\n".join(texts)})
+        if self.messages[-1].role != "user":
+            raise InvalidRequest("the last message must be a user turn: MILI does not continue a final "
+                                 "assistant turn (prefill)", param="messages")
+        return out
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: int = Field(ge=1)
+    output_config: OutputConfig | None = None
+    cache_control: dict[str, Any] | None = None  # a prompt-caching hint: MILI's prefix cache needs none
+    stop_sequences: list[str] | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=1.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=0)
+    metadata: dict[str, Any] | None = None  # {"user_id": ...}: changes nothing
+    stream: bool = False
+
+    def chat(self, **sampling) -> ChatCompletionRequest:
+        budget = self.thinking.budget_tokens if self.thinking is not None else None
+        if self.thinking is not None and self.thinking.type == "enabled" and budget is None:
+            raise InvalidRequest("thinking.budget_tokens is required when thinking is enabled", param="thinking")
+        if budget is not None and budget >= self.max_tokens:
+            raise InvalidRequest("thinking.budget_tokens must be less than max_tokens", param="thinking")
+        fmt = self.output_config.format if self.output_config is not None else None
+        return super().chat(max_tokens=self.max_tokens, stop=self.stop_sequences, temperature=self.temperature,
+                            top_p=self.top_p, top_k=self.top_k, response_format=None if fmt is None else {
+                                "type": "json_schema", "json_schema": {"name": "output", "schema": fmt.schema_}})
+
+
+def _state(http: Request) -> ServerState:
+    return http.app.state.mili
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(body: CountTokensRequest, http: Request):
+    st = _state(http)
+    st.check_model(body.model)
+    return {"input_tokens": len(ChatPrompt.render(st.tokenizer, body.chat()).token_ids)}
+
+
+def _tool_id(block: Block) -> str:
+    return "toolu_" + block.call_id.removeprefix("call_")
+
+
+def _content(block: Block) -> dict:
+    if block.kind == "reasoning":
+        return {"type": "thinking", "thinking": block.text, "signature": SIGNATURE}
+    if block.kind == "text":
+        return {"type": "text", "text": block.text}
+    return {"type": "tool_use", "id": _tool_id(block), "name": block.name, "input": json.loads(block.text)}
+
+
+def _stop_reason(o: CompletionOutput, blocks: ReplyBlocks) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence)."""
+    if o.finish_reason == "length":
+        return "max_tokens", None
+    if isinstance(o.stop_reason, str):  # a stop string (a stop token id is the end of the turn)
+        return "stop_sequence", o.stop_reason
+    return ("tool_use" if blocks.num_calls else "end_turn"), None
+
+
+_STARTS = {"reasoning": {"type": "thinking", "thinking": "", "signature": ""}, "text": {"type": "text", "text": ""}}
+_DELTAS = {"reasoning": ("thinking_delta", "thinking"), "text": ("text_delta", "text"),
+           "tool_call": ("input_json_delta", "partial_json")}
+
+
+def _events(kind: str, block: Block, text: str) -> list[str]:
+    """One block event as Anthropic's stream events."""
+    if kind == "start":
+        start = _STARTS.get(block.kind) or {"type": "tool_use", "id": _tool_id(block), "name": block.name, "input": {}}
+        return [sse({"type": "content_block_start", "index": block.index, "content_block": start},
+                    "content_block_start")]
+    if kind == "delta":
+        delta_type, field = _DELTAS[block.kind]
+        return [sse({"type": "content_block_delta", "index": block.index, "delta": {"type": delta_type, field: text}},
+                    "content_block_delta")]
+    stop = [sse({"type": "content_block_stop", "index": block.index}, "content_block_stop")]
+    if block.kind != "reasoning":
+        return stop
+    return [sse({"type": "content_block_delta", "index": block.index, "delta": {
+        "type": "signature_delta", "signature": SIGNATURE}}, "content_block_delta"), *stop]
+
+
+@router.post("/v1/messages")
+async def messages(body: MessagesRequest, http: Request):
+    st = _state(http)
+    st.check_model(body.model)
+    mid = new_id("msg", "_")
+    prompt, stream = await start_chat(st, body.chat(), mid)
+    blocks = ReplyBlocks(prompt)
+    head = {"id": mid, "type": "message", "role": "assistant", "model": st.model_name}
+
+    if not body.stream:
+        out = await until_disconnect(http, final_output(stream))
+        o = out.outputs[0]
+        blocks.feed(o.text, final=True)
+        reason, sequence = _stop_reason(o, blocks)
+        return {**head, "content": [_content(b) for b in blocks.blocks], "stop_reason": reason,
+                "stop_sequence": sequence, "usage": {"input_tokens": len(out.prompt_token_ids),
+                                                     "output_tokens": len(o.token_ids)}}
+
+    async def events():
+        yield sse({"type": "message_start", "message": {
+            **head, "content": [], "stop_reason": None, "stop_sequence": None,
+            "usage": {"input_tokens": len(prompt.token_ids), "output_tokens": 0}}}, "message_start")
+        yield sse({"type": "ping"}, "ping")
+        try:
+            async for out in stream:
+                o = out.outputs[0]
+                for event in blocks.feed(o.delta, final=o.finished):
+                    for line in _events(*event):
+                        yield line
+            reason, sequence = _stop_reason(o, blocks)
+            yield sse({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                       "usage": {"output_tokens": len(o.token_ids)}}, "message_delta")
+            yield sse({"type": "message_stop"}, "message_stop")
+        except Exception as e:  # after the stream has started: Anthropic's error event
+            yield sse(anthropic_error(to_api_error(e))[1], "error")
+
+    return StreamingResponse(events(), media_type="text/event-stream")

@@ -1,0 +1,133 @@
+"""The chat path every dialect shares (OpenAI's chat completions, Anthropic's messages, OpenAI's responses).
+
+A dialect translates its request into a ``ChatCompletionRequest``; ``ChatPrompt.render`` makes the chat
+template's prompt from it (tools, Qwen3 thinking), ``ChatPrompt.params`` the engine request's sampling
+parameters (a structured-output or forced-tool constraint placed after ``</think>``). On the way back,
+``ReplyBlocks`` turns the reply's text, whole or as it streams, into blocks in the order the model wrote
+them: reasoning, text, tool calls (Anthropic's content blocks, the Responses API's output items), through
+the one reasoning parser and the one tool-call parser.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from mili.outputs import RequestOutput
+from mili.sampling_params import SamplingParams
+from mili.server.app import ServerState
+from mili.server.protocol import ChatCompletionRequest
+from mili.tokenizer.reasoning import THINK_START, ReasoningStream, constraint_start
+from mili.tokenizer.tokenizer import encode_chat
+from mili.tokenizer.tool_calls import ToolCallStream
+
+
+@dataclass
+class ChatPrompt:
+    text: str  # the chat template's rendering
+    token_ids: list[int]
+    thinking: bool  # Qwen3 thinks first (the template's enable_thinking, on unless set false)
+    opened: bool  # the template wrote <think> itself: the reply starts inside the reasoning
+    tools: bool  # tool calls are parsed out of the reply (tools given, tool_choice not none)
+
+    @classmethod
+    def render(cls, tokenizer, body: ChatCompletionRequest) -> ChatPrompt:
+        kwargs = body.chat_template_kwargs or {}
+        tool_mode, _ = body.tool_mode()
+        template_kwargs = {**kwargs, "tools": body.tools} if body.tools else kwargs
+        text, token_ids = encode_chat(tokenizer, [m.for_template() for m in body.messages],
+                                      body.add_generation_prompt, template_kwargs)
+        thinking = kwargs.get("enable_thinking", True) is not False  # as Qwen3's template decides
+        opened = thinking and text.rstrip().endswith(THINK_START)  # templates that open <think> themselves
+        return cls(text, token_ids, thinking, opened, tool_mode != "none")
+
+    def params(self, tokenizer, body: ChatCompletionRequest, max_tokens: int | None, logprobs: int | None,
+               defaults: dict[str, Any]) -> SamplingParams:
+        params = body.sampling_params(max_tokens, logprobs, defaults)
+        if params.structured_outputs is not None:
+            params.structured_outputs.start_after_token_id = constraint_start(tokenizer, self.text, self.thinking)
+        return params
+
+
+async def start_chat(st: ServerState, body: ChatCompletionRequest, request_id: str,
+                     ) -> tuple[ChatPrompt, AsyncIterator[RequestOutput]]:
+    """Render ``body`` and start its one engine request (no logprobs): its prompt and output stream."""
+    prompt = ChatPrompt.render(st.tokenizer, body)
+    params = prompt.params(st.tokenizer, body, body.max_tokens, None, st.openai_defaults)
+    (stream,) = await st.start([prompt.token_ids], [params], request_id)
+    return prompt, stream
+
+
+@dataclass
+class Block:
+    kind: str  # "reasoning" | "text" | "tool_call"
+    index: int  # its place in the reply
+    text: str = ""  # the reasoning, the text, or the call's arguments (the JSON text the model wrote)
+    name: str | None = None  # a tool call's function
+    call_id: str | None = None  # a tool call's id ("call_...")
+
+
+class ReplyBlocks:
+    """One reply's growing text → its blocks, each started, extended and stopped, in order.
+
+    ``feed`` returns events ``("start", block, "")``, ``("delta", block, text)`` and ``("stop", block, "")``.
+    Fed the whole text at once it ends with the same ``blocks`` a stream builds piece by piece: a text
+    block never starts with whitespace, and whitespace at its end is sent only once more text follows it
+    (or the reply ends on it), so the whitespace around a tool call is in no block either way."""
+
+    def __init__(self, prompt: ChatPrompt):
+        self.reasoning = ReasoningStream(prompt.thinking, prompt.opened)
+        self.tools = ToolCallStream() if prompt.tools else None
+        self.blocks: list[Block] = []
+        self._open: Block | None = None
+        self._space = ""  # whitespace at the end of the text so far, not sent yet
+
+    @property
+    def num_calls(self) -> int:
+        return sum(b.kind == "tool_call" for b in self.blocks)
+
+    def feed(self, delta: str, final: bool = False) -> list[tuple[str, Block, str]]:
+        events: list[tuple[str, Block, str]] = []
+        reasoning, content = self.reasoning.feed(delta, final)
+        if reasoning:
+            self._extend("reasoning", reasoning, events)
+        for part in self.tools.feed_parts(content, final) if self.tools is not None else [content]:
+            if isinstance(part, str):
+                text = self._space + part
+                body = text.rstrip()
+                self._space = text[len(body):]
+                if body:
+                    self._extend("text", body if self._is_open("text") else body.lstrip(), events)
+                continue
+            fn = part["function"]
+            if "id" in part:  # a new call: its name (and, if it came whole, its arguments)
+                self._space = ""
+                self._start(Block("tool_call", len(self.blocks), name=fn["name"], call_id=part["id"]), events)
+            if fn["arguments"]:
+                self._extend("tool_call", fn["arguments"], events)
+        if final:
+            if self._space and self._is_open("text"):
+                self._extend("text", self._space, events)
+            self._stop(events)
+        return events
+
+    def _is_open(self, kind: str) -> bool:
+        return self._open is not None and self._open.kind == kind
+
+    def _extend(self, kind: str, text: str, events: list) -> None:
+        if not self._is_open(kind):
+            self._start(Block(kind, len(self.blocks)), events)
+        self._open.text += text
+        events.append(("delta", self._open, text))
+
+    def _start(self, block: Block, events: list) -> None:
+        self._stop(events)
+        self.blocks.append(block)
+        self._open = block
+        events.append(("start", block, ""))
+
+    def _stop(self, events: list) -> None:
+        if self._open is not None:
+            events.append(("stop", self._open, ""))
+            self._open = None

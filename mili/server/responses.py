@@ -1,0 +1,325 @@
+"""OpenAI's Responses API, stateless: POST /v1/responses (streamed or not).
+
+A request is translated into the chat path the chat completions endpoint uses (``mili.server.chat``):
+``instructions`` and ``input`` (a string, or message, function_call, function_call_output and reasoning
+items) become the chat template's messages, function ``tools`` its tools, ``reasoning`` Qwen3's thinking,
+``text.format`` a structured-output constraint. The reply's blocks (reasoning, text, tool calls) become
+``reasoning``, ``message`` and ``function_call`` output items. Nothing is stored: ``store: true`` and
+``previous_response_id`` are 400s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import time
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+from pydantic import Discriminator, Field, Tag
+
+from mili.errors import InvalidRequest
+from mili.outputs import RequestOutput
+from mili.server.app import ServerState, final_output, new_id, until_disconnect
+from mili.server.chat import Block, ChatPrompt, ReplyBlocks, start_chat
+from mili.server.errors import sse, to_api_error
+from mili.server.protocol import ChatCompletionRequest, Strict, only_types
+from mili.tokenizer.reasoning import think_end_token_id
+
+router = APIRouter()
+
+
+class TextPart(Strict):
+    type: Literal["input_text", "output_text"]
+    text: str
+    annotations: list[Any] | None = None  # an output_text sent back: no effect
+    logprobs: list[Any] | None = None
+
+
+class MessageItem(Strict):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: Annotated[str | list[TextPart], only_types("input_text", "output_text")]
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallItem(Strict):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutputItem(Strict):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: Annotated[str | list[TextPart], only_types("input_text", "output_text")]
+    id: str | None = None
+    status: str | None = None
+
+
+class ReasoningText(Strict):
+    type: Literal["reasoning_text", "summary_text"]
+    text: str
+
+
+class ReasoningItem(Strict):
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[ReasoningText] = []
+    content: list[ReasoningText] | None = None
+    status: str | None = None
+
+
+def _item_type(item: Any) -> str:
+    return (item.get("type") if isinstance(item, dict) else getattr(item, "type", None)) or "message"
+
+
+InputItem = Annotated[Annotated[MessageItem, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
+                      | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+                      | Annotated[ReasoningItem, Tag("reasoning")], Discriminator(_item_type)]
+
+
+class FunctionTool(Strict):
+    type: Literal["function"]
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # the schema is enforced when tool_choice forces a call, whatever this says
+
+
+class NamedFunction(Strict):
+    type: Literal["function"]
+    name: str
+
+
+class Reasoning(Strict):
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None  # no summaries: the reasoning itself comes back
+
+
+class TextFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class TextConfig(Strict):
+    format: TextFormat | None = None
+
+
+def _text(content: str | list[TextPart]) -> str:
+    return content if isinstance(content, str) else "".join(p.text for p in content)
+
+
+class ResponsesRequest(Strict):
+    model: str | None = None
+    input: Annotated[str | list[InputItem], only_types("message", "function_call", "function_call_output",
+                                                       "reasoning", default="message")]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    stream: bool = False
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning: Reasoning | None = None
+    text: TextConfig | None = None
+    metadata: dict[str, str] | None = None  # returned as sent
+    user: str | None = None
+    truncation: Literal["disabled"] | None = None
+    store: bool | None = None
+    previous_response_id: str | None = None
+
+    @property
+    def thinking(self) -> bool:
+        """Qwen3 thinks when ``reasoning`` is given, unless its effort is "none" or "minimal"."""
+        return self.reasoning is not None and self.reasoning.effort not in ("none", "minimal")
+
+    def chat(self) -> ChatCompletionRequest:
+        if self.previous_response_id is not None:
+            raise InvalidRequest("previous_response_id is not supported: MILI stores no responses; send the whole "
+                                 "conversation as input", param="previous_response_id")
+        if self.store:
+            raise InvalidRequest("store: true is not supported: MILI stores no responses; send store: false",
+                                 param="store")
+        choice = self.tool_choice
+        if isinstance(choice, NamedFunction):
+            choice = {"type": "function", "function": {"name": choice.name}}
+        tools = [{"type": "function", "function": t.model_dump(include={"name", "description", "parameters"},
+                                                               exclude_none=True)} for t in self.tools or []]
+        return ChatCompletionRequest(
+            messages=self._messages(), max_tokens=self.max_output_tokens, temperature=self.temperature,
+            top_p=self.top_p, chat_template_kwargs={"enable_thinking": self.thinking}, tools=tools or None,
+            tool_choice=choice, parallel_tool_calls=self.parallel_tool_calls, response_format=self._response_format())
+
+    def _response_format(self) -> dict | None:
+        fmt = self.text.format if self.text is not None else None
+        if fmt is None or fmt.type != "json_schema":
+            return None if fmt is None else {"type": fmt.type}
+        if fmt.schema_ is None:
+            raise InvalidRequest("text.format of type json_schema needs a schema", param="text.format")
+        return {"type": "json_schema", "json_schema": {"name": fmt.name or "output", "schema": fmt.schema_}}
+
+    def _messages(self) -> list[dict]:
+        out = [{"role": "system", "content": self.instructions}] if self.instructions is not None else []
+        items = [MessageItem(role="user", content=self.input)] if isinstance(self.input, str) else self.input
+        reasoning = None  # a reasoning item's text, for the assistant turn that follows it
+        for item in items:
+            if item.type == "reasoning":
+                reasoning = "".join(p.text for p in item.content or item.summary)
+                continue
+            if item.type == "function_call_output":
+                out.append({"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output)})
+                continue
+            if item.type == "message":
+                out.append({"role": item.role, "content": _text(item.content)})
+            else:  # a function_call: one more call of the assistant turn it follows, or a turn of its own
+                if not out or out[-1]["role"] != "assistant":
+                    out.append({"role": "assistant", "content": ""})
+                out[-1].setdefault("tool_calls", []).append({"id": item.call_id, "type": "function", "function": {
+                    "name": item.name, "arguments": item.arguments}})
+            if out[-1]["role"] == "assistant" and reasoning is not None:
+                out[-1]["reasoning_content"], reasoning = reasoning, None
+        return out
+
+
+# the chat path names OpenAI chat fields: these are their Responses API names
+_PARAMS = {"messages": "input", "response_format": "text.format", "max_tokens": "max_output_tokens"}
+
+
+@contextlib.contextmanager
+def _named_as_responses():
+    try:
+        yield
+    except InvalidRequest as e:
+        e.param = _PARAMS.get(e.param, e.param)
+        raise
+
+
+_PREFIXES = {"reasoning": "rs", "text": "msg", "tool_call": "fc"}
+
+
+def _item(block: Block, rid: str, status: str, text: str | None = None) -> dict:
+    """The output item of a block (``text``: instead of the block's own, as an item starts empty)."""
+    text = block.text if text is None else text
+    head = {"id": f"{_PREFIXES[block.kind]}_{rid.removeprefix('resp_')}_{block.index}", "status": status}
+    if block.kind == "reasoning":
+        return {"type": "reasoning", **head, "summary": [], "content": [_part(block, text)]}
+    if block.kind == "text":
+        return {"type": "message", **head, "role": "assistant", "content": [_part(block, text)]}
+    return {"type": "function_call", **head, "call_id": block.call_id, "name": block.name, "arguments": text}
+
+
+def _part(block: Block, text: str) -> dict:
+    if block.kind == "reasoning":
+        return {"type": "reasoning_text", "text": text}
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _item_status(block: Block, blocks: ReplyBlocks, out: RequestOutput) -> str:
+    """A reply cut by max_output_tokens leaves its last item incomplete."""
+    cut = out.outputs[0].finish_reason == "length" and block is blocks.blocks[-1]
+    return "incomplete" if cut else "completed"
+
+
+class _Reply:
+    """One response's object, as it stands (``snapshot``) and as it ends (``final``)."""
+
+    def __init__(self, st: ServerState, body: ResponsesRequest, prompt: ChatPrompt, rid: str):
+        self.st, self.body, self.prompt, self.rid = st, body, prompt, rid
+        self.created = int(time.time())
+        self.blocks = ReplyBlocks(prompt)
+
+    def snapshot(self, status: str, output: list | None = None, **extra) -> dict:
+        b = self.body
+        fmt = b.text.format if b.text is not None and b.text.format is not None else None
+        return {"id": self.rid, "object": "response", "created_at": self.created, "status": status, "error": None,
+                "incomplete_details": None, "instructions": b.instructions, "max_output_tokens": b.max_output_tokens,
+                "model": self.st.model_name, "output": output or [], "parallel_tool_calls": b.parallel_tool_calls
+                is not False, "previous_response_id": None, "reasoning": b.reasoning.model_dump() if b.reasoning
+                else None, "store": False, "temperature": b.temperature, "top_p": b.top_p,
+                "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
+                "tool_choice": b.tool_choice.model_dump() if isinstance(b.tool_choice, NamedFunction) else
+                b.tool_choice or "auto", "tools": [t.model_dump(exclude_none=True) for t in b.tools or []],
+                "truncation": "disabled", "user": b.user, "metadata": b.metadata or {}, **extra}
+
+    def final(self, out: RequestOutput) -> dict:
+        o = out.outputs[0]
+        cut = o.finish_reason == "length"
+        end_id = think_end_token_id(self.st.tokenizer) if self.prompt.thinking else None
+        reasoning = (o.token_ids.index(end_id) + 1 if end_id in o.token_ids else
+                     len(o.token_ids) if any(b.kind == "reasoning" for b in self.blocks.blocks) else 0)
+        usage = {"input_tokens": len(out.prompt_token_ids), "output_tokens": len(o.token_ids),
+                 "total_tokens": len(out.prompt_token_ids) + len(o.token_ids),
+                 "input_tokens_details": {"cached_tokens": out.num_cached_tokens},
+                 "output_tokens_details": {"reasoning_tokens": reasoning}}
+        output = [_item(b, self.rid, _item_status(b, self.blocks, out)) for b in self.blocks.blocks]
+        return self.snapshot("incomplete" if cut else "completed", output, usage=usage,
+                             incomplete_details={"reason": "max_output_tokens"} if cut else None)
+
+
+@router.post("/v1/responses")
+async def responses(body: ResponsesRequest, http: Request):
+    st: ServerState = http.app.state.mili
+    st.check_model(body.model)
+    rid = new_id("resp", "_")
+    with _named_as_responses():
+        prompt, stream = await start_chat(st, body.chat(), rid)
+    reply = _Reply(st, body, prompt, rid)
+
+    if not body.stream:
+        out = await until_disconnect(http, final_output(stream))
+        reply.blocks.feed(out.outputs[0].text, final=True)
+        return reply.final(out)
+
+    sequence = itertools.count()
+
+    def event(kind: str, **fields) -> str:
+        return sse({"type": kind, "sequence_number": next(sequence), **fields}, kind)
+
+    def block_events(kind: str, block: Block, text: str, out: RequestOutput):
+        where = {"item_id": _item(block, rid, "")["id"], "output_index": block.index}
+        parts = {"content_index": 0} if block.kind != "tool_call" else {}
+        name = {"reasoning": "response.reasoning_text", "text": "response.output_text",
+                "tool_call": "response.function_call_arguments"}[block.kind]
+        logprobs = {"logprobs": []} if block.kind == "text" else {}
+        if kind == "start":
+            yield event("response.output_item.added", output_index=block.index,
+                        item=_item(block, rid, "in_progress", ""))
+            if parts:
+                yield event("response.content_part.added", **where, **parts, part=_part(block, ""))
+        elif kind == "delta":
+            yield event(f"{name}.delta", **where, **parts, delta=text, **logprobs)
+        else:
+            done = {"arguments": block.text, "name": block.name} if block.kind == "tool_call" else {"text": block.text}
+            yield event(f"{name}.done", **where, **parts, **done, **logprobs)
+            if parts:
+                yield event("response.content_part.done", **where, **parts, part=_part(block, block.text))
+            yield event("response.output_item.done", output_index=block.index,
+                        item=_item(block, rid, _item_status(block, reply.blocks, out)))
+
+    async def events():
+        yield event("response.created", response=reply.snapshot("in_progress"))
+        yield event("response.in_progress", response=reply.snapshot("in_progress"))
+        try:
+            async for out in stream:
+                o = out.outputs[0]
+                for block_event in reply.blocks.feed(o.delta, final=o.finished):
+                    for line in block_events(*block_event, out):
+                        yield line
+            final = reply.final(out)
+            yield event(f"response.{final['status']}", response=final)
+        except Exception as e:  # after the stream has started: the response failed
+            err = to_api_error(e)
+            error = {"code": "server_error" if err.status >= 500 else "invalid_prompt", "message": err.message}
+            yield event("response.failed", response=reply.snapshot("failed", error=error))
+
+    return StreamingResponse(events(), media_type="text/event-stream")
