@@ -58,3 +58,6 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+    # SamplingParams.prompt_logprobs: per prompt token, None for the first, then {token id: Logprob} with
+    # the prompt token and the top N (vLLM's shape); None when not asked
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -57,7 +57,7 @@ class StructuredOutputsParams:
 @dataclass
 class SamplingParams:
     n: int = 1
-    max_tokens: int | None = 16  # None: up to the model's context length
+    max_tokens: int | None = 16  # None: up to the model's context length; 0: score the prompt only
     min_tokens: int = 0
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0
@@ -71,6 +71,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: the sampled token's; N: plus the top N
+    prompt_logprobs: int | None = None  # None: none; N: each prompt token's logprob, plus the top N
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine from the checkpoint's generation config; not set by users.
@@ -91,8 +92,14 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             bad("n", "must be an integer >= 1")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            bad("max_tokens", "must be an integer >= 1")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or not 0 <= value <= 20):
+                bad(name, "must be an integer in [0, 20]")
+        least = 0 if self.prompt_logprobs is not None else 1  # 0: score the prompt, generate nothing
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < least):
+            bad("max_tokens", "must be an integer >= 1 (0, to score the prompt without generating, needs prompt "
+                "logprobs: echo with logprobs, or prompt_logprobs)")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             bad("min_tokens", "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -111,8 +118,6 @@ class SamplingParams:
             bad("frequency_penalty", "must be in [-2, 2]")
         if not self.repetition_penalty > 0.0:
             bad("repetition_penalty", "must be > 0")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
-            bad("logprobs", "must be an integer in [0, 20]")
         if self.seed is not None and not isinstance(self.seed, int):
             bad("seed", "must be an integer")
         if any(not isinstance(s, str) or not s for s in self.stop):

@@ -132,7 +132,7 @@ class EngineCore:
 
     # -- the step ----------------------------------------------------------------------------
     def step(self) -> list[SeqDelta]:
-        """Schedule, run the model once, sample; the new tokens of every sequence that moved."""
+        """Schedule, run the model once, sample; the new tokens (and prompt logprobs) of every sequence that moved."""
         self.admit_compiled(wait=0.0 if self.scheduler.has_work() else 0.005)
         if not self.scheduler.has_work():
             return []
@@ -141,21 +141,37 @@ class EngineCore:
         for s in sched.scheduled:
             if s.seq.request.first_scheduled_time is None:
                 s.seq.request.first_scheduled_time = now
-        sampled = self.runner.execute(sched, self._grammar_bitmask(sched.sample_rows))
+        sampled, scored = self.runner.execute(sched, self._grammar_bitmask(sched.sample_rows))
         self.scheduler.after_step(sched.scheduled)
-        if sampled is None:
-            return []
+        prompt_logprobs = {}  # sequence -> the prompt logprobs it scored this step (sent with its delta)
+        for seq, entries in scored:
+            seq.request.num_scored += len(entries)
+            prompt_logprobs[seq] = entries
         deltas = []
-        self.num_generated_tokens += len(sampled.token_ids)
-        for (seq, _), token, lp in zip(sched.sample_rows, sampled.token_ids, sampled.logprobs):
-            request = seq.request
-            logprobs = None if lp is None else [(lp.sampled_logprob, lp.sampled_rank, lp.top)]
-            deltas.append(SeqDelta(request.request_id, seq.index, [token], logprobs,
-                                   num_cached_tokens=request.num_cached_tokens or 0,
-                                   first_scheduled_time=request.first_scheduled_time))
-            self._append_token(seq, token, deltas[-1])
-            self._retire_if_finished(request)
+        if sampled is not None:
+            self.num_generated_tokens += len(sampled.token_ids)
+            for (seq, _), token, lp in zip(sched.sample_rows, sampled.token_ids, sampled.logprobs):
+                logprobs = None if lp is None else [(lp.sampled_logprob, lp.sampled_rank, lp.top)]
+                deltas.append(self._delta(seq, [token], logprobs, prompt_logprobs.pop(seq, None)))
+                self._append_token(seq, token, deltas[-1])
+                self._retire_if_finished(seq.request)
+        for s in sched.scheduled:  # max_tokens 0: the prompt is scored, nothing is generated
+            seq = s.seq
+            if seq.params.max_tokens == 0 and seq.num_computed_tokens == seq.num_tokens and not seq.is_finished:
+                for each in seq.request.seqs:
+                    self.scheduler.finish(each, "length")
+                    deltas.append(self._delta(each, [], None, prompt_logprobs.pop(each, None), each.finish_reason))
+                self._retire_if_finished(seq.request)
+        deltas += [self._delta(seq, [], None, entries) for seq, entries in prompt_logprobs.items()]
         return deltas
+
+    @staticmethod
+    def _delta(seq: Sequence, token_ids: list[int], logprobs, prompt_logprobs, finish_reason=None) -> SeqDelta:
+        request = seq.request
+        return SeqDelta(request.request_id, seq.index, token_ids, logprobs, finish_reason,
+                        prompt_logprobs=prompt_logprobs,
+                        num_cached_tokens=request.num_cached_tokens or 0,
+                        first_scheduled_time=request.first_scheduled_time)
 
     def _grammar_bitmask(self, sample_rows) -> Future | None:
         """A future of (token bitmask [rows, vocab / 32], the constrained rows) for this step's sampling

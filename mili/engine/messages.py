@@ -49,6 +49,9 @@ class SeqDelta(msgspec.Struct, array_like=True):
     stop_reason: int | None = None  # the stop token id that ended it (None for EOS)
     num_cached_tokens: int = 0  # the request's prompt tokens found in the prefix cache
     first_scheduled_time: float | None = None
+    # prompt logprobs (on sequence 0's delta): the prompt tokens scored in this step, in order from the
+    # first not sent yet (the prompt's second token first), each as ``logprobs``' entries
+    prompt_logprobs: list[tuple[float, int, list[tuple[int, float]]]] | None = None
 
 
 class Stats(msgspec.Struct, array_like=True):

@@ -1,10 +1,11 @@
 """OutputProcessor: the engine core's per-step deltas in, RequestOutputs out (on the API side).
 
 Per request it keeps what the client sees: each sequence's token ids, its incremental text
-(``TextStream``: detokenization, stop strings held back while streaming) and its logprobs with decoded
-tokens. A stop string found here ends the sequence; ``process`` returns those sequences so the caller
-tells the core to stop computing them. The offline ``LLMEngine`` and the server's ``AsyncLLM`` both use
-this one class.
+(``TextStream``: detokenization, stop strings held back while streaming), its logprobs with decoded
+tokens, and the prompt's logprobs (they come chunk by chunk during the prefill and are complete by the
+request's first output: a delta that only scores prompt tokens makes no output). A stop string found
+here ends the sequence; ``process`` returns those sequences so the caller tells the core to stop
+computing them. The offline ``LLMEngine`` and the server's ``AsyncLLM`` both use this one class.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ class RequestState:
         self.params = add.params
         self.tokenizer = tokenizer
         self.seqs: dict[int, _SeqState] = {}
+        # prompt logprobs: None for the first token (nothing before it), then one entry per scored token
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
+            [None] if add.params.prompt_logprobs is not None else None)
         self.num_cached_tokens = 0
         self.times = {"arrival_time": add.arrival_time, "first_scheduled_time": None, "first_token_time": None,
                       "finished_time": None}
@@ -59,7 +63,7 @@ class RequestState:
                                     s.stream.take_delta(), stream=s.stream)
                    for s in sorted(self.seqs.values(), key=lambda s: s.index)]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, self.finished,
-                             self.num_cached_tokens, self.times)
+                             self.num_cached_tokens, self.times, self.prompt_logprobs)
 
 
 class OutputProcessor:
@@ -82,8 +86,12 @@ class OutputProcessor:
             req = self.requests.get(d.request_id)
             if req is None:  # aborted, or finished here while the core was a step behind
                 continue
+            if d.prompt_logprobs and req.prompt_logprobs is not None:
+                prompt = req.prompt_token_ids
+                for lp in d.prompt_logprobs:
+                    req.prompt_logprobs.append(self._entry(prompt[len(req.prompt_logprobs)], lp))
             seq = req.seq(d.index)
-            if seq.finish_reason is not None:
+            if seq.finish_reason is not None or not (d.token_ids or d.finish_reason):
                 continue
             touched[d.request_id] = req
             req.num_cached_tokens = d.num_cached_tokens
@@ -111,9 +119,13 @@ class OutputProcessor:
         return outputs, stopped
 
     def _record_logprobs(self, seq: _SeqState, token: int, lp: tuple) -> None:
-        sampled_logprob, sampled_rank, top = lp
+        seq.logprobs.append(self._entry(token, lp))
+        seq.cumulative_logprob += lp[0]
+
+    def _entry(self, token: int, lp: tuple) -> dict[int, Logprob]:
+        """{token id: Logprob} of one position: the top N, and ``token`` (sampled or from the prompt)."""
+        logprob, rank, top = lp
         decode = self.tokenizer.decode
-        entry = {tid: Logprob(val, rank, decode([tid])) for rank, (tid, val) in enumerate(top, 1)}
-        entry[token] = Logprob(sampled_logprob, sampled_rank, decode([token]))
-        seq.logprobs.append(entry)
-        seq.cumulative_logprob += sampled_logprob
+        entry = {tid: Logprob(val, r, decode([tid])) for r, (tid, val) in enumerate(top, 1)}
+        entry[token] = Logprob(logprob, rank, decode([token]))
+        return entry

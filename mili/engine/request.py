@@ -72,10 +72,25 @@ class Request:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
+    # prompt logprobs: positions 0 .. num_scored - 1 have scored the prompt token after them (and were sent)
+    num_scored: int = 0
 
     @property
     def is_finished(self) -> bool:
         return all(s.is_finished for s in self.seqs)
+
+    @property
+    def scoring_prompt(self) -> bool:
+        """Whether prompt logprobs are still to come: the positions past ``num_scored`` must be computed
+        (a prefix cache hit has no logits to score)."""
+        return self.params.prompt_logprobs is not None and self.num_scored < len(self.prompt_token_ids) - 1
+
+    def unscored(self, start: int, end: int) -> range:
+        """The positions of [start, end) whose logits score a prompt token not scored yet (position p's
+        logits give token p + 1's logprob; the last prompt position's predict the output instead)."""
+        if self.params.prompt_logprobs is None:
+            return range(0)
+        return range(max(start, self.num_scored), min(end, len(self.prompt_token_ids) - 1))
 
     def unborn(self) -> list[Sequence]:
         return [s for s in self.seqs if s.status == SeqStatus.UNBORN]

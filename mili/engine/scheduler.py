@@ -28,8 +28,10 @@ class ScheduledSeq:
 
     @property
     def samples(self) -> bool:
-        """Whether this step computes the sequence's last token, so a new token is sampled."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        """Whether this step computes the sequence's last token, so a new token is sampled (never for a
+        request that asks for none: max_tokens 0 scores its prompt only)."""
+        return (self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+                and self.seq.params.max_tokens != 0)
 
 
 @dataclass
@@ -124,15 +126,26 @@ class Scheduler:
             step, arrival = self._enqueued_at[seq]
             if self.step_count - step >= self.starvation_steps:
                 return (0, arrival)
-            return (1, -len(self.cache.match(seq.token_ids[:-1])), arrival)
+            return (1, -len(self.cache.match(self._matchable(seq))), arrival)
 
         self.waiting = deque(sorted(self.waiting, key=key))
 
+    @staticmethod
+    def _matchable(seq: Sequence) -> list[int]:
+        """The tokens whose cached prefix a sequence may take: all but its last (that one is computed, to
+        sample from); while its request scores the prompt (prompt logprobs), only the positions scored
+        already, so every position still to score is computed (vLLM's rule: no cache hit where logits
+        are needed; after a preemption, what was scored and sent is not computed again)."""
+        end = seq.num_tokens - 1
+        if seq.request.scoring_prompt:
+            end = min(end, seq.request.num_scored)
+        return seq.token_ids[:end]
+
     def _start_from_cache(self, seq: Sequence) -> None:
-        """A sequence with no pages takes the longest cached prefix (at least its last token is computed)."""
+        """A sequence with no pages takes the longest cached prefix it may (see ``_matchable``)."""
         if seq.page_table:
             return
-        pages = self.cache.match(seq.token_ids[:-1])
+        pages = self.cache.match(self._matchable(seq))
         self.pool.incref(pages)
         seq.page_table = pages
         seq.num_computed_tokens = len(pages) * self.pool.page_size

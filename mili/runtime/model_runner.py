@@ -24,6 +24,7 @@ from mili.model.qwen3 import Qwen3ForCausalLM
 from mili.runtime import parallel
 from mili.runtime.attention.base import ForwardBatch
 from mili.runtime.attention.torch_backend import TorchAttentionBackend
+from mili.runtime.prompt_logprobs import PromptScorer, rows_per_slice
 from mili.runtime.sampler import Sampler, SamplerOutput, SamplingMetadata
 
 log = logging.getLogger("mili")
@@ -200,7 +201,9 @@ class ModelRunner:
         torch.cuda.empty_cache()
         # the sampler at a full batch: float32 logits, a sorted copy with int64 indices, probabilities
         sampler = self.config.max_num_seqs * cfg.vocab_size * 4 * 5
-        return peak + sampler
+        # a slice of prompt logprobs: its logits, a float32 copy, their log-softmax, a comparison mask
+        prompt_slice = rows_per_slice(cfg.vocab_size) * cfg.vocab_size * 11
+        return peak + sampler + prompt_slice
 
     def _allocate_kv_cache(self) -> None:
         cfg, page_size = self.model_config, self.config.page_size
@@ -247,21 +250,27 @@ class ModelRunner:
             k_cache[dst] = k_cache[src]
             v_cache[dst] = v_cache[src]
 
-    def prepare(self, scheduled) -> ForwardBatch:
-        """Batch tensors for a list of ``ScheduledSeq`` (decodes first), built once per step."""
+    def prepare(self, scheduled) -> tuple[ForwardBatch, list[tuple]]:
+        """Batch tensors for a list of ``ScheduledSeq`` (decodes first), built once per step; and the
+        prompt positions each sequence scores in it (prompt logprobs): [(sequence, positions)]."""
         page_size = self.config.page_size
         input_ids, positions, query_lens, context_lens, logits_indices = [], [], [], [], []
+        prompt_rows, scoring = [], []
         num_decodes = 0
         for s in scheduled:
             seq, n = s.seq, s.num_new_tokens
-            start = seq.num_computed_tokens
+            start, first_row = seq.num_computed_tokens, len(input_ids)
             input_ids += seq.token_ids[start:start + n]
             positions += range(start, start + n)
             query_lens.append(n)
             context_lens.append(start + n)
             num_decodes += n == 1
-            if s.samples:  # logits only where a token is sampled
+            if s.samples:  # logits only where a token is sampled, and where a prompt token is scored
                 logits_indices.append(len(input_ids) - 1)
+            unscored = seq.request.unscored(start, start + n)
+            if unscored:
+                prompt_rows += range(first_row + unscored.start - start, first_row + unscored.stop - start)
+                scoring.append((seq, unscored))
         max_pages = max(len(s.seq.page_table) for s in scheduled)
         table = [s.seq.page_table + [0] * (max_pages - len(s.seq.page_table)) for s in scheduled]
         dev = self.device
@@ -274,31 +283,53 @@ class ModelRunner:
             starts = [0, *itertools.accumulate(query_lens[:-1])]
             kernel_lens = {name: torch.tensor(values, dtype=torch.int32, device=dev) for name, values in
                            (("context_lens_t", context_lens), ("query_lens_t", query_lens), ("query_start_t", starts))}
-        return ForwardBatch(
+        batch = ForwardBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
             positions=pos.to(dev), slot_mapping=slots.to(dev), page_table=page_table.to(dev),
             query_lens=query_lens, context_lens=context_lens, num_decodes=num_decodes,
-            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev), **kernel_lens)
+            logits_indices=torch.tensor(logits_indices + prompt_rows, dtype=torch.long, device=dev),
+            num_prompt_rows=len(prompt_rows), **kernel_lens)
+        return batch, scoring
 
     @torch.inference_mode()
-    def forward_logits(self, scheduled) -> torch.Tensor:
-        """Run the model over a step; the last-token logits of each sequence that samples: [S, V], in the
-        model's dtype (the sampler takes a float32 copy where it needs one). With CUDA graphs it may be a
-        view of the graph's output buffer: valid until the next step."""
-        batch = self.prepare(scheduled)
+    def forward_logits(self, scheduled) -> tuple[torch.Tensor, list[tuple]]:
+        """Run the model over a step: the last-token logits of each sequence that samples ([S, V], in the
+        model's dtype; the sampler takes a float32 copy where it needs one; with CUDA graphs it may be a
+        view of the graph's output buffer, valid until the next step), and the prompt logprobs the step
+        scored: [(sequence, its ``Scored`` entries in position order)]."""
+        batch, scoring = self.prepare(scheduled)
         if self.tp_size > 1:  # every rank runs the same batch
             parallel.broadcast(("step", batch))
-        if self.graphs is not None:
+        if self.graphs is not None and not batch.num_prompt_rows:
             logits = self.graphs.run(batch)  # all rows of a decode batch; None when no graph fits
             if logits is not None:
                 sampling = [i for i, s in enumerate(scheduled) if s.samples]
                 if len(sampling) != len(scheduled):
                     logits = logits[torch.tensor(sampling, device=self.device)]
-                return logits
+                return logits, []
         hidden = self.cpu_decode.run(batch, self.kv_caches) if self.cpu_decode is not None else None
         if hidden is None:
             hidden = self.model(batch, self.kv_caches)
-        return self.model.compute_logits(hidden)
+        if not scoring:
+            return self._logits(hidden, 0), []
+        scorer = PromptScorer([seq.token_ids[p + 1] for seq, rows in scoring for p in rows],
+                              [seq.params.prompt_logprobs for seq, rows in scoring for _ in rows],
+                              self.model_config.vocab_size, self.device)
+        logits = self._logits(hidden, batch.num_prompt_rows, scorer)
+        return logits, list(zip([seq for seq, _ in scoring], scorer.split([len(rows) for _, rows in scoring])))
+
+    def _logits(self, hidden: torch.Tensor, num_prompt_rows: int, scorer: PromptScorer | None = None) -> torch.Tensor:
+        """The logits of the sampling rows of ``hidden``; its last ``num_prompt_rows`` rows (prompt
+        positions) have theirs made a slice at a time and handed to ``scorer``. Every tensor-parallel
+        rank makes the same calls (each gathers the vocabulary shards)."""
+        num_sampling = hidden.shape[0] - num_prompt_rows
+        logits = self.model.compute_logits(hidden[:num_sampling])
+        step = rows_per_slice(self.model_config.vocab_size)
+        for start in range(0, num_prompt_rows, step):
+            part = self.model.compute_logits(hidden[num_sampling + start:num_sampling + start + step])
+            if scorer is not None:
+                scorer(start, part)
+        return logits
 
     @torch.inference_mode()
     def serve_steps(self) -> None:
@@ -310,7 +341,7 @@ class ModelRunner:
             if msg[0] == "copy":
                 self.copy_pages(msg[1])
             else:
-                self.model.compute_logits(self.model(msg[1], self.kv_caches))
+                self._logits(self.model(msg[1], self.kv_caches), msg[1].num_prompt_rows)
 
     def check_workers(self) -> None:
         """Raise if another rank's process has exited (the model cannot run without it)."""
@@ -330,15 +361,17 @@ class ModelRunner:
             self.workers = []
 
     @torch.inference_mode()
-    def execute(self, sched_out, grammar: Future | None = None) -> SamplerOutput | None:
-        """``grammar``: a future of (token bitmask [sample rows, vocab / 32] int32, the constrained rows),
-        awaited once the logits are computed (it is filled meanwhile), or None."""
+    def execute(self, sched_out, grammar: Future | None = None) -> tuple[SamplerOutput | None, list[tuple]]:
+        """Run one scheduled step: (the sampled tokens, or None if no sequence samples; the prompt logprobs
+        it scored, as ``forward_logits`` gives them). ``grammar``: a future of (token bitmask [sample rows,
+        vocab / 32] int32, the constrained rows), awaited once the logits are computed (it is filled
+        meanwhile), or None."""
         self.copy_pages(sched_out.page_copies)
         if not sched_out.scheduled:
-            return None
-        logits = self.forward_logits(sched_out.scheduled)
+            return None, []
+        logits, scored = self.forward_logits(sched_out.scheduled)
         if not sched_out.sample_rows:
-            return None
+            return None, scored
         seqs = [seq for seq, _ in sched_out.sample_rows]
         # scheduled index -> row of ``logits`` (which holds only the sampling sequences)
         logits_row = {i: r for r, i in enumerate(i for i, s in enumerate(sched_out.scheduled) if s.samples)}
@@ -356,4 +389,4 @@ class ModelRunner:
         if grammar is not None:
             bitmask, meta.grammar_rows = grammar.result()
             meta.grammar_bitmask = bitmask.to(self.device, non_blocking=True)
-        return self.sampler(logits, meta)
+        return self.sampler(logits, meta), scored

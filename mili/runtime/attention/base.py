@@ -24,12 +24,15 @@ class ForwardBatch:
     query_lens: list[int]  # [B]
     context_lens: list[int]  # [B]
     num_decodes: int  # sequences 0 .. num_decodes-1 have query_len 1
-    logits_indices: torch.Tensor  # [S] rows of the T tokens whose logits are needed
+    logits_indices: torch.Tensor  # [S] rows of the T tokens whose logits are needed (final hidden states)
     # The same lengths as device tensors, for kernels (int32): [B] each; query_start_t[b] = sum of
     # query_lens[:b]
     context_lens_t: torch.Tensor | None = None
     query_lens_t: torch.Tensor | None = None
     query_start_t: torch.Tensor | None = None
+    # prompt logprobs: the last num_prompt_rows of logits_indices (after the sampling rows) are prompt
+    # positions whose logits score the next prompt token (see runtime/prompt_logprobs.py)
+    num_prompt_rows: int = 0
 
     @property
     def num_seqs(self) -> int:
