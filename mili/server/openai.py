@@ -62,21 +62,44 @@ class _Choice:
         self.tools = ToolCallStream() if tools else None
 
 
+def _finite(logprob: float) -> float:
+    return max(logprob, -9999.0)  # -inf is not JSON: OpenAI's (and vLLM's) stand-in
+
+
 # -- /v1/completions ---------------------------------------------------------------------------
-def _completion_logprobs(o: CompletionOutput, start: int, n: int, offset: int) -> dict | None:
-    if o.logprobs is None:
-        return None
+def _completion_logprobs(token_ids: list[int], entries: list, n: int, offset: int, decode) -> dict:
+    """The legacy ``logprobs`` object over ``token_ids`` (the prompt's, with echo, then the output's);
+    ``entries[i]`` is {token id: Logprob}, or None for the prompt's first token (nothing predicts it)."""
     tokens, token_lps, tops, offsets = [], [], [], []
-    for tid, entry in zip(o.token_ids[start:], o.logprobs[start:]):
-        lp = entry[tid]
-        tokens.append(lp.decoded_token)
-        token_lps.append(lp.logprob)
-        # the top n, and the sampled token whatever its rank: up to n + 1 entries, as OpenAI documents
-        tops.append({t.decoded_token: t.logprob for t in sorted(entry.values(), key=lambda t: t.rank)
-                     if t.rank <= n or t is lp})
+    for tid, entry in zip(token_ids, entries):
+        if entry is None:
+            token, logprob, top = decode([tid]), None, None
+        else:
+            lp = entry[tid]
+            token, logprob = lp.decoded_token, _finite(lp.logprob)
+            # the top n, and the token itself whatever its rank: up to n + 1 entries, as OpenAI documents
+            top = {t.decoded_token: _finite(t.logprob) for t in sorted(entry.values(), key=lambda t: t.rank)
+                   if t.rank <= n or t is lp}
+        tokens.append(token)
+        token_lps.append(logprob)
+        tops.append(top)
         offsets.append(offset)
-        offset += len(lp.decoded_token or "")
+        offset += len(token or "")
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _prompt_logprobs(f: RequestOutput) -> list:
+    """vLLM's ``prompt_logprobs``: per prompt token None (the first) or {token id: {logprob, rank,
+    decoded_token}}, the prompt token first, then the top N by rank."""
+    out = []
+    for tid, entry in zip(f.prompt_token_ids, f.prompt_logprobs):
+        if entry is None:
+            out.append(None)
+            continue
+        ids = [tid] + [t for t in sorted(entry, key=lambda t: entry[t].rank) if t != tid]
+        out.append({str(t): {"logprob": _finite(entry[t].logprob), "rank": entry[t].rank,
+                             "decoded_token": entry[t].decoded_token} for t in ids})
+    return out
 
 
 @router.post("/v1/completions")
@@ -87,8 +110,6 @@ async def completions(body: CompletionRequest, http: Request):
         raise APIError(400, "suffix is not supported", param="suffix")
     if body.best_of not in (None, body.n):
         raise APIError(400, "best_of other than n is not supported", param="best_of")
-    if body.echo and body.logprobs is not None:
-        raise APIError(400, "echo together with logprobs is not supported", param="echo")
     prompts = body.prompts()
     params = body.sampling_params(body.max_tokens, body.logprobs, st.openai_defaults)
     rid, created, n = new_id("cmpl"), int(time.time()), params.n
@@ -101,11 +122,24 @@ async def completions(body: CompletionRequest, http: Request):
             return ""
         return f.prompt if f.prompt is not None else st.tokenizer.decode(f.prompt_token_ids)
 
+    def logprobs(f: RequestOutput, o: CompletionOutput, start: int, offset: int, echo: bool) -> dict | None:
+        """The output's logprobs from token ``start``; with ``echo``, the prompt's first."""
+        if o.logprobs is None:
+            return None
+        ids, entries = o.token_ids[start:], o.logprobs[start:]
+        if echo:
+            ids, entries = f.prompt_token_ids + ids, f.prompt_logprobs + entries
+        return _completion_logprobs(ids, entries, nlp, offset, st.tokenizer.decode)
+
     if not body.stream:
         finals = await until_disconnect(http, _collect(streams))
-        choices = [{"index": i * n + o.index, "text": echo_text(f) + o.text,
-                    "logprobs": _completion_logprobs(o, 0, nlp, 0), "finish_reason": o.finish_reason}
-                   for i, f in enumerate(finals) for o in f.outputs]
+        choices = []
+        for i, f in enumerate(finals):
+            for o in f.outputs:
+                choices.append({"index": i * n + o.index, "text": echo_text(f) + o.text,
+                                "logprobs": logprobs(f, o, 0, 0, body.echo), "finish_reason": o.finish_reason})
+                if f.prompt_logprobs is not None:
+                    choices[-1]["prompt_logprobs"] = _prompt_logprobs(f)
         return {**head, "choices": choices, "usage": _usage(finals)}
 
     async def events():
@@ -116,9 +150,10 @@ async def completions(body: CompletionRequest, http: Request):
                 finals[i] = out
                 for o in out.outputs:
                     c = choices.setdefault(i * n + o.index, _Choice())
-                    text = (echo_text(out) if not c.started else "") + o.delta
+                    echo = body.echo and not c.started  # the prompt (its logprobs are complete by now)
+                    text = (echo_text(out) if echo else "") + o.delta
                     c.started = True
-                    lps = _completion_logprobs(o, c.logprobs_sent, nlp, c.text_sent)
+                    lps = logprobs(out, o, c.logprobs_sent, c.text_sent, echo)
                     c.logprobs_sent = len(o.token_ids)
                     if lps and lps["tokens"]:  # offsets continue from the last token sent
                         c.text_sent = lps["text_offset"][-1] + len(lps["tokens"][-1] or "")
@@ -178,7 +213,8 @@ async def chat_completions(body: ChatCompletionRequest, http: Request):
             finish = "tool_calls" if calls and o.finish_reason == "stop" else o.finish_reason
             choices.append({"index": o.index, "message": message, "logprobs": _chat_logprobs(o, 0, nlp),
                             "finish_reason": finish})
-        return {**head, "choices": choices, "usage": _usage([final])}
+        extra = {"prompt_logprobs": _prompt_logprobs(final)} if final.prompt_logprobs is not None else {}
+        return {**head, "choices": choices, "usage": _usage([final]), **extra}
 
     chunk_head = {**head, "object": "chat.completion.chunk"}
 

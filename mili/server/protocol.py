@@ -60,6 +60,7 @@ class _Sampling(Strict):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None  # each prompt token's logprob, plus the top N (not with stream)
     response_format: dict[str, Any] | None = None
     # vLLM's structured outputs: its newer object, and its older guided_* fields
     structured_outputs: dict[str, Any] | None = None
@@ -87,12 +88,17 @@ class _Sampling(Strict):
             raise InvalidRequest(f"service_tier {self.service_tier!r} is not supported (auto or default)",
                                  param="service_tier")
 
+    def prompt_logprobs_n(self) -> int | None:
+        return self.prompt_logprobs
+
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         defaults: dict[str, Any]) -> SamplingParams:
         """``defaults`` are the model's generation defaults (temperature, top_p, top_k) for unset fields."""
         self.check_unsupported()
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
+        if self.stream and self.prompt_logprobs is not None:  # (as vLLM: they would come all at once anyway)
+            raise InvalidRequest("prompt_logprobs is not available when stream is true", param="prompt_logprobs")
 
         def pick(name: str, fallback):
             value = getattr(self, name)
@@ -107,7 +113,7 @@ class _Sampling(Strict):
             min_p=self.min_p, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
             seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
-            logprobs=logprobs, skip_special_tokens=self.skip_special_tokens)
+            logprobs=logprobs, prompt_logprobs=self.prompt_logprobs_n(), skip_special_tokens=self.skip_special_tokens)
 
 
     def structured(self) -> tuple[StructuredOutputsParams, str] | None:
@@ -161,6 +167,13 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+
+    def prompt_logprobs_n(self) -> int | None:
+        """vLLM's rule: ``prompt_logprobs`` if given, else with ``echo`` the prompt is scored like the output
+        (``logprobs``), as the legacy OpenAI API returns it."""
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
+        return self.logprobs if self.echo else None
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
