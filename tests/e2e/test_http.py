@@ -73,7 +73,8 @@ def test_no_input_breaks_the_server(server):
     weird = [{"prompt": {"a": 1}}, {"prompt": [[1, 2], "x"]}, {"prompt": "x", "n": 10**6},
              {"prompt": "x", "stop": [""]}, {"prompt": "x", "seed": "abc"}, {"prompt": "x", "top_k": -5},
              {"prompt": "x", "stop_token_ids": [-1]}, {"prompt": "x", "min_tokens": 99, "max_tokens": 2},
-             {"prompt": "x", "echo": True, "logprobs": 1}, {"prompt": "x", "repetition_penalty": 0}]
+             {"prompt": "x", "max_tokens": 0}, {"prompt": "x", "prompt_logprobs": 1, "stream": True},
+             {"prompt": "x", "echo": True, "logprobs": 1, "max_tokens": -1}, {"prompt": "x", "repetition_penalty": 0}]
     for body in weird:
         r = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
         _error(r, 400)

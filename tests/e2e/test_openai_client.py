@@ -339,6 +339,96 @@ def test_chat_logprobs(client):
     assert all(len(i.top_logprobs) == 2 for i in streamed)
 
 
+
+def _long_prompt(n: int, seed: int) -> list[int]:
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(100, 150000) for _ in range(n)]
+
+
+def test_completion_echo_logprobs(client, server):
+    """lm-eval's request: echo + logprobs over a token-id prompt (300 tokens: the real vocabulary's logits come
+    in two slices), then the generated token's; max_tokens 0 scores alone; the stream echoes it first."""
+    prompt = _long_prompt(300, 1)
+    kw = dict(model="test", prompt=prompt, echo=True, logprobs=2, temperature=0)
+    r = client.completions.create(max_tokens=1, **kw)
+    (c,) = r.choices
+    text = httpx.post(server.url + "/detokenize", json={"tokens": prompt}).json()["prompt"]
+    assert c.text.startswith(text) and len(c.text) > len(text) and c.finish_reason == "length"
+    lp = c.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 301
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and lp.text_offset[0] == 0
+    assert "".join(lp.tokens[:300]) == text and lp.text_offset == sorted(lp.text_offset)
+    for tok, val, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]):
+        assert val < 0 and 2 <= len(top) <= 3 and top[tok] == pytest.approx(val, abs=1e-6)
+        assert max(top.values()) >= val
+    prompt_lps = _extra(c, "prompt_logprobs")  # vLLM's field: the same scores, by token id
+    assert len(prompt_lps) == 300 and prompt_lps[0] is None
+    for i in range(1, 300):
+        entry = prompt_lps[i][str(prompt[i])]
+        assert entry["logprob"] == pytest.approx(lp.token_logprobs[i], abs=1e-6) and entry["rank"] >= 1
+    assert r.usage.prompt_tokens == 300 and r.usage.completion_tokens == 1
+
+    zero = client.completions.create(max_tokens=0, **kw)
+    (z,) = zero.choices
+    assert z.text == text and z.finish_reason == "length" and zero.usage.completion_tokens == 0
+    assert z.logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:300], abs=1e-5)
+
+    chunks = list(client.completions.create(max_tokens=3, stream=True, extra_body={"ignore_eos": True}, **kw))
+    first = chunks[0].choices[0]
+    assert first.text.startswith(text) and first.logprobs.token_logprobs[0] is None
+    streamed = [v for ch in chunks if ch.choices and ch.choices[0].logprobs
+                for v in ch.choices[0].logprobs.token_logprobs]
+    assert len(streamed) == 303 and streamed[1:301] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
+
+
+def test_prompt_scores_agree_with_sampling(client):
+    """Two code paths, one distribution: the most likely next token after a prompt, as the prefill scores it
+    (prompt_logprobs' rank 1 at the position after the prompt), is what greedy sampling picks, with the
+    logprob the sampler reports."""
+    prompt = _long_prompt(40, 2)
+    scored = client.completions.create(model="test", prompt=prompt + [prompt[0]], max_tokens=0,
+                                       extra_body={"prompt_logprobs": 1})
+    best = min(_extra(scored.choices[0], "prompt_logprobs")[-1].values(), key=lambda e: e["rank"])
+    assert best["rank"] == 1
+    r = client.completions.create(model="test", prompt=prompt, max_tokens=1, temperature=0, logprobs=1)
+    assert r.choices[0].logprobs.tokens[0] == best["decoded_token"]
+    assert r.choices[0].logprobs.token_logprobs[0] == pytest.approx(best["logprob"], abs=1e-4)
+
+
+def test_prompt_logprobs_extra(client, server):
+    """vLLM's prompt_logprobs: on completions' choices (top N and the prompt token), on chat's response;
+    refused with stream, as vLLM does; max_tokens 0 asks for them."""
+    prompt = _long_prompt(12, 3)
+    r = client.completions.create(model="test", prompt=prompt, max_tokens=2, temperature=0,
+                                  extra_body={"prompt_logprobs": 3})
+    (c,) = r.choices
+    assert c.logprobs is None and len(c.text) > 0
+    entries = _extra(c, "prompt_logprobs")
+    assert len(entries) == 12 and entries[0] is None
+    for token, entry in zip(prompt[1:], entries[1:]):
+        assert list(entry)[0] == str(token)  # the prompt token first, then the top 3
+        ranks = sorted(e["rank"] for t, e in entry.items() if t != str(token))
+        assert len(entry) in (3, 4) and ranks[:3] == [1, 2, 3][:len(ranks)]
+        assert all(e["logprob"] <= 0 and isinstance(e["decoded_token"], str) for e in entry.values())
+
+    chat = client.chat.completions.create(model="test", messages=MSGS, max_tokens=1,
+                                          extra_body={"prompt_logprobs": 0, **NO_THINK})
+    plp = _extra(chat, "prompt_logprobs")
+    assert len(plp) == chat.usage.prompt_tokens and plp[0] is None and all(len(e) == 1 for e in plp[1:])
+
+    for body in ({"model": "test", "prompt": prompt, "prompt_logprobs": 1, "stream": True},
+                 {"model": "test", "prompt": prompt, "max_tokens": 0},
+                 {"model": "test", "prompt": prompt, "max_tokens": 0, "echo": True},
+                 {"model": "test", "prompt": prompt, "prompt_logprobs": 21}):
+        resp = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+        assert resp.status_code == 400, (body, resp.text)
+        assert resp.json()["error"]["param"] in ("prompt_logprobs", "max_tokens")
+    resp = httpx.post(server.url + "/v1/chat/completions", timeout=30,
+                      json={"model": "test", "messages": MSGS, "prompt_logprobs": 1, "stream": True})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt_logprobs"
+
 # -- thinking (the scripted checkpoint) ---------------------------------------------------------
 def test_thinking_non_stream(scripted, scripted_server):
     r = scripted.chat.completions.create(model="test", messages=MSGS, temperature=0, max_tokens=32)
