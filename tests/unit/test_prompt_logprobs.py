@@ -10,6 +10,7 @@ from transformers import Qwen3ForCausalLM as HFQwen3
 from mili import LLM, SamplingParams
 from mili.engine.scheduler import Scheduler
 from mili.errors import InvalidRequest
+from mili.kernels import cpu as cpu_kernels
 from mili.runtime import prompt_logprobs as plp
 
 TOL = 1e-4
@@ -146,3 +147,70 @@ def test_preempted_request_scores_each_position_once(checkpoints, monkeypatch):
     assert any(0 < computed < num_scored for computed, num_scored in starts), starts
     _check(outs[1].prompt_logprobs, scored, _reference(path, scored), 1)
     llm.engine.check_integrity()
+
+
+def _score(llm: LLM, decode: list[int], scored: list[int]):
+    """A long decode beside a prompt being scored; the scored request's prompt logprobs."""
+    outs = llm.generate([{"prompt_token_ids": decode}, {"prompt_token_ids": scored}],
+                        [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+                         SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2)], use_tqdm=False)
+    llm.engine.check_integrity()
+    return outs[1].prompt_logprobs
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason=f"CPU kernels unavailable: {cpu_kernels.load()[1]}")
+def test_one_token_chunks_on_the_fused_cpu_decode_path(checkpoints):
+    """bf16 on MILI's CPU kernels, a budget of 2 tokens: beside a decode the prompt comes one token a step,
+    so each step is a decode-only batch the fused decode path runs, prompt rows and all; its scores are the
+    module path's (enforce_eager), bit for bit."""
+    path = str(checkpoints["gqa_untied"])
+    fused = LLM(path, dtype="bfloat16", max_num_batched_tokens=2)
+    runner = fused.engine.runner
+    assert runner.cpu_decode is not None
+    ran = []  # per fused step: how many prompt rows it scored
+    run = runner.cpu_decode.run
+
+    def spy(batch, kv):
+        hidden = run(batch, kv)
+        if hidden is not None:
+            ran.append(batch.num_prompt_rows)
+        return hidden
+
+    runner.cpu_decode.run = spy
+    decode, scored = _prompt(3, 21), _prompt(20, 22)
+    got = _score(fused, decode, scored)
+    assert sum(ran) == len(scored) - 1  # every prompt position scored on the fused path
+    eager = LLM(path, dtype="bfloat16", max_num_batched_tokens=2, enforce_eager=True)
+    assert eager.engine.runner.cpu_decode is None
+    expected = _score(eager, decode, scored)
+    assert [None if e is None else {t: (lp.logprob, lp.rank) for t, lp in e.items()} for e in got] \
+        == [None if e is None else {t: (lp.logprob, lp.rank) for t, lp in e.items()} for e in expected]
+
+
+def test_triton_backend(checkpoints):
+    """The Triton attention path (interpreted on the CPU) scores prompts like HF."""
+    pytest.importorskip("triton")
+    path = str(checkpoints["gqa_untied"])
+    llm = LLM(path, dtype="float32", attention_backend="triton", max_num_batched_tokens=24)
+    prompts = [_prompt(n, 30 + n) for n in (9, 40)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2), use_tqdm=False)
+    for out, prompt in zip(outs, prompts):
+        _check(out.prompt_logprobs, prompt, _reference(path, prompt), 2)
+    llm.engine.check_integrity()
+
+
+def test_tensor_parallel_two_ranks(checkpoints):
+    """TP=2 (gloo, a rank process): rank 0 scores, both ranks gather each slice's vocabulary shards; a
+    1000-token prompt in one chunk comes in two slices (512 rows at most)."""
+    path = str(checkpoints["mha_tied"])
+    llm = LLM(path, dtype="float32", max_num_batched_tokens=1100, tensor_parallel_size=2)
+    try:
+        prompts = [_prompt(1000, 40), _prompt(37, 41)]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3), use_tqdm=False)
+        for out, prompt in zip(outs, prompts):
+            _check(out.prompt_logprobs, prompt, _reference(path, prompt), 3)
+        llm.engine.check_integrity()
+    finally:
+        llm.engine.runner.close()
