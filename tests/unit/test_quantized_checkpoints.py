@@ -252,7 +252,8 @@ def _next_token_logprobs(llm, prompts: list[list[int]]) -> torch.Tensor:
     for prompt in prompts:
         rid = llm.engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1))
         sched = core.scheduler.schedule()
-        rows.append(core.runner.forward_logits(sched.scheduled)[0].float().log_softmax(-1))
+        logits, _ = core.runner.forward_logits(sched.scheduled)
+        rows.append(logits[0].float().log_softmax(-1))
         core.scheduler.after_step(sched.scheduled)
         llm.engine.abort_request(rid)
     return torch.stack(rows)
