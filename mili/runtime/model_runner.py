@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import itertools
 import logging
 import os
@@ -18,7 +19,8 @@ from mili.kernels import cpu
 from mili.kernels.cpu import ops as cpu_ops
 from mili.kernels.reference import TorchOps
 from mili.model.checks import weight_quant
-from mili.model.cpu_linear import fp8_gemm_available, fp8_round_trip_linears, prepack_available, swap_linears
+from mili.model.cpu_linear import (fp8_gemm_available, fp8_round_trip_linears, int4_layer, prepack_available,
+                                   swap_linears)
 from mili.model.loader import load_weights
 from mili.model.qwen3 import Qwen3ForCausalLM
 from mili.runtime import parallel
@@ -68,9 +70,13 @@ class ModelRunner:
         self.model = model.to_empty(device=self.device)
         self.weight_quant = weight_quant(
             {"quantization_config": getattr(model_config.hf_config, "quantization_config", None)})
-        int4 = load_weights(self.model, path, keep_int4=self.cpu_kernels)
+        # a quantized checkpoint's layers kept as stored: on the Triton GEMMs, or AWQ's on the CPU's int4 kernel
+        self.triton_linears = (self.weight_quant is not None and not config.quantization and self.tp_size == 1
+                               and (self.device.type == "cuda" or self.attention_backend == "triton"))
+        keep = self.triton_linears or (self.cpu_kernels and getattr(self.weight_quant, "method", None) == "awq")
+        quantized = load_weights(self.model, path, keep_quantized=keep)
         self.model.eval()
-        self.weight_format = self._swap_linears(int4)
+        self.weight_format = self._swap_linears(quantized)
         log.info("weights: %s", self.weight_format)
         if self.device.type == "cpu":
             release_freed_memory()  # the plain weights a swap replaced go back to the OS
@@ -97,9 +103,9 @@ class ModelRunner:
                 log.info("fused CPU decode off (%s)", self.cpu_decode.why_not)
                 self.cpu_decode = None
 
-    def _swap_linears(self, int4: dict) -> str:
+    def _swap_linears(self, quantized: dict) -> str:
         """Put the linear layers on the kernels for this device, dtype and weight format; returns what the
-        weights compute as (for /health and the start-up log)."""
+        weights compute as (for /health and the start-up log). ``quantized``: the loader's kept layers."""
         config, quant = self.config, self.weight_quant
         cpu_bf16 = self.device.type == "cpu" and self.dtype == torch.bfloat16
         if config.quantization and quant is not None:
@@ -110,6 +116,13 @@ class ModelRunner:
                 raise InvalidRequest("quantization with tensor parallelism is not supported yet",
                                      param="quantization")
             return f"{quant.describe()}, dequantized" if quant else "unquantized"
+        if self.triton_linears:
+            from mili.model import gpu_linear
+
+            fp8_act = gpu_linear.device_fp8_activations(self.device, self.dtype)
+            swap_linears(self.model, "plain", quantized=quantized,
+                         make_quantized=functools.partial(gpu_linear.quantized_layer, fp8_activations=fp8_act))
+            return gpu_linear.describe(quant, fp8_act, self.model_config.is_moe, self.dtype)
         if config.quantization == "fp8":
             fp8_round_trip_linears(self.model)
             if self.device.type == "cuda" and fp8_gemm_available(self.device):
@@ -122,8 +135,8 @@ class ModelRunner:
             return f"int8 per channel ({'W8A8 kernel' if kernels else 'weight-only'})" + \
                 (f", requantized from {origin}" if origin else "")
         if self.cpu_kernels:
-            swap_linears(self.model, "kernel", int4=int4)
-            if int4:
+            swap_linears(self.model, "kernel", quantized=quantized, make_quantized=int4_layer)
+            if quantized:
                 return f"{quant.describe()} on the int4 kernel (W4A8)"
         elif self.device.type == "cpu" and config.cpu_weight_prepack and prepack_available(self.dtype):
             swap_linears(self.model, "packed")

@@ -19,6 +19,9 @@ if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
 from mili.kernels import reference as ref  # noqa: E402
 from mili.kernels.triton import attention as tk  # noqa: E402
 from mili.kernels.triton import norm_rope as tn  # noqa: E402
+from mili.kernels.triton.fp8 import fp8_bits_to_float, to_fp8  # noqa: E402
+
+tl = triton.language
 
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
@@ -129,3 +132,33 @@ def test_qk_norm_rope(dtype, d, hq, hkv):
     tol = TOL[dtype] if dtype == torch.float32 else dict(atol=1 / 16, rtol=2e-2)
     torch.testing.assert_close(got_q, want_q, **tol)
     torch.testing.assert_close(got_k, want_k, **tol)
+
+
+# -- FP8 KV pages -----------------------------------------------------------------------------------------------
+@triton.jit
+def _convert(X, Q, B, F, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(Q + i, to_fp8(tl.load(X + i)))
+    tl.store(F + i, fp8_bits_to_float(tl.load(B + i)))
+
+
+def test_fp8_rounding_matches_torch():
+    """The kernels' float32 -> e4m3 rounding (fp8.to_fp8) against torch's cast, over every binade, subnormals,
+    halfway cases and saturation, and the byte decoder (fp8_bits_to_float) over all 254 finite bytes."""
+    g = torch.Generator().manual_seed(0)
+    grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    grid = grid[grid.isfinite()]
+    halfway = (grid[:-1] + grid[1:]) / 2  # ties (within a binade and across binade tops): nearest even
+    x = torch.cat([torch.randn(2048, generator=g) * 30, torch.randn(1024, generator=g) * 1e-2,
+                   torch.tensor([500.0, -1e4, 448.0, 464.0, 1.98, -1.98, 0.0]), halfway[halfway.abs() < 448]])
+    n = triton.next_power_of_2(x.numel())
+    x = torch.nn.functional.pad(x, (0, n - x.numel())).to(DEVICE)
+    q = torch.empty(n, dtype=torch.float8_e4m3fn, device=DEVICE)
+    finite = torch.arange(256, dtype=torch.uint8)
+    finite = finite[(finite & 0x7F) != 0x7F]
+    b = torch.nn.functional.pad(finite, (0, n - finite.numel())).to(DEVICE)
+    f = torch.empty(n, device=DEVICE)
+    _convert[(1,)](x, q, b, f, N=n)
+    torch.testing.assert_close(q.float(), ref.to_fp8(x).float(), atol=0, rtol=0)
+    assert q.float().abs().max() == 448 and q.float()[x.abs() > 0].ne(0).any()
+    torch.testing.assert_close(f[:finite.numel()].cpu(), finite.view(torch.float8_e4m3fn).float(), atol=0, rtol=0)
