@@ -62,6 +62,7 @@ class ModelRunner:
             torch.set_num_threads(config.num_threads or max(1, (os.cpu_count() or 1) // self.tp_size))
         self.max_model_len = config.resolve_max_model_len(model_config)
         self.attention_backend = config.resolve_attention_backend()
+        self.kv_dtype = self._kv_cache_dtype()
         self.cpu_kernels = self._use_cpu_kernels()
         backend, ops = self._backend_and_ops()
         self.attention = backend
@@ -143,6 +144,24 @@ class ModelRunner:
         return f"{quant.describe()}, dequantized to {str(self.dtype).removeprefix('torch.')}" if quant \
             else "unquantized"
 
+    def _kv_cache_dtype(self) -> torch.dtype:
+        """The KV pages' dtype: the model's (auto), or float8_e4m3fn (fp8: half the bytes a token, twice the
+        pages in the same memory), which the Triton kernels read and write on GPUs with FP8."""
+        if self.config.kv_cache_dtype == "auto":
+            return self.dtype
+        if self.attention_backend != "triton":
+            raise InvalidRequest("--kv-cache-dtype fp8 needs the Triton attention backend (CUDA); the CPU's "
+                                 "torch and C-kernel attention read pages in the model's dtype", param="kv_cache_dtype")
+        if self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) < (8, 9):
+            raise InvalidRequest("--kv-cache-dtype fp8 needs a GPU with FP8 (compute capability 8.9 or later)",
+                                 param="kv_cache_dtype")
+        return torch.float8_e4m3fn
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        """The KV pages' dtype by name (/health): the model's dtype, or fp8_e4m3."""
+        return "fp8_e4m3" if self.kv_dtype == torch.float8_e4m3fn else str(self.kv_dtype).removeprefix("torch.")
+
     @property
     def max_pages_per_seq(self) -> int:
         return -(-self.max_model_len // self.config.page_size)
@@ -192,8 +211,8 @@ class ModelRunner:
         pages = -(-tokens // self.config.page_size)
         cfg = self.model_config
         shape = (pages, self.config.page_size, cfg.num_key_value_heads, cfg.head_dim)
-        kv = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-               torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(cfg.num_hidden_layers)]
+        kv = [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+               torch.zeros(shape, dtype=self.kv_dtype, device=self.device)) for _ in range(cfg.num_hidden_layers)]
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
@@ -218,7 +237,7 @@ class ModelRunner:
     def _allocate_kv_cache(self) -> None:
         cfg, page_size = self.model_config, self.config.page_size
         bytes_per_page = (2 * cfg.num_hidden_layers * page_size * cfg.num_key_value_heads * cfg.head_dim
-                          * self.dtype.itemsize)
+                          * self.kv_dtype.itemsize)
         if self.config.num_kv_pages is not None:  # sized exactly, as asked
             num_pages = self.config.num_kv_pages
             budget = num_pages * bytes_per_page
@@ -242,12 +261,12 @@ class ModelRunner:
             self.max_model_len = capacity
         shape_of = getattr(self.attention, "kv_cache_shape", TorchAttentionBackend.kv_cache_shape)
         shape = shape_of(num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+        self.kv_caches = [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
                           for _ in range(cfg.num_hidden_layers)]
         self.pool = PagePool(num_pages, page_size)
-        log.info("KV cache: %d pages of %d tokens (%.1f MiB)", num_pages, page_size,
-                 num_pages * bytes_per_page / 2**20)
+        log.info("KV cache: %d pages of %d tokens (%.1f MiB, %s)", num_pages, page_size,
+                 num_pages * bytes_per_page / 2**20, self.kv_cache_dtype)
 
     def copy_pages(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
@@ -257,8 +276,8 @@ class ModelRunner:
         src = torch.tensor([s for s, _ in copies], device=self.device)
         dst = torch.tensor([d for _, d in copies], device=self.device)
         for k_cache, v_cache in self.kv_caches:
-            k_cache[dst] = k_cache[src]
-            v_cache[dst] = v_cache[src]
+            for cache in (k_cache.view(torch.uint8), v_cache.view(torch.uint8)):  # (any dtype, FP8 too)
+                cache[dst] = cache[src]
 
     def prepare(self, scheduled) -> ForwardBatch:
         """Batch tensors for a list of ``ScheduledSeq`` (decodes first), built once per step."""
