@@ -40,6 +40,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="quantize an unquantized checkpoint as it loads, one scale per output channel: int8, or "
                         "fp8 (e4m3; FP8 GEMMs on CUDA SM 89+, int8 kernels on the CPU in bf16). Quantized "
                         "checkpoints (FP8, AWQ) need no flag; default: none")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                   help="KV cache pages: auto = the model's dtype; fp8 = e4m3 (twice the tokens in the same memory; "
+                        "the Triton attention backend on GPUs with FP8, SM 89+)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over N ranks on this node (torch.distributed: NCCL on CUDA, one GPU a "
                         "rank; gloo on the CPU)")
@@ -61,7 +64,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed, num_threads=args.num_threads,
                 enable_prefix_caching=args.enable_prefix_caching, schedule_policy=args.schedule_policy,
-                quantization=args.quantization, cpu_kernels=args.cpu_kernels,
+                quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, cpu_kernels=args.cpu_kernels,
                 cpu_weight_prepack=args.cpu_weight_prepack,
                 attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
                 gpu_memory_utilization=args.gpu_memory_utilization,

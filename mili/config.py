@@ -148,6 +148,7 @@ class EngineConfig:
     enforce_eager: bool = False  # decode module by module: no CUDA graphs, no fused CPU decode layer
     gpu_memory_utilization: float = 0.9  # CUDA: share of the card for weights + activations + KV pool
     quantization: str | None = None  # None | int8 (per output channel; W8A8 with the CPU kernels) | fp8
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8 (e4m3 pages: the Triton backend, GPUs with FP8)
     tensor_parallel_size: int = 1  # ranks the model is split over (torch.distributed: gloo on CPU, NCCL on CUDA)
     cpu_kernels: bool = True  # CPU bf16: MILI's C kernels (AVX-512/AMX linear, fused ops, paged attention)
     cpu_weight_prepack: bool = True  # CPU bf16 without those kernels: weights in oneDNN's blocked layout
@@ -169,6 +170,9 @@ class EngineConfig:
         if self.quantization not in (None, "int8", "fp8"):
             raise InvalidRequest(f"quantization must be int8, fp8 or none, got {self.quantization!r}",
                                  param="quantization")
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise InvalidRequest(f"kv_cache_dtype must be auto or fp8, got {self.kv_cache_dtype!r}",
+                                 param="kv_cache_dtype")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise InvalidRequest(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}",
                                  param="tensor_parallel_size")

@@ -1,7 +1,8 @@
 """`mili serve --config FILE`: the original design's config layout (JSON or YAML), checked before loading.
 
     inference: {device, dtype, max_batch_size}     -> --device, --dtype, --max-num-seqs
-    kv_cache:  {page_size, num_pages}              -> --page-size, --num-kv-pages (the pool, exactly)
+    kv_cache:  {page_size, num_pages, dtype}       -> --page-size, --num-kv-pages (the pool, exactly),
+                                                      --kv-cache-dtype (auto | fp8)
     sampling:  {temperature, top_p, top_k}         -> defaults for requests that leave them unset
     any other top-level key: a `mili serve` flag by its name (max_model_len: 4096, no_prefix_cache: true)
 
@@ -19,7 +20,7 @@ from mili.errors import InvalidRequest
 
 SECTIONS = {
     "inference": {"device": "device", "dtype": "dtype", "max_batch_size": "max_num_seqs"},
-    "kv_cache": {"page_size": "page_size", "num_pages": "num_kv_pages"},
+    "kv_cache": {"page_size": "page_size", "num_pages": "num_kv_pages", "dtype": "kv_cache_dtype"},
 }
 SAMPLING_KEYS = ("temperature", "top_p", "top_k")
 # integer flags whose values must be >= 1 (the rest: seed any integer, port 0-65535)

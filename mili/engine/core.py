@@ -54,7 +54,7 @@ class EngineCore:
     def ready(self) -> Ready:
         dtype = str(self.runner.dtype).removeprefix("torch.")
         return Ready(self.max_model_len, str(self.runner.device), dtype, self.stats(), self.runner.weight_format,
-                     dtype)
+                     self.runner.kv_cache_dtype)
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, add: AddRequest) -> Request:

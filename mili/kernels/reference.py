@@ -70,3 +70,42 @@ class TorchOps:
     rms_norm = staticmethod(rms_norm)
     qk_norm_rope = staticmethod(qk_norm_rope)
     silu_and_mul = staticmethod(silu_and_mul)
+
+
+# -- quantized weights and the FP8 KV cache ------------------------------------------------------------------
+FP8_MAX = 448.0  # the largest float8_e4m3fn
+
+
+def to_fp8(x: torch.Tensor, scale: float | torch.Tensor = 1.0) -> torch.Tensor:
+    """x / scale rounded to float8_e4m3fn (nearest even), saturating at +-448: an FP8 KV page's entries."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def per_token_group_quant_fp8(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn [M, K], float32 scales [M, ceil(K / group)]): each group of a row divided by its largest
+    magnitude / 448 (at least 1e-10 / 448)."""
+    m, k = x.shape
+    groups = F.pad(x.float(), (0, -k % group)).view(m, -1, group)
+    scales = groups.abs().amax(dim=-1).clamp(min=1e-10) / FP8_MAX
+    return to_fp8(groups, scales[..., None]).view(m, -1)[:, :k], scales
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, scale_block: tuple[int, int],
+               fp8_activations: bool, group: int = 128) -> torch.Tensor:
+    """x @ (weight x its scale per ``scale_block`` block)^T in float32; with ``fp8_activations`` x through
+    ``per_token_group_quant_fp8`` first. In x's dtype."""
+    n, k = weight.shape
+    w = weight.float() * weight_scale.float().repeat_interleave(scale_block[0], 0)[:n].repeat_interleave(
+        scale_block[1], 1)[:, :k]
+    a = x.float()
+    if fp8_activations:
+        q, scales = per_token_group_quant_fp8(x, group)
+        a = q.float() * scales.repeat_interleave(group, 1)[:, :k]
+    return (a @ w.T).to(x.dtype)
+
+
+def int4_linear(x: torch.Tensor, q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x @ W^T, W [N, K] = (q - zeros) * scales, one zero point and scale per group of input channels."""
+    group = q.shape[1] // zeros.shape[1]
+    w = (q.float() - zeros.float().repeat_interleave(group, 1)) * scales.float().repeat_interleave(group, 1)
+    return (x.float() @ w.T).to(x.dtype)

@@ -1,5 +1,5 @@
 """Linear layers swapped in after loading (the model code does not branch on them); all but Fp8Linear are
-the CPU's.
+the CPU's (the Triton GEMMs' layers are in gpu_linear.py).
 
 * ``PackedLinear``: bf16 weights reordered once into oneDNN's blocked layout (what torch.compile's
   freezing pass does), ~1.4x faster matrix-vector products than aten's linear on plain weights.
@@ -102,11 +102,14 @@ class Int8Linear(_SwappedLinear):
 
 
 class Fp8Linear(_SwappedLinear):
-    def __init__(self, weight, bias=None, shard_sizes=None):
+    def __init__(self, weight, bias=None, shard_sizes=None, scales=None):
+        """``weight``: quantized here, per channel; or (``scales`` given, one per output channel) a
+        checkpoint's float8_e4m3fn weights as they are."""
         super().__init__(weight, bias, shard_sizes)
-        qweight, scales = quant.quantize_fp8_per_channel(weight.detach())
-        self.register_buffer("qweight", qweight)
-        self.register_buffer("scales", scales[None, :].contiguous())  # [1, out] float32
+        if scales is None:
+            weight, scales = quant.quantize_fp8_per_channel(weight.detach())
+        self.register_buffer("qweight", weight)
+        self.register_buffer("scales", scales.float().reshape(1, -1).contiguous())  # [1, out] float32
 
     def _matmul(self, x2d):
         xq, sx = quant.quantize_fp8_per_row(x2d)
@@ -152,13 +155,25 @@ def prepack_available(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
 
 
-def swap_linears(model: nn.Module, kind: str, kernels: bool = False, int4: dict | None = None) -> None:
+def int4_layer(parts: quant.Int4Parts, bias, shard_sizes) -> Int4Linear | None:
+    """An AWQ layer on the CPU's int4 kernel, or None where the kernel cannot take its shape."""
+    if not isinstance(parts, quant.Int4Parts):
+        return None
+    out, k = parts.q.shape
+    if not cpu_ops.int4_supported(out, k, k // parts.zeros.shape[1]):
+        return None
+    return Int4Linear(*parts, bias, shard_sizes)
+
+
+def swap_linears(model: nn.Module, kind: str, kernels: bool = False, quantized: dict | None = None,
+                 make_quantized=None) -> None:
     """Replace every nn.Linear of ``model`` (and its lm_head, tied or not) with ``kind``: kernel | packed |
-    int8. With kernel, a layer the kernel can't take (in_features not a multiple of 32) is packed instead;
-    int8 uses MILI's int8 kernel when ``kernels``; fp8 (CUDA) quantizes per channel, the lm_head aside.
-    ``int4``: an AWQ checkpoint's int4 layers by checkpoint weight name (the loader's); those layers become
-    Int4Linear (a fused layer from its shards), the others ``kind``."""
-    if kind not in ("kernel", "packed", "int8", "fp8"):
+    int8 | fp8 | plain (left as it is). With kernel, a layer the kernel can't take (in_features not a multiple
+    of 32) is packed instead; int8 uses MILI's int8 kernel when ``kernels``; fp8 (CUDA) quantizes per channel,
+    the lm_head aside. ``quantized``: a checkpoint's layers kept quantized by the loader (weight name ->
+    parts); a layer whose shards all have parts becomes ``make_quantized(parts, bias, shard_sizes)`` (a fused
+    layer's joined by ``quant.concat_parts``), unless that returns None; the other layers become ``kind``."""
+    if kind not in ("kernel", "packed", "int8", "fp8", "plain"):
         raise InvalidRequest(f"unknown linear kind {kind!r}", param="quantization")
 
     def make(weight, bias=None, shard_sizes=None):
@@ -170,17 +185,20 @@ def swap_linears(model: nn.Module, kind: str, kernels: bool = False, int4: dict 
             return KernelLinear(weight, bias, shard_sizes)
         return PackedLinear(weight, bias, shard_sizes)
 
-    def make_int4(name, child):
+    def make_from_parts(name, child):
         shards = [f"{name.rsplit('.', 1)[0]}.{ckpt}.weight" for ckpt, (fused, _) in
                   sorted(STACKED_PARAMS.items(), key=lambda kv: kv[1][1]) if name.endswith(f".{fused}")]
-        parts = [int4.get(n) for n in shards or [f"{name}.weight"]]
-        if None in parts or not cpu_ops.int4_supported(child.out_features, child.in_features,
-                                                       child.in_features // parts[0][1].shape[1]):
+        parts = [quantized.get(n) for n in shards or [f"{name}.weight"]]
+        if None in parts:
             return None
-        q, zeros, scales = (torch.cat(ts) for ts in zip(*parts))
-        return Int4Linear(q, zeros, scales, child.bias, getattr(child, "shard_sizes", None))
+        parts = quant.concat_parts(parts) if len(parts) > 1 else parts[0]
+        device = child.weight.device
+        return make_quantized(type(parts)(*(t.to(device) if torch.is_tensor(t) else t for t in parts)),
+                              child.bias, getattr(child, "shard_sizes", None))
 
     for module_name, module in list(model.named_modules()):
+        if isinstance(module, FusedExperts) and kind == "plain":
+            continue
         if isinstance(module, FusedExperts):  # each expert's slices of the stacked weights, then drop those
             inter = module.inter
             module.linears = nn.ModuleList(
@@ -193,10 +211,12 @@ def swap_linears(model: nn.Module, kind: str, kernels: bool = False, int4: dict 
             if kind == "fp8" and name == "lm_head":
                 continue
             if isinstance(child, nn.Linear) and not isinstance(child, RouterLinear):  # FusedLinear too
-                layer = make_int4(name, child) if int4 else None
-                setattr(module, child_name, layer or make(child.weight, child.bias,
-                                                          getattr(child, "shard_sizes", None)))
-    if model.lm_head is not None or kind == "fp8":
+                layer = make_from_parts(name, child) if quantized else None
+                if layer is None and kind != "plain":
+                    layer = make(child.weight, child.bias, getattr(child, "shard_sizes", None))
+                if layer is not None:
+                    setattr(module, child_name, layer)
+    if model.lm_head is not None or kind in ("fp8", "plain"):
         return
     embed = model.model.embed_tokens
     if kind == "int8":  # int8 halves the bytes the head reads: it gets its own (smaller) copy

@@ -151,12 +151,14 @@ def _tp_slice(name: str, cfg) -> tuple[int, int, int] | None:
     return None
 
 
-def _read(f, name: str, cfg, dequant=None, keep_int4: bool = False) -> torch.Tensor:
+def _read(f, name: str, cfg, dequant=None, keep_quantized: bool = False) -> torch.Tensor:
     """The checkpoint tensor, or only this rank's slice of it (read from the file as a slice); a quantized
-    weight is read whole, dequantized, then sliced."""
+    weight is read whole, dequantized, then sliced. Its quantized parts are kept too (``keep_quantized``)
+    where a linear layer can use them: a whole matrix (no tensor-parallel slice), not an expert's."""
     if dequant is not None and dequant.quantized(name, f.get_slice(name).get_dtype()):
-        part = _tp_slice(dequant.weight_name(name), cfg)
-        tensor = dequant(name, f.get_tensor(name), keep_int4 and part is None)
+        weight = dequant.weight_name(name)
+        part = _tp_slice(weight, cfg)
+        tensor = dequant(name, f.get_tensor(name), keep_quantized and part is None and not _EXPERT.match(weight))
         return tensor if part is None else tensor.narrow(part[0], part[1], part[2])
     part = _tp_slice(name, cfg)
     if part is None:
@@ -187,12 +189,13 @@ def _skipped(model: Qwen3ForCausalLM, name: str) -> bool:
 
 class _Dequantizer:
     """A quantized checkpoint's weights in float32, each from the tensors stored beside it (FP8: its scale;
-    AWQ: its ``qweight``, ``qzeros`` and ``scales``). An AWQ layer's int4 parts are also kept in ``int4``
-    (by weight name) for the CPU's int4 kernel."""
+    AWQ: its ``qweight``, ``qzeros`` and ``scales``). Asked to, it keeps a layer's quantized parts too, in
+    ``kept`` by weight name (``quant.Fp8Parts`` / ``quant.Int4Parts``), for the linears that compute with
+    them as they are (the CPU's int4 kernel, the Triton GEMMs)."""
 
     def __init__(self, quant: WeightQuant, where: dict[str, str]):
         self.quant, self.where = quant, where
-        self.int4: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.kept: dict = {}
         self.awq = quant.method == "awq"
 
     def is_aux(self, name: str) -> bool:
@@ -220,15 +223,15 @@ class _Dequantizer:
         with safe_open(self.where[aux], framework="pt") as f:
             return f.get_tensor(aux)
 
-    def __call__(self, name: str, stored: torch.Tensor, keep_int4: bool = False) -> torch.Tensor:
+    def __call__(self, name: str, stored: torch.Tensor, keep: bool = False) -> torch.Tensor:
         if self.awq:
             try:
                 parts = quant.awq_int4(stored, self._get(name, "qzeros"), self._get(name, "scales"),
                                        self.quant.group_size)
             except ValueError as e:
                 raise ModelLoadError(f"{name}: {e}") from e
-            if keep_int4:
-                self.int4[self.weight_name(name)] = parts
+            if keep:
+                self.kept[self.weight_name(name)] = parts
             return quant.dequantize_int4(*parts)
         scale = self._get(name, self.quant.scale_suffix)
         block = self.quant.block
@@ -236,6 +239,8 @@ class _Dequantizer:
             raise ModelLoadError(f"{self._aux(name, self.quant.scale_suffix)} has shape {tuple(scale.shape)}, the "
                                  f"weight {name} {tuple(stored.shape)} in {block[0]}x{block[1]} blocks needs "
                                  f"{quant.fp8_block_scale_shape(tuple(stored.shape), block)}")
+        if keep:
+            self.kept[name] = quant.fp8_parts(stored, scale, block)
         return quant.dequantize_fp8(stored, scale, block)
 
 
@@ -264,10 +269,10 @@ def _check_checkpoint(model: Qwen3ForCausalLM, files: list[str], params: dict,
 
 
 @torch.no_grad()
-def load_weights(model: Qwen3ForCausalLM, path: str, keep_int4: bool = False) -> dict:
+def load_weights(model: Qwen3ForCausalLM, path: str, keep_quantized: bool = False) -> dict:
     """Copy every checkpoint tensor into ``model`` (converting the dtype); fail on missing, mismatched,
     unexpected or non-floating tensors before the first copy. Quantized weights are dequantized; with
-    ``keep_int4``, an AWQ checkpoint's int4 layers are returned too (by weight name: q, zeros, scales)."""
+    ``keep_quantized``, their layers' quantized parts are returned too (by weight name, see _Dequantizer)."""
     params = dict(model.named_parameters())
     expected = _expected_keys(model, params)
     loaded: set[tuple] = set()
@@ -286,7 +291,7 @@ def load_weights(model: Qwen3ForCausalLM, path: str, keep_int4: bool = False) ->
                         continue
                     name = dequant.weight_name(stored) if dequant else stored
                     key, dest = _target(model, name, params)
-                    tensor = _read(f, stored, model.config, dequant, keep_int4)
+                    tensor = _read(f, stored, model.config, dequant, keep_quantized)
                     if tensor.shape != dest.shape:
                         raise ModelLoadError(f"weight {name} has shape {tuple(tensor.shape)}, the config "
                                              f"implies {tuple(dest.shape)}")
@@ -296,4 +301,4 @@ def load_weights(model: Qwen3ForCausalLM, path: str, keep_int4: bool = False) ->
     missing = sorted({n for n, *_ in expected - loaded})
     if missing:
         raise ModelLoadError(f"checkpoint {path!r} lacks {len(missing)} weights, e.g. {missing[:3]}")
-    return dequant.int4 if dequant is not None else {}
+    return dequant.kept if dequant is not None else {}

@@ -5,9 +5,14 @@
 * AWQ GEMM int4: ``qweight`` [in, out / 8] and ``qzeros`` [in / group, out / 8] int32, each word holding 8
   output columns' 4-bit values in AWQ's interleaved order, and fp16 ``scales`` [in / group, out]:
   ``w[k, n] = (q[k, n] - z[k // group, n]) * s[k // group, n]`` (transposed to MILI's [out, in]).
+
+A layer the linears compute with as it is stored is kept (by the loader) as its parts: ``Fp8Parts`` or
+``Int4Parts``; a fused layer (q|k|v, gate|up) joins its shards' parts with ``concat_parts``.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -16,6 +21,45 @@ FP8_MAX = 448.0  # the largest float8_e4m3fn
 # gives columns 0..7 back.
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
+
+
+class Fp8Parts(NamedTuple):
+    """An FP8 layer as stored: ``q`` [out, in] float8_e4m3fn, ``scale`` float32, one per ``block`` (rows,
+    columns) of q: [ceil(out / rows), ceil(in / cols)]; per channel (and per tensor) is the block (1, in)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    block: tuple[int, int]
+
+
+class Int4Parts(NamedTuple):
+    """An AWQ layer in MILI's orientation: ``q`` [out, in] uint8 (0..15), ``zeros`` [out, in / group] uint8,
+    ``scales`` [out, in / group] float16."""
+
+    q: torch.Tensor
+    zeros: torch.Tensor
+    scales: torch.Tensor
+
+
+def fp8_parts(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> Fp8Parts:
+    """A checkpoint's FP8 weight and scale: per 128 x 128 block (``block``), else per channel or per tensor
+    (both as one float32 scale per output channel)."""
+    if block is None:
+        return Fp8Parts(q, scale.float().reshape(-1, 1).expand(q.shape[0], 1).contiguous(), (1, q.shape[1]))
+    return Fp8Parts(q, scale.float().contiguous(), block)
+
+
+def concat_parts(parts: list) -> Fp8Parts | Int4Parts:
+    """One layer from its shards' parts, stacked along the output rows. FP8 blocks that would straddle two
+    shards (a shard not a whole number of blocks tall) become one scale row per output row."""
+    if isinstance(parts[0], Int4Parts):
+        return Int4Parts(*(torch.cat(ts) for ts in zip(*parts)))
+    rows, cols = parts[0].block
+    assert all(p.block[1] == cols for p in parts)
+    if len({p.block for p in parts}) == 1 and all(p.q.shape[0] % rows == 0 for p in parts[:-1]):
+        return Fp8Parts(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), (rows, cols))
+    scale = torch.cat([p.scale.repeat_interleave(p.block[0], 0)[:p.q.shape[0]] for p in parts])
+    return Fp8Parts(torch.cat([p.q for p in parts]), scale, (1, cols))
 
 
 def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
@@ -64,16 +108,14 @@ def pack_awq(values: torch.Tensor) -> torch.Tensor:
     return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32).contiguous()
 
 
-def awq_int4(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group: int,
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """An AWQ layer in MILI's orientation: (q [out, in] uint8, zeros [out, in / group] uint8, scales
-    [out, in / group] float16), checked against each other's shapes."""
+def awq_int4(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group: int) -> Int4Parts:
+    """An AWQ layer in MILI's orientation (``Int4Parts``), its tensors checked against each other's shapes."""
     q, z = unpack_awq(qweight), unpack_awq(qzeros)
     k, n = q.shape
     if k % group or z.shape != (k // group, n) or tuple(scales.shape) != (k // group, n):
         raise ValueError(f"qweight {tuple(qweight.shape)}, qzeros {tuple(qzeros.shape)} and scales "
                          f"{tuple(scales.shape)} do not make an AWQ layer with groups of {group}")
-    return q.t().contiguous(), z.t().contiguous(), scales.t().to(torch.float16).contiguous()
+    return Int4Parts(q.t().contiguous(), z.t().contiguous(), scales.t().to(torch.float16).contiguous())
 
 
 def dequantize_int4(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -61,6 +61,8 @@ class Qwen3Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, ops)
         self.backend, self.ops = backend, ops
         self.tp_size = cfg.tp_size
+        # FP8 KV pages hold K / k_scale and V / v_scale (1.0: checkpoints' k_scale / v_scale are not read yet)
+        self.kv_scales = (1.0, 1.0)
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
@@ -70,7 +72,7 @@ class Qwen3Attention(nn.Module):
                                      k.view(t, self.num_kv_heads, self.head_dim),
                                      self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, *cos_sin)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        o = self.backend.forward(q, k, v, k_cache, v_cache, batch)
+        o = self.backend.forward(q, k, v, k_cache, v_cache, batch, self.kv_scales)
         return _reduce(self.o_proj(o.reshape(t, -1)), self.tp_size)
 
 

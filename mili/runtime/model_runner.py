@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import itertools
 import logging
 import os
@@ -18,7 +19,8 @@ from mili.kernels import cpu
 from mili.kernels.cpu import ops as cpu_ops
 from mili.kernels.reference import TorchOps
 from mili.model.checks import weight_quant
-from mili.model.cpu_linear import fp8_gemm_available, fp8_round_trip_linears, prepack_available, swap_linears
+from mili.model.cpu_linear import (fp8_gemm_available, fp8_round_trip_linears, int4_layer, prepack_available,
+                                   swap_linears)
 from mili.model.loader import load_weights
 from mili.model.qwen3 import Qwen3ForCausalLM
 from mili.runtime import parallel
@@ -61,6 +63,7 @@ class ModelRunner:
             torch.set_num_threads(config.num_threads or max(1, (os.cpu_count() or 1) // self.tp_size))
         self.max_model_len = config.resolve_max_model_len(model_config)
         self.attention_backend = config.resolve_attention_backend()
+        self.kv_dtype = self._kv_cache_dtype()
         self.cpu_kernels = self._use_cpu_kernels()
         backend, ops = self._backend_and_ops()
         self.attention = backend
@@ -69,9 +72,13 @@ class ModelRunner:
         self.model = model.to_empty(device=self.device)
         self.weight_quant = weight_quant(
             {"quantization_config": getattr(model_config.hf_config, "quantization_config", None)})
-        int4 = load_weights(self.model, path, keep_int4=self.cpu_kernels)
+        # a quantized checkpoint's layers kept as stored: on the Triton GEMMs, or AWQ's on the CPU's int4 kernel
+        self.triton_linears = (self.weight_quant is not None and not config.quantization and self.tp_size == 1
+                               and (self.device.type == "cuda" or self.attention_backend == "triton"))
+        keep = self.triton_linears or (self.cpu_kernels and getattr(self.weight_quant, "method", None) == "awq")
+        quantized = load_weights(self.model, path, keep_quantized=keep)
         self.model.eval()
-        self.weight_format = self._swap_linears(int4)
+        self.weight_format = self._swap_linears(quantized)
         log.info("weights: %s", self.weight_format)
         if self.device.type == "cpu":
             release_freed_memory()  # the plain weights a swap replaced go back to the OS
@@ -98,9 +105,9 @@ class ModelRunner:
                 log.info("fused CPU decode off (%s)", self.cpu_decode.why_not)
                 self.cpu_decode = None
 
-    def _swap_linears(self, int4: dict) -> str:
+    def _swap_linears(self, quantized: dict) -> str:
         """Put the linear layers on the kernels for this device, dtype and weight format; returns what the
-        weights compute as (for /health and the start-up log)."""
+        weights compute as (for /health and the start-up log). ``quantized``: the loader's kept layers."""
         config, quant = self.config, self.weight_quant
         cpu_bf16 = self.device.type == "cpu" and self.dtype == torch.bfloat16
         if config.quantization and quant is not None:
@@ -111,6 +118,13 @@ class ModelRunner:
                 raise InvalidRequest("quantization with tensor parallelism is not supported yet",
                                      param="quantization")
             return f"{quant.describe()}, dequantized" if quant else "unquantized"
+        if self.triton_linears:
+            from mili.model import gpu_linear
+
+            fp8_act = gpu_linear.device_fp8_activations(self.device, self.dtype)
+            swap_linears(self.model, "plain", quantized=quantized,
+                         make_quantized=functools.partial(gpu_linear.quantized_layer, fp8_activations=fp8_act))
+            return gpu_linear.describe(quant, fp8_act, self.model_config.is_moe, self.dtype)
         if config.quantization == "fp8":
             fp8_round_trip_linears(self.model)
             if self.device.type == "cuda" and fp8_gemm_available(self.device):
@@ -123,13 +137,31 @@ class ModelRunner:
             return f"int8 per channel ({'W8A8 kernel' if kernels else 'weight-only'})" + \
                 (f", requantized from {origin}" if origin else "")
         if self.cpu_kernels:
-            swap_linears(self.model, "kernel", int4=int4)
-            if int4:
+            swap_linears(self.model, "kernel", quantized=quantized, make_quantized=int4_layer)
+            if quantized:
                 return f"{quant.describe()} on the int4 kernel (W4A8)"
         elif self.device.type == "cpu" and config.cpu_weight_prepack and prepack_available(self.dtype):
             swap_linears(self.model, "packed")
         return f"{quant.describe()}, dequantized to {str(self.dtype).removeprefix('torch.')}" if quant \
             else "unquantized"
+
+    def _kv_cache_dtype(self) -> torch.dtype:
+        """The KV pages' dtype: the model's (auto), or float8_e4m3fn (fp8: half the bytes a token, twice the
+        pages in the same memory), which the Triton kernels read and write on GPUs with FP8."""
+        if self.config.kv_cache_dtype == "auto":
+            return self.dtype
+        if self.attention_backend != "triton":
+            raise InvalidRequest("--kv-cache-dtype fp8 needs the Triton attention backend (CUDA); the CPU's "
+                                 "torch and C-kernel attention read pages in the model's dtype", param="kv_cache_dtype")
+        if self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) < (8, 9):
+            raise InvalidRequest("--kv-cache-dtype fp8 needs a GPU with FP8 (compute capability 8.9 or later)",
+                                 param="kv_cache_dtype")
+        return torch.float8_e4m3fn
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        """The KV pages' dtype by name (/health): the model's dtype, or fp8_e4m3."""
+        return "fp8_e4m3" if self.kv_dtype == torch.float8_e4m3fn else str(self.kv_dtype).removeprefix("torch.")
 
     @property
     def max_pages_per_seq(self) -> int:
@@ -180,8 +212,8 @@ class ModelRunner:
         pages = -(-tokens // self.config.page_size)
         cfg = self.model_config
         shape = (pages, self.config.page_size, cfg.num_key_value_heads, cfg.head_dim)
-        kv = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-               torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(cfg.num_hidden_layers)]
+        kv = [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+               torch.zeros(shape, dtype=self.kv_dtype, device=self.device)) for _ in range(cfg.num_hidden_layers)]
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
@@ -208,7 +240,7 @@ class ModelRunner:
     def _allocate_kv_cache(self) -> None:
         cfg, page_size = self.model_config, self.config.page_size
         bytes_per_page = (2 * cfg.num_hidden_layers * page_size * cfg.num_key_value_heads * cfg.head_dim
-                          * self.dtype.itemsize)
+                          * self.kv_dtype.itemsize)
         if self.config.num_kv_pages is not None:  # sized exactly, as asked
             num_pages = self.config.num_kv_pages
             budget = num_pages * bytes_per_page
@@ -232,12 +264,12 @@ class ModelRunner:
             self.max_model_len = capacity
         shape_of = getattr(self.attention, "kv_cache_shape", TorchAttentionBackend.kv_cache_shape)
         shape = shape_of(num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+        self.kv_caches = [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
                           for _ in range(cfg.num_hidden_layers)]
         self.pool = PagePool(num_pages, page_size)
-        log.info("KV cache: %d pages of %d tokens (%.1f MiB)", num_pages, page_size,
-                 num_pages * bytes_per_page / 2**20)
+        log.info("KV cache: %d pages of %d tokens (%.1f MiB, %s)", num_pages, page_size,
+                 num_pages * bytes_per_page / 2**20, self.kv_cache_dtype)
 
     def copy_pages(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
@@ -247,8 +279,8 @@ class ModelRunner:
         src = torch.tensor([s for s, _ in copies], device=self.device)
         dst = torch.tensor([d for _, d in copies], device=self.device)
         for k_cache, v_cache in self.kv_caches:
-            k_cache[dst] = k_cache[src]
-            v_cache[dst] = v_cache[src]
+            for cache in (k_cache.view(torch.uint8), v_cache.view(torch.uint8)):  # (any dtype, FP8 too)
+                cache[dst] = cache[src]
 
     def prepare(self, scheduled) -> tuple[ForwardBatch, list[tuple]]:
         """Batch tensors for a list of ``ScheduledSeq`` (decodes first), built once per step; and the

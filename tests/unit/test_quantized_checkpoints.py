@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from helpers import autoawq_pack, awq_layout, build_checkpoint, write_quantized_checkpoint
+from helpers import autoawq_pack, awq_layout, build_checkpoint, greedy_matches, write_quantized_checkpoint
 from mili import LLM, SamplingParams
 from mili.kernels import cpu
 
@@ -62,21 +62,7 @@ def compressed_fp8(weights: dict, strategy: str) -> tuple[dict, dict]:
 
 
 def _greedy_equal(path, reference, prompts):
-    ours = LLM(str(path), dtype="float32").generate(prompts, PARAMS, use_tqdm=False)
-    exact = 0
-    for p, out in zip(prompts, ours):
-        ids = torch.tensor([p["prompt_token_ids"]])
-        with torch.no_grad():
-            ref = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
-                                     output_scores=True, return_dict_in_generate=True, pad_token_id=0)
-        got, want = out.outputs[0].token_ids, ref.sequences[0, ids.shape[1]:].tolist()
-        parted = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), None)
-        if parted is None:
-            exact += 1
-        else:  # paths may part only at an HF near-tie (the dense parity test's rule)
-            top2 = ref.scores[parted][0].topk(2).values
-            assert top2[0] - top2[1] < 1e-3, f"diverged at step {parted} without a near-tie"
-    assert exact >= len(prompts) - 1
+    greedy_matches(LLM(str(path), dtype="float32"), reference, prompts, PARAMS)
 
 
 PROMPTS = [{"prompt_token_ids": torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist()}
@@ -250,12 +236,12 @@ def _next_token_logprobs(llm, prompts: list[list[int]]) -> torch.Tensor:
     core = llm.engine.core
     rows = []
     for prompt in prompts:
-        rid = llm.engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1))
+        request = llm.engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1))
         sched = core.scheduler.schedule()
         logits, _ = core.runner.forward_logits(sched.scheduled)
         rows.append(logits[0].float().log_softmax(-1))
         core.scheduler.after_step(sched.scheduled)
-        llm.engine.abort_request(rid)
+        llm.engine.abort_request(request.request_id)
     return torch.stack(rows)
 
 

@@ -19,6 +19,9 @@ if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
 from mili.kernels import reference as ref  # noqa: E402
 from mili.kernels.triton import attention as tk  # noqa: E402
 from mili.kernels.triton import norm_rope as tn  # noqa: E402
+from mili.kernels.triton.fp8 import fp8_bits_to_float, to_fp8  # noqa: E402
+
+tl = triton.language
 
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
@@ -129,3 +132,85 @@ def test_qk_norm_rope(dtype, d, hq, hkv):
     tol = TOL[dtype] if dtype == torch.float32 else dict(atol=1 / 16, rtol=2e-2)
     torch.testing.assert_close(got_q, want_q, **tol)
     torch.testing.assert_close(got_k, want_k, **tol)
+
+
+# -- FP8 KV pages -----------------------------------------------------------------------------------------------
+@triton.jit
+def _convert(X, Q, B, F, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(Q + i, to_fp8(tl.load(X + i)))
+    tl.store(F + i, fp8_bits_to_float(tl.load(B + i)))
+
+
+def test_fp8_rounding_matches_torch():
+    """The kernels' float32 -> e4m3 rounding (fp8.to_fp8) against torch's cast, over every binade, subnormals,
+    halfway cases and saturation, and the byte decoder (fp8_bits_to_float) over all 254 finite bytes."""
+    g = torch.Generator().manual_seed(0)
+    grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    grid = grid[grid.isfinite()]
+    halfway = (grid[:-1] + grid[1:]) / 2  # ties (within a binade and across binade tops): nearest even
+    x = torch.cat([torch.randn(2048, generator=g) * 30, torch.randn(1024, generator=g) * 1e-2,
+                   torch.tensor([500.0, -1e4, 448.0, 464.0, 1.98, -1.98, 0.0]), halfway[halfway.abs() < 448]])
+    n = triton.next_power_of_2(x.numel())
+    x = torch.nn.functional.pad(x, (0, n - x.numel())).to(DEVICE)
+    q = torch.empty(n, dtype=torch.float8_e4m3fn, device=DEVICE)
+    finite = torch.arange(256, dtype=torch.uint8)
+    finite = finite[(finite & 0x7F) != 0x7F]
+    b = torch.nn.functional.pad(finite, (0, n - finite.numel())).to(DEVICE)
+    f = torch.empty(n, device=DEVICE)
+    _convert[(1,)](x, q, b, f, N=n)
+    torch.testing.assert_close(q.float(), ref.to_fp8(x).float(), atol=0, rtol=0)
+    assert q.float().abs().max() == 448 and q.float()[x.abs() > 0].ne(0).any()
+    torch.testing.assert_close(f[:finite.numel()].cpu(), finite.view(torch.float8_e4m3fn).float(), atol=0, rtol=0)
+
+
+def _fp8_pool(num_pages, page, hkv, d, scales, seed=0):
+    """FP8 pages as store_kv writes them (x / scale, rounded) and their dequantized float32 values."""
+    k, v = _pool(num_pages, page, hkv, d, torch.float32, seed)
+    pages = [ref.to_fp8(x * 3, s) for x, s in zip((k, v), scales)]
+    return pages, [p.float() * s for p, s in zip(pages, scales)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_fp8(dtype):
+    k_cache, v_cache = (torch.zeros(6, 16, 2, 64, dtype=torch.float8_e4m3fn, device=DEVICE) for _ in range(2))
+    k = (torch.randn(5, 2, 64) * 40).to(dtype).to(DEVICE)  # some beyond 448 x scale: saturated
+    v = torch.randn(5, 2, 64).to(dtype).to(DEVICE)
+    slots = torch.tensor([3, 17, 95, -1, 40], device=DEVICE)
+    tk.store_kv(k, v, k_cache, v_cache, slots, k_scale=0.25, v_scale=2.0)
+    want_k, want_v = (torch.zeros_like(k_cache) for _ in range(2))
+    as_bytes = [t.view(torch.uint8) for t in (ref.to_fp8(k, 0.25), ref.to_fp8(v, 2.0), want_k, want_v)]
+    ref.store_kv(*as_bytes, slots)  # (torch's CPU index_copy has no float8)
+    torch.testing.assert_close(k_cache.float(), want_k.float(), atol=0, rtol=0)
+    torch.testing.assert_close(v_cache.float(), want_v.float(), atol=0, rtol=0)
+    assert k_cache.float().abs().max() == 448 and v_cache.float().abs().sum() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d,hq,hkv,page", [(128, 4, 2, 16), (32, 4, 4, 32)])
+def test_paged_decode_fp8(dtype, d, hq, hkv, page):
+    ctx = [1, 40, 150]
+    scales = (0.5, 2.0)
+    (k_cache, v_cache), (k_deq, v_deq) = _fp8_pool(64, page, hkv, d, scales)
+    table = _tables(ctx, page, 64)
+    q = torch.randn(len(ctx), hq, d).to(dtype).to(DEVICE)
+    got = tk.paged_decode(q, k_cache, v_cache, table, torch.tensor(ctx, dtype=torch.int32, device=DEVICE), d ** -0.5,
+                          k_scale=scales[0], v_scale=scales[1])
+    want = ref.paged_attention(q, k_deq, v_deq, table, [1] * len(ctx), ctx, d ** -0.5)
+    torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_prefill_fp8(dtype):
+    d, hq, hkv, page = 64, 4, 2, 16
+    query_lens, context_lens = [5, 33, 1], [5, 60, 19]
+    scales = (2.0, 0.5)
+    (k_cache, v_cache), (k_deq, v_deq) = _fp8_pool(48, page, hkv, d, scales, seed=3)
+    table = _tables(context_lens, page, 48, seed=4)
+    q = torch.randn(sum(query_lens), hq, d).to(dtype).to(DEVICE)
+    starts = torch.tensor([0, 5, 38], dtype=torch.int32, device=DEVICE)
+    got = tk.paged_prefill(q, k_cache, v_cache, table, starts, torch.tensor(query_lens, dtype=torch.int32,
+                           device=DEVICE), torch.tensor(context_lens, dtype=torch.int32, device=DEVICE),
+                           max(query_lens), d ** -0.5, block_m=16, k_scale=scales[0], v_scale=scales[1])
+    want = ref.paged_attention(q, k_deq, v_deq, table, query_lens, context_lens, d ** -0.5)
+    torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])

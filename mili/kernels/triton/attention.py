@@ -4,6 +4,10 @@ The KV pool of a layer is ``[num_pages, page_size, num_kv_heads, head_dim]`` (K 
 sequence's tokens live in the pages its page-table row names, in order. GQA is handled by giving one
 program all the query heads of a KV head (packed into the rows of one tile), so K/V are read once and
 never repeated. Each kernel has a torch reference in ``mili/kernels/reference.py``.
+
+FP8 KV cache (pages of float8_e4m3fn): the store divides K and V by their layer's scales and rounds to
+e4m3; attention reads the e4m3 values into the query's dtype (exactly) and applies the scales where they
+are cheapest and exact alike: K's folded into the softmax scale, V's on the output.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from mili.kernels.triton.fp8 import to_fp8
 
 
 def exact_dots(dtype: torch.dtype) -> bool:
@@ -31,8 +37,8 @@ def _dot(a, b, EXACT: tl.constexpr):
 
 # -- K/V store ------------------------------------------------------------------------------------
 @triton.jit
-def _store_kv_kernel(K, V, KC, VC, SLOTS, stride_kt, stride_kh, stride_vt, stride_vh,
-                     stride_cs, stride_ch, D: tl.constexpr, BLOCK_D: tl.constexpr):
+def _store_kv_kernel(K, V, KC, VC, SLOTS, k_scale, v_scale, stride_kt, stride_kh, stride_vt, stride_vh,
+                     stride_cs, stride_ch, D: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr):
     t, h = tl.program_id(0), tl.program_id(1)
     slot = tl.load(SLOTS + t)
     if slot < 0:  # padding rows (CUDA graphs) write nothing
@@ -41,22 +47,31 @@ def _store_kv_kernel(K, V, KC, VC, SLOTS, stride_kt, stride_kh, stride_vt, strid
     mask = d < D
     k = tl.load(K + t * stride_kt + h * stride_kh + d, mask=mask)
     v = tl.load(V + t * stride_vt + h * stride_vh + d, mask=mask)
+    if FP8:
+        k = to_fp8(tl.math.div_rn(k.to(tl.float32), k_scale))
+        v = to_fp8(tl.math.div_rn(v.to(tl.float32), v_scale))
     tl.store(KC + slot * stride_cs + h * stride_ch + d, k, mask=mask)
     tl.store(VC + slot * stride_cs + h * stride_ch + d, v, mask=mask)
 
 
+def is_fp8(cache: torch.Tensor) -> bool:
+    return cache.dtype == torch.float8_e4m3fn
+
+
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """k, v: [T, Hkv, D] written at flat slots (page * page_size + offset); slot < 0 is skipped."""
+             slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """k, v: [T, Hkv, D] written at flat slots (page * page_size + offset); slot < 0 is skipped. FP8 pages
+    hold k / k_scale and v / v_scale."""
     t, h, d = k.shape
     kc, vc = k_cache.view(-1, h, d), v_cache.view(-1, h, d)
-    _store_kv_kernel[(t, h)](k, v, kc, vc, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                             kc.stride(0), kc.stride(1), D=d, BLOCK_D=triton.next_power_of_2(d))
+    _store_kv_kernel[(t, h)](k, v, kc, vc, slot_mapping, k_scale, v_scale, k.stride(0), k.stride(1), v.stride(0),
+                             v.stride(1), kc.stride(0), kc.stride(1), D=d, BLOCK_D=triton.next_power_of_2(d),
+                             FP8=is_fp8(k_cache))
 
 
 # -- decode ---------------------------------------------------------------------------------------
 @triton.jit
-def _decode_kernel(Q, KC, VC, PT, CTX, OUT_ACC, OUT_ML, scale, pages_per_split,
+def _decode_kernel(Q, KC, VC, PT, CTX, OUT_ACC, OUT_ML, scale, v_scale, pages_per_split,
                    stride_qb, stride_qh, stride_cp, stride_cs, stride_ch, stride_pt,
                    stride_ab, stride_ah, stride_as, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
                    PAGE: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, EXACT: tl.constexpr):
@@ -80,8 +95,8 @@ def _decode_kernel(Q, KC, VC, PT, CTX, OUT_ACC, OUT_ML, scale, pages_per_split,
         valid = p * PAGE + offs < ctx
         kv_ptrs = page * stride_cp + offs[:, None] * stride_cs + kvh * stride_ch + d[None, :]
         kvmask = valid[:, None] & dmask[None, :]
-        k = tl.load(KC + kv_ptrs, mask=kvmask, other=0.0)
-        v = tl.load(VC + kv_ptrs, mask=kvmask, other=0.0)
+        k = tl.load(KC + kv_ptrs, mask=kvmask, other=0.0).to(q.dtype)  # (FP8 pages: exactly)
+        v = tl.load(VC + kv_ptrs, mask=kvmask, other=0.0).to(q.dtype)
         s = _dot(q, tl.trans(k), EXACT) * scale
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
@@ -92,7 +107,7 @@ def _decode_kernel(Q, KC, VC, PT, CTX, OUT_ACC, OUT_ML, scale, pages_per_split,
         m = m_new
     hmask = rows < GROUP
     base = b * stride_ab + heads * stride_ah + split * stride_as
-    tl.store(OUT_ACC + base[:, None] + d[None, :], acc, mask=hmask[:, None] & dmask[None, :])
+    tl.store(OUT_ACC + base[:, None] + d[None, :], acc * v_scale, mask=hmask[:, None] & dmask[None, :])
     tl.store(OUT_ML + 2 * (base // D), m, mask=hmask)  # (m, l) pairs share the acc layout / D
     tl.store(OUT_ML + 2 * (base // D) + 1, l, mask=hmask)
 
@@ -121,11 +136,13 @@ def decode_splits(max_pages: int, target: int = 8, min_pages_per_split: int = 4)
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
-                 context_lens: torch.Tensor, scale: float, max_pages: int | None = None) -> torch.Tensor:
+                 context_lens: torch.Tensor, scale: float, max_pages: int | None = None, k_scale: float = 1.0,
+                 v_scale: float = 1.0) -> torch.Tensor:
     """q: [B, Hq, D] (one token per sequence) -> [B, Hq, D], attending to context_lens[b] cached tokens.
 
     ``max_pages`` bounds the pages any sequence uses (default: the page table's width); the context is
-    split into chunks processed in parallel and reduced (flash-decoding)."""
+    split into chunks processed in parallel and reduced (flash-decoding). ``k_scale``/``v_scale``: what
+    FP8 pages' entries are multiplied by (see store_kv)."""
     b, hq, d = q.shape
     _, page, hkv, _ = k_cache.shape
     group = hq // hkv
@@ -134,7 +151,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     ml = torch.empty(b, hq, num_splits, 2, dtype=torch.float32, device=q.device)
     block_d = triton.next_power_of_2(d)
     _decode_kernel[(b, hkv, num_splits)](
-        q, k_cache, v_cache, page_table, context_lens, acc, ml, scale, per_split,
+        q, k_cache, v_cache, page_table, context_lens, acc, ml, scale * k_scale, v_scale, per_split,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), page_table.stride(0),
         acc.stride(0), acc.stride(1), acc.stride(2), GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
         PAGE=page, D=d, BLOCK_D=block_d, EXACT=exact_dots(q.dtype))
@@ -147,7 +164,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
 # -- prefill --------------------------------------------------------------------------------------
 @triton.jit
-def _prefill_kernel(Q, KC, VC, OUT, PT, QSTART, QLEN, CTX, scale,
+def _prefill_kernel(Q, KC, VC, OUT, PT, QSTART, QLEN, CTX, scale, v_scale,
                     stride_qt, stride_qh, stride_cp, stride_cs, stride_ch, stride_pt, stride_ot, stride_oh,
                     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr,
                     BLOCK_D: tl.constexpr, EXACT: tl.constexpr):
@@ -177,8 +194,8 @@ def _prefill_kernel(Q, KC, VC, OUT, PT, QSTART, QLEN, CTX, scale,
         kpos = p * PAGE + offs
         kv_ptrs = page * stride_cp + offs[:, None] * stride_cs + kvh * stride_ch + d[None, :]
         kvmask = (kpos < ctx)[:, None] & dmask[None, :]
-        k = tl.load(KC + kv_ptrs, mask=kvmask, other=0.0)
-        v = tl.load(VC + kv_ptrs, mask=kvmask, other=0.0)
+        k = tl.load(KC + kv_ptrs, mask=kvmask, other=0.0).to(q.dtype)  # (FP8 pages: exactly)
+        v = tl.load(VC + kv_ptrs, mask=kvmask, other=0.0).to(q.dtype)
         s = _dot(q, tl.trans(k), EXACT) * scale
         s = tl.where((kpos[None, :] <= qpos[:, None]) & (kpos[None, :] < ctx), s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
@@ -188,14 +205,15 @@ def _prefill_kernel(Q, KC, VC, OUT, PT, QSTART, QLEN, CTX, scale,
         l = l * alpha + tl.sum(prob, 1)
         acc = acc * alpha[:, None] + _dot(prob.to(v.dtype), v, EXACT)
         m = m_new
-    out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
+    out = acc * v_scale / tl.where(l == 0.0, 1.0, l)[:, None]
     tl.store(OUT + (qstart + rows)[:, None] * stride_ot + h * stride_oh + d[None, :], out.to(OUT.dtype.element_ty),
              mask=rmask[:, None] & dmask[None, :])
 
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                   query_start: torch.Tensor, query_lens: torch.Tensor, context_lens: torch.Tensor,
-                  max_query_len: int, scale: float, block_m: int = 32) -> torch.Tensor:
+                  max_query_len: int, scale: float, block_m: int = 32, k_scale: float = 1.0,
+                  v_scale: float = 1.0) -> torch.Tensor:
     """q: [T, Hq, D], the chunks of several sequences concatenated (sequence b's at
     query_start[b] .. + query_lens[b], positions context_lens[b] - query_lens[b] ..). Their K/V must
     already be in the pages. Returns [T, Hq, D]."""
@@ -203,7 +221,8 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     _, page, hkv, _ = k_cache.shape
     out = torch.empty_like(q)
     grid = (page_table.shape[0], triton.cdiv(max_query_len, block_m), hq)
-    _prefill_kernel[grid](q, k_cache, v_cache, out, page_table, query_start, query_lens, context_lens, scale,
+    _prefill_kernel[grid](q, k_cache, v_cache, out, page_table, query_start, query_lens, context_lens,
+                          scale * k_scale, v_scale,
                           q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                           page_table.stride(0), out.stride(0), out.stride(1), GROUP=hq // hkv, BLOCK_M=block_m,
                           PAGE=page, D=d, BLOCK_D=triton.next_power_of_2(d), EXACT=exact_dots(q.dtype))

@@ -45,6 +45,9 @@ class AttentionBackend(Protocol):
     [num_pages, Hkv, page_size, D]), else [num_pages, page_size, Hkv, D]."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """q: [T, Hq, D], k/v: [T, Hkv, D], caches: the backend's page layout -> [T, Hq, D]."""
+                k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
+                kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
+        """q: [T, Hq, D], k/v: [T, Hkv, D], caches: the backend's page layout -> [T, Hq, D]. ``kv_scales``:
+        the layer's K and V scales for FP8 pages (stored as k / k_scale; backends without FP8 pages ignore
+        them)."""
         ...

@@ -33,7 +33,8 @@ class TorchAttentionBackend:
         return num_pages, page_size, num_kv_heads, head_dim
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+                k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
+                kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
         self._store(k, v, k_cache, v_cache, batch.slot_mapping)
         out = torch.empty_like(q)
         nd = batch.num_decodes

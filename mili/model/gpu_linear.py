@@ -1,0 +1,92 @@
+"""A quantized checkpoint's linear layers on the Triton GEMMs (mili/kernels/triton/quant_gemm.py), the weights
+kept as the checkpoint stores them: on CUDA, and on the CPU under TRITON_INTERPRET=1 (the Triton backend's
+path, for tests).
+
+* ``BlockFp8Linear``: FP8 e4m3 weights with a float32 scale per block (Qwen's 128 x 128, or per output
+  channel); W8A8 (activations quantized per token and group of 128) on GPUs with FP8, weight-only elsewhere.
+* ``AwqLinear``: AWQ's int4 weights (a zero point and scale per group of input channels), dequantized in
+  the GEMM.
+* Per-channel FP8 (compressed-tensors) on GPUs with FP8: ``cpu_linear.Fp8Linear`` (torch._scaled_mm).
+
+``quantized_layer`` picks the layer for one checkpoint layer's parts (``swap_linears`` calls it). A fused
+layer (q|k|v, gate|up) is one layer over its shards' parts, each shard's scales kept (``quant.concat_parts``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mili.kernels.triton import quant_gemm
+from mili.model.checks import WeightQuant
+from mili.model.cpu_linear import Fp8Linear, _SwappedLinear
+from mili.model.quant import Fp8Parts, Int4Parts
+
+
+def fp8_activations(device_type: str, capability: tuple[int, int] | None, dtype: torch.dtype) -> bool:
+    """Whether FP8 weights multiply FP8 activations (W8A8): on GPUs with FP8 (SM 89+) in a 16-bit model.
+    Older GPUs and float32 models run weight-only; the CPU (TRITON_INTERPRET) runs what an H100 runs."""
+    if dtype == torch.float32:
+        return False
+    return device_type == "cpu" or (capability is not None and capability >= (8, 9))
+
+
+def device_fp8_activations(device: torch.device, dtype: torch.dtype) -> bool:
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    return fp8_activations(device.type, capability, dtype)
+
+
+def _rows(x2d: torch.Tensor) -> torch.Tensor:
+    return x2d if x2d.stride(-1) == 1 else x2d.contiguous()
+
+
+class BlockFp8Linear(_SwappedLinear):
+    def __init__(self, parts: Fp8Parts, bias=None, shard_sizes=None, fp8_activations: bool = True):
+        super().__init__(parts.q, bias, shard_sizes)
+        self.scale_block, self.fp8_activations = parts.block, fp8_activations
+        self.register_buffer("qweight", parts.q.contiguous())
+        self.register_buffer("weight_scale", parts.scale.float().contiguous())
+
+    def _matmul(self, x2d):
+        out = quant_gemm.fp8_linear(_rows(x2d), self.qweight, self.weight_scale, self.scale_block,
+                                    self.fp8_activations)
+        return out if self.bias is None else out + self.bias
+
+
+class AwqLinear(_SwappedLinear):
+    def __init__(self, parts: Int4Parts, bias=None, shard_sizes=None):
+        super().__init__(parts.q, bias, shard_sizes)
+        self.register_buffer("qweight", quant_gemm.pack_int4(parts.q))  # [out, in / 8] int32
+        self.register_buffer("zeros", parts.zeros.contiguous())
+        self.register_buffer("scales", parts.scales.contiguous())
+
+    def _matmul(self, x2d):
+        out = quant_gemm.int4_linear(_rows(x2d), self.qweight, self.zeros, self.scales)
+        return out if self.bias is None else out + self.bias
+
+
+def quantized_layer(parts: Fp8Parts | Int4Parts, bias=None, shard_sizes=None, fp8_activations: bool = True):
+    """The layer for a checkpoint layer's quantized parts, or None where the kernels cannot take its shape
+    (the layer then keeps its dequantized weights)."""
+    out, k = parts.q.shape
+    if isinstance(parts, Int4Parts):
+        group = k // parts.zeros.shape[1]
+        return AwqLinear(parts, bias, shard_sizes) if quant_gemm.int4_block_size(group, k) else None
+    if quant_gemm.fp8_block_size(parts.block, k) is None:
+        return None
+    per_channel = parts.block[0] == 1 and parts.block[1] >= k
+    if fp8_activations and per_channel and out % 16 == 0 and k % 16 == 0:  # torch._scaled_mm's shapes
+        return Fp8Linear(parts.q, bias, shard_sizes, scales=parts.scale[:, 0])
+    return BlockFp8Linear(parts, bias, shard_sizes, fp8_activations)
+
+
+def describe(quant: WeightQuant, fp8_act: bool, moe: bool, dtype: torch.dtype) -> str:
+    """What the weights compute as (/health, the start-up log)."""
+    if quant.method == "awq":
+        how = "on the Triton int4 GEMM (dequantized in the kernel)"
+    elif quant.block is None and fp8_act:
+        how = "on torch._scaled_mm (W8A8, activations per token)"
+    else:
+        how = "on the Triton FP8 GEMM (" + ("W8A8, activations per token and group of 128)" if fp8_act
+                                            else "weight-only)")
+    experts = f", experts dequantized to {str(dtype).removeprefix('torch.')}" if moe else ""
+    return f"{quant.describe()} {how}{experts}"
