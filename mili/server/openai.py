@@ -10,13 +10,14 @@ from fastapi.responses import StreamingResponse
 
 from mili.outputs import CompletionOutput, RequestOutput
 from mili.server.app import ServerState, merge, new_id, until_disconnect
-from mili.server.errors import APIError, sse, sse_error
+from mili.server.errors import APIError, error_responses, sse, sse_error, streamed
 from mili.server.protocol import ChatCompletionRequest, CompletionRequest
 from mili.tokenizer.reasoning import THINK_START, ReasoningStream, constraint_start, split_reasoning
 from mili.tokenizer.tool_calls import ToolCallStream, call_json, extract_tool_calls, new_call_id
 from mili.tokenizer.tokenizer import encode_chat
 
 router = APIRouter()
+GENERATION_ERRORS = error_responses(400, 404, 503)
 
 
 def _state(http: Request) -> ServerState:
@@ -78,12 +79,10 @@ def _completion_logprobs(o: CompletionOutput, start: int, n: int, offset: int) -
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", responses={**GENERATION_ERRORS, **streamed()})
 async def completions(body: CompletionRequest, http: Request):
     st = _state(http)
     st.check_model(body.model)
-    if body.suffix:
-        raise APIError(400, "suffix is not supported", param="suffix")
     if body.best_of not in (None, body.n):
         raise APIError(400, "best_of other than n is not supported", param="best_of")
     if body.echo and body.logprobs is not None:
@@ -148,7 +147,7 @@ def _chat_logprobs(o: CompletionOutput, start: int, n: int) -> dict | None:
                         for tid, entry in zip(o.token_ids[start:], o.logprobs[start:])]}
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", responses={**GENERATION_ERRORS, **streamed()})
 async def chat_completions(body: ChatCompletionRequest, http: Request):
     st = _state(http)
     st.check_model(body.model)
