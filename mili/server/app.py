@@ -11,9 +11,10 @@ import uuid
 import weakref
 from collections import OrderedDict
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, PlainTextResponse, Response
 
 import mili
 from mili.engine.client import AsyncLLM
@@ -26,7 +27,8 @@ from mili.server.protocol import DetokenizeRequest, TokenizeRequest
 from mili.tokenizer.tokenizer import encode_chat, encode_prompt
 
 log = logging.getLogger("mili")
-OPEN_PATHS = {"/health", "/metrics"}
+OPEN_PATHS = {"/health", "/metrics", "/ui"}  # no API key needed (the chat page asks for one itself)
+UI_PAGE = Path(__file__).parent / "static" / "ui.html"
 _RECENT = 1000  # requests remembered for /status
 
 
@@ -190,6 +192,10 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
              responses={200: {"description": "Prometheus text exposition format (version 0.0.4)"}})
     async def metrics():
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/ui", response_class=HTMLResponse, responses={200: {"description": "A chat page for this server"}})
+    async def ui():
+        return FileResponse(UI_PAGE, media_type="text/html")
 
     @app.get("/version")
     async def version():

@@ -14,7 +14,7 @@ router = APIRouter()
 
 ENDPOINTS = ["GET /", "GET /health", "GET /version", "GET /metrics", "POST /generate", "GET /status/{request_id}",
              "POST /tokenize", "POST /detokenize", "GET /v1/models", "POST /v1/completions",
-             "POST /v1/chat/completions"]
+             "POST /v1/chat/completions", "GET /ui"]
 
 
 def _state(http: Request) -> ServerState:

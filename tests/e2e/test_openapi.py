@@ -69,7 +69,7 @@ def test_schemathesis_with_an_api_key(key_server, tmp_path):
     The generation routes, fuzzed above, are left out here (auth is the same middleware for all)."""
     report = schemathesis(key_server.url, tmp_path, "--max-examples", "3", "-H", f"Authorization: Bearer {KEY}",
                           "--exclude-path-regex", "^(" + "|".join(GENERATION) + ")$")
-    assert "Tested: 8" in report, report[-5000:]
+    assert "Tested: 9" in report, report[-5000:]
 
 
 def _schema(doc: dict, ref_or_schema: dict) -> dict:
@@ -85,7 +85,7 @@ def test_document_says_what_the_server_does(demo_server):
     for path, ops in doc["paths"].items():
         for method, op in ops.items():
             responses = op["responses"]
-            if path in ("/health", "/metrics"):  # open paths: no key asked
+            if path in ("/health", "/metrics", "/ui"):  # open paths: no key asked
                 assert "401" not in responses, path
             else:
                 assert responses["401"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")
@@ -100,6 +100,7 @@ def test_document_says_what_the_server_does(demo_server):
     for path in ("/v1/completions", "/v1/chat/completions"):
         assert "404" in doc["paths"][path]["post"]["responses"]
     assert list(doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]
+    assert list(doc["paths"]["/ui"]["get"]["responses"]["200"]["content"]) == ["text/html"]
     # the server's own limits: this one has a 64-token context, 2 sequences a request, 320 token ids
     chat = doc["components"]["schemas"]["ChatCompletionRequest"]["properties"]
     assert {"type": "integer", "minimum": 1, "maximum": 63} in chat["max_tokens"]["anyOf"]
