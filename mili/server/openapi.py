@@ -17,7 +17,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from mili.server.errors import ERRORS
-from mili.server.protocol import RUNTIME_MAXIMUM
+from mili.server.fields import RUNTIME_MAXIMUM
 
 DESCRIPTION = """MILI's OpenAI-compatible and native APIs. A chat page for this server is at
 [/ui](/ui). Every error is `{"error": {"message", "type", "param", "code"}}`; invalid input is a 400

@@ -5,115 +5,44 @@ exactly what the server accepts, so the OpenAPI document (/openapi.json) tells a
 truth. What a schema cannot say (one field bounded by another, a regex or a grammar that must compile, a
 prompt that must fit the context) is checked in code, a 400 naming the field. Limits that depend on the
 running server (vocabulary, context, batch) are marked with ``runtime_maximum`` and filled in when the
-app builds its document.
+app builds its document. The field types are in fields.py.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WithJsonSchema,
-                      WrapValidator)
+from pydantic import ConfigDict, Field, WithJsonSchema
 
 from mili.errors import InvalidRequest
-from mili.sampling_params import SEED_RANGE, SamplingParams, StructuredOutputsParams
+from mili.sampling_params import SamplingParams, StructuredOutputsParams
+from mili.server.fields import (AsSent, Count, Logprobs, MaxTokens, OnField, OnlyFalse, Open, Seed, Strict,
+                                TemplateKwargs, Text, TokenId, TopK, integer, runtime_maximum)
 from mili.structured import MAX_WHITESPACE
 from mili.structured import check as check_structured
-from mili.tokenizer.tokenizer import RESERVED_TEMPLATE_KWARGS
 from mili.tokenizer.tool_calls import forced_tool_call_tag
 
-RUNTIME_MAXIMUM = "x-mili-maximum"  # in a field's JSON schema: a maximum only the running server knows
 
-
-def runtime_maximum(limit: str) -> dict:
-    """``json_schema_extra`` for a bound the app fills in (``token_id``, ``max_tokens``, ``n``)."""
-    return {RUNTIME_MAXIMUM: limit}
-
-
-class _Strict(BaseModel):
-    """A request body whose unknown fields are a 400 naming them: nothing is silently ignored. Values are
-    taken as the schema types them (no "5" for 5, no true for 1, no NaN)."""
-
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
-
-
-class _Open(BaseModel):
-    """An object MILI passes on as sent (to the chat template, a grammar): other fields are allowed."""
-
-    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
-
-
-def _on_field(value, handler):
-    try:
-        return handler(value)
-    except ValidationError as e:
-        err = e.errors()[0]
-        where = ".".join(str(x) for x in err["loc"])
-        raise ValueError(f"{where + ': ' if where else ''}{err['msg']}") from None
-
-
-def _as_sent(value, handler):
-    _on_field(value, handler)
-    return value
-
-
-def _integral(value):
-    return int(value) if isinstance(value, float) and value.is_integer() else value
-
-
-def _false(value: bool) -> bool:
-    if value:
-        raise ValueError("only false is supported")
-    return value
-
-
-# A field whose type is checked (and shown in the schema) as declared, an error inside it reported on the
-# field itself (param "prompt", not "prompt.list[str].0"); AsSent also keeps the value as sent, key order and
-# all (the chat template and the grammar builder read it).
-OnField = WrapValidator(_on_field)
-AsSent = WrapValidator(_as_sent)
-
-
-def integer(**constraints):
-    """An integer type with ``Field`` constraints; 3.0 is taken as 3 (JSON Schema counts it an integer),
-    a "3" or a true is still refused."""
-    return Annotated[int, Field(**constraints), BeforeValidator(_integral)]
-
-
-TokenId = integer(ge=0, json_schema_extra=runtime_maximum("token_id"))
-Text = Annotated[str, Field(min_length=1)]
-# 64-bit bounds as < 2**63 (the document's numbers are floats: 2**63 - 1 is not one)
-Count = integer(ge=0, lt=2**63)  # a count or an id
-MaxTokens = integer(ge=1, json_schema_extra=runtime_maximum("max_tokens"))
-Seed = integer(ge=SEED_RANGE[0], lt=SEED_RANGE[1] + 1)
-TopK = integer(ge=-1, lt=2**63, description="-1 or 0: off")
-TemplateKwargs = Annotated[dict[str, Any], Field(
-    description='e.g. {"enable_thinking": false}',
-    json_schema_extra={"propertyNames": {"not": {"enum": sorted(RESERVED_TEMPLATE_KWARGS)}}})]
-OnlyFalse = Annotated[bool, AfterValidator(_false), Field(json_schema_extra={"const": False})]
-Logprobs = integer(ge=0, le=20)
-
-
-class StreamOptions(_Strict):
+class StreamOptions(Strict):
     include_usage: bool = False
 
 
-class JsonSchemaSpec(_Open):
+class JsonSchemaSpec(Open):
     name: str | None = None
     schema_: dict[str, Any] = Field(alias="schema")
     strict: bool | None = None
     description: str | None = None
 
 
-class TextFormat(_Open):
+class TextFormat(Open):
     type: Literal["text"]
 
 
-class JsonObjectFormat(_Open):
+class JsonObjectFormat(Open):
     type: Literal["json_object"]
 
 
-class JsonSchemaFormat(_Open):
+class JsonSchemaFormat(Open):
     type: Literal["json_schema"]
     json_schema: JsonSchemaSpec
 
@@ -121,7 +50,7 @@ class JsonSchemaFormat(_Open):
 ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")]
 
 
-class StructuredOutputs(_Strict):
+class StructuredOutputs(Strict):
     """vLLM's ``structured_outputs``: exactly one of json, json_object, regex, choice, grammar."""
 
     json_: dict[str, Any] | str | None = Field(None, alias="json")
@@ -133,7 +62,7 @@ class StructuredOutputs(_Strict):
     backend: str | None = None  # accepted; MILI's is xgrammar
 
 
-class _Sampling(_Strict):
+class _Sampling(Strict):
     """Parameters shared by /v1/completions and /v1/chat/completions (OpenAI's, then vLLM's extras)."""
 
     model: str | None = None
@@ -251,7 +180,7 @@ _CONTENT_SCHEMA = {"anyOf": [
     {"type": "null"}]}
 
 
-class ChatMessage(_Open):
+class ChatMessage(Open):
     """A message; its other fields (tool_calls, tool_call_id, name...) go to the chat template as sent."""
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
@@ -275,22 +204,22 @@ class ChatMessage(_Open):
         return message
 
 
-class FunctionDef(_Open):
+class FunctionDef(Open):
     name: Text
     description: str | None = None
     parameters: dict[str, Any] | None = Field(None, description="a JSON schema for the arguments")
 
 
-class Tool(_Open):
+class Tool(Open):
     type: Literal["function"]
     function: FunctionDef
 
 
-class FunctionName(_Open):
+class FunctionName(Open):
     name: str
 
 
-class NamedToolChoice(_Open):
+class NamedToolChoice(Open):
     type: Literal["function"]
     function: FunctionName
 
@@ -343,7 +272,7 @@ class ChatCompletionRequest(_Sampling):
 GENERATE_DEFAULTS = {"temperature": 1.0, "top_p": 0.95, "top_k": 50}
 
 
-class GenerateRequest(_Strict):
+class GenerateRequest(Strict):
     """The native API of the original design: its fields and defaults, plus MILI's seed and stop."""
 
     prompt: Text
@@ -362,7 +291,7 @@ class GenerateRequest(_Strict):
         return SamplingParams(max_tokens=self.max_tokens, seed=self.seed, stop=self.stop, **picked)
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(Strict):
     """Exactly one of prompt and messages."""
 
     model_config = ConfigDict(json_schema_extra={"oneOf": [
@@ -376,5 +305,5 @@ class TokenizeRequest(_Strict):
     chat_template_kwargs: TemplateKwargs | None = None
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(Strict):
     tokens: Annotated[list[TokenId], OnField]
