@@ -159,6 +159,9 @@ async def chat_completions(body: ChatCompletionRequest, http: Request):
     thinking = kwargs.get("enable_thinking", True) is not False  # as Qwen3's template decides
     opened = thinking and text.rstrip().endswith(THINK_START)  # templates that open <think> themselves
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    if body.max_tokens is not None and body.max_tokens >= st.engine.max_model_len:  # (even when overridden)
+        raise APIError(400, f"max_tokens must be below the context length ({st.engine.max_model_len})",
+                       param="max_tokens")
     params = body.sampling_params(max_tokens, body.logprobs_n(), st.openai_defaults)
     if params.structured_outputs is not None:
         params.structured_outputs.start_after_token_id = constraint_start(st.tokenizer, text, thinking)

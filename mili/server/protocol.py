@@ -155,7 +155,20 @@ def _response_format(fmt: dict[str, Any]) -> StructuredOutputsParams:
 PromptIds = Annotated[list[TokenId], Field(min_length=1)]
 
 
+def _requires(field: str, when: dict, then: dict) -> dict:
+    """A rule between two fields, in JSON Schema: when ``field`` is present and matches ``when``, ``then``."""
+    return {"if": {"properties": {field: when}, "required": [field]}, "then": then}
+
+
+# rules between fields the schema can state (the code checks them too, with their own messages)
+_STREAM_OPTIONS = _requires("stream_options", {"type": "object"},
+                            {"properties": {"stream": {"const": True}}, "required": ["stream"]})
+
+
 class CompletionRequest(_Sampling):
+    model_config = ConfigDict(json_schema_extra={"allOf": [
+        _STREAM_OPTIONS, _requires("echo", {"const": True}, {"properties": {"logprobs": {"type": "null"}}})]})
+
     prompt: Annotated[Text | Annotated[list[Text], Field(min_length=1)] | PromptIds
                       | Annotated[list[PromptIds], Field(min_length=1)], OnField]
     max_tokens: MaxTokens | None = 16
@@ -225,6 +238,11 @@ class NamedToolChoice(Open):
 
 
 class ChatCompletionRequest(_Sampling):
+    model_config = ConfigDict(json_schema_extra={"allOf": [
+        _STREAM_OPTIONS,
+        _requires("top_logprobs", {"type": "integer"}, {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}),
+        _requires("tool_choice", {"const": "required"}, {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]})]})
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
