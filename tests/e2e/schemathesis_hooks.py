@@ -1,8 +1,9 @@
 """Schemathesis hooks for test_openapi.py (loaded through SCHEMATHESIS_HOOKS).
 
-The document states every rule a JSON schema can state, so schemathesis's positive_data_acceptance
-check holds it to them: a schema-valid request must not be refused. A few of MILI's rules cannot be
-stated in JSON Schema: a field bounded by another field, a value that must compile or fit the context.
+The document states every rule a JSON schema can state (between two fields too, as if/then), so
+schemathesis's positive_data_acceptance check holds it to them: a schema-valid request must not be
+refused. A few of MILI's rules cannot be stated in JSON Schema: a field bounded by another field's value,
+a value that must compile or fit the context.
 A 400 for one of those, naming its field (and, where given, its code), is not a failure; every other
 refusal of schema-valid data still is.
 """
@@ -18,11 +19,8 @@ BEYOND_SCHEMA = {
     "prompt": ("context_length_exceeded", "the prompt's tokens must fit the context"),
     "messages": ("chat_template_error", "the chat template decides which conversations it renders"),
     "min_tokens": (None, "at most max_tokens; not with a structured output"),
-    "stream_options": (None, "only with stream: true"),
-    "top_logprobs": (None, "only with logprobs: true"),
     "best_of": (None, "equal to n"),
-    "echo": (None, "not with logprobs"),
-    "tool_choice": (None, "a named function must be in tools; required needs tools; no other constraint"),
+    "tool_choice": (None, "a named function must be in tools; not with another constraint"),
     "tools": (None, "forced calls: each function's parameters must be a schema the grammar engine compiles"),
     "response_format": (None, "the JSON schema must compile; at most one constraint"),
     "structured_outputs": (None, "exactly one kind, which must compile; at most one constraint"),
