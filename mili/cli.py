@@ -110,7 +110,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     api_key = args.api_key or os.environ.get("MILI_API_KEY") or None
     app = build_app(engine, name, api_key=api_key, max_queued_requests=args.max_queued_requests,
                     sampling_defaults=args.sampling_defaults)
-    logging.getLogger("mili").info("serving %s as %r on http://%s:%d", engine.model_path, name, args.host, args.port)
+    logging.getLogger("mili").info("serving %s as %r on http://%s:%d (chat page: http://%s:%d/ui)", engine.model_path,
+                                   name, args.host, args.port, args.host, args.port)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout, access_log=False)
     server = uvicorn.Server(config)

@@ -24,6 +24,15 @@ class InvalidRequest(MiliError, ValueError):
         self.param = param
 
 
+class ChatTemplateError(InvalidRequest):
+    """The chat template refused a conversation (its own rules: which roles, in which order...)."""
+
+    code = "chat_template_error"
+
+    def __init__(self, message: str):
+        super().__init__(message, param="messages")
+
+
 class ContextLengthExceeded(InvalidRequest):
     """The prompt (plus the tokens asked for) does not fit the model's context or the KV pool."""
 

@@ -8,7 +8,8 @@ from typing import Any
 
 from mili.errors import InvalidRequest
 
-_GREEDY_EPS = 1e-5
+GREEDY_EPS = 1e-5
+SEED_RANGE = (-2**63, 2**63 - 1)  # a 64-bit seed; sequence i of a request draws from seed + 7919 * i
 
 
 @dataclass
@@ -104,7 +105,7 @@ class SamplingParams:
             bad("min_tokens", "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
-        if self.temperature < 0:
+        if not self.temperature >= 0:  # (NaN too)
             bad("temperature", "must be >= 0")
         if not 0.0 < self.top_p <= 1.0:
             bad("top_p", "must be in (0, 1]")
@@ -118,8 +119,9 @@ class SamplingParams:
             bad("frequency_penalty", "must be in [-2, 2]")
         if not self.repetition_penalty > 0.0:
             bad("repetition_penalty", "must be > 0")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad("seed", "must be an integer")
+        if self.seed is not None and (not isinstance(self.seed, int)
+                                      or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
+            bad("seed", "must be a 64-bit integer")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
@@ -130,7 +132,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature < _GREEDY_EPS
+        return self.temperature < GREEDY_EPS
 
     @property
     def uses_penalties(self) -> bool:

@@ -41,6 +41,8 @@ class InputProcessor:
             raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
         if not token_ids:
             raise InvalidRequest("the prompt must not be empty", param="prompt")
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):  # (xgrammar's matcher fails on others)
+            raise InvalidRequest(f"stop token ids must be integers in [0, {vocab})", param="stop_token_ids")
         if params.n > self.config.max_num_seqs:
             raise InvalidRequest(f"n ({params.n}) exceeds max_num_seqs ({self.config.max_num_seqs})", param="n")
         if params.structured_outputs is not None:

@@ -14,9 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
-from mili.sampling_params import SamplingParams
+from mili.sampling_params import GREEDY_EPS, SamplingParams
 
 _NEG_INF = float("-inf")
+# Penalised logits stay below this, so that even the smallest temperature (GREEDY_EPS) leaves them finite: a
+# +inf logit makes the softmax NaN (inf - inf), and a NaN row would draw a token outside the vocabulary.
+_PENALISED_MAX = torch.finfo(torch.float32).max * GREEDY_EPS / 2
 
 
 @dataclass
@@ -137,8 +140,8 @@ def _apply_penalties(logits: torch.Tensor, seen_ids: torch.Tensor, output_ids: t
     # Repetition penalty (HF semantics) over every token seen in prompt + output.
     seen = torch.zeros(p, v + 1, dtype=torch.bool, device=logits.device)
     seen.scatter_(1, seen_ids, True)
-    rep = repetition.unsqueeze(1)
-    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    rep = repetition.unsqueeze(1).clamp(max=_PENALISED_MAX)  # finite: 0 * inf would be NaN
+    penalised = torch.where(logits > 0, logits / rep, logits * rep).clamp_(max=_PENALISED_MAX)
     logits = torch.where(seen[:, :v], penalised, logits)
     # OpenAI presence / frequency penalties over output tokens only.
     counts = torch.zeros(p, v + 1, dtype=logits.dtype, device=logits.device)

@@ -11,21 +11,24 @@ import uuid
 import weakref
 from collections import OrderedDict
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import FileResponse, HTMLResponse, PlainTextResponse, Response
 
 import mili
 from mili.engine.client import AsyncLLM
 from mili.outputs import RequestOutput
 from mili.sampling_params import SamplingParams
-from mili.server.errors import APIError, error_response, install_error_handlers
+from mili.server.errors import APIError, error_response, error_responses, install_error_handlers
 from mili.server.metrics import Metrics
+from mili.server.openapi import document
 from mili.server.protocol import DetokenizeRequest, TokenizeRequest
 from mili.tokenizer.tokenizer import encode_chat, encode_prompt
 
 log = logging.getLogger("mili")
-OPEN_PATHS = {"/health", "/metrics"}
+OPEN_PATHS = {"/health", "/metrics", "/ui"}  # no API key needed (the chat page asks for one itself)
+UI_PAGE = Path(__file__).parent / "static" / "ui.html"
 _RECENT = 1000  # requests remembered for /status
 
 
@@ -174,6 +177,15 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
     app.state.mili = state
     install_error_handlers(app)
 
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            limits = {"token_id": engine.model_config.vocab_size - 1, "max_tokens": engine.max_model_len - 1,
+                      "n": engine.config.max_num_seqs}
+            app.openapi_schema = document(app, OPEN_PATHS, bool(api_key), limits)
+        return app.openapi_schema
+
+    app.openapi = openapi
+
     @app.middleware("http")
     async def authenticate(request: Request, call_next):
         if state.api_key and request.url.path not in OPEN_PATHS:
@@ -185,15 +197,20 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
                     code="invalid_api_key"))
         return await call_next(request)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus text exposition format (version 0.0.4)"}})
     async def metrics():
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/ui", response_class=HTMLResponse, responses={200: {"description": "A chat page for this server"}})
+    async def ui():
+        return FileResponse(UI_PAGE, media_type="text/html")
 
     @app.get("/version")
     async def version():
         return {"version": mili.__version__}
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses=error_responses(400))
     async def tokenize(body: TokenizeRequest):
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
@@ -204,7 +221,7 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
             ids = encode_prompt(state.tokenizer, body.prompt, body.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=error_responses(400))
     async def detokenize(body: DetokenizeRequest):
         vocab = engine.model_config.vocab_size
         if any(not 0 <= t < vocab for t in body.tokens):

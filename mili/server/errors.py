@@ -10,7 +10,7 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mili.errors import EngineDeadError, MiliError
@@ -24,6 +24,45 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = headers
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | int | None
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error response (OpenAI's shape)."""
+
+    error: ErrorDetail
+
+
+# What each status means in MILI's API: the OpenAPI document's error responses (never FastAPI's 422).
+ERRORS = {
+    400: "Invalid request: a parameter out of range or of the wrong type, an unknown field, malformed JSON, a "
+         "prompt longer than the context. `param` names the field.",
+    401: "Missing or wrong API key (only when the server was started with `--api-key`).",
+    404: "The model named in the request is not the one served.",
+    503: "The server is busy (`queue_full`, with `Retry-After`) or its engine has stopped (`engine_dead`).",
+}
+_RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying (queue_full only)",
+                                "schema": {"type": "integer"}}}
+
+
+def error_responses(*statuses: int, model: type[BaseModel] = ErrorResponse) -> dict:
+    """The ``responses=`` of a route or an APIRouter: the errors it can send, each with ``model`` as its body."""
+    return {status: {"model": model, "description": ERRORS[status],
+                     **({"headers": _RETRY_AFTER} if status == 503 else {})} for status in statuses}
+
+
+def streamed() -> dict:
+    """``responses=`` of a route that streams with ``stream: true``: its 200 is JSON or server-sent events."""
+    return {200: {"description": "The reply; with `stream: true`, server-sent events (`data: {...}` chunks, then "
+                                 "`data: [DONE]`)",
+                  "content": {"text/event-stream": {"itemSchema": {
+                      "type": "object", "properties": {"data": {"type": "string"}}, "required": ["data"]}}}}}
 
 
 def error_body(message: str, type: str, param: str | None = None, code: str | int | None = None) -> dict:

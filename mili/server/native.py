@@ -7,14 +7,15 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 import mili
 from mili.server.app import ServerState, final_output, new_id, until_disconnect
-from mili.server.errors import sse, sse_error
+from mili.server.errors import error_responses, sse, sse_error, streamed
 from mili.server.protocol import GenerateRequest
 
 router = APIRouter()
 
 ENDPOINTS = ["GET /", "GET /health", "GET /version", "GET /metrics", "POST /generate", "GET /status/{request_id}",
              "POST /tokenize", "POST /detokenize", "GET /v1/models", "POST /v1/completions",
-             "POST /v1/chat/completions", "POST /v1/responses", "POST /v1/messages", "POST /v1/messages/count_tokens"]
+             "POST /v1/chat/completions", "POST /v1/responses", "POST /v1/messages", "POST /v1/messages/count_tokens",
+             "GET /ui"]
 
 
 def _state(http: Request) -> ServerState:
@@ -28,7 +29,8 @@ async def root():
             "health": "/health", "generate": "/generate", "name": "MILI", "endpoints": ENDPOINTS}
 
 
-@router.get("/health")
+@router.get("/health", responses={503: {"description": "The engine cannot serve: the same fields, with status "
+                                                      "\"unhealthy\" and a reason"}})
 async def health(http: Request):
     """The original design's fields with status "healthy"; 503 "unhealthy" with the reason otherwise."""
     st = _state(http)
@@ -53,7 +55,7 @@ async def status(request_id: str, http: Request):
     return {"request_id": request_id, **(entry or {"status": "not_found"})}
 
 
-@router.post("/generate")
+@router.post("/generate", responses={**error_responses(400, 503), **streamed()})
 async def generate(body: GenerateRequest, http: Request):
     """The original design's reply: ``tokens`` are the prompt's ids then the generated ones."""
     st = _state(http)

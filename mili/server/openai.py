@@ -11,12 +11,13 @@ from fastapi.responses import StreamingResponse
 from mili.outputs import CompletionOutput, RequestOutput
 from mili.server.app import ServerState, merge, new_id, until_disconnect
 from mili.server.chat import ChatPrompt
-from mili.server.errors import APIError, sse, sse_error
+from mili.server.errors import APIError, error_responses, sse, sse_error, streamed
 from mili.server.protocol import ChatCompletionRequest, CompletionRequest
 from mili.tokenizer.reasoning import THINK_START, ReasoningStream, split_reasoning
 from mili.tokenizer.tool_calls import ToolCallStream, call_json, extract_tool_calls, new_call_id
 
 router = APIRouter()
+GENERATION_ERRORS = error_responses(400, 404, 503)
 
 
 def _state(http: Request) -> ServerState:
@@ -102,12 +103,10 @@ def _prompt_logprobs(f: RequestOutput) -> list:
     return out
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", responses={**GENERATION_ERRORS, **streamed()})
 async def completions(body: CompletionRequest, http: Request):
     st = _state(http)
     st.check_model(body.model)
-    if body.suffix:
-        raise APIError(400, "suffix is not supported", param="suffix")
     if body.best_of not in (None, body.n):
         raise APIError(400, "best_of other than n is not supported", param="best_of")
     prompts = body.prompts()
@@ -184,13 +183,16 @@ def _chat_logprobs(o: CompletionOutput, start: int, n: int) -> dict | None:
                         for tid, entry in zip(o.token_ids[start:], o.logprobs[start:])]}
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", responses={**GENERATION_ERRORS, **streamed()})
 async def chat_completions(body: ChatCompletionRequest, http: Request):
     st = _state(http)
     st.check_model(body.model)
     prompt = ChatPrompt.render(st.tokenizer, body)
     thinking, opened, tools = prompt.thinking, prompt.opened, prompt.tools
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    if body.max_tokens is not None and body.max_tokens >= st.engine.max_model_len:  # (even when overridden)
+        raise APIError(400, f"max_tokens must be below the context length ({st.engine.max_model_len})",
+                       param="max_tokens")
     params = prompt.params(st.tokenizer, body, max_tokens, body.logprobs_n(), st.openai_defaults)
     rid, created = new_id("chatcmpl"), int(time.time())
     streams = await st.start([prompt.token_ids], [params], rid)

@@ -1,22 +1,26 @@
-"""Request bodies of the HTTP APIs (pydantic), and their translation to SamplingParams."""
+"""Request bodies of the HTTP APIs (pydantic), and their translation to SamplingParams.
+
+The models are the API's schema as well as its validation: what a field's type and constraints say is
+exactly what the server accepts, so the OpenAPI document (/openapi.json) tells a generated client the
+truth. What a schema cannot say (one field bounded by another, a regex or a grammar that must compile, a
+prompt that must fit the context) is checked in code, a 400 naming the field. Limits that depend on the
+running server (vocabulary, context, batch) are marked with ``runtime_maximum`` and filled in when the
+app builds its document. The field types are in fields.py.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BeforeValidator, ConfigDict, Field, WithJsonSchema
 
 from mili.errors import InvalidRequest
 from mili.sampling_params import SamplingParams, StructuredOutputsParams
+from mili.server.fields import (AsSent, Count, Logprobs, MaxTokens, OnField, OnlyFalse, Open, Seed, Strict,
+                                TemplateKwargs, Text, TokenId, TopK, integer, runtime_maximum)
 from mili.structured import MAX_WHITESPACE
 from mili.structured import check as check_structured
 from mili.tokenizer.tool_calls import forced_tool_call_tag
-
-
-class Strict(BaseModel):
-    """A request body whose unknown fields are a 400 naming them: nothing is silently ignored."""
-
-    model_config = ConfigDict(extra="forbid")
 
 
 def only_types(*types: str, default: str | None = None) -> BeforeValidator:
@@ -37,56 +41,79 @@ class StreamOptions(Strict):
     include_usage: bool = False
 
 
+class JsonSchemaSpec(Open):
+    name: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class TextFormat(Open):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(Open):
+    type: Literal["json_object"]
+
+
+class JsonSchemaFormat(Open):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")]
+
+
+class StructuredOutputs(Strict):
+    """vLLM's ``structured_outputs``: exactly one of json, json_object, regex, choice, grammar."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1)
+    grammar: str | None = None
+    disable_any_whitespace: bool | None = None  # accepted; MILI bounds JSON whitespace instead
+    backend: str | None = None  # accepted; MILI's is xgrammar
+
+
 class _Sampling(Strict):
     """Parameters shared by /v1/completions and /v1/chat/completions (OpenAI's, then vLLM's extras)."""
 
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int = 1
+    max_tokens: MaxTokens | None = None
+    temperature: float | None = Field(None, ge=0.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    n: integer(ge=1, json_schema_extra=runtime_maximum("n")) = 1
     stream: bool = False
-    stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    stream_options: StreamOptions | None = Field(None, description="only with stream: true")
+    stop: Annotated[Text | list[Text], OnField] | None = None
+    seed: Seed | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     user: str | None = None
     # vLLM extras
-    top_k: int | None = None
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    min_tokens: int = 0
+    top_k: TopK | None = None
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    min_tokens: Count = Field(0, description="at most max_tokens; not with a structured output")
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: Annotated[list[TokenId], OnField] | None = None
     skip_special_tokens: bool = True
-    prompt_logprobs: int | None = None  # each prompt token's logprob, plus the top N (not with stream)
-    response_format: dict[str, Any] | None = None
-    # vLLM's structured outputs: its newer object, and its older guided_* fields
-    structured_outputs: dict[str, Any] | None = None
+    prompt_logprobs: Logprobs | None = Field(None, description="each prompt token's logprob and the top N; "
+                                                 "not with stream")
+    response_format: Annotated[ResponseFormat, AsSent] | None = None
+    # vLLM's structured outputs: its newer object, and its older guided_* fields (at most one of them all)
+    structured_outputs: Annotated[StructuredOutputs, AsSent] | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: list[str] | None = Field(None, min_length=1)
     guided_grammar: str | None = None
-    guided_decoding_backend: str | None = None
-    # OpenAI fields MILI accepts only with the value that asks for nothing (see check_unsupported)
-    logit_bias: dict[str, float] | None = None
-    store: bool | None = None
+    guided_decoding_backend: Literal["auto", "xgrammar"] | None = None
+    # OpenAI fields MILI accepts only with the value that asks for nothing
+    logit_bias: dict[str, float] | None = Field(None, max_length=0, description="not supported: only {} or null")
+    store: OnlyFalse | None = Field(None, description="MILI stores no completions: only false or null")
     metadata: dict[str, str] | None = None  # labels for stored completions: no effect on the output
-    service_tier: str | None = None
-
-    def check_unsupported(self) -> None:
-        """A field MILI does not implement, set to ask for something, is a 400 naming it."""
-        if self.guided_decoding_backend not in (None, "auto", "xgrammar"):
-            raise InvalidRequest(f"guided_decoding_backend {self.guided_decoding_backend!r} is not available: MILI's "
-                                 "is xgrammar", param="guided_decoding_backend")
-        if self.logit_bias:
-            raise InvalidRequest("logit_bias is not supported", param="logit_bias")
-        if self.store:
-            raise InvalidRequest("store: true is not supported (MILI stores no completions)", param="store")
-        if self.service_tier not in (None, "auto", "default"):
-            raise InvalidRequest(f"service_tier {self.service_tier!r} is not supported (auto or default)",
-                                 param="service_tier")
+    service_tier: Literal["auto", "default"] | None = None
 
     def prompt_logprobs_n(self) -> int | None:
         return self.prompt_logprobs
@@ -94,7 +121,6 @@ class _Sampling(Strict):
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         defaults: dict[str, Any]) -> SamplingParams:
         """``defaults`` are the model's generation defaults (temperature, top_p, top_k) for unset fields."""
-        self.check_unsupported()
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
         if self.stream and self.prompt_logprobs is not None:  # (as vLLM: they would come all at once anyway)
@@ -130,13 +156,8 @@ class _Sampling(Strict):
         name, value = asked[0]
         if name == "response_format":
             return _response_format(value), name
-        if name == "structured_outputs":
-            allowed = {"json", "json_object", "regex", "choice", "grammar"}
-            unknown = sorted(set(value) - allowed - {"disable_any_whitespace", "backend"})
-            if unknown:
-                raise InvalidRequest(f"structured_outputs does not take {', '.join(unknown)} (it takes "
-                                     f"{', '.join(sorted(allowed))})", param=name)
-            spec = {k: v for k, v in value.items() if k in allowed}
+        if name == "structured_outputs":  # its other fields (backend, disable_any_whitespace) change nothing
+            spec = {k: v for k, v in value.items() if k in ("json", "json_object", "regex", "choice", "grammar")}
         else:
             spec = {name.removeprefix("guided_"): value}
         try:
@@ -146,27 +167,46 @@ class _Sampling(Strict):
 
 
 def _response_format(fmt: dict[str, Any]) -> StructuredOutputsParams:
-    kind = fmt.get("type")
-    if kind == "json_object":
+    """A json_object or json_schema ``response_format`` (its shape checked by ``ResponseFormat``)."""
+    if fmt["type"] == "json_object":
         return StructuredOutputsParams(json_object=True)
-    if kind == "json_schema":
-        spec = fmt.get("json_schema")
-        schema = spec.get("schema") if isinstance(spec, dict) else None
-        if not isinstance(schema, dict):
-            raise InvalidRequest("response_format of type json_schema needs json_schema.schema (an object)",
-                                 param="response_format")
-        return StructuredOutputsParams(json=schema)
-    raise InvalidRequest(f"response_format type {kind!r} is not one of text, json_object, json_schema",
-                         param="response_format")
+    return StructuredOutputsParams(json=fmt["json_schema"]["schema"])
+
+
+PromptIds = Annotated[list[TokenId], Field(min_length=1)]
+
+
+def _requires(field: str, when: dict, then: dict) -> dict:
+    """A rule between two fields, in JSON Schema: when ``field`` is present and matches ``when``, ``then``."""
+    return {"if": {"properties": {field: when}, "required": [field]}, "then": then}
+
+
+# rules between fields the schema can state (the code checks them too, with their own messages)
+_STREAM_OPTIONS = _requires("stream_options", {"type": "object"},
+                            {"properties": {"stream": {"const": True}}, "required": ["stream"]})
+_PROMPT_LOGPROBS = _requires("prompt_logprobs", {"type": "integer"}, {"properties": {"stream": {"const": False}}})
+# max_tokens 0 scores the prompt without generating: it needs prompt logprobs (echo with logprobs, or
+# prompt_logprobs)
+_SCORE_ONLY = _requires("max_tokens", {"const": 0}, {"anyOf": [
+    {"properties": {"prompt_logprobs": {"type": "integer"}}, "required": ["prompt_logprobs"]},
+    {"properties": {"echo": {"const": True}, "logprobs": {"type": "integer"}}, "required": ["echo", "logprobs"]}]})
+
+
+# completions' max_tokens: 0 scores the prompt without generating
+ScoreMaxTokens = integer(ge=0, json_schema_extra=runtime_maximum("max_tokens"),
+                         description="0: score the prompt only (needs echo with logprobs, or prompt_logprobs)")
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
-    echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = None
+    model_config = ConfigDict(json_schema_extra={"allOf": [_STREAM_OPTIONS, _PROMPT_LOGPROBS, _SCORE_ONLY]})
+
+    prompt: Annotated[Text | Annotated[list[Text], Field(min_length=1)] | PromptIds
+                      | Annotated[list[PromptIds], Field(min_length=1)], OnField]
+    max_tokens: ScoreMaxTokens | None = 16
+    logprobs: Logprobs | None = None
+    echo: bool = Field(False, description="the prompt before the output; with logprobs, its tokens' logprobs too")
+    suffix: str | None = Field(None, max_length=0, description="not supported: only an empty string or null")
+    best_of: integer() | None = Field(None, description="only equal to n")
 
     def prompt_logprobs_n(self) -> int | None:
         """vLLM's rule: ``prompt_logprobs`` if given, else with ``echo`` the prompt is scored like the output
@@ -176,24 +216,26 @@ class CompletionRequest(_Sampling):
         return self.logprobs if self.echo else None
 
     def prompts(self) -> list[str | list[int]]:
+        """One prompt per engine request: a string or token ids (the shapes ``prompt`` allows)."""
         p = self.prompt
-        if isinstance(p, str):
+        if isinstance(p, str) or isinstance(p[0], int):
             return [p]
-        if not p:
-            raise InvalidRequest("prompt must not be empty", param="prompt")
-        if all(isinstance(x, int) for x in p):
-            return [list(p)]
-        if all(isinstance(x, str) for x in p) or all(isinstance(x, list) for x in p):
-            return list(p)
-        raise InvalidRequest("prompt must be a string, a list of strings, a list of token ids, "
-                             "or a list of lists of token ids", param="prompt")
+        return list(p)
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+# Content parts MILI takes: text only (checked in ChatMessage.for_template, whose errors name `messages`).
+_CONTENT_SCHEMA = {"anyOf": [
+    {"type": "string"},
+    {"type": "array", "items": {"type": "object", "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+                                "required": ["type", "text"]}},
+    {"type": "null"}]}
+
+
+class ChatMessage(Open):
+    """A message; its other fields (tool_calls, tool_call_id, name...) go to the chat template as sent."""
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
+    content: Annotated[str | list[dict[str, Any]] | None, WithJsonSchema(_CONTENT_SCHEMA)] = None
     reasoning_content: str | None = None
 
     def for_template(self) -> dict[str, Any]:
@@ -213,43 +255,53 @@ class ChatMessage(BaseModel):
         return message
 
 
+class FunctionDef(Open):
+    name: Text
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON schema for the arguments")
+
+
+class Tool(Open):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(Open):
+    name: str
+
+
+class NamedToolChoice(Open):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatCompletionRequest(_Sampling):
+    model_config = ConfigDict(json_schema_extra={"allOf": [
+        _STREAM_OPTIONS, _PROMPT_LOGPROBS,
+        _requires("top_logprobs", {"type": "integer"}, {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}),
+        _requires("tool_choice", {"const": "required"}, {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]})]})
+
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
+    top_logprobs: Logprobs | None = Field(None, description="only with logprobs: true")
+    chat_template_kwargs: TemplateKwargs | None = None
     add_generation_prompt: bool = True
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: Annotated[list[Tool], AsSent] | None = None
+    tool_choice: Annotated[Literal["none", "auto", "required"] | NamedToolChoice, AsSent] | None = Field(
+        None, description="required needs tools; a named function must be one of tools")
     parallel_tool_calls: bool | None = None
 
     def tool_mode(self) -> tuple[str, str | None]:
         """("none" | "auto" | "required" | "named", the named function): what ``tools``/``tool_choice`` ask."""
-        names = []
-        for i, tool in enumerate(self.tools or []):
-            fn = tool.get("function")
-            if tool.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str) \
-                    or not fn["name"]:
-                raise InvalidRequest(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., "
-                                     "'parameters': ...}}}}", param="tools")
-            if not isinstance(fn.get("parameters", {}), (dict, type(None))):
-                raise InvalidRequest(f"tools[{i}].function.parameters must be a JSON schema object", param="tools")
-            names.append(fn["name"])
+        names = [tool["function"]["name"] for tool in self.tools or []]
         choice = self.tool_choice if self.tool_choice is not None else "auto"
         if isinstance(choice, dict):
-            fn = choice.get("function")
-            name = fn.get("name") if isinstance(fn, dict) else None
-            if choice.get("type") != "function" or not isinstance(name, str):
-                raise InvalidRequest("tool_choice must be none, auto, required or {'type': 'function', 'function': "
-                                     "{'name': ...}}", param="tool_choice")
+            name = choice["function"]["name"]
             if name not in names:
                 raise InvalidRequest(f"tool_choice names the function {name!r}, which is not in tools",
                                      param="tool_choice")
             return "named", name
-        if choice not in ("none", "auto", "required"):
-            raise InvalidRequest(f"tool_choice {choice!r} is not one of none, auto, required or a named function",
-                                 param="tool_choice")
         if choice == "required" and not names:
             raise InvalidRequest("tool_choice required needs tools", param="tool_choice")
         return (choice if names else "none"), None
@@ -279,14 +331,14 @@ GENERATE_DEFAULTS = {"temperature": 1.0, "top_p": 0.95, "top_k": 50}
 class GenerateRequest(Strict):
     """The native API of the original design: its fields and defaults, plus MILI's seed and stop."""
 
-    prompt: str = Field(min_length=1)
-    max_tokens: int = Field(default=50, ge=1, le=4096)
+    prompt: Text
+    max_tokens: integer(ge=1, le=4096) = 50
     temperature: float | None = Field(default=None, ge=0.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)  # -1 or 0: off
+    top_k: TopK | None = None  # the original design's default: 50
     stream: bool = False
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    seed: Seed | None = None
+    stop: Annotated[Text | list[Text], OnField] | None = None
 
     def sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
         """``defaults``: the server's sampling defaults for the fields the request leaves unset."""
@@ -296,12 +348,18 @@ class GenerateRequest(Strict):
 
 
 class TokenizeRequest(Strict):
+    """Exactly one of prompt and messages."""
+
+    model_config = ConfigDict(json_schema_extra={"oneOf": [
+        {"properties": {"prompt": {"type": "string"}}, "required": ["prompt"]},
+        {"properties": {"messages": {"type": "array"}}, "required": ["messages"]}]})
+
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: TemplateKwargs | None = None
 
 
 class DetokenizeRequest(Strict):
-    tokens: list[int]
+    tokens: Annotated[list[TokenId], OnField]

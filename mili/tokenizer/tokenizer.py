@@ -6,11 +6,11 @@ import json
 import os
 from typing import Any
 
-from mili.errors import InvalidRequest, ModelLoadError
+from mili.errors import ChatTemplateError, InvalidRequest, ModelLoadError
 
 # apply_chat_template's own parameters: a chat_template_kwargs key with one of these names would
 # collide with (or silently change) how MILI calls it.
-_RESERVED_TEMPLATE_KWARGS = frozenset({
+RESERVED_TEMPLATE_KWARGS = frozenset({
     "conversation", "messages", "add_generation_prompt", "tokenize", "return_dict", "return_tensors",
     "padding", "truncation", "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask",
     "continue_final_message", "chat_template",
@@ -105,7 +105,7 @@ def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: 
         chat_template_kwargs = {}
     if not isinstance(chat_template_kwargs, dict):
         raise InvalidRequest("chat_template_kwargs must be an object", param="chat_template_kwargs")
-    reserved = sorted(_RESERVED_TEMPLATE_KWARGS.intersection(chat_template_kwargs))
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(chat_template_kwargs))
     if reserved:
         raise InvalidRequest(f"chat_template_kwargs may not set {', '.join(reserved)}",
                              param="chat_template_kwargs")
@@ -115,8 +115,8 @@ def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: 
                                              add_generation_prompt=add_generation_prompt,
                                              **chat_template_kwargs)
     except Exception as e:  # jinja TemplateError (incl. raise_exception), TypeError, KeyError...
-        raise InvalidRequest(f"the chat template could not render these messages: "
-                             f"{type(e).__name__}: {e}", param="messages") from e
+        raise ChatTemplateError(f"the chat template could not render these messages: "
+                                f"{type(e).__name__}: {e}") from e
     if not isinstance(text, str):  # tokenize=False always gives text; guard against odd tokenizers
         raise InvalidRequest("the chat template did not render to text", param="messages")
     return text

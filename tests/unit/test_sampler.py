@@ -241,6 +241,23 @@ def test_penalties_only_touch_their_rows_and_change_greedy_choice():
     assert processed[1, 3].item() == pytest.approx(3.5)
 
 
+@pytest.mark.parametrize("penalty", [1e-308, 1e-40, 1e-30, 1e30, 1e308])  # (float32: 0, subnormal, ..., inf)
+@pytest.mark.parametrize("temperature", [0.0, 1e-5, 1.0])
+def test_extreme_repetition_penalties_never_draw_outside_the_vocabulary(penalty, temperature):
+    """A penalty of ~0 or ~inf once made a logit infinite, the softmax NaN and the draw an id past the vocab."""
+    torch.manual_seed(8)
+    logits = torch.randn(4, 60) * 5
+    logits[:, 7] = 0.0  # 0 * inf is NaN
+    prompts = [[1, 2, 7, 9], [7], list(range(60)), [3, 7, 40]]
+    params = [SamplingParams(temperature=temperature, repetition_penalty=penalty, seed=i) for i in range(4)]
+    meta = meta_for(params, logits, prompts=prompts, generators=[gen(i) for i in range(4)])
+    processed = Sampler._process_logits(logits.clone(), meta)
+    assert not processed.isnan().any() and not (processed == float("inf")).any()
+    for _ in range(20):
+        tokens = sampler(logits, meta).token_ids
+        assert all(0 <= t < 60 for t in tokens), tokens
+
+
 # ----------------------------------------------------------------------------------------- min_tokens
 
 

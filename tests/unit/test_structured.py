@@ -103,6 +103,14 @@ def test_bad_constraints_are_refused_by_name(llm):
         StructuredOutputsParams(json=SCHEMA, regex="a")
     with pytest.raises(InvalidRequest, match="min_tokens"):
         SamplingParams(min_tokens=2, structured_outputs=StructuredOutputsParams(regex="a+"))
+    # a stop token id outside the vocabulary once reached xgrammar's matcher, whose failure stopped the engine
+    vocab = llm.engine.inputs.model_config.vocab_size
+    with pytest.raises(InvalidRequest, match="stop token ids") as e:
+        llm.generate(["x"], SamplingParams(max_tokens=4, stop_token_ids=[vocab], structured_outputs=
+                                           StructuredOutputsParams(choice=["a"])), use_tqdm=False)
+    assert e.value.param == "stop_token_ids"
+    assert llm.generate(["x"], SamplingParams(max_tokens=4, stop_token_ids=[vocab - 1], structured_outputs=
+                                              StructuredOutputsParams(choice=["a"])), use_tqdm=False)[0].outputs
     assert not llm.engine.has_unfinished_requests()
 
 

@@ -257,7 +257,7 @@ def test_chat_template_thinking(tok):
 def test_malformed_messages(tok, messages):
     with pytest.raises(InvalidRequest) as e:
         apply_chat_template(tok, messages)
-    assert e.value.param == "messages"
+    assert e.value.param == "messages" and e.value.code == "invalid_parameter"
 
 
 def test_chat_template_errors(tok):
@@ -284,6 +284,7 @@ def test_template_exception_is_invalid_request(tok):
         with pytest.raises(InvalidRequest) as e:
             apply_chat_template(tok, [{"role": "user", "content": "x"}])
         assert e.value.param == "messages" and "bad conversation" in str(e.value)
+        assert e.value.code == "chat_template_error"  # (a malformed message is an invalid_parameter)
     finally:
         tok.chat_template = original
 
