@@ -4,6 +4,7 @@ GEMM checkpoint on the int4 kernel), each with the bytes of weights a decode ste
 the memory-copy roofline over those bytes.
 
     python benchmarks/quant_decode.py [--models Qwen3-0.6B Qwen3-4B:8] [--output-len 32] [--repeat 3]
+                                      [--num-threads N]
 
 ``NAME:L`` cuts a shape to L decoder layers. The FP8 and AWQ checkpoints are made from the bf16 random one
 (cached beside it) in the exact on-disk layouts (mili/model/quant.py), as a quantizer would write them.
@@ -22,7 +23,7 @@ from common import machine, print_table, qwen3_checkpoint, random_prompt
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from mili.bench import _measure_latency, memory_bandwidth, weight_bytes_per_step
+from mili.bench import _measure_latency, weight_bytes_per_step
 from mili.config import EngineConfig
 from mili.engine.engine import LLMEngine
 from mili.model import quant
@@ -80,7 +81,11 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--num-threads", type=int, default=None,
+                   help="threads for the model and the copy (1 is steady on a machine with other load)")
     args = p.parse_args()
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
     for spec in args.models:
         name, _, layers = spec.partition(":")
         dense = qwen3_checkpoint(name, layers=int(layers) if layers else None)
@@ -90,7 +95,8 @@ def main() -> None:
         rows = []
         for label, (path, quantization) in formats.items():
             engine = LLMEngine(EngineConfig(model=path, dtype="bfloat16", quantization=quantization,
-                                            max_model_len=1024, kv_cache_memory=1 << 30))
+                                            max_model_len=1024, kv_cache_memory=1 << 30,
+                                            num_threads=args.num_threads))
             ttft, decode, bandwidth = _measure_latency(engine, prompt, args)
             step = weight_bytes_per_step(engine.runner.model)
             roofline = bandwidth / step
