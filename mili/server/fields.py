@@ -82,3 +82,22 @@ TemplateKwargs = Annotated[dict[str, Any], Field(
     json_schema_extra={"propertyNames": {"not": {"enum": sorted(RESERVED_TEMPLATE_KWARGS)}}})]
 OnlyFalse = Annotated[bool, AfterValidator(_false), Field(json_schema_extra={"const": False})]
 Logprobs = integer(ge=0, le=20)
+
+
+def only_types(*types: str, default: str | None = None) -> BeforeValidator:
+    """For a field holding a list of typed items (a union): the first item whose ``type`` is not one of
+    ``types`` (``default``: the type of an item without one) is an error naming it, not lost in the
+    errors of every branch of the union."""
+    def check(items: Any) -> Any:
+        for item in items if isinstance(items, list) else []:
+            kind = item.get("type", default) if isinstance(item, dict) else None
+            if kind not in types:
+                raise ValueError(f"items of type {kind!r} are not supported (MILI takes {', '.join(types)})")
+        return items
+
+    return BeforeValidator(check)
+
+
+def requires(field: str, when: dict, then: dict) -> dict:
+    """A rule between two fields, in JSON Schema: when ``field`` is present and matches ``when``, ``then``."""
+    return {"if": {"properties": {field: when}, "required": [field]}, "then": then}

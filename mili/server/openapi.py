@@ -1,9 +1,9 @@
 """The OpenAPI document (/openapi.json): FastAPI's, plus what FastAPI cannot see from the routes.
 
-- MILI never answers 422: errors.py turns every validation error into a 400 in OpenAI's shape, so
+- MILI never answers 422: errors.py turns every validation error into a 400 in its API's shape, so
   FastAPI's 422 and its HTTPValidationError schema are dropped;
-- the API-key middleware (app.py) guards every path but ``OPEN_PATHS``: those paths document its 401,
-  and when the server has a key, a bearer security scheme;
+- the API-key middleware (app.py) guards every path but ``OPEN_PATHS``: those paths document its 401
+  (in Anthropic's shape on Anthropic's paths), and when the server has a key, a bearer security scheme;
 - limits that only the running server knows (vocabulary, context, batch width) fill the maxima the
   request models mark with ``protocol.runtime_maximum``; integer bounds are written as integers
   (FastAPI's models hold them as floats, and 2**63 - 2 is not a float).
@@ -16,20 +16,22 @@ from __future__ import annotations
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from mili.server.errors import ERRORS
+from mili.server.errors import ERRORS, AnthropicError, ErrorResponse, is_anthropic
 from mili.server.fields import RUNTIME_MAXIMUM
 
-DESCRIPTION = """MILI's OpenAI-compatible and native APIs. A chat page for this server is at
-[/ui](/ui). Every error is `{"error": {"message", "type", "param", "code"}}`; invalid input is a 400
-naming the field (never a 422)."""
+DESCRIPTION = """MILI's OpenAI-compatible, Anthropic-compatible and native APIs. A chat page for this
+server is at [/ui](/ui). Every error is `{"error": {"message", "type", "param", "code"}}`, but on
+Anthropic's paths (`/v1/messages`), `{"type": "error", "error": {"type", "message"}}`; invalid input is
+a 400 naming the field (never a 422)."""
 
 
 def document(app: FastAPI, open_paths: set[str], api_key: bool, limits: dict[str, int]) -> dict:
     """The document for ``app``; ``limits``: the values of the runtime maxima (token_id, max_tokens, n)."""
     doc = get_openapi(title=app.title, version=app.version, description=DESCRIPTION, routes=app.routes)
-    unauthorized = {"description": ERRORS[401], "content": {"application/json": {
-        "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
     for path, operations in doc["paths"].items():
+        body = (AnthropicError if is_anthropic(path) else ErrorResponse).__name__
+        unauthorized = {"description": ERRORS[401], "content": {"application/json": {
+            "schema": {"$ref": f"#/components/schemas/{body}"}}}}
         for operation in operations.values():
             operation["responses"].pop("422", None)
             if path not in open_paths:

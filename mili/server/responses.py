@@ -17,14 +17,15 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
-from pydantic import Discriminator, Field, Tag
+from pydantic import ConfigDict, Discriminator, Field, Tag, WithJsonSchema, model_validator
 
 from mili.errors import InvalidRequest
 from mili.outputs import RequestOutput
 from mili.server.app import ServerState, final_output, new_id, until_disconnect
 from mili.server.chat import Block, ChatPrompt, ReplyBlocks, start_chat
-from mili.server.errors import sse, to_api_error
-from mili.server.protocol import ChatCompletionRequest, Strict, only_types
+from mili.server.errors import error_responses, sse, streamed, to_api_error
+from mili.server.fields import MaxTokens, Strict, Text, only_types, requires
+from mili.server.protocol import ChatCompletionRequest
 from mili.tokenizer.reasoning import think_end_token_id
 
 router = APIRouter()
@@ -86,7 +87,7 @@ InputItem = Annotated[Annotated[MessageItem, Tag("message")] | Annotated[Functio
 
 class FunctionTool(Strict):
     type: Literal["function"]
-    name: str = Field(min_length=1)
+    name: Text
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None  # the schema is enforced when tool_choice forces a call, whatever this says
@@ -103,11 +104,20 @@ class Reasoning(Strict):
 
 
 class TextFormat(Strict):
+    model_config = ConfigDict(json_schema_extra={"allOf": [requires(
+        "type", {"const": "json_schema"}, {"properties": {"schema": {"type": "object"}}, "required": ["schema"]})]})
+
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     description: str | None = None
     strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _schema(self):
+        if self.type == "json_schema" and self.schema_ is None:
+            raise ValueError("a format of type json_schema needs a schema")
+        return self
 
 
 class TextConfig(Strict):
@@ -119,11 +129,15 @@ def _text(content: str | list[TextPart]) -> str:
 
 
 class ResponsesRequest(Strict):
+    model_config = ConfigDict(json_schema_extra={"allOf": [requires(  # (as on chat)
+        "tool_choice", {"const": "required"}, {"properties": {"tools": {"type": "array", "minItems": 1}},
+                                               "required": ["tools"]})]})
+
     model: str | None = None
     input: Annotated[str | list[InputItem], only_types("message", "function_call", "function_call_output",
                                                        "reasoning", default="message")]
     instructions: str | None = None
-    max_output_tokens: int | None = Field(default=None, ge=1)
+    max_output_tokens: MaxTokens | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     stream: bool = False
@@ -135,8 +149,10 @@ class ResponsesRequest(Strict):
     metadata: dict[str, str] | None = None  # returned as sent
     user: str | None = None
     truncation: Literal["disabled"] | None = None
-    store: bool | None = None
-    previous_response_id: str | None = None
+    store: Annotated[bool, Field(description="MILI stores no responses: only false or null",
+                                 json_schema_extra={"const": False})] | None = None
+    previous_response_id: Annotated[str | None, WithJsonSchema(
+        {"type": "null", "description": "MILI stores no responses: send the whole conversation as input"})] = None
 
     @property
     def thinking(self) -> bool:
@@ -164,8 +180,6 @@ class ResponsesRequest(Strict):
         fmt = self.text.format if self.text is not None else None
         if fmt is None or fmt.type != "json_schema":
             return None if fmt is None else {"type": fmt.type}
-        if fmt.schema_ is None:
-            raise InvalidRequest("text.format of type json_schema needs a schema", param="text.format")
         return {"type": "json_schema", "json_schema": {"name": fmt.name or "output", "schema": fmt.schema_}}
 
     def _messages(self) -> list[dict]:
@@ -266,7 +280,11 @@ class _Reply:
                              incomplete_details={"reason": "max_output_tokens"} if cut else None)
 
 
-@router.post("/v1/responses")
+STREAM = ("the Responses API's named events, each with its `type` and `sequence_number`: `response.created`, "
+          "... `response.completed`, `response.incomplete` or `response.failed`")
+
+
+@router.post("/v1/responses", responses={**error_responses(400, 404, 503), **streamed(STREAM)})
 async def responses(body: ResponsesRequest, http: Request):
     st: ServerState = http.app.state.mili
     st.check_model(body.model)
