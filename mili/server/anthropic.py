@@ -22,7 +22,7 @@ from mili.outputs import CompletionOutput
 from mili.server.app import ServerState, final_output, new_id, until_disconnect
 from mili.server.chat import Block, ChatPrompt, ReplyBlocks, start_chat
 from mili.server.errors import AnthropicError, anthropic_error, error_responses, sse, streamed, to_api_error
-from mili.server.fields import MaxTokens, Strict, Text, integer, only_types, requires
+from mili.server.fields import MaxTokens, ModelName, Strict, Text, integer, only_types, requires
 from mili.server.protocol import ChatCompletionRequest
 
 router = APIRouter()
@@ -70,12 +70,13 @@ AssistantBlock = Annotated[TextBlock | ToolUseBlock | ThinkingBlock | RedactedTh
 
 class UserMessage(Strict):
     role: Literal["user"]
-    content: Annotated[str | list[UserBlock], only_types("text", "tool_result")]
+    content: Annotated[str | Annotated[list[UserBlock], Field(min_length=1)], only_types("text", "tool_result")]
 
 
 class AssistantMessage(Strict):
     role: Literal["assistant"]
-    content: Annotated[str | list[AssistantBlock], only_types("text", "tool_use", "thinking", "redacted_thinking")]
+    content: Annotated[str | Annotated[list[AssistantBlock], Field(min_length=1)],
+                       only_types("text", "tool_use", "thinking", "redacted_thinking")]
 
 
 Message = Annotated[UserMessage | AssistantMessage, Field(discriminator="role")]
@@ -138,16 +139,18 @@ def _text(content: str | list[TextBlock]) -> str:
     return content if isinstance(content, str) else "\n".join(b.text for b in content)
 
 
-# tool_choice any or tool needs tools
-_FORCED_TOOLS = requires("tool_choice", {"type": "object", "properties": {"type": {"enum": ["any", "tool"]}},
-                                         "required": ["type"]},
-                         {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]})
+_FORCED = {"type": "object", "properties": {"type": {"enum": ["any", "tool"]}}, "required": ["type"]}
+# tool_choice any or tool needs tools, and is the one constraint on the output (no output_config.format)
+_FORCED_TOOLS = requires("tool_choice", _FORCED, {"properties": {"tools": {"type": "array", "minItems": 1}},
+                                                  "required": ["tools"]})
+_ONE_CONSTRAINT = requires("tool_choice", _FORCED, {"properties": {"output_config": {"anyOf": [
+    {"type": "null"}, {"properties": {"format": {"type": "null"}}}]}}})
 
 
 class CountTokensRequest(Strict):
     model_config = ConfigDict(json_schema_extra={"allOf": [_FORCED_TOOLS]})
 
-    model: str
+    model: ModelName
     messages: list[Message] = Field(min_length=1)
     system: Annotated[str | list[TextBlock], only_types("text")] | None = None
     thinking: Thinking | None = None
@@ -205,6 +208,8 @@ TopK = integer(ge=0, lt=2**63, description="0: off")
 
 
 class MessagesRequest(CountTokensRequest):
+    model_config = ConfigDict(json_schema_extra={"allOf": [_FORCED_TOOLS, _ONE_CONSTRAINT]})
+
     max_tokens: MaxTokens
     output_config: OutputConfig | None = None
     cache_control: dict[str, Any] | None = None  # a prompt-caching hint: MILI's prefix cache needs none
@@ -220,6 +225,10 @@ class MessagesRequest(CountTokensRequest):
         if budget is not None and budget >= self.max_tokens:
             raise InvalidRequest("thinking.budget_tokens must be less than max_tokens", param="thinking")
         fmt = self.output_config.format if self.output_config is not None else None
+        forced = self.tool_choice is not None and self.tool_choice.type in ("any", "tool")
+        if fmt is not None and forced:
+            raise InvalidRequest(f"output_config.format cannot be combined with tool_choice {self.tool_choice.type}",
+                                 param="output_config")
         return super().chat(max_tokens=self.max_tokens, stop=self.stop_sequences, temperature=self.temperature,
                             top_p=self.top_p, top_k=self.top_k, response_format=None if fmt is None else {
                                 "type": "json_schema", "json_schema": {"name": "output", "schema": fmt.schema_}})

@@ -13,6 +13,7 @@ from mili.sampling_params import SEED_RANGE
 from mili.tokenizer.tokenizer import RESERVED_TEMPLATE_KWARGS
 
 RUNTIME_MAXIMUM = "x-mili-maximum"  # in a field's JSON schema: a maximum only the running server knows
+RUNTIME_ENUM = "x-mili-enum"  # ... and the values only it knows
 
 
 def runtime_maximum(limit: str) -> dict:
@@ -82,6 +83,8 @@ TemplateKwargs = Annotated[dict[str, Any], Field(
     json_schema_extra={"propertyNames": {"not": {"enum": sorted(RESERVED_TEMPLATE_KWARGS)}}})]
 OnlyFalse = Annotated[bool, AfterValidator(_false), Field(json_schema_extra={"const": False})]
 Logprobs = integer(ge=0, le=20)
+ModelName = Annotated[str, Field(description="the served model's name (another is a 404)",
+                                 json_schema_extra={RUNTIME_ENUM: "model"})]
 
 
 def only_types(*types: str, default: str | None = None) -> BeforeValidator:

@@ -16,8 +16,8 @@ from pydantic import ConfigDict, Field, WithJsonSchema
 
 from mili.errors import InvalidRequest
 from mili.sampling_params import SamplingParams, StructuredOutputsParams
-from mili.server.fields import (AsSent, Count, Logprobs, MaxTokens, OnField, OnlyFalse, Open, Seed, Strict,
-                                TemplateKwargs, Text, TokenId, TopK, integer, requires, runtime_maximum)
+from mili.server.fields import (AsSent, Count, Logprobs, MaxTokens, ModelName, OnField, OnlyFalse, Open, Seed,
+                                Strict, TemplateKwargs, Text, TokenId, TopK, integer, requires, runtime_maximum)
 from mili.structured import MAX_WHITESPACE
 from mili.structured import check as check_structured
 from mili.tokenizer.tool_calls import forced_tool_call_tag
@@ -65,7 +65,7 @@ class StructuredOutputs(Strict):
 class _Sampling(Strict):
     """Parameters shared by /v1/completions and /v1/chat/completions (OpenAI's, then vLLM's extras)."""
 
-    model: str | None = None
+    model: ModelName | None = None
     max_tokens: MaxTokens | None = None
     temperature: float | None = Field(None, ge=0.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)

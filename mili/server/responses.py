@@ -17,14 +17,14 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
-from pydantic import ConfigDict, Discriminator, Field, Tag, WithJsonSchema, model_validator
+from pydantic import AfterValidator, ConfigDict, Discriminator, Field, Tag, WithJsonSchema, model_validator
 
 from mili.errors import InvalidRequest
 from mili.outputs import RequestOutput
 from mili.server.app import ServerState, final_output, new_id, until_disconnect
 from mili.server.chat import Block, ChatPrompt, ReplyBlocks, start_chat
 from mili.server.errors import error_responses, sse, streamed, to_api_error
-from mili.server.fields import MaxTokens, Strict, Text, only_types, requires
+from mili.server.fields import MaxTokens, ModelName, Strict, Text, only_types, requires
 from mili.server.protocol import ChatCompletionRequest
 from mili.tokenizer.reasoning import think_end_token_id
 
@@ -85,6 +85,18 @@ InputItem = Annotated[Annotated[MessageItem, Tag("message")] | Annotated[Functio
                       | Annotated[ReasoningItem, Tag("reasoning")], Discriminator(_item_type)]
 
 
+def _not_only_reasoning(items: list) -> list:
+    if all(item.type == "reasoning" for item in items):
+        raise ValueError("needs a message, function_call or function_call_output item (a reasoning item goes "
+                         "with the assistant turn after it)")
+    return items
+
+
+# (a conversation: at least one item that is not a reasoning item)
+InputItems = Annotated[list[InputItem], AfterValidator(_not_only_reasoning), Field(json_schema_extra={
+    "contains": {"not": {"properties": {"type": {"const": "reasoning"}}, "required": ["type"]}}})]
+
+
 class FunctionTool(Strict):
     type: Literal["function"]
     name: Text
@@ -133,8 +145,8 @@ class ResponsesRequest(Strict):
         "tool_choice", {"const": "required"}, {"properties": {"tools": {"type": "array", "minItems": 1}},
                                                "required": ["tools"]})]})
 
-    model: str | None = None
-    input: Annotated[str | list[InputItem], only_types("message", "function_call", "function_call_output",
+    model: ModelName | None = None
+    input: Annotated[str | InputItems, only_types("message", "function_call", "function_call_output",
                                                        "reasoning", default="message")]
     instructions: str | None = None
     max_output_tokens: MaxTokens | None = None
@@ -206,7 +218,8 @@ class ResponsesRequest(Strict):
 
 
 # the chat path names OpenAI chat fields: these are their Responses API names
-_PARAMS = {"messages": "input", "response_format": "text.format", "max_tokens": "max_output_tokens"}
+_PARAMS = {"messages": "input", "prompt": "input", "response_format": "text.format",
+           "max_tokens": "max_output_tokens"}
 
 
 @contextlib.contextmanager
