@@ -15,14 +15,14 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field
 
 from mili.errors import InvalidRequest
 from mili.outputs import CompletionOutput
 from mili.server.app import ServerState, final_output, new_id, until_disconnect
 from mili.server.chat import Block, ChatPrompt, ReplyBlocks, start_chat
 from mili.server.errors import AnthropicError, anthropic_error, error_responses, sse, streamed, to_api_error
-from mili.server.fields import MaxTokens, ModelName, Strict, Text, integer, only_types, requires
+from mili.server.fields import MaxTokens, ModelName, Strict, Text, TypeNeeds, integer, only_types, requires
 from mili.server.protocol import ChatCompletionRequest
 
 router = APIRouter()
@@ -90,24 +90,12 @@ class Tool(Strict):
     cache_control: dict[str, Any] | None = None
 
 
-def _needs(kind: str, field: str, schema: dict) -> ConfigDict:
-    """The schema of a model whose ``field`` is required when its type is ``kind``."""
-    return ConfigDict(json_schema_extra={"allOf": [
-        requires("type", {"const": kind}, {"properties": {field: schema}, "required": [field]})]})
-
-
-class ToolChoice(Strict):
-    model_config = _needs("tool", "name", {"type": "string"})
+class ToolChoice(TypeNeeds):
+    needs = ("tool", "name", {"type": "string"})
 
     type: Literal["auto", "any", "tool", "none"]
     name: Text | None = None
     disable_parallel_tool_use: bool | None = None
-
-    @model_validator(mode="after")
-    def _named(self):
-        if self.type == "tool" and self.name is None:
-            raise ValueError("a tool_choice of type tool needs the tool's name")
-        return self
 
 
 class JsonOutputFormat(Strict):
@@ -122,17 +110,11 @@ class OutputConfig(Strict):
 BudgetTokens = integer(ge=1, lt=2**63, description="below max_tokens")
 
 
-class Thinking(Strict):
-    model_config = _needs("enabled", "budget_tokens", {"type": "integer"})
+class Thinking(TypeNeeds):
+    needs = ("enabled", "budget_tokens", {"type": "integer"})
 
     type: Literal["enabled", "adaptive", "disabled"]
     budget_tokens: BudgetTokens | None = None
-
-    @model_validator(mode="after")
-    def _budget(self):
-        if self.type == "enabled" and self.budget_tokens is None:
-            raise ValueError("budget_tokens is required when thinking is enabled")
-        return self
 
 
 def _text(content: str | list[TextBlock]) -> str:

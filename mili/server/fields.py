@@ -5,9 +5,10 @@ its schema says exactly what it accepts.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WrapValidator
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WrapValidator,
+                      model_validator)
 
 from mili.sampling_params import SEED_RANGE
 from mili.tokenizer.tokenizer import RESERVED_TEMPLATE_KWARGS
@@ -104,3 +105,25 @@ def only_types(*types: str, default: str | None = None) -> BeforeValidator:
 def requires(field: str, when: dict, then: dict) -> dict:
     """A rule between two fields, in JSON Schema: when ``field`` is present and matches ``when``, ``then``."""
     return {"if": {"properties": {field: when}, "required": [field]}, "then": then}
+
+
+def _type_needs(schema: dict, model: type[TypeNeeds]) -> None:
+    kind, field, field_schema = model.needs
+    schema.setdefault("allOf", []).append(
+        requires("type", {"const": kind}, {"properties": {field: field_schema}, "required": [field]}))
+
+
+class TypeNeeds(Strict):
+    """An object one of whose ``type`` values needs another field: ``needs`` = (that type, the field as sent,
+    its schema); checked, and stated in the schema."""
+
+    model_config = ConfigDict(json_schema_extra=_type_needs)
+    needs: ClassVar[tuple[str, str, dict]]
+
+    @model_validator(mode="after")
+    def _needed(self):
+        kind, field, _ = self.needs
+        name = next(n for n, f in type(self).model_fields.items() if (f.alias or n) == field)
+        if self.type == kind and getattr(self, name) is None:
+            raise ValueError(f"{field} is required when type is {kind}")
+        return self

@@ -17,14 +17,14 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
-from pydantic import AfterValidator, ConfigDict, Discriminator, Field, Tag, WithJsonSchema, model_validator
+from pydantic import AfterValidator, ConfigDict, Discriminator, Field, Tag, WithJsonSchema
 
 from mili.errors import InvalidRequest
 from mili.outputs import RequestOutput
 from mili.server.app import ServerState, final_output, new_id, until_disconnect
 from mili.server.chat import Block, ChatPrompt, ReplyBlocks, start_chat
 from mili.server.errors import error_responses, sse, streamed, to_api_error
-from mili.server.fields import MaxTokens, ModelName, Strict, Text, only_types, requires
+from mili.server.fields import MaxTokens, ModelName, Strict, Text, TypeNeeds, only_types, requires
 from mili.server.protocol import ChatCompletionRequest
 from mili.tokenizer.reasoning import think_end_token_id
 
@@ -115,21 +115,14 @@ class Reasoning(Strict):
     summary: Literal["auto", "concise", "detailed"] | None = None  # no summaries: the reasoning itself comes back
 
 
-class TextFormat(Strict):
-    model_config = ConfigDict(json_schema_extra={"allOf": [requires(
-        "type", {"const": "json_schema"}, {"properties": {"schema": {"type": "object"}}, "required": ["schema"]})]})
+class TextFormat(TypeNeeds):
+    needs = ("json_schema", "schema", {"type": "object"})
 
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     description: str | None = None
     strict: bool | None = None
-
-    @model_validator(mode="after")
-    def _schema(self):
-        if self.type == "json_schema" and self.schema_ is None:
-            raise ValueError("a format of type json_schema needs a schema")
-        return self
 
 
 class TextConfig(Strict):
