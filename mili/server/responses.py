@@ -85,15 +85,15 @@ InputItem = Annotated[Annotated[MessageItem, Tag("message")] | Annotated[Functio
                       | Annotated[ReasoningItem, Tag("reasoning")], Discriminator(_item_type)]
 
 
-def _not_only_reasoning(items: list) -> list:
-    if all(item.type == "reasoning" for item in items):
+def _not_only_reasoning(items: str | list) -> str | list:
+    if isinstance(items, list) and all(item.type == "reasoning" for item in items):
         raise ValueError("needs a message, function_call or function_call_output item (a reasoning item goes "
                          "with the assistant turn after it)")
     return items
 
 
-# (a conversation: at least one item that is not a reasoning item)
-InputItems = Annotated[list[InputItem], AfterValidator(_not_only_reasoning), Field(json_schema_extra={
+# a conversation: at least one item that is not a reasoning item
+InputItems = Annotated[list[InputItem], Field(json_schema_extra={
     "contains": {"not": {"properties": {"type": {"const": "reasoning"}}, "required": ["type"]}}})]
 
 
@@ -139,8 +139,8 @@ class ResponsesRequest(Strict):
                                                "required": ["tools"]})]})
 
     model: ModelName | None = None
-    input: Annotated[str | InputItems, only_types("message", "function_call", "function_call_output",
-                                                       "reasoning", default="message")]
+    input: Annotated[str | InputItems, only_types("message", "function_call", "function_call_output", "reasoning",
+                                                  default="message"), AfterValidator(_not_only_reasoning)]
     instructions: str | None = None
     max_output_tokens: MaxTokens | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
