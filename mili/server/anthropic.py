@@ -65,7 +65,8 @@ class RedactedThinkingBlock(_Block):
 
 
 UserBlock = Annotated[TextBlock | ToolResultBlock, Field(discriminator="type")]
-AssistantBlock = Annotated[TextBlock | ToolUseBlock | ThinkingBlock | RedactedThinkingBlock, Field(discriminator="type")]
+AssistantBlock = Annotated[TextBlock | ToolUseBlock | ThinkingBlock | RedactedThinkingBlock,
+                           Field(discriminator="type")]
 
 
 class UserMessage(Strict):

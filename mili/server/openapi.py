@@ -5,8 +5,8 @@
 - the API-key middleware (app.py) guards every path but ``OPEN_PATHS``: those paths document its 401
   (in Anthropic's shape on Anthropic's paths), and when the server has a key, a bearer security scheme;
 - limits that only the running server knows (vocabulary, context, batch width) fill the maxima the
-  request models mark with ``fields.runtime_maximum``, the served model's name the ``model`` fields' enum; integer bounds are written as integers
-  (FastAPI's models hold them as floats, and 2**63 - 2 is not a float).
+  request models mark with ``fields.runtime_maximum``, the served model's name the ``model`` fields' enum;
+  integer bounds are written as integers (FastAPI's models hold them as floats, and 2**63 - 2 is not a float).
 
 Routes document their own errors with ``errors.error_responses`` and their streams with ``errors.streamed``.
 """
