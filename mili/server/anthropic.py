@@ -15,14 +15,15 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
-from pydantic import Field
+from pydantic import ConfigDict, Field
 
 from mili.errors import InvalidRequest
 from mili.outputs import CompletionOutput
 from mili.server.app import ServerState, final_output, new_id, until_disconnect
 from mili.server.chat import Block, ChatPrompt, ReplyBlocks, start_chat
-from mili.server.errors import anthropic_error, sse, to_api_error
-from mili.server.protocol import ChatCompletionRequest, Strict, only_types
+from mili.server.errors import AnthropicError, anthropic_error, error_responses, sse, streamed, to_api_error
+from mili.server.fields import MaxTokens, ModelName, Strict, Text, TypeNeeds, integer, only_types, requires
+from mili.server.protocol import ChatCompletionRequest
 
 router = APIRouter()
 SIGNATURE = "mili"  # thinking blocks' signature: MILI signs nothing, and ignores the signatures sent back
@@ -63,28 +64,38 @@ class RedactedThinkingBlock(_Block):
     data: str
 
 
-ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
-                         Field(discriminator="type")]
+UserBlock = Annotated[TextBlock | ToolResultBlock, Field(discriminator="type")]
+AssistantBlock = Annotated[TextBlock | ToolUseBlock | ThinkingBlock | RedactedThinkingBlock,
+                           Field(discriminator="type")]
 
 
-class Message(Strict):
-    role: Literal["user", "assistant"]
-    content: Annotated[str | list[ContentBlock], only_types("text", "tool_use", "tool_result", "thinking",
-                                                            "redacted_thinking")]
+class UserMessage(Strict):
+    role: Literal["user"]
+    content: Annotated[str | Annotated[list[UserBlock], Field(min_length=1)], only_types("text", "tool_result")]
 
+
+class AssistantMessage(Strict):
+    role: Literal["assistant"]
+    content: Annotated[str | Annotated[list[AssistantBlock], Field(min_length=1)],
+                       only_types("text", "tool_use", "thinking", "redacted_thinking")]
+
+
+Message = Annotated[UserMessage | AssistantMessage, Field(discriminator="role")]
 
 
 class Tool(Strict):
     type: Literal["custom"] | None = None
-    name: str = Field(min_length=1)
+    name: Text
     description: str | None = None
     input_schema: dict[str, Any]
     cache_control: dict[str, Any] | None = None
 
 
-class ToolChoice(Strict):
+class ToolChoice(TypeNeeds):
+    needs = ("tool", "name", {"type": "string"})
+
     type: Literal["auto", "any", "tool", "none"]
-    name: str | None = None
+    name: Text | None = None
     disable_parallel_tool_use: bool | None = None
 
 
@@ -97,17 +108,32 @@ class OutputConfig(Strict):
     format: JsonOutputFormat | None = None  # structured outputs: the reply's text follows the schema
 
 
-class Thinking(Strict):
+BudgetTokens = integer(ge=1, lt=2**63, description="below max_tokens")
+
+
+class Thinking(TypeNeeds):
+    needs = ("enabled", "budget_tokens", {"type": "integer"})
+
     type: Literal["enabled", "adaptive", "disabled"]
-    budget_tokens: int | None = Field(default=None, ge=1)
+    budget_tokens: BudgetTokens | None = None
 
 
 def _text(content: str | list[TextBlock]) -> str:
     return content if isinstance(content, str) else "\n".join(b.text for b in content)
 
 
+_FORCED = {"type": "object", "properties": {"type": {"enum": ["any", "tool"]}}, "required": ["type"]}
+# tool_choice any or tool needs tools, and is the one constraint on the output (no output_config.format)
+_FORCED_TOOLS = requires("tool_choice", _FORCED, {"properties": {"tools": {"type": "array", "minItems": 1}},
+                                                  "required": ["tools"]})
+_ONE_CONSTRAINT = requires("tool_choice", _FORCED, {"properties": {"output_config": {"anyOf": [
+    {"type": "null"}, {"properties": {"format": {"type": "null"}}}]}}})
+
+
 class CountTokensRequest(Strict):
-    model: str
+    model_config = ConfigDict(json_schema_extra={"allOf": [_FORCED_TOOLS]})
+
+    model: ModelName
     messages: list[Message] = Field(min_length=1)
     system: Annotated[str | list[TextBlock], only_types("text")] | None = None
     thinking: Thinking | None = None
@@ -120,8 +146,6 @@ class CountTokensRequest(Strict):
         if choice is not None:
             if choice.type in ("any", "tool") and not self.tools:
                 raise InvalidRequest(f"tool_choice {choice.type} needs tools", param="tool_choice")
-            if choice.type == "tool" and not choice.name:
-                raise InvalidRequest("tool_choice of type tool needs the tool's name", param="tool_choice")
             tool_choice = ({"type": "function", "function": {"name": choice.name}} if choice.type == "tool" else
                            {"any": "required"}.get(choice.type, choice.type))
         tools = [{"type": "function", "function": {**t.model_dump(include={"name", "description"}, exclude_none=True),
@@ -134,7 +158,7 @@ class CountTokensRequest(Strict):
 
     def _messages(self) -> list[dict]:
         out = [{"role": "system", "content": _text(self.system)}] if self.system else []
-        for i, m in enumerate(self.messages):
+        for m in self.messages:
             if isinstance(m.content, str):
                 out.append({"role": m.role, "content": m.content})
                 continue
@@ -142,19 +166,17 @@ class CountTokensRequest(Strict):
             for b in m.content:
                 if b.type == "text":
                     texts.append(b.text)
-                elif m.role == "user" and b.type == "tool_result":
+                elif b.type == "tool_result":  # (user turns only, as their type says)
                     if texts:  # text before a result: its own user turn
                         out.append({"role": "user", "content": "\n".join(texts)})
                         texts = []
                     out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": _text(b.content)})
-                elif m.role == "assistant" and b.type == "tool_use":
+                elif b.type == "tool_use":  # (this and thinking: assistant turns only)
                     message.setdefault("tool_calls", []).append(
                         {"id": b.id, "type": "function", "function": {"name": b.name, "arguments": b.input}})
-                elif m.role == "assistant" and b.type == "thinking":
+                elif b.type == "thinking":
                     message["reasoning_content"] = b.thinking  # the template shows it where Qwen3 would
-                elif b.type != "redacted_thinking" or m.role != "assistant":
-                    raise InvalidRequest(f"messages[{i}]: {b.type} blocks are not allowed in {m.role} turns",
-                                         param="messages")
+                # (redacted thinking is dropped: Qwen3 cannot read it)
             if m.role == "user":
                 out += [{"role": "user", "content": "\n".join(texts)}] if texts else []
             else:
@@ -165,24 +187,31 @@ class CountTokensRequest(Strict):
         return out
 
 
+TopK = integer(ge=0, lt=2**63, description="0: off")
+
+
 class MessagesRequest(CountTokensRequest):
-    max_tokens: int = Field(ge=1)
+    model_config = ConfigDict(json_schema_extra={"allOf": [_FORCED_TOOLS, _ONE_CONSTRAINT]})
+
+    max_tokens: MaxTokens
     output_config: OutputConfig | None = None
     cache_control: dict[str, Any] | None = None  # a prompt-caching hint: MILI's prefix cache needs none
-    stop_sequences: list[str] | None = None
+    stop_sequences: list[Text] | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=1.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=0)
+    top_k: TopK | None = None
     metadata: dict[str, Any] | None = None  # {"user_id": ...}: changes nothing
     stream: bool = False
 
     def chat(self, **sampling) -> ChatCompletionRequest:
         budget = self.thinking.budget_tokens if self.thinking is not None else None
-        if self.thinking is not None and self.thinking.type == "enabled" and budget is None:
-            raise InvalidRequest("thinking.budget_tokens is required when thinking is enabled", param="thinking")
         if budget is not None and budget >= self.max_tokens:
             raise InvalidRequest("thinking.budget_tokens must be less than max_tokens", param="thinking")
         fmt = self.output_config.format if self.output_config is not None else None
+        forced = self.tool_choice is not None and self.tool_choice.type in ("any", "tool")
+        if fmt is not None and forced:
+            raise InvalidRequest(f"output_config.format cannot be combined with tool_choice {self.tool_choice.type}",
+                                 param="output_config")
         return super().chat(max_tokens=self.max_tokens, stop=self.stop_sequences, temperature=self.temperature,
                             top_p=self.top_p, top_k=self.top_k, response_format=None if fmt is None else {
                                 "type": "json_schema", "json_schema": {"name": "output", "schema": fmt.schema_}})
@@ -192,7 +221,7 @@ def _state(http: Request) -> ServerState:
     return http.app.state.mili
 
 
-@router.post("/v1/messages/count_tokens")
+@router.post("/v1/messages/count_tokens", responses=error_responses(400, 404, model=AnthropicError))
 async def count_tokens(body: CountTokensRequest, http: Request):
     st = _state(http)
     st.check_model(body.model)
@@ -242,7 +271,12 @@ def _events(kind: str, block: Block, text: str) -> list[str]:
         "type": "signature_delta", "signature": SIGNATURE}}, "content_block_delta"), *stop]
 
 
-@router.post("/v1/messages")
+STREAM = ("Anthropic's named events: `event: message_start`, `content_block_start`, `content_block_delta`, "
+          "`content_block_stop`, `message_delta`, `message_stop`; `event: error` after the start")
+
+
+@router.post("/v1/messages", responses={**error_responses(400, 404, 500, 529, model=AnthropicError),
+                                        **streamed(STREAM)})
 async def messages(body: MessagesRequest, http: Request):
     st = _state(http)
     st.check_model(body.model)

@@ -180,7 +180,7 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
     def openapi() -> dict:
         if app.openapi_schema is None:
             limits = {"token_id": engine.model_config.vocab_size - 1, "max_tokens": engine.max_model_len - 1,
-                      "n": engine.config.max_num_seqs}
+                      "n": engine.config.max_num_seqs, "model": [model_name]}
             app.openapi_schema = document(app, OPEN_PATHS, bool(api_key), limits)
         return app.openapi_schema
 

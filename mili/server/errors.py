@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+from typing import Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -39,30 +40,46 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+class AnthropicErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicError(BaseModel):
+    """The body of an error on Anthropic's routes (``/v1/messages``)."""
+
+    type: Literal["error"]
+    error: AnthropicErrorDetail
+
+
 # What each status means in MILI's API: the OpenAPI document's error responses (never FastAPI's 422).
 ERRORS = {
     400: "Invalid request: a parameter out of range or of the wrong type, an unknown field, malformed JSON, a "
-         "prompt longer than the context. `param` names the field.",
+         "prompt longer than the context. The error names the field (OpenAI's shape: `param`).",
     401: "Missing or wrong API key (only when the server was started with `--api-key`).",
     404: "The model named in the request is not the one served.",
+    500: "The engine has stopped (`api_error`): the server cannot serve requests until it is restarted.",
     503: "The server is busy (`queue_full`, with `Retry-After`) or its engine has stopped (`engine_dead`).",
+    529: "The server is busy (`overloaded_error`, with `Retry-After`): `--max-queued-requests` are waiting.",
 }
-_RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying (queue_full only)",
+_RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying (a full queue only)",
                                 "schema": {"type": "integer"}}}
 
 
 def error_responses(*statuses: int, model: type[BaseModel] = ErrorResponse) -> dict:
     """The ``responses=`` of a route or an APIRouter: the errors it can send, each with ``model`` as its body."""
     return {status: {"model": model, "description": ERRORS[status],
-                     **({"headers": _RETRY_AFTER} if status == 503 else {})} for status in statuses}
+                     **({"headers": _RETRY_AFTER} if status in (503, 529) else {})} for status in statuses}
 
 
-def streamed() -> dict:
-    """``responses=`` of a route that streams with ``stream: true``: its 200 is JSON or server-sent events."""
-    return {200: {"description": "The reply; with `stream: true`, server-sent events (`data: {...}` chunks, then "
-                                 "`data: [DONE]`)",
-                  "content": {"text/event-stream": {"itemSchema": {
-                      "type": "object", "properties": {"data": {"type": "string"}}, "required": ["data"]}}}}}
+_SSE_EVENT = {"type": "object", "properties": {"event": {"type": "string"}, "data": {"type": "string"}},
+              "required": ["data"]}
+
+
+def streamed(events: str = "`data: {...}` chunks, then `data: [DONE]`") -> dict:
+    """``responses=`` of a route that streams with ``stream: true``: its 200 is JSON or server-sent ``events``."""
+    return {200: {"description": f"The reply; with `stream: true`, server-sent events ({events})",
+                  "content": {"text/event-stream": {"itemSchema": _SSE_EVENT}}}}
 
 
 def error_body(message: str, type: str, param: str | None = None, code: str | int | None = None) -> dict:
@@ -90,6 +107,10 @@ _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 4
                     500: "api_error", 529: "overloaded_error"}
 
 
+def is_anthropic(path: str) -> bool:
+    return path == ANTHROPIC_PATHS or path.startswith(ANTHROPIC_PATHS + "/")
+
+
 def anthropic_error(err: APIError) -> tuple[int, dict]:
     """(status, body) of an error in Anthropic's shape."""
     status = 529 if err.code == "queue_full" else 500 if err.status >= 500 else err.status
@@ -100,7 +121,7 @@ def anthropic_error(err: APIError) -> tuple[int, dict]:
 def error_response(path: str, e: BaseException) -> JSONResponse:
     """The response for an error raised while serving ``path``, in that API's shape."""
     err = to_api_error(e)
-    if path == ANTHROPIC_PATHS or path.startswith(ANTHROPIC_PATHS + "/"):
+    if is_anthropic(path):
         status, body = anthropic_error(err)
         return JSONResponse(body, status, headers=err.headers)
     return JSONResponse(error_body(err.message, err.type, err.param, err.code), err.status, headers=err.headers)

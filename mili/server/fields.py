@@ -5,14 +5,16 @@ its schema says exactly what it accepts.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WrapValidator
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WrapValidator,
+                      model_validator)
 
 from mili.sampling_params import SEED_RANGE
 from mili.tokenizer.tokenizer import RESERVED_TEMPLATE_KWARGS
 
 RUNTIME_MAXIMUM = "x-mili-maximum"  # in a field's JSON schema: a maximum only the running server knows
+RUNTIME_ENUM = "x-mili-enum"  # ... and the values only it knows
 
 
 def runtime_maximum(limit: str) -> dict:
@@ -82,3 +84,46 @@ TemplateKwargs = Annotated[dict[str, Any], Field(
     json_schema_extra={"propertyNames": {"not": {"enum": sorted(RESERVED_TEMPLATE_KWARGS)}}})]
 OnlyFalse = Annotated[bool, AfterValidator(_false), Field(json_schema_extra={"const": False})]
 Logprobs = integer(ge=0, le=20)
+ModelName = Annotated[str, Field(description="the served model's name (another is a 404)",
+                                 json_schema_extra={RUNTIME_ENUM: "model"})]
+
+
+def only_types(*types: str, default: str | None = None) -> BeforeValidator:
+    """For a field holding a list of typed items (a union): the first item whose ``type`` is not one of
+    ``types`` (``default``: the type of an item without one) is an error naming it, not lost in the
+    errors of every branch of the union."""
+    def check(items: Any) -> Any:
+        for item in items if isinstance(items, list) else []:
+            kind = item.get("type", default) if isinstance(item, dict) else None
+            if kind not in types:
+                raise ValueError(f"items of type {kind!r} are not supported (MILI takes {', '.join(types)})")
+        return items
+
+    return BeforeValidator(check)
+
+
+def requires(field: str, when: dict, then: dict) -> dict:
+    """A rule between two fields, in JSON Schema: when ``field`` is present and matches ``when``, ``then``."""
+    return {"if": {"properties": {field: when}, "required": [field]}, "then": then}
+
+
+def _type_needs(schema: dict, model: type[TypeNeeds]) -> None:
+    kind, field, field_schema = model.needs
+    schema.setdefault("allOf", []).append(
+        requires("type", {"const": kind}, {"properties": {field: field_schema}, "required": [field]}))
+
+
+class TypeNeeds(Strict):
+    """An object one of whose ``type`` values needs another field: ``needs`` = (that type, the field as sent,
+    its schema); checked, and stated in the schema."""
+
+    model_config = ConfigDict(json_schema_extra=_type_needs)
+    needs: ClassVar[tuple[str, str, dict]]
+
+    @model_validator(mode="after")
+    def _needed(self):
+        kind, field, _ = self.needs
+        name = next(n for n, f in type(self).model_fields.items() if (f.alias or n) == field)
+        if self.type == kind and getattr(self, name) is None:
+            raise ValueError(f"{field} is required when type is {kind}")
+        return self

@@ -12,29 +12,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, ConfigDict, Field, WithJsonSchema
+from pydantic import ConfigDict, Field, WithJsonSchema
 
 from mili.errors import InvalidRequest
 from mili.sampling_params import SamplingParams, StructuredOutputsParams
-from mili.server.fields import (AsSent, Count, Logprobs, MaxTokens, OnField, OnlyFalse, Open, Seed, Strict,
-                                TemplateKwargs, Text, TokenId, TopK, integer, runtime_maximum)
+from mili.server.fields import (AsSent, Count, Logprobs, MaxTokens, ModelName, OnField, OnlyFalse, Open, Seed,
+                                Strict, TemplateKwargs, Text, TokenId, TopK, integer, requires, runtime_maximum)
 from mili.structured import MAX_WHITESPACE
 from mili.structured import check as check_structured
 from mili.tokenizer.tool_calls import forced_tool_call_tag
-
-
-def only_types(*types: str, default: str | None = None) -> BeforeValidator:
-    """For a field holding a list of typed items (a union): the first item whose ``type`` is not one of
-    ``types`` (``default``: the type of an item without one) is an error naming it, not lost in the
-    errors of every branch of the union."""
-    def check(items: Any) -> Any:
-        for item in items if isinstance(items, list) else []:
-            kind = item.get("type", default) if isinstance(item, dict) else None
-            if kind not in types:
-                raise ValueError(f"items of type {kind!r} are not supported (MILI takes {', '.join(types)})")
-        return items
-
-    return BeforeValidator(check)
 
 
 class StreamOptions(Strict):
@@ -79,7 +65,7 @@ class StructuredOutputs(Strict):
 class _Sampling(Strict):
     """Parameters shared by /v1/completions and /v1/chat/completions (OpenAI's, then vLLM's extras)."""
 
-    model: str | None = None
+    model: ModelName | None = None
     max_tokens: MaxTokens | None = None
     temperature: float | None = Field(None, ge=0.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
@@ -176,18 +162,13 @@ def _response_format(fmt: dict[str, Any]) -> StructuredOutputsParams:
 PromptIds = Annotated[list[TokenId], Field(min_length=1)]
 
 
-def _requires(field: str, when: dict, then: dict) -> dict:
-    """A rule between two fields, in JSON Schema: when ``field`` is present and matches ``when``, ``then``."""
-    return {"if": {"properties": {field: when}, "required": [field]}, "then": then}
-
-
 # rules between fields the schema can state (the code checks them too, with their own messages)
-_STREAM_OPTIONS = _requires("stream_options", {"type": "object"},
+_STREAM_OPTIONS = requires("stream_options", {"type": "object"},
                             {"properties": {"stream": {"const": True}}, "required": ["stream"]})
-_PROMPT_LOGPROBS = _requires("prompt_logprobs", {"type": "integer"}, {"properties": {"stream": {"const": False}}})
+_PROMPT_LOGPROBS = requires("prompt_logprobs", {"type": "integer"}, {"properties": {"stream": {"const": False}}})
 # max_tokens 0 scores the prompt without generating: it needs prompt logprobs (echo with logprobs, or
 # prompt_logprobs)
-_SCORE_ONLY = _requires("max_tokens", {"const": 0}, {"anyOf": [
+_SCORE_ONLY = requires("max_tokens", {"const": 0}, {"anyOf": [
     {"properties": {"prompt_logprobs": {"type": "integer"}}, "required": ["prompt_logprobs"]},
     {"properties": {"echo": {"const": True}, "logprobs": {"type": "integer"}}, "required": ["echo", "logprobs"]}]})
 
@@ -278,8 +259,8 @@ class NamedToolChoice(Open):
 class ChatCompletionRequest(_Sampling):
     model_config = ConfigDict(json_schema_extra={"allOf": [
         _STREAM_OPTIONS, _PROMPT_LOGPROBS,
-        _requires("top_logprobs", {"type": "integer"}, {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}),
-        _requires("tool_choice", {"const": "required"}, {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]})]})
+        requires("top_logprobs", {"type": "integer"}, {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}),
+        requires("tool_choice", {"const": "required"}, {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]})]})
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: MaxTokens | None = None

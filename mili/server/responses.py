@@ -17,14 +17,15 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
-from pydantic import Discriminator, Field, Tag
+from pydantic import AfterValidator, ConfigDict, Discriminator, Field, Tag, WithJsonSchema
 
 from mili.errors import InvalidRequest
 from mili.outputs import RequestOutput
 from mili.server.app import ServerState, final_output, new_id, until_disconnect
 from mili.server.chat import Block, ChatPrompt, ReplyBlocks, start_chat
-from mili.server.errors import sse, to_api_error
-from mili.server.protocol import ChatCompletionRequest, Strict, only_types
+from mili.server.errors import error_responses, sse, streamed, to_api_error
+from mili.server.fields import MaxTokens, ModelName, Strict, Text, TypeNeeds, only_types, requires
+from mili.server.protocol import ChatCompletionRequest
 from mili.tokenizer.reasoning import think_end_token_id
 
 router = APIRouter()
@@ -84,9 +85,21 @@ InputItem = Annotated[Annotated[MessageItem, Tag("message")] | Annotated[Functio
                       | Annotated[ReasoningItem, Tag("reasoning")], Discriminator(_item_type)]
 
 
+def _not_only_reasoning(items: str | list) -> str | list:
+    if isinstance(items, list) and all(item.type == "reasoning" for item in items):
+        raise ValueError("needs a message, function_call or function_call_output item (a reasoning item goes "
+                         "with the assistant turn after it)")
+    return items
+
+
+# a conversation: at least one item that is not a reasoning item
+InputItems = Annotated[list[InputItem], Field(json_schema_extra={
+    "contains": {"not": {"properties": {"type": {"const": "reasoning"}}, "required": ["type"]}}})]
+
+
 class FunctionTool(Strict):
     type: Literal["function"]
-    name: str = Field(min_length=1)
+    name: Text
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None  # the schema is enforced when tool_choice forces a call, whatever this says
@@ -102,7 +115,9 @@ class Reasoning(Strict):
     summary: Literal["auto", "concise", "detailed"] | None = None  # no summaries: the reasoning itself comes back
 
 
-class TextFormat(Strict):
+class TextFormat(TypeNeeds):
+    needs = ("json_schema", "schema", {"type": "object"})
+
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
@@ -119,11 +134,15 @@ def _text(content: str | list[TextPart]) -> str:
 
 
 class ResponsesRequest(Strict):
-    model: str | None = None
-    input: Annotated[str | list[InputItem], only_types("message", "function_call", "function_call_output",
-                                                       "reasoning", default="message")]
+    model_config = ConfigDict(json_schema_extra={"allOf": [requires(  # (as on chat)
+        "tool_choice", {"const": "required"}, {"properties": {"tools": {"type": "array", "minItems": 1}},
+                                               "required": ["tools"]})]})
+
+    model: ModelName | None = None
+    input: Annotated[str | InputItems, only_types("message", "function_call", "function_call_output", "reasoning",
+                                                  default="message"), AfterValidator(_not_only_reasoning)]
     instructions: str | None = None
-    max_output_tokens: int | None = Field(default=None, ge=1)
+    max_output_tokens: MaxTokens | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     stream: bool = False
@@ -135,8 +154,10 @@ class ResponsesRequest(Strict):
     metadata: dict[str, str] | None = None  # returned as sent
     user: str | None = None
     truncation: Literal["disabled"] | None = None
-    store: bool | None = None
-    previous_response_id: str | None = None
+    store: Annotated[bool, Field(description="MILI stores no responses: only false or null",
+                                 json_schema_extra={"const": False})] | None = None
+    previous_response_id: Annotated[str | None, WithJsonSchema(
+        {"type": "null", "description": "MILI stores no responses: send the whole conversation as input"})] = None
 
     @property
     def thinking(self) -> bool:
@@ -164,8 +185,6 @@ class ResponsesRequest(Strict):
         fmt = self.text.format if self.text is not None else None
         if fmt is None or fmt.type != "json_schema":
             return None if fmt is None else {"type": fmt.type}
-        if fmt.schema_ is None:
-            raise InvalidRequest("text.format of type json_schema needs a schema", param="text.format")
         return {"type": "json_schema", "json_schema": {"name": fmt.name or "output", "schema": fmt.schema_}}
 
     def _messages(self) -> list[dict]:
@@ -192,7 +211,8 @@ class ResponsesRequest(Strict):
 
 
 # the chat path names OpenAI chat fields: these are their Responses API names
-_PARAMS = {"messages": "input", "response_format": "text.format", "max_tokens": "max_output_tokens"}
+_PARAMS = {"messages": "input", "prompt": "input", "response_format": "text.format",
+           "max_tokens": "max_output_tokens"}
 
 
 @contextlib.contextmanager
@@ -266,7 +286,11 @@ class _Reply:
                              incomplete_details={"reason": "max_output_tokens"} if cut else None)
 
 
-@router.post("/v1/responses")
+STREAM = ("the Responses API's named events, each with its `type` and `sequence_number`: `response.created`, "
+          "... `response.completed`, `response.incomplete` or `response.failed`")
+
+
+@router.post("/v1/responses", responses={**error_responses(400, 404, 503), **streamed(STREAM)})
 async def responses(body: ResponsesRequest, http: Request):
     st: ServerState = http.app.state.mili
     st.check_model(body.model)

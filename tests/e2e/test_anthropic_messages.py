@@ -163,6 +163,10 @@ def test_bad_requests_are_anthropic_400s(client, server):
         dict(messages=USER, extra_body={"temperature": 1.5}),
         dict(messages=USER, extra_body={"frequency_penalty": 1.0}),
         dict(messages=[]),
+        dict(messages=[{"role": "user", "content": []}]),
+        dict(messages=USER, tools=TOOLS, tool_choice={"type": "tool"}),
+        dict(messages=USER, tools=TOOLS, tool_choice={"type": "any"},
+             extra_body={"output_config": {"format": {"type": "json_schema", "schema": TIME}}}),
     ]
     for kwargs in bad:
         with pytest.raises(anthropic.BadRequestError) as e:

@@ -19,7 +19,8 @@ import pytest
 from helpers import Server
 
 HOOKS = Path(__file__).with_name("schemathesis_hooks.py")
-GENERATION = ("/generate", "/v1/completions", "/v1/chat/completions")
+GENERATION = ("/generate", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
+ANTHROPIC = ("/v1/messages", "/v1/messages/count_tokens")  # Anthropic's error body
 KEY = "sekret"
 
 
@@ -82,25 +83,30 @@ def _schema(doc: dict, ref_or_schema: dict) -> dict:
 def test_document_says_what_the_server_does(demo_server):
     doc = httpx.get(demo_server.url + "/openapi.json").json()
     assert "422" not in json.dumps(doc["paths"]) and "HTTPValidationError" not in doc["components"]["schemas"]
-    error = doc["components"]["schemas"]["ErrorResponse"]
-    assert error["required"] == ["error"]
+    schemas = doc["components"]["schemas"]
+    assert schemas["ErrorResponse"]["required"] == ["error"]
+    assert schemas["AnthropicError"]["required"] == ["type", "error"]
+    assert schemas["AnthropicError"]["properties"]["type"]["const"] == "error"
     for path, ops in doc["paths"].items():
+        error = "/AnthropicError" if path in ANTHROPIC else "/ErrorResponse"
         for method, op in ops.items():
             responses = op["responses"]
             if path in ("/health", "/metrics", "/ui"):  # open paths: no key asked
                 assert "401" not in responses, path
             else:
-                assert responses["401"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")
+                assert responses["401"]["content"]["application/json"]["schema"]["$ref"].endswith(error), path
             if method == "post":
-                assert responses["400"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")
+                assert responses["400"]["content"]["application/json"]["schema"]["$ref"].endswith(error), path
                 body = _schema(doc, op["requestBody"]["content"]["application/json"]["schema"])
                 assert body["additionalProperties"] is False, path  # unknown fields are a 400
     for path in GENERATION:
         responses = doc["paths"][path]["post"]["responses"]
         assert set(responses["200"]["content"]) == {"application/json", "text/event-stream"}
-        assert "503" in responses and "Retry-After" in responses["503"]["headers"]
-    for path in ("/v1/completions", "/v1/chat/completions"):
+        busy = "529" if path in ANTHROPIC else "503"  # Anthropic's overloaded_error
+        assert busy in responses and "Retry-After" in responses[busy]["headers"], path
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", *ANTHROPIC):
         assert "404" in doc["paths"][path]["post"]["responses"]
+    assert "500" in doc["paths"]["/v1/messages"]["post"]["responses"]  # api_error: the engine stopped
     assert list(doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]
     assert list(doc["paths"]["/ui"]["get"]["responses"]["200"]["content"]) == ["text/html"]
     # the server's own limits: this one has a 64-token context, 2 sequences a request, 320 token ids
@@ -108,6 +114,12 @@ def test_document_says_what_the_server_does(demo_server):
     assert {"type": "integer", "minimum": 1, "maximum": 63} in chat["max_tokens"]["anyOf"]
     assert chat["n"]["maximum"] == 2 and chat["temperature"]["anyOf"][0]["minimum"] == 0
     assert chat["tool_choice"]["anyOf"][0]["enum"] == ["none", "auto", "required"]
+    messages = schemas["MessagesRequest"]
+    assert messages["properties"]["max_tokens"] == {"type": "integer", "minimum": 1, "maximum": 63,
+                                                    "title": "Max Tokens"}
+    assert "max_tokens" in messages["required"] and messages["properties"]["temperature"]["anyOf"][0]["maximum"] == 1
+    assert {"type": "integer", "minimum": 1, "maximum": 63} in (
+        schemas["ResponsesRequest"]["properties"]["max_output_tokens"]["anyOf"])
     detok = doc["components"]["schemas"]["DetokenizeRequest"]["properties"]["tokens"]["items"]
     assert (detok["minimum"], detok["maximum"]) == (0, 319)
     assert "securitySchemes" not in doc["components"]

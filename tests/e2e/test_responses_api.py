@@ -170,6 +170,9 @@ def test_errors(client):
         (dict(input=QUESTION, text={"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}),
          "text.format"),
         (dict(input=QUESTION, max_output_tokens=0), "max_output_tokens"),
+        (dict(input=QUESTION, max_output_tokens=10**6), "max_output_tokens"),  # past the context
+        (dict(input=[{"type": "reasoning", "summary": []}]), "input"),  # nothing but reasoning
+        (dict(input=QUESTION, text={"format": {"type": "json_schema", "name": "x"}}), "text.format"),
     ]
     for kwargs, param in bad:
         with pytest.raises(openai.BadRequestError) as e:
