@@ -48,19 +48,9 @@ def _quantized_copy(dense: str, kind: str) -> str:
                 if not name.endswith(tuple(f"{p}.weight" for p in LINEARS)):
                     out[name] = w
                 elif kind == "fp8":
-                    rows, cols = w.shape
-                    blocks = w.float().reshape(rows // 128, 128, cols // 128, 128)
-                    scale = blocks.abs().amax(dim=(1, 3)) / quant.FP8_MAX
-                    q = (blocks / scale[:, None, :, None]).reshape(rows, cols).to(torch.float8_e4m3fn)
-                    out[name], out[name + "_scale_inv"] = q, scale.to(torch.bfloat16)
+                    out[name], out[name + "_scale_inv"] = quant.quantize_fp8_blocks(w, scale_dtype=torch.bfloat16)
                 else:
-                    wt = w.float().t()
-                    k, n = wt.shape
-                    g = wt.reshape(k // 128, 128, n)
-                    lo, hi = g.amin(dim=1), g.amax(dim=1)
-                    scales = ((hi - lo).clamp(min=1e-5) / 15).half()
-                    zeros = torch.round(-lo / scales.float()).clamp(0, 15)
-                    q = torch.round(g / scales.float()[:, None] + zeros[:, None]).clamp(0, 15).reshape(k, n)
+                    q, zeros, scales = quant.quantize_awq(w, 128)
                     stem = name.removesuffix("weight")
                     out[stem + "qweight"], out[stem + "qzeros"] = quant.pack_awq(q), quant.pack_awq(zeros)
                     out[stem + "scales"] = scales

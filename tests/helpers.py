@@ -329,22 +329,19 @@ def autoawq_pack(values: torch.Tensor) -> torch.Tensor:
 
 def awq_layout(weights: dict, group: int) -> tuple[dict, dict]:
     """(AutoAWQ's GEMM layout, the dequantized weights): asymmetric 4-bit per group of input channels."""
+    from mili.model.quant import quantize_awq
+
     out, dequantized = {}, {}
     for name, w in weights.items():
         if not name.endswith(tuple(f"{p}.weight" for p in QUANT_LINEARS)):
             out[name] = dequantized[name] = w
             continue
-        wt = w.float().t()  # AWQ stores [in, out]
-        k, n = wt.shape
-        g = wt.reshape(k // group, group, n)
-        lo, hi = g.amin(dim=1), g.amax(dim=1)
-        scales = ((hi - lo).clamp(min=1e-5) / 15).half()
-        zeros = torch.round(-lo / scales.float()).clamp(0, 15)
-        q = torch.round(g / scales.float()[:, None] + zeros[:, None]).clamp(0, 15).reshape(k, n)
+        q, zeros, scales = quantize_awq(w, group)  # AWQ stores [in, out]
+        k, n = q.shape
         stem = name.removesuffix("weight")
-        out[stem + "qweight"] = autoawq_pack(q.to(torch.int32))
-        out[stem + "qzeros"] = autoawq_pack(zeros.to(torch.int32))
+        out[stem + "qweight"] = autoawq_pack(q)
+        out[stem + "qzeros"] = autoawq_pack(zeros)
         out[stem + "scales"] = scales
-        deq = (q.reshape(k // group, group, n) - zeros[:, None]) * scales.float()[:, None]
+        deq = (q.reshape(k // group, group, n) - zeros[:, None]).float() * scales.float()[:, None]
         dequantized[name] = deq.reshape(k, n).t().contiguous()
     return out, dequantized

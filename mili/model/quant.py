@@ -82,6 +82,32 @@ def quantize_fp8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return (w.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
 
+def quantize_fp8_blocks(w: torch.Tensor, block: tuple[int, int] = (128, 128),
+                        scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen's block FP8, as its quantizer writes it: (float8_e4m3fn [out, in], ``weight_scale_inv``
+    [ceil(out / b0), ceil(in / b1)] in ``scale_dtype``); the last row/column of blocks may be partial."""
+    rows, cols = w.shape
+    padded = torch.nn.functional.pad(w.float(), (0, -cols % block[1], 0, -rows % block[0]))
+    blocks = padded.reshape(padded.shape[0] // block[0], block[0], padded.shape[1] // block[1], block[1])
+    scale = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).to(scale_dtype)
+    q = (blocks / scale.float()[:, None, :, None]).reshape(padded.shape)[:rows, :cols].to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def quantize_awq(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """AWQ's asymmetric 4-bit per group of input channels (round to nearest, no activation-aware search),
+    in AWQ's [in, out] orientation before packing: (q [in, out], zeros [in / group, out], fp16 scales
+    [in / group, out]); q and zeros are int32 values in 0..15."""
+    wt = w.float().t()
+    k, n = wt.shape
+    g = wt.reshape(k // group, group, n)
+    lo, hi = g.amin(dim=1), g.amax(dim=1)
+    scales = ((hi - lo).clamp(min=1e-5) / 15).half()
+    zeros = torch.round(-lo / scales.float()).clamp(0, 15)
+    q = torch.round(g / scales.float()[:, None] + zeros[:, None]).clamp(0, 15).reshape(k, n)
+    return q.to(torch.int32), zeros.to(torch.int32), scales
+
+
 def quantize_fp8_per_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic per-token activation quantization: (float8_e4m3fn rows, float32 scales [rows, 1])."""
     scale = (x.float().abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-12)

@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from helpers import autoawq_pack, awq_layout, build_checkpoint, greedy_matches, write_quantized_checkpoint
 from mili import LLM, SamplingParams
 from mili.kernels import cpu
+from mili.model.quant import quantize_fp8_blocks
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SHAPE = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=4, head_dim=32, intermediate_size=256,
@@ -35,9 +36,7 @@ def qwen_fp8(weights: dict, scale_dtype: torch.dtype) -> tuple[dict, dict]:
             out[name] = dequantized[name] = w
             continue
         rows, cols = w.shape
-        blocks = w.float().reshape(rows // 128, 128, cols // 128, 128)
-        scale = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).to(scale_dtype)
-        q = (blocks / scale.float()[:, None, :, None]).reshape(rows, cols).to(torch.float8_e4m3fn)
+        q, scale = quantize_fp8_blocks(w, scale_dtype=scale_dtype)
         out[name], out[name + "_scale_inv"] = q, scale
         dequantized[name] = (q.float().reshape(rows // 128, 128, cols // 128, 128)
                              * scale.float()[:, None, :, None]).reshape(rows, cols)
@@ -59,6 +58,16 @@ def compressed_fp8(weights: dict, strategy: str) -> tuple[dict, dict]:
         out[stem + "input_scale"] = torch.ones(1)  # static activation scales: activations are not quantized here
         dequantized[name] = q.float() * scale
     return out, dequantized
+
+
+def _dequantized_reference(dense, tmp_path, dequantized: dict):
+    """HF transformers on the dequantized weights, saved as a plain checkpoint."""
+    from transformers import Qwen3ForCausalLM
+
+    plain = tmp_path / "plain"
+    shutil.copytree(dense, plain, dirs_exist_ok=True)
+    save_file({k: v.contiguous() for k, v in dequantized.items()}, plain / "model.safetensors")
+    return Qwen3ForCausalLM.from_pretrained(plain, dtype=torch.float32).eval()
 
 
 def _greedy_equal(path, reference, prompts):
@@ -86,8 +95,6 @@ def test_qwen_block_fp8_matches_hf(dense, tmp_path, scale_dtype):
 
 @pytest.mark.parametrize("strategy", ["channel", "tensor"])
 def test_compressed_tensors_fp8_matches_the_dequantized_model(dense, tmp_path, strategy):
-    from transformers import Qwen3ForCausalLM
-
     tensors, dequantized = compressed_fp8(load_file(dense / "model.safetensors"), strategy)
     qconfig = {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
                "config_groups": {"FP8_DYNAMIC": {"targets": ["Linear"],
@@ -95,11 +102,7 @@ def test_compressed_tensors_fp8_matches_the_dequantized_model(dense, tmp_path, s
                                                  "input_activations": {"num_bits": 8, "type": "float",
                                                                        "strategy": "token", "dynamic": True}}}}
     path = write_quantized_checkpoint(dense, tmp_path / f"ct_{strategy}", tensors, qconfig)
-    plain = tmp_path / "plain"  # the reference: the dequantized weights as a plain checkpoint
-    shutil.copytree(dense, plain, dirs_exist_ok=True)
-    save_file({k: v.contiguous() for k, v in dequantized.items()}, plain / "model.safetensors")
-    reference = Qwen3ForCausalLM.from_pretrained(plain, dtype=torch.float32).eval()
-    _greedy_equal(path, reference, PROMPTS)
+    _greedy_equal(path, _dequantized_reference(dense, tmp_path, dequantized), PROMPTS)
     # and the quantization is real: the dequantized model differs from the original one
     original = load_file(dense / "model.safetensors")["model.layers.0.mlp.down_proj.weight"]
     assert not torch.equal(dequantized["model.layers.0.mlp.down_proj.weight"], original)
@@ -110,7 +113,8 @@ def test_a_quantized_weight_without_its_scale_is_refused(dense, tmp_path):
 
     tensors, _ = qwen_fp8(load_file(dense / "model.safetensors"), torch.bfloat16)
     del tensors["model.layers.1.mlp.up_proj.weight_scale_inv"]
-    path = write_quantized_checkpoint(dense, tmp_path / "noscale", tensors, {"quant_method": "fp8", "weight_block_size": [128, 128]})
+    path = write_quantized_checkpoint(dense, tmp_path / "noscale", tensors,
+                                      {"quant_method": "fp8", "weight_block_size": [128, 128]})
     with pytest.raises(ModelLoadError, match="up_proj.weight is stored as float8_e4m3fn"):
         LLM(str(path), dtype="float32")
 
@@ -130,18 +134,12 @@ def test_awq_packing_order():
 
 @pytest.mark.parametrize("group", [128, 64])
 def test_awq_matches_the_dequantized_model(dense, tmp_path, group):
-    from transformers import Qwen3ForCausalLM
-
     tensors, dequantized = awq_layout(load_file(dense / "model.safetensors"), group)
     assert tensors["model.layers.0.self_attn.q_proj.qweight"].shape == (128, 128 // 8)
     qconfig = {"quant_method": "awq", "bits": 4, "group_size": group, "version": "gemm", "zero_point": True,
                "modules_to_not_convert": None}
     path = write_quantized_checkpoint(dense, tmp_path / f"awq{group}", tensors, qconfig)
-    plain = tmp_path / "plain"
-    shutil.copytree(dense, plain, dirs_exist_ok=True)
-    save_file({k: v.contiguous() for k, v in dequantized.items()}, plain / "model.safetensors")
-    reference = Qwen3ForCausalLM.from_pretrained(plain, dtype=torch.float32).eval()
-    _greedy_equal(path, reference, PROMPTS)
+    _greedy_equal(path, _dequantized_reference(dense, tmp_path, dequantized), PROMPTS)
     original = load_file(dense / "model.safetensors")["model.layers.0.mlp.down_proj.weight"]
     assert not torch.equal(dequantized["model.layers.0.mlp.down_proj.weight"], original)
 

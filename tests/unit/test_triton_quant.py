@@ -21,6 +21,7 @@ from helpers import (QUANT_LINEARS, awq_layout, build_checkpoint, greedy_matches
                      write_quantized_checkpoint)
 from mili import LLM, SamplingParams  # noqa: E402
 from mili.kernels import reference as ref  # noqa: E402
+from mili.model.quant import quantize_fp8_blocks  # noqa: E402
 from mili.kernels.triton import quant_gemm as qg  # noqa: E402
 from mili.model import gpu_linear, quant  # noqa: E402
 from mili.model.cpu_linear import Fp8Linear  # noqa: E402
@@ -154,10 +155,7 @@ def _block_fp8(weights: dict) -> tuple[dict, dict]:
             out[name] = dequantized[name] = w
             continue
         rows, cols = w.shape
-        padded = F.pad(w.float(), (0, -cols % 128, 0, -rows % 128))
-        blocks = padded.reshape(padded.shape[0] // 128, 128, padded.shape[1] // 128, 128)
-        scale = blocks.abs().amax(dim=(1, 3)) / 448
-        q = (blocks / scale[:, None, :, None]).reshape(padded.shape)[:rows, :cols].to(torch.float8_e4m3fn)
+        q, scale = quantize_fp8_blocks(w)
         out[name], out[name + "_scale_inv"] = q, scale
         dequantized[name] = q.float() * scale.repeat_interleave(128, 0)[:rows].repeat_interleave(128, 1)[:, :cols]
     return out, dequantized
