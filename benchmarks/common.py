@@ -12,7 +12,7 @@ import torch
 from mili.bench import percentile, print_table, run_batch  # noqa: F401  (shared with mili bench)
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = Path(os.environ.get("MILI_SHARED_DIR", ROOT.parent / "shared"))
+DATA = ROOT / "tests" / "data"  # the official Qwen3 shapes and the real tokenizer, in the repository
 CACHE = Path(os.environ.get("MILI_BENCH_CACHE", Path.home() / ".cache" / "mili" / "bench"))
 
 
@@ -27,7 +27,7 @@ def qwen3_checkpoint(name: str = "Qwen3-0.6B", dtype: torch.dtype = torch.bfloat
                     + (f"-{layers}layers" if layers is not None else ""))
     if (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file():
         return str(path)
-    shape = {k: v for k, v in json.loads((SHARED / "qwen3_configs.json").read_text())[name].items()
+    shape = {k: v for k, v in json.loads((DATA / "qwen3_configs.json").read_text())[name].items()
              if not k.startswith("_")}
     shape.pop("torch_dtype", None)
     if layers is not None:
@@ -40,7 +40,7 @@ def qwen3_checkpoint(name: str = "Qwen3-0.6B", dtype: torch.dtype = torch.bfloat
     model.generation_config = GenerationConfig(eos_token_id=[151645, 151643], pad_token_id=151643)
     tmp = path.with_name(path.name + ".tmp")
     model.save_pretrained(tmp)
-    AutoTokenizer.from_pretrained(SHARED / "qwen3-tokenizer").save_pretrained(tmp)
+    AutoTokenizer.from_pretrained(DATA / "qwen3-tokenizer").save_pretrained(tmp)
     os.replace(tmp, path)
     return str(path)
 

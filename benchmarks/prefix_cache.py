@@ -56,7 +56,7 @@ def _summary(outs, seconds: float, warm) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="Qwen3-0.6B", help="a shape from ../shared/qwen3_configs.json")
+    p.add_argument("--model", default="Qwen3-0.6B", help="a shape from tests/data/qwen3_configs.json")
     p.add_argument("--system", type=int, default=1000, help="shared system prompt tokens")
     p.add_argument("--question", type=int, default=32, help="unique tokens per shared-prompt request")
     p.add_argument("--shared-requests", type=int, default=8)

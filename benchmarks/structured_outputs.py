@@ -80,7 +80,7 @@ def main() -> None:
 def _tiny() -> str:
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
-    from common import SHARED
+    from common import DATA
 
     path = CACHE / "tiny-realvocab"
     if not (path / "model.safetensors").is_file():
@@ -88,7 +88,7 @@ def _tiny() -> str:
                              num_attention_heads=8, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
                              max_position_embeddings=1024, eos_token_id=151645)
         Qwen3ForCausalLM(config).save_pretrained(path)
-        AutoTokenizer.from_pretrained(SHARED / "qwen3-tokenizer").save_pretrained(path)
+        AutoTokenizer.from_pretrained(DATA / "qwen3-tokenizer").save_pretrained(path)
     return str(path)
 
 

@@ -15,8 +15,8 @@ import httpx
 
 import torch
 
-SHARED = Path(os.environ.get("MILI_SHARED_DIR", Path(__file__).resolve().parents[2] / "shared"))
-QWEN3_TOKENIZER = SHARED / "qwen3-tokenizer"
+DATA = Path(__file__).resolve().parent / "data"  # what the tests read: tests/data/README.md says where it came from
+QWEN3_TOKENIZER = DATA / "qwen3-tokenizer"
 
 # Three shapes: GQA with head_dim != hidden/heads and untied embeddings; MHA tied; GQA 4:1 on the
 # real vocabulary size.

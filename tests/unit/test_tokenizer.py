@@ -14,7 +14,7 @@ from mili.tokenizer.tokenizer import (apply_chat_template, encode_prompt, load_e
                                       load_tokenizer)
 
 
-QWEN3_DIR = QWEN3_TOKENIZER  # ../shared/qwen3-tokenizer (or $MILI_SHARED_DIR): missing means failing
+QWEN3_DIR = QWEN3_TOKENIZER  # tests/data/qwen3-tokenizer
 
 IM_END, ENDOFTEXT, THINK = 151645, 151643, 151667
 EMOJI = "Hi 👋🏽 family: 👨‍👩‍👧 ok"
@@ -295,3 +295,36 @@ def test_encode_prompt(tok):
     assert ids[0] == 151644 and ids == tok.encode(text, add_special_tokens=False)
     assert encode_prompt(tok, "Hello world") == tok.encode("Hello world", add_special_tokens=False)
     assert tok.decode(encode_prompt(tok, EMOJI)) == EMOJI
+
+
+# -- the repository's copy of the tokenizer (tests/data/qwen3-tokenizer) is the one it replaced ------------------
+# Recorded from Qwen/Qwen3-0.6B's published tokenizer files (vocab.json, merges.txt and all) before the copy
+# kept only tokenizer.json, tokenizer_config.json and generation_config.json.
+MULTILINGUAL = "Hello, wörld! 你好，世界。 Привет, мир! 🌍👨‍👩‍👧 こんにちは العربية <think>x</think>\t\n  def f(): return 1"
+MULTILINGUAL_IDS = [9707, 11, 289, 9416, 507, 0, 220, 108386, 3837, 99489, 1773, 79484, 26991, 8178, 11, 137144, 0,
+                    11162, 234, 235, 145367, 378, 235, 145233, 378, 235, 145665, 220, 89015, 129071, 220, 151667, 87,
+                    151668, 1572, 220, 707, 282, 4555, 470, 220, 16]
+CHAT_TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "reasoning_content": "Need the tool.",
+         "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "content": "{\"temp\": 21}"}, {"role": "user", "content": "Thanks"}]
+# enable_thinking -> (sha256 of the rendered prompt, its token count)
+CHAT_RENDERED = {True: ("5a120074017368bc6e1600245476995fe1f43c74e320987b1a1aecb06485d624", 197),
+                 False: ("8a206de386d5138552c9d383cccf912b2af2da3a96025e5681acf306bcabbcd0", 201)}
+
+
+def test_repository_tokenizer_is_the_published_one(tok):
+    import hashlib
+
+    assert sorted(p.name for p in QWEN3_DIR.iterdir()) == [
+        "generation_config.json", "tokenizer.json", "tokenizer_config.json"]
+    assert tok.encode(MULTILINGUAL, add_special_tokens=False) == MULTILINGUAL_IDS
+    assert tok.decode(MULTILINGUAL_IDS) == MULTILINGUAL
+    for thinking, (digest, n_tokens) in CHAT_RENDERED.items():
+        text = tok.apply_chat_template(CHAT, tools=CHAT_TOOLS, tokenize=False, add_generation_prompt=True,
+                                       enable_thinking=thinking)
+        assert hashlib.sha256(text.encode()).hexdigest() == digest
+        assert len(tok.encode(text, add_special_tokens=False)) == n_tokens
