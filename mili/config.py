@@ -15,7 +15,14 @@ from mili.model.checks import check_architecture_settings
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16,
            "float": torch.float32}
-SUPPORTED_ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}  # -> model_type
+SUPPORTED_ARCHITECTURES = {  # -> model_type
+    "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
+    # the hybrids (Gated DeltaNet + gated attention, model/qwen3_5.py); the hub's Qwen3.5/3.6 checkpoints are
+    # the ForConditionalGeneration ones (the language model under text_config; its vision tower is skipped)
+    "Qwen3NextForCausalLM": "qwen3_next", "Qwen3_5ForCausalLM": "qwen3_5_text",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text", "Qwen3_5ForConditionalGeneration": "qwen3_5",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe"}
+HYBRID_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")  # (the text models')
 
 
 def resolve_device(device: str) -> torch.device:
@@ -53,6 +60,9 @@ class ModelConfig:
     tp_rank: int = 0
     tp_size: int = 1
     total_num_key_value_heads: int = 0  # the checkpoint's (0: num_key_value_heads)
+    # the hybrids: each layer's kind (full_attention | linear_attention), and the MoE's shared expert
+    layer_types: tuple[str, ...] = ()
+    shared_expert_intermediate_size: int = 0
 
     def shard(self, rank: int, size: int) -> "ModelConfig":
         """This config as rank ``rank`` of ``size`` sees it: attention heads, MLP and expert columns and the
@@ -81,6 +91,16 @@ class ModelConfig:
     def is_moe(self) -> bool:
         return any(self.sparse_layers)
 
+    @property
+    def is_hybrid(self) -> bool:
+        """Gated DeltaNet layers beside the attention ones: a recurrent state per sequence."""
+        return "linear_attention" in self.layer_types
+
+    @property
+    def num_attention_layers(self) -> int:
+        """The layers that keep K/V in the paged pool."""
+        return self.layer_types.count("full_attention") if self.layer_types else self.num_hidden_layers
+
     @classmethod
     def from_hf(cls, hf_config) -> "ModelConfig":
         archs = list(getattr(hf_config, "architectures", None) or [])
@@ -89,23 +109,34 @@ class ModelConfig:
             raise ModelLoadError(
                 f"unsupported architecture {archs or model_type!r} (model_type {model_type!r}): MILI runs "
                 + ", ".join(f"{a} (model_type {t!r})" for a, t in SUPPORTED_ARCHITECTURES.items()))
-        check_architecture_settings(hf_config)
-        moe = _moe_fields(hf_config) if model_type == "qwen3_moe" else {}
+        top = hf_config
+        if model_type in ("qwen3_5", "qwen3_5_moe"):  # the hub layout: the language model's config inside
+            hf_config = hf_config.get_text_config()
+            model_type = hf_config.model_type
+        hybrid = model_type in HYBRID_MODEL_TYPES
+        check_architecture_settings(hf_config, hybrid)
+        moe = _moe_fields(hf_config) if model_type in ("qwen3_moe", "qwen3_next", "qwen3_5_moe_text") else {}
+        if model_type == "qwen3_5_moe_text":  # every layer has experts, and the top k are always renormalised
+            moe.update(norm_topk_prob=True, sparse_layers=(True,) * hf_config.num_hidden_layers)
+        if hybrid:
+            moe.update(layer_types=tuple(hf_config.layer_types),
+                       shared_expert_intermediate_size=getattr(hf_config, "shared_expert_intermediate_size", 0) or 0)
         heads = hf_config.num_attention_heads
-        dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.float32
+        dtype = (getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or getattr(top, "dtype", None)
+                 or torch.float32)
         if isinstance(dtype, str):
             dtype = _DTYPES[dtype]
         return cls(
             vocab_size=hf_config.vocab_size,
             hidden_size=hf_config.hidden_size,
-            intermediate_size=hf_config.intermediate_size,
+            intermediate_size=getattr(hf_config, "intermediate_size", 0) or 0,
             num_hidden_layers=hf_config.num_hidden_layers,
             num_attention_heads=heads,
             num_key_value_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
             head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
             rms_norm_eps=hf_config.rms_norm_eps,
             max_position_embeddings=hf_config.max_position_embeddings,
-            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            tie_word_embeddings=bool(getattr(top, "tie_word_embeddings", False)),
             checkpoint_dtype=dtype,
             hf_config=hf_config,
             **moe,
@@ -139,6 +170,7 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes for the KV pool; None: a default (see kv_cache_bytes)
     num_kv_pages: int | None = None  # the KV pool's exact page count (overrides kv_cache_memory)
     max_num_seqs: int = 256
+    num_state_slots: int | None = None  # hybrid models: recurrent-state slots (None: from the KV budget)
     max_num_batched_tokens: int = 2048
     tokenizer: str | None = None  # default: the model folder
     num_threads: int | None = None  # CPU threads for torch; None: torch's default
@@ -184,6 +216,9 @@ class EngineConfig:
         if self.num_kv_pages is not None and (not isinstance(self.num_kv_pages, int) or self.num_kv_pages < 1):
             raise InvalidRequest(f"num_kv_pages must be a positive integer, got {self.num_kv_pages!r}",
                                  param="num_kv_pages")
+        if self.num_state_slots is not None and (not isinstance(self.num_state_slots, int) or self.num_state_slots < 1):
+            raise InvalidRequest(f"num_state_slots must be a positive integer, got {self.num_state_slots!r}",
+                                 param="num_state_slots")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise InvalidRequest(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}",
                                  param="kv_cache_memory")

@@ -40,9 +40,13 @@ class EngineCore:
         self.runner = ModelRunner(config, model_config, model_path)
         self.max_model_len = self.runner.max_model_len
         pool = self.runner.pool
-        self.prefix_cache = RadixCache(pool) if config.enable_prefix_caching else NoPrefixCache()
+        caching = config.enable_prefix_caching
+        if caching and self.runner.state_pool is not None:
+            log.info("prefix caching off: this hybrid model's recurrent states are not snapshotted yet")
+            caching = False
+        self.prefix_cache = RadixCache(pool) if caching else NoPrefixCache()
         self.scheduler = Scheduler(pool, self.prefix_cache, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.schedule_policy)
+                                   config.schedule_policy, states=self.runner.state_pool)
         self.requests: dict[str, Request] = {}
         # structured outputs: requests whose grammar is compiling (not yet scheduled), and the failed ones
         self.grammars: GrammarManager | None = None

@@ -38,6 +38,7 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     page_table: list[int] = field(default_factory=list)
+    state_slot: int | None = None  # hybrid models: its recurrent-state slot (cache/state_pool.py)
     finish_reason: str | None = None  # stop | length | abort
     stop_reason: int | None = None  # the stop token id that ended it (stop strings: the output processor)
     grammar: "SeqGrammar | None" = None  # structured outputs: this sequence's matcher

@@ -6,6 +6,10 @@ idle pages are evicted first, then the newest running sequence is preempted (its
 computed pages put in the prefix cache, the rest recomputed later). Waiting sequences are admitted only
 in steps that preempted nothing, FCFS or longest-cached-prefix first (``lpm``); admission starts a
 sequence from the longest prefix the cache holds.
+
+Hybrid models (``states``): every admitted sequence also holds a recurrent-state slot (cache/state_pool.py);
+a sequence is admitted only when a slot is free, gives it back when it finishes or is preempted, and a
+forked sequence's slot takes its parent's state once the step that forked it has run (``state_copies``).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from dataclasses import dataclass, field
 
 from mili.cache.page_pool import PagePool
 from mili.cache.radix_cache import PrefixCache
+from mili.cache.state_pool import StatePool
 from mili.engine.request import Request, Sequence, SeqStatus
 
 LPM_MAX_QUEUE = 128  # above this many waiting, matching them all each step costs more than it saves
@@ -41,12 +46,14 @@ class SchedulerOutput:
     # sample from their parent's row.
     sample_rows: list[tuple[Sequence, int]]
     page_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
+    # hybrids: (parent slot, child slot) of the sequences forked this step, copied after the forward pass
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
 
 
 class Scheduler:
     def __init__(self, pool: PagePool, cache: PrefixCache, max_num_seqs: int, max_num_batched_tokens: int,
-                 policy: str = "fcfs", starvation_steps: int = 64):
-        self.pool, self.cache = pool, cache
+                 policy: str = "fcfs", starvation_steps: int = 64, states: StatePool | None = None):
+        self.pool, self.cache, self.states = pool, cache, states
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.policy = policy
@@ -89,12 +96,12 @@ class Scheduler:
         if not preempted:
             budget = self._admit(budget, scheduled, copies)
         scheduled.sort(key=lambda s: s.num_new_tokens != 1)  # stable: decodes first
-        sample_rows = []
+        sample_rows, state_copies = [], []
         for row, s in enumerate(scheduled):
             if s.samples:
                 sample_rows.append((s.seq, row))
-                sample_rows += [(child, row) for child in self._fork(s)]
-        return SchedulerOutput(scheduled, sample_rows, copies)
+                sample_rows += [(child, row) for child in self._fork(s, state_copies)]
+        return SchedulerOutput(scheduled, sample_rows, copies, state_copies)
 
     def _admit(self, budget: int, scheduled: list[ScheduledSeq], copies: list) -> int:
         if self.policy == "lpm" and 1 < len(self.waiting) <= LPM_MAX_QUEUE:
@@ -104,11 +111,16 @@ class Scheduler:
             width = 1 + len(seq.request.unborn()) if seq.index == 0 else 1
             if len(self.running) + width > self.max_num_seqs:
                 break
+            slotless = self._slotless(seq)
+            if self.states is not None and len(slotless) > self.states.num_free:
+                break
             self._start_from_cache(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self._reserve(seq, n, copies):
                 self._release(seq)
                 break
+            for each in slotless:
+                self.states.allocate(each)
             self.waiting.popleft()
             self._enqueued_at.pop(seq, None)
             if seq.index == 0 and seq.request.num_cached_tokens is None:  # what the client is told
@@ -118,6 +130,14 @@ class Scheduler:
             scheduled.append(ScheduledSeq(seq, n))
             budget -= n
         return budget
+
+    def _slotless(self, seq: Sequence) -> list[Sequence]:
+        """Hybrids: the sequences admitting ``seq`` must give a state slot (it, and a first sequence's unborn
+        siblings that hold none yet)."""
+        if self.states is None:
+            return []
+        family = [seq, *seq.request.unborn()] if seq.index == 0 else [seq]
+        return [s for s in family if s.state_slot is None]
 
     def _order_by_cached_prefix(self) -> None:
         """LPM: longest cached prefix first; sequences waiting starvation_steps or more go before all
@@ -170,8 +190,9 @@ class Scheduler:
         seq.page_table += pool.allocate(need)
         return True
 
-    def _fork(self, s: ScheduledSeq) -> list[Sequence]:
-        """At the end of the first sequence's prompt prefill, its unborn siblings share its pages."""
+    def _fork(self, s: ScheduledSeq, state_copies: list[tuple[int, int]]) -> list[Sequence]:
+        """At the end of the first sequence's prompt prefill, its unborn siblings share its pages (and, in a
+        hybrid, get a copy of its recurrent state in their own slots)."""
         parent = s.seq
         if parent.index != 0:
             return []
@@ -182,6 +203,8 @@ class Scheduler:
             child.num_computed_tokens = parent.num_computed_tokens + s.num_new_tokens
             child.status = SeqStatus.RUNNING
             self.running.append(child)
+            if self.states is not None:
+                state_copies.append((parent.state_slot, child.state_slot))
         return children
 
     def after_step(self, scheduled: list[ScheduledSeq]) -> None:
@@ -207,6 +230,8 @@ class Scheduler:
             self.pool.decref(seq.page_table)
         seq.page_table = []
         seq.num_computed_tokens = 0
+        if self.states is not None:  # a recurrent state is not kept: the sequence recomputes it
+            self.states.free(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End ``seq`` (done, or aborted in any state) and give its pages back."""
@@ -224,3 +249,6 @@ class Scheduler:
         holders = [s.page_table for s in self.running] + self.cache.holders()
         self.pool.check_integrity(holders)
         self.cache.check_integrity()
+        if self.states is not None:
+            assert all(s.state_slot is not None for s in self.running), "a running sequence holds no state slot"
+            self.states.check_integrity(alive=lambda s: s.status in (SeqStatus.RUNNING, SeqStatus.UNBORN))

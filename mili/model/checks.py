@@ -95,18 +95,23 @@ def check_quantization(raw_config: dict) -> None:
                              f"quantizes it on load)")
 
 
-def check_architecture_settings(hf_config) -> None:
-    """Refuse config settings that change the math and that MILI does not implement."""
+def check_architecture_settings(hf_config, hybrid: bool = False) -> None:
+    """Refuse config settings that change the math and that MILI does not implement. ``hybrid``: a Qwen3-Next /
+    Qwen3.5 model, whose layers may also be linear_attention (Gated DeltaNet)."""
     if getattr(hf_config, "use_sliding_window", False):
         raise ModelLoadError(f"config.json sets use_sliding_window: true (sliding_window "
                              f"{getattr(hf_config, 'sliding_window', None)}, max_window_layers "
                              f"{getattr(hf_config, 'max_window_layers', None)}): MILI runs full attention only")
     layer_types = getattr(hf_config, "layer_types", None) or []
-    other = sorted({t for t in layer_types if t != "full_attention"})
+    kinds = ("full_attention", "linear_attention") if hybrid else ("full_attention",)
+    other = sorted({t for t in layer_types if t not in kinds})
     if other:
-        first = next(i for i, t in enumerate(layer_types) if t != "full_attention")
+        first = next(i for i, t in enumerate(layer_types) if t not in kinds)
         raise ModelLoadError(f"config.json layer_types has {', '.join(map(repr, other))} (layer {first} first): "
-                             f"MILI runs full_attention layers only")
+                             f"MILI runs {' and '.join(kinds)} layers only"
+                             + ("" if hybrid else " (linear_attention in the Qwen3-Next / Qwen3.5 architectures)"))
+    if hybrid:
+        _check_hybrid(hf_config)
     rope_type = rope_parameters(hf_config).get("rope_type", "default")
     if rope_type not in STATIC_ROPE_TYPES:
         raise ModelLoadError(f"config.json asks for rope type {rope_type!r}, which MILI does not compute "
@@ -114,6 +119,19 @@ def check_architecture_settings(hf_config) -> None:
     act = getattr(hf_config, "hidden_act", "silu")
     if act != "silu":
         raise ModelLoadError(f"config.json sets hidden_act {act!r}: MILI's Qwen3 MLP is SwiGLU (silu)")
+
+
+def _check_hybrid(hf_config) -> None:
+    """The Gated DeltaNet settings MILI computes: SiLU, key heads that divide the value heads, a float SSM state."""
+    if getattr(hf_config, "attn_output_gate", True) is not True:
+        raise ModelLoadError("config.json sets attn_output_gate false: MILI's gated attention always gates")
+    hk, hv = getattr(hf_config, "linear_num_key_heads", 0), getattr(hf_config, "linear_num_value_heads", 0)
+    if not hk or not hv or hv % hk:
+        raise ModelLoadError(f"config.json: linear_num_value_heads {hv} is not a multiple of linear_num_key_heads {hk}")
+    ssm = getattr(hf_config, "mamba_ssm_dtype", None) or "float32"
+    if str(ssm).removeprefix("torch.") not in ("float32", "bfloat16", "float16"):
+        raise ModelLoadError(f"config.json mamba_ssm_dtype {ssm!r}: MILI keeps the SSM state in float32, bfloat16 "
+                             f"or float16")
 
 
 def rope_parameters(hf_config) -> dict:

@@ -31,6 +31,7 @@ def rope_inverse_frequencies(hf_config) -> tuple[torch.Tensor, float]:
     rope_type = params["rope_type"]
     if rope_type == "default":
         dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        dim = int(dim * params.get("partial_rotary_factor", 1.0))  # the hybrids rotate a quarter of each head
         inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
         return inv_freq, 1.0
     if rope_type not in STATIC_ROPE_TYPES or rope_type not in ROPE_INIT_FUNCTIONS:

@@ -99,11 +99,20 @@ def safetensors_files(path: str) -> list[str]:
 
 
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+# the experts stacked in one tensor per projection (transformers 5's layout, Qwen3.6 MoE's releases)
+_FUSED_EXPERTS = {"gate_up_proj": "w13", "down_proj": "w2"}
 
 
 def _target(model: Qwen3ForCausalLM, name: str, params: dict[str, torch.nn.Parameter]):
-    """(key, the view of a parameter) that checkpoint tensor ``name`` fills, or None; ``key`` names the
-    view (parameter, expert, shard) so that every part of every parameter is seen to be loaded."""
+    """(keys, the view of a parameter) that checkpoint tensor ``name`` fills, or None; a key names a view
+    (parameter, expert, shard) so that every part of every parameter is seen to be loaded."""
+    stem, _, last = name.rpartition(".")
+    if stem.endswith(".mlp.experts") and last in _FUSED_EXPERTS:  # every expert's projection in one tensor
+        pname = f"{stem}.{_FUSED_EXPERTS[last]}"
+        if pname not in params:
+            return None
+        shards = 2 if last == "gate_up_proj" else 1
+        return [(pname, e, s) for e in range(params[pname].shape[0]) for s in range(shards)], params[pname]
     expert = _EXPERT.match(name)
     if expert is not None:  # hub layout: one tensor per expert and projection, stacked here
         prefix, e, proj = expert.group(1), int(expert.group(2)), expert.group(3)
@@ -115,16 +124,19 @@ def _target(model: Qwen3ForCausalLM, name: str, params: dict[str, torch.nn.Param
         if stacked == "w13":
             inter = param.shape[0] // 2
             param = param[shard * inter:(shard + 1) * inter]
-        return (pname, e, shard), param
-    for ckpt_name, (fused_name, shard) in STACKED_PARAMS.items():
+        return [(pname, e, shard)], param
+    for ckpt_name, (fused_name, shard) in getattr(model, "stacked_params", STACKED_PARAMS).items():
         if f".{ckpt_name}." in name:
             fused = name.replace(f".{ckpt_name}.", f".{fused_name}.")
             if fused in params:
                 module: FusedLinear = model.get_submodule(fused.rsplit(".", 1)[0])
                 offset, rows = module.shard_offset(shard), module.shard_sizes[shard]
-                return (fused, 0, offset), params[fused][offset:offset + rows]
+                return [(fused, 0, offset)], params[fused][offset:offset + rows]
     if name in params:
-        return (name, 0, 0), params[name]
+        module = model.get_submodule(name.rsplit(".", 1)[0])
+        if isinstance(module, FusedLinear):  # a checkpoint that fuses the same projections (Qwen3-Next's)
+            return [(name, 0, module.shard_offset(s)) for s in range(len(module.shard_sizes))], params[name]
+        return [(name, 0, 0)], params[name]
     return None
 
 
@@ -183,8 +195,17 @@ def _expected_keys(model: Qwen3ForCausalLM, params: dict[str, torch.nn.Parameter
 
 
 def _skipped(model: Qwen3ForCausalLM, name: str) -> bool:
-    """A checkpoint tensor the model does not need: computed by the model, or tied to the embedding."""
+    """A checkpoint tensor the model does not need: computed by the model, tied to the embedding, or one the
+    model's ``checkpoint_name`` leaves out (the hybrids' MTP head and vision tower)."""
+    if hasattr(model, "checkpoint_name") and model.checkpoint_name(name) is None:
+        return True
     return name.endswith(HARMLESS_SUFFIXES) or (name == "lm_head.weight" and model.config.tie_word_embeddings)
+
+
+def _param_name(model, name: str) -> str:
+    """The model's name for a checkpoint tensor (the hub's Qwen3.5 keeps its language model under
+    ``model.language_model.``)."""
+    return model.checkpoint_name(name) if hasattr(model, "checkpoint_name") else name
 
 
 class _Dequantizer:
@@ -262,9 +283,12 @@ def _check_checkpoint(model: Qwen3ForCausalLM, files: list[str], params: dict,
             continue
         if dequant is None or not dequant.quantized(name, dtype):
             found[name] = dtype
-        if _target(model, dequant.weight_name(name) if dequant else name, params) is None:
+        if _target(model, _param_name(model, dequant.weight_name(name) if dequant else name), params) is None:
             unexpected.append(name)
     check_tensors(found, unexpected)
+    visual = sum(n.startswith("model.visual.") for n in dtypes)
+    if visual:
+        log.info("skipping the vision tower's %d tensors (model.visual.*): MILI serves text only", visual)
     return dequant
 
 
@@ -289,14 +313,16 @@ def load_weights(model: Qwen3ForCausalLM, path: str, keep_quantized: bool = Fals
                 for stored in f.keys():
                     if _skipped(model, stored) or (dequant is not None and dequant.is_aux(stored)):
                         continue
-                    name = dequant.weight_name(stored) if dequant else stored
-                    key, dest = _target(model, name, params)
+                    name = _param_name(model, dequant.weight_name(stored) if dequant else stored)
+                    keys, dest = _target(model, name, params)
                     tensor = _read(f, stored, model.config, dequant, keep_quantized)
+                    if hasattr(model, "reorder_checkpoint_tensor"):
+                        tensor = model.reorder_checkpoint_tensor(name, tensor)
                     if tensor.shape != dest.shape:
                         raise ModelLoadError(f"weight {name} has shape {tuple(tensor.shape)}, the config "
                                              f"implies {tuple(dest.shape)}")
                     dest.copy_(tensor)
-                    loaded.add(key)
+                    loaded.update(keys)
                     bar.update(1)
     missing = sorted({n for n, *_ in expected - loaded})
     if missing:

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from mili.cache.page_pool import PagePool
+from mili.cache.state_pool import StatePool
 from mili.config import EngineConfig, ModelConfig, default_kv_cache_bytes
 from mili.errors import InvalidRequest
 from mili.kernels import cpu
@@ -23,6 +24,7 @@ from mili.model.cpu_linear import (fp8_gemm_available, fp8_round_trip_linears, i
                                    swap_linears)
 from mili.model.loader import load_weights
 from mili.model.qwen3 import Qwen3ForCausalLM
+from mili.model.qwen3_5 import Qwen3_5ForCausalLM, ssm_state_dtype
 from mili.runtime import parallel
 from mili.runtime.attention.base import ForwardBatch
 from mili.runtime.attention.torch_backend import TorchAttentionBackend
@@ -58,6 +60,12 @@ class ModelRunner:
             parallel.init_group(rank, self.tp_size, address, self.device)
             model_config = shard
         self.config, self.model_config = config, model_config
+        self.hybrid = model_config.is_hybrid
+        self.state_pool: StatePool | None = None  # hybrids: the recurrent-state slots, and their tensors
+        self.state_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        if self.hybrid and (self.tp_size > 1 or self.device.type != "cpu"):
+            raise InvalidRequest("hybrid models (Qwen3-Next, Qwen3.5) run on the CPU without tensor parallelism "
+                                 "for now", param="model")
         self.dtype = config.torch_dtype(model_config)
         if self.device.type == "cpu" and (config.num_threads or self.tp_size > 1):
             torch.set_num_threads(config.num_threads or max(1, (os.cpu_count() or 1) // self.tp_size))
@@ -68,7 +76,7 @@ class ModelRunner:
         backend, ops = self._backend_and_ops()
         self.attention = backend
         with torch.device("meta"):
-            model = Qwen3ForCausalLM(model_config, backend, self.dtype, ops)
+            model = (Qwen3_5ForCausalLM if self.hybrid else Qwen3ForCausalLM)(model_config, backend, self.dtype, ops)
         self.model = model.to_empty(device=self.device)
         self.weight_quant = weight_quant(
             {"quantization_config": getattr(model_config.hf_config, "quantization_config", None)})
@@ -110,6 +118,11 @@ class ModelRunner:
         weights compute as (for /health and the start-up log). ``quantized``: the loader's kept layers."""
         config, quant = self.config, self.weight_quant
         cpu_bf16 = self.device.type == "cpu" and self.dtype == torch.bfloat16
+        if self.hybrid:  # torch's linears as they are, for now
+            if config.quantization:
+                raise InvalidRequest(f"--quantization {config.quantization} is not supported for hybrid models yet",
+                                     param="quantization")
+            return f"{quant.describe()}, dequantized" if quant else "unquantized"
         if config.quantization and quant is not None:
             raise InvalidRequest(f"--quantization {config.quantization}: the checkpoint is already quantized "
                                  f"({quant.describe()})", param="quantization")
@@ -171,7 +184,7 @@ class ModelRunner:
         """MILI's C kernels: on the CPU, in bf16, with the torch attention path, where they build (not yet
         with tensor parallelism: its ranks run torch ops)."""
         if not (self.config.cpu_kernels and self.device.type == "cpu" and self.dtype == torch.bfloat16
-                and self.attention_backend == "torch" and self.tp_size == 1):
+                and self.attention_backend == "torch" and self.tp_size == 1 and not self.hybrid):
             return False
         lib, why = cpu.load()
         if lib is None:
@@ -239,13 +252,14 @@ class ModelRunner:
 
     def _allocate_kv_cache(self) -> None:
         cfg, page_size = self.model_config, self.config.page_size
-        bytes_per_page = (2 * cfg.num_hidden_layers * page_size * cfg.num_key_value_heads * cfg.head_dim
+        bytes_per_page = (2 * cfg.num_attention_layers * page_size * cfg.num_key_value_heads * cfg.head_dim
                           * self.kv_dtype.itemsize)
+        state_bytes = self._allocate_state_pool() if self.hybrid else 0
         if self.config.num_kv_pages is not None:  # sized exactly, as asked
             num_pages = self.config.num_kv_pages
             budget = num_pages * bytes_per_page
         else:
-            budget = self._kv_budget(bytes_per_page)
+            budget = self._kv_budget(bytes_per_page) - state_bytes
             num_pages = min(budget // bytes_per_page, self.max_pages_per_seq * self.config.max_num_seqs)
         if self.tp_size > 1:  # every rank holds the same pages (its own KV heads of them)
             agreed = torch.tensor([num_pages], dtype=torch.long)
@@ -266,7 +280,7 @@ class ModelRunner:
         shape = shape_of(num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
                            torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
-                          for _ in range(cfg.num_hidden_layers)]
+                          for _ in range(cfg.num_attention_layers)]
         self.pool = PagePool(num_pages, page_size)
         log.info("KV cache: %d pages of %d tokens (%.1f MiB, %s)", num_pages, page_size,
                  num_pages * bytes_per_page / 2**20, self.kv_cache_dtype)
@@ -281,6 +295,44 @@ class ModelRunner:
         for k_cache, v_cache in self.kv_caches:
             for cache in (k_cache.view(torch.uint8), v_cache.view(torch.uint8)):  # (any dtype, FP8 too)
                 cache[dst] = cache[src]
+
+    # -- hybrid models' recurrent states ----------------------------------------------------------------------
+    def _allocate_state_pool(self) -> int:
+        """One conv state and one SSM state per slot and linear-attention layer; returns their bytes. Slots:
+        ``num_state_slots``, or max_num_seqs within a quarter of the KV budget (at least one)."""
+        cfg, shape = self.model_config, self.model.linear_shape
+        layers = cfg.layer_types.count("linear_attention")
+        ssm_dtype = ssm_state_dtype(cfg.hf_config)
+        conv_shape, ssm_shape = shape.conv_state_shape(), shape.ssm_state_shape()
+        per_slot = layers * (conv_shape[0] * conv_shape[1] * self.dtype.itemsize
+                             + ssm_shape[0] * ssm_shape[1] * ssm_shape[2] * ssm_dtype.itemsize)
+        num_slots = self.config.num_state_slots
+        if num_slots is None:
+            budget = self.config.kv_cache_memory or default_kv_cache_bytes()
+            num_slots = max(1, min(self.config.max_num_seqs, budget // 4 // per_slot))
+        self.state_caches = [(torch.zeros(num_slots, *conv_shape, dtype=self.dtype, device=self.device),
+                              torch.zeros(num_slots, *ssm_shape, dtype=ssm_dtype, device=self.device))
+                             for _ in range(layers)]
+        self.state_pool = StatePool(num_slots)
+        log.info("recurrent state: %d slots of %.2f MiB (%d linear-attention layers, SSM state in %s), %.1f MiB",
+                 num_slots, per_slot / 2**20, layers, str(ssm_dtype).removeprefix("torch."),
+                 num_slots * per_slot / 2**20)
+        return num_slots * per_slot
+
+    def copy_states(self, copies: list[tuple[int, int]]) -> None:
+        """Copy recurrent states slot to slot ((src, dst) pairs), in every linear-attention layer."""
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        for conv, ssm in self.state_caches:
+            conv[dst], ssm[dst] = conv[src], ssm[src]
+
+    def run_model(self, batch: ForwardBatch) -> torch.Tensor:
+        """The model over one batch, with its caches: KV pages (and, for a hybrid, the recurrent states)."""
+        if self.hybrid:
+            return self.model(batch, self.kv_caches, self.state_caches)
+        return self.model(batch, self.kv_caches)
 
     def prepare(self, scheduled) -> tuple[ForwardBatch, list[tuple]]:
         """Batch tensors for a list of ``ScheduledSeq`` (decodes first), built once per step; and the
@@ -320,7 +372,8 @@ class ModelRunner:
             positions=pos.to(dev), slot_mapping=slots.to(dev), page_table=page_table.to(dev),
             query_lens=query_lens, context_lens=context_lens, num_decodes=num_decodes,
             logits_indices=torch.tensor(logits_indices + prompt_rows, dtype=torch.long, device=dev),
-            num_prompt_rows=len(prompt_rows), **kernel_lens)
+            num_prompt_rows=len(prompt_rows), **kernel_lens,
+            state_slots=[s.seq.state_slot for s in scheduled] if self.hybrid else None)
         return batch, scoring
 
     @torch.inference_mode()
@@ -341,7 +394,7 @@ class ModelRunner:
                 return logits, []
         hidden = self.cpu_decode.run(batch, self.kv_caches) if self.cpu_decode is not None else None
         if hidden is None:
-            hidden = self.model(batch, self.kv_caches)
+            hidden = self.run_model(batch)
         if not scoring:
             return self._logits(hidden, 0), []
         scorer = PromptScorer([seq.token_ids[p + 1] for seq, rows in scoring for p in rows],
@@ -373,7 +426,7 @@ class ModelRunner:
             if msg[0] == "copy":
                 self.copy_pages(msg[1])
             else:
-                self._logits(self.model(msg[1], self.kv_caches), msg[1].num_prompt_rows)
+                self._logits(self.run_model(msg[1]), msg[1].num_prompt_rows)
 
     def check_workers(self) -> None:
         """Raise if another rank's process has exited (the model cannot run without it)."""
@@ -402,6 +455,7 @@ class ModelRunner:
         if not sched_out.scheduled:
             return None, []
         logits, scored = self.forward_logits(sched_out.scheduled)
+        self.copy_states(sched_out.state_copies)  # forked sequences take their parent's state as it now is
         if not sched_out.sample_rows:
             return None, scored
         seqs = [seq for seq, _ in sched_out.sample_rows]

@@ -33,6 +33,8 @@ class ForwardBatch:
     # prompt logprobs: the last num_prompt_rows of logits_indices (after the sampling rows) are prompt
     # positions whose logits score the next prompt token (see runtime/prompt_logprobs.py)
     num_prompt_rows: int = 0
+    # hybrid models: each sequence's recurrent-state slot in the runner's state pool ([B], None otherwise)
+    state_slots: list[int] | None = None
 
     @property
     def num_seqs(self) -> int:

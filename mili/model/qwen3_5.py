@@ -1,0 +1,323 @@
+"""The hybrid Qwen generation: Qwen3-Next (Qwen3NextForCausalLM) and Qwen3.5 / 3.6 (Qwen3_5ForCausalLM,
+Qwen3_5MoeForCausalLM and the hub's ...ForConditionalGeneration checkpoints, vision tower skipped), in one
+readable file beside qwen3.py, whose MLP, experts and fused linears it reuses.
+
+Three layers in four are Gated DeltaNet linear attention (``linear_attn``: a per-sequence recurrent state,
+a conv state and an SSM state, in the runner's state pool), the others gated full attention over the
+paged KV pool (``q_proj`` holds each head's query then its output gate; q/k norms; RoPE on the first
+``partial_rotary_factor`` of each head). Norms are zero-centred, x̂ · (1 + w), but the gated norm inside
+the linear attention (plain weight). Numerics follow HF transformers; as in qwen3.py the batch is flat
+([T] tokens of many sequences, decodes first) and the residual stream is carried beside the hidden state.
+
+Checkpoint layouts: Qwen3.5's separate ``in_proj_qkv``/``in_proj_z``/``in_proj_b``/``in_proj_a`` load into
+the fused ``in_proj_qkvz`` / ``in_proj_ba`` (shards q|k|v, z and b, a); Qwen3-Next's fused projections are
+interleaved per key head ([q k v z] of each key head's group, [b a] likewise) and are reordered on load
+(``reorder_checkpoint_tensor``). ``mtp.*`` (the MTP head, for speculative decoding later) and
+``model.visual.*`` tensors are not loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mili.config import ModelConfig
+from mili.kernels.gated_delta import (causal_conv1d, causal_conv1d_step, chunk_gated_delta_rule,
+                                      recurrent_gated_delta_step)
+from mili.kernels.reference import TorchOps, rotate_half
+from mili.model.layers import RotaryEmbedding
+from mili.model.qwen3 import STACKED_PARAMS, FusedLinear, Qwen3MLP, Qwen3MoeBlock
+from mili.runtime.attention.base import AttentionBackend, ForwardBatch
+
+# checkpoint name -> (fused parameter, shard): Qwen3's, and Qwen3.5's separate linear-attention projections
+HYBRID_STACKED_PARAMS = {**STACKED_PARAMS, "in_proj_qkv": ("in_proj_qkvz", 0), "in_proj_z": ("in_proj_qkvz", 1),
+                         "in_proj_b": ("in_proj_ba", 0), "in_proj_a": ("in_proj_ba", 1)}
+
+
+def ssm_state_dtype(hf_config) -> torch.dtype:
+    """The SSM state's storage dtype (``mamba_ssm_dtype``, float32 when absent); it is computed in float32."""
+    return getattr(torch, str(getattr(hf_config, "mamba_ssm_dtype", None) or "float32").removeprefix("torch."))
+
+
+@dataclass(frozen=True)
+class LinearAttentionShape:
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int
+
+    @classmethod
+    def of(cls, hf_config) -> "LinearAttentionShape":
+        c = hf_config
+        return cls(c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
+                   c.linear_conv_kernel_dim)
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.head_v_dim
+
+    @property
+    def conv_dim(self) -> int:  # q | k | v, the channels the conv runs over
+        return 2 * self.key_dim + self.value_dim
+
+    def conv_state_shape(self) -> tuple[int, int]:
+        return self.conv_dim, self.conv_kernel - 1
+
+    def ssm_state_shape(self) -> tuple[int, int, int]:
+        return self.num_v_heads, self.head_k_dim, self.head_v_dim
+
+
+class ZeroCentredRMSNorm(nn.Module):
+    """HF's Qwen3_5RMSNorm / Qwen3NextRMSNorm: x̂ · (1 + w) in float32, then cast; ``forward(x, residual)``
+    adds the residual first and returns both."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is not None:
+            x = x + residual
+        out = (F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps) * (1.0 + self.weight.float())).to(x.dtype)
+        return out if residual is None else (out, x)
+
+
+class GatedRMSNorm(nn.Module):
+    """The linear attention's output norm: w · x̂ (plain weight, cast back before it), times silu(gate)."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        normed = self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        return (normed * F.silu(gate.float())).to(x.dtype)
+
+
+@dataclass
+class RecurrentBatch:
+    """Where each sequence of a step keeps its recurrent state (built once per step from the ForwardBatch):
+    the decodes' slots as one index and which of them start a sequence (their state is zeros, not the
+    slot's); each prefill chunk's (first row, last row + 1, slot, starts the sequence)."""
+
+    decode_slots: torch.Tensor
+    decode_keep: torch.Tensor | None  # [decodes] 0.0 where a decode is a sequence's first token, else None
+    prefills: list[tuple[int, int, int, bool]]
+
+    @classmethod
+    def of(cls, batch: ForwardBatch) -> "RecurrentBatch":
+        nd, slots = batch.num_decodes, batch.state_slots
+        fresh = [batch.context_lens[i] == batch.query_lens[i] for i in range(batch.num_seqs)]
+        device = batch.input_ids.device
+        keep = torch.tensor([0.0 if f else 1.0 for f in fresh[:nd]], device=device) if any(fresh[:nd]) else None
+        prefills, start = [], nd
+        for i in range(nd, batch.num_seqs):
+            prefills.append((start, start + batch.query_lens[i], slots[i], fresh[i]))
+            start += batch.query_lens[i]
+        return cls(torch.tensor(slots[:nd], dtype=torch.long, device=device), keep, prefills)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.shape = s = LinearAttentionShape.of(cfg.hf_config)
+        self.in_proj_qkvz = FusedLinear(cfg.hidden_size, [s.conv_dim, s.value_dim], False, dtype)
+        self.in_proj_ba = FusedLinear(cfg.hidden_size, [s.num_v_heads, s.num_v_heads], False, dtype)
+        self.conv1d = nn.Conv1d(s.conv_dim, s.conv_dim, s.conv_kernel, groups=s.conv_dim, bias=False, dtype=dtype)
+        self.dt_bias = nn.Parameter(torch.ones(s.num_v_heads, dtype=dtype))
+        self.A_log = nn.Parameter(torch.zeros(s.num_v_heads, dtype=dtype))
+        self.norm = GatedRMSNorm(s.head_v_dim, cfg.rms_norm_eps, dtype)
+        self.out_proj = nn.Linear(s.value_dim, cfg.hidden_size, bias=False, dtype=dtype)
+
+    def _split(self, x: torch.Tensor):
+        s = self.shape
+        q, k, v = x.split([s.key_dim, s.key_dim, s.value_dim], dim=-1)
+        lead = x.shape[:-1]
+        return (q.reshape(*lead, s.num_k_heads, s.head_k_dim), k.reshape(*lead, s.num_k_heads, s.head_k_dim),
+                v.reshape(*lead, s.num_v_heads, s.head_v_dim))
+
+    def forward(self, h: torch.Tensor, rb: RecurrentBatch, conv_states: torch.Tensor,
+                ssm_states: torch.Tensor) -> torch.Tensor:
+        """h [T, hidden]; conv_states [slots, conv_dim, K - 1] and ssm_states [slots, Hv, Dk, Dv] are read at
+        each sequence's slot and written back."""
+        s, t = self.shape, h.shape[0]
+        qkv, z = self.in_proj_qkvz(h).split(self.in_proj_qkvz.shard_sizes, dim=-1)
+        b, a = self.in_proj_ba(h).split(self.in_proj_ba.shard_sizes, dim=-1)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        weight = self.conv1d.weight[:, 0, :]
+        core = torch.empty(t, s.num_v_heads, s.head_v_dim, dtype=torch.float32, device=h.device)
+        nd = rb.decode_slots.shape[0]
+        if nd:  # every decode in one pass
+            conv0 = conv_states.index_select(0, rb.decode_slots)
+            ssm0 = ssm_states.index_select(0, rb.decode_slots)
+            if rb.decode_keep is not None:
+                conv0 = conv0 * rb.decode_keep[:, None, None].to(conv0.dtype)
+                ssm0 = ssm0 * rb.decode_keep[:, None, None, None].to(ssm0.dtype)
+            x, conv1 = causal_conv1d_step(qkv[:nd], conv0, weight)
+            core[:nd], ssm1 = recurrent_gated_delta_step(*self._split(x), g[:nd], beta[:nd], ssm0)
+            conv_states.index_copy_(0, rb.decode_slots, conv1.to(conv_states.dtype))
+            ssm_states.index_copy_(0, rb.decode_slots, ssm1.to(ssm_states.dtype))
+        for start, end, slot, fresh in rb.prefills:  # each prefill chunk from its sequence's state
+            conv0 = torch.zeros_like(conv_states[slot]) if fresh else conv_states[slot]
+            x, conv1 = causal_conv1d(qkv[start:end], conv0, weight)
+            core[start:end], ssm1 = chunk_gated_delta_rule(*self._split(x), g[start:end], beta[start:end],
+                                                           None if fresh else ssm_states[slot])
+            conv_states[slot] = conv1.to(conv_states.dtype)
+            ssm_states[slot] = ssm1.to(ssm_states.dtype)
+        out = self.norm(core.to(h.dtype), z.reshape(t, s.num_v_heads, s.head_v_dim))
+        return self.out_proj(out.reshape(t, s.value_dim))
+
+
+class GatedAttention(nn.Module):
+    """Full attention whose output is gated per channel by sigmoid(gate), the gate coming from q_proj."""
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        bias = bool(getattr(cfg.hf_config, "attention_bias", False))
+        self.qkv_proj = FusedLinear(cfg.hidden_size, [2 * q_size, kv_size, kv_size], bias, dtype)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=bias, dtype=dtype)
+        self.q_norm = ZeroCentredRMSNorm(self.head_dim, cfg.rms_norm_eps, dtype)
+        self.k_norm = ZeroCentredRMSNorm(self.head_dim, cfg.rms_norm_eps, dtype)
+        self.backend = backend
+
+    def forward(self, h: torch.Tensor, batch: ForwardBatch, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        t = h.shape[0]
+        q_gate, k, v = self.qkv_proj(h).split(self.qkv_proj.shard_sizes, dim=-1)
+        q, gate = q_gate.view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = self.q_norm(q)
+        k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))
+        q, k = _partial_rope(q, *cos_sin), _partial_rope(k, *cos_sin)
+        o = self.backend.forward(q, k, v.view(t, self.num_kv_heads, self.head_dim), k_cache, v_cache, batch)
+        return self.o_proj(o.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1)))
+
+
+def _partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on the first cos.shape[-1] channels of each head; the rest pass through."""
+    rot = cos.shape[-1]
+    cos, sin = cos.to(x.dtype)[:, None, :], sin.to(x.dtype)[:, None, :]
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    return torch.cat([x_rot * cos + rotate_half(x_rot) * sin, x_pass], dim=-1)
+
+
+class SharedExpertMoeBlock(Qwen3MoeBlock):
+    """Routed experts plus a shared expert, weighted by sigmoid(shared_expert_gate(x))."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__(cfg, dtype)
+        shared = dataclasses.replace(cfg, intermediate_size=cfg.shared_expert_intermediate_size)
+        self.shared_expert = Qwen3MLP(shared, dtype)
+        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False, dtype=dtype)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return super().forward(h) + torch.sigmoid(self.shared_expert_gate(h)) * self.shared_expert(h)
+
+
+class HybridDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, index: int):
+        super().__init__()
+        self.is_linear = cfg.layer_types[index] == "linear_attention"
+        if self.is_linear:
+            self.linear_attn = GatedDeltaNet(cfg, dtype)
+        else:
+            self.self_attn = GatedAttention(cfg, backend, dtype)
+        sparse = cfg.sparse_layers and cfg.sparse_layers[index]
+        self.mlp = SharedExpertMoeBlock(cfg, dtype) if sparse else Qwen3MLP(cfg, dtype)
+        self.input_layernorm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, h, residual, mix):
+        """``mix(normed h)``: this layer's token mixer with its batch and cache bound."""
+        if residual is None:
+            h, residual = self.input_layernorm(h), h
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h, residual = self.post_attention_layernorm(mix(h), residual)
+        return self.mlp(h), residual
+
+
+class HybridModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype):
+        super().__init__()
+        self.embed_tokens = nn.Embedding.from_pretrained(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype))
+        self.layers = nn.ModuleList(HybridDecoderLayer(cfg, backend, dtype, i) for i in range(cfg.num_hidden_layers))
+        self.norm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+
+class Qwen3_5ForCausalLM(nn.Module):
+    stacked_params = HYBRID_STACKED_PARAMS
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, ops=TorchOps):
+        super().__init__()
+        self.config = cfg
+        self.model = HybridModel(cfg, backend, dtype)
+        self.lm_head = (None if cfg.tie_word_embeddings
+                        else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype))
+        self.rotary: RotaryEmbedding | None = None
+        self.linear_shape = LinearAttentionShape.of(cfg.hf_config)
+
+    def init_rotary(self, max_positions: int, device: torch.device) -> None:
+        self.rotary = RotaryEmbedding(self.config.hf_config, max_positions, device)
+
+    def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                state_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """The final hidden states of the rows in ``batch.logits_indices``. ``kv_caches``: one (K, V) pair per
+        full-attention layer; ``state_caches``: one (conv states, SSM states) pair per linear-attention layer."""
+        h, residual = self.model.embed_tokens(batch.input_ids), None
+        cos_sin = self.rotary.lookup(batch.positions)
+        rb = RecurrentBatch.of(batch)
+        kv, states = iter(kv_caches), iter(state_caches)
+        for layer in self.model.layers:
+            if layer.is_linear:
+                conv, ssm = next(states)
+                mix = lambda x, layer=layer, conv=conv, ssm=ssm: layer.linear_attn(x, rb, conv, ssm)  # noqa: E731
+            else:
+                k_cache, v_cache = next(kv)
+                mix = lambda x, layer=layer, k=k_cache, v=v_cache: layer.self_attn(x, batch, cos_sin, k, v)  # noqa: E731
+            h, residual = layer(h, residual, mix)
+        rows = batch.logits_indices
+        return self.model.norm(h[rows], residual[rows])[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.lm_head is None:
+            return F.linear(hidden, self.model.embed_tokens.weight)
+        return self.lm_head(hidden)
+
+    # -- checkpoint layouts (the loader asks) ----------------------------------------------------------------
+    @staticmethod
+    def checkpoint_name(name: str) -> str | None:
+        """The parameter name a checkpoint tensor loads as, or None for tensors not loaded: the MTP head
+        (``mtp.*``) and the vision tower (``model.visual.*``)."""
+        if name.startswith(("mtp.", "model.visual.")):
+            return None
+        if name.startswith("model.language_model."):
+            return "model." + name.removeprefix("model.language_model.")
+        return name
+
+    def reorder_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Qwen3-Next's fused projections, interleaved per key head, in the order q|k|v|z and b|a."""
+        s = self.linear_shape
+        rep = s.num_v_heads // s.num_k_heads
+        if name.endswith(".in_proj_qkvz.weight") and tensor.shape[0] == s.conv_dim + s.value_dim:
+            groups = tensor.view(s.num_k_heads, -1, tensor.shape[-1])
+            parts = groups.split([s.head_k_dim, s.head_k_dim, rep * s.head_v_dim, rep * s.head_v_dim], dim=1)
+            return torch.cat([p.reshape(-1, tensor.shape[-1]) for p in parts])
+        if name.endswith(".in_proj_ba.weight") and tensor.shape[0] == 2 * s.num_v_heads:
+            b, a = tensor.view(s.num_k_heads, 2 * rep, tensor.shape[-1]).split([rep, rep], dim=1)
+            return torch.cat([b.reshape(-1, tensor.shape[-1]), a.reshape(-1, tensor.shape[-1])])
+        return tensor

@@ -1,0 +1,114 @@
+"""Tiny random checkpoints of the hybrid Qwen generation (Qwen3.5, Qwen3.5 MoE, Qwen3-Next), built with
+transformers' own classes, and the hub's layouts made from them (the ForConditionalGeneration folder with
+``mtp.*`` tensors added; the MoE experts fused per projection)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from helpers import QWEN3_TOKENIZER
+
+# 4 layers: 3 Gated DeltaNet + 1 full attention (full_attention_interval 4); GQA in both kinds (2 key heads
+# for 4 value heads), head_dim != hidden / heads, partial RoPE (a quarter of each head)
+TEXT = dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+            linear_value_head_dim=16, linear_conv_kernel_dim=4, max_position_embeddings=1024,
+            eos_token_id=None, bos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
+MOE = dict(moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=4, num_experts_per_tok=2)
+KINDS = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "qwen3_5_hub", "qwen3_5_moe_fused")
+
+
+def _model(kind: str):
+    import transformers as tf
+
+    if kind in ("qwen3_5", "qwen3_5_hub"):
+        text = dict(TEXT, intermediate_size=128)
+        if kind == "qwen3_5":
+            return tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(**text))
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+        return tf.Qwen3_5ForConditionalGeneration(tf.Qwen3_5Config(text_config=text, vision_config=vision,
+                                                                   tie_word_embeddings=False))
+    if kind in ("qwen3_5_moe", "qwen3_5_moe_fused"):
+        return tf.Qwen3_5MoeForCausalLM(tf.Qwen3_5MoeTextConfig(**TEXT, **MOE))
+    # Qwen3-Next: layer 1 dense (mlp_only_layers), the others MoE with normalised top-k
+    return tf.Qwen3NextForCausalLM(tf.Qwen3NextConfig(**TEXT, **MOE, intermediate_size=96, mlp_only_layers=[1],
+                                                      norm_topk_prob=True))
+
+
+def build_hybrid_checkpoint(path: Path, kind: str, seed: int = 0, weight_scale: float = 4.0) -> Path:
+    """A random checkpoint folder of ``kind`` (see KINDS). Matrices are scaled up and norm weights randomised
+    so logits are not flat (as helpers.build_checkpoint does)."""
+    from transformers import AutoTokenizer
+
+    torch.manual_seed(seed)
+    model = _model(kind).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "visual" in name:
+                continue
+            if p.dim() >= 2 and "embed" not in name and "conv1d" not in name:
+                p.mul_(weight_scale)
+            elif name.endswith("linear_attn.norm.weight"):  # the gated norm: a plain weight
+                p.uniform_(0.5, 1.5)
+            elif "norm" in name:  # zero-centred: the scale is 1 + w
+                p.uniform_(-0.5, 0.5)
+            elif name.endswith("dt_bias"):
+                p.uniform_(-1.0, 1.0)
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(QWEN3_TOKENIZER).save_pretrained(path)
+    if kind == "qwen3_5_hub":
+        _add_mtp_tensors(path, model.config.text_config)
+    if kind == "qwen3_5_moe_fused":
+        _fuse_experts(path)
+    return path
+
+
+def _rewrite(path: Path, change) -> None:
+    file = path / "model.safetensors"
+    tensors = load_file(file)
+    change(tensors)
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
+def _add_mtp_tensors(path: Path, text) -> None:
+    """The MTP head's 15 tensors (mtp_tensors.md, dense form) at this model's sizes: MILI must not refuse them."""
+    h, d, inter = text.hidden_size, text.head_dim, text.intermediate_size
+    nq, nkv = text.num_attention_heads, text.num_key_value_heads
+    shapes = {"fc.weight": (h, 2 * h), "norm.weight": (h,), "pre_fc_norm_embedding.weight": (h,),
+              "pre_fc_norm_hidden.weight": (h,), "layers.0.input_layernorm.weight": (h,),
+              "layers.0.post_attention_layernorm.weight": (h,), "layers.0.mlp.gate_proj.weight": (inter, h),
+              "layers.0.mlp.up_proj.weight": (inter, h), "layers.0.mlp.down_proj.weight": (h, inter),
+              "layers.0.self_attn.q_proj.weight": (2 * nq * d, h), "layers.0.self_attn.k_proj.weight": (nkv * d, h),
+              "layers.0.self_attn.v_proj.weight": (nkv * d, h), "layers.0.self_attn.o_proj.weight": (h, nq * d),
+              "layers.0.self_attn.q_norm.weight": (d,), "layers.0.self_attn.k_norm.weight": (d,)}
+    _rewrite(path, lambda t: t.update({f"mtp.{k}": torch.randn(s) for k, s in shapes.items()}))
+
+
+def _fuse_experts(path: Path) -> None:
+    """Per-expert tensors -> ``experts.gate_up_proj`` [E, 2I, H] and ``experts.down_proj`` [E, H, I]."""
+    config = json.loads((path / "config.json").read_text())
+
+    def fuse(t: dict) -> None:
+        for layer in range(config["num_hidden_layers"]):
+            stem = f"model.layers.{layer}.mlp.experts"
+            experts = range(config["num_experts"])
+            gate = [t.pop(f"{stem}.{e}.gate_proj.weight") for e in experts]
+            up = [t.pop(f"{stem}.{e}.up_proj.weight") for e in experts]
+            down = [t.pop(f"{stem}.{e}.down_proj.weight") for e in experts]
+            t[f"{stem}.gate_up_proj"] = torch.stack([torch.cat([g, u]) for g, u in zip(gate, up)])
+            t[f"{stem}.down_proj"] = torch.stack(down)
+
+    _rewrite(path, fuse)
+
+
+def hf_reference(path: Path, kind: str):
+    """transformers' own model for the checkpoint (float32)."""
+    import transformers as tf
+
+    cls = {"qwen3_5": tf.Qwen3_5ForCausalLM, "qwen3_5_hub": tf.Qwen3_5ForConditionalGeneration,
+           "qwen3_5_moe": tf.Qwen3_5MoeForCausalLM, "qwen3_next": tf.Qwen3NextForCausalLM}[kind]
+    return cls.from_pretrained(path, dtype=torch.float32).eval()
