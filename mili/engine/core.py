@@ -25,6 +25,7 @@ from mili.engine.messages import (Abort, AddRequest, Dead, FinishSeqs, Ready, Se
                                   StepMessage, encode, input_decoder)
 from mili.engine.request import Request, Sequence, SeqStatus
 from mili.engine.scheduler import Scheduler
+from mili.errors import InvalidRequest
 from mili.runtime.model_runner import ModelRunner
 from mili.structured import GrammarManager, SeqGrammar
 
@@ -64,6 +65,10 @@ class EngineCore:
     def add_request(self, add: AddRequest) -> Request:
         """Queue a request the API side validated (ids in range, fits the context)."""
         params = add.params
+        states = self.runner.state_pool
+        if states is not None and params.n > states.num_slots:
+            raise InvalidRequest(f"n {params.n} exceeds the {states.num_slots} recurrent-state slots of this hybrid "
+                                 f"model (raise num_state_slots)", param="n")
         request = Request(add.request_id, None, list(add.prompt_token_ids), params, add.max_total_tokens,
                           arrival_time=add.arrival_time)
         for i in range(params.n):

@@ -112,7 +112,7 @@ class RecurrentBatch:
     slot's); each prefill chunk's (first row, last row + 1, slot, starts the sequence)."""
 
     decode_slots: torch.Tensor
-    decode_keep: torch.Tensor | None  # [decodes] 0.0 where a decode is a sequence's first token, else None
+    decode_keep: torch.Tensor | None  # [decodes] False where a decode is a sequence's first token, else None
     prefills: list[tuple[int, int, int, bool]]
 
     @classmethod
@@ -120,7 +120,7 @@ class RecurrentBatch:
         nd, slots = batch.num_decodes, batch.state_slots
         fresh = [batch.context_lens[i] == batch.query_lens[i] for i in range(batch.num_seqs)]
         device = batch.input_ids.device
-        keep = torch.tensor([0.0 if f else 1.0 for f in fresh[:nd]], device=device) if any(fresh[:nd]) else None
+        keep = torch.tensor([not f for f in fresh[:nd]], device=device) if any(fresh[:nd]) else None
         prefills, start = [], nd
         for i in range(nd, batch.num_seqs):
             prefills.append((start, start + batch.query_lens[i], slots[i], fresh[i]))
@@ -162,9 +162,9 @@ class GatedDeltaNet(nn.Module):
         if nd:  # every decode in one pass
             conv0 = conv_states.index_select(0, rb.decode_slots)
             ssm0 = ssm_states.index_select(0, rb.decode_slots)
-            if rb.decode_keep is not None:
-                conv0 = conv0 * rb.decode_keep[:, None, None].to(conv0.dtype)
-                ssm0 = ssm0 * rb.decode_keep[:, None, None, None].to(ssm0.dtype)
+            if rb.decode_keep is not None:  # a sequence's first token starts from zeros, whatever the slot held
+                conv0 = torch.where(rb.decode_keep[:, None, None], conv0, 0)
+                ssm0 = torch.where(rb.decode_keep[:, None, None, None], ssm0, 0)
             x, conv1 = causal_conv1d_step(qkv[:nd], conv0, weight)
             core[:nd], ssm1 = recurrent_gated_delta_step(*self._split(x), g[:nd], beta[:nd], ssm0)
             conv_states.index_copy_(0, rb.decode_slots, conv1.to(conv_states.dtype))

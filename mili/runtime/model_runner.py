@@ -24,10 +24,11 @@ from mili.model.cpu_linear import (fp8_gemm_available, fp8_round_trip_linears, i
                                    swap_linears)
 from mili.model.loader import load_weights
 from mili.model.qwen3 import Qwen3ForCausalLM
-from mili.model.qwen3_5 import Qwen3_5ForCausalLM, ssm_state_dtype
+from mili.model.qwen3_5 import Qwen3_5ForCausalLM
 from mili.runtime import parallel
 from mili.runtime.attention.base import ForwardBatch
 from mili.runtime.attention.torch_backend import TorchAttentionBackend
+from mili.runtime.recurrent_state import RecurrentStateCache
 from mili.runtime.prompt_logprobs import PromptScorer, rows_per_slice
 from mili.runtime.sampler import Sampler, SamplerOutput, SamplingMetadata
 
@@ -61,8 +62,7 @@ class ModelRunner:
             model_config = shard
         self.config, self.model_config = config, model_config
         self.hybrid = model_config.is_hybrid
-        self.state_pool: StatePool | None = None  # hybrids: the recurrent-state slots, and their tensors
-        self.state_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.states: RecurrentStateCache | None = None  # hybrids: the recurrent-state slots and tensors
         if self.hybrid and (self.tp_size > 1 or self.device.type != "cpu"):
             raise InvalidRequest("hybrid models (Qwen3-Next, Qwen3.5) run on the CPU without tensor parallelism "
                                  "for now", param="model")
@@ -71,6 +71,8 @@ class ModelRunner:
             torch.set_num_threads(config.num_threads or max(1, (os.cpu_count() or 1) // self.tp_size))
         self.max_model_len = config.resolve_max_model_len(model_config)
         self.attention_backend = config.resolve_attention_backend()
+        if self.hybrid and self.attention_backend != "torch":
+            raise InvalidRequest("hybrid models run on the torch attention backend for now", param="attention_backend")
         self.kv_dtype = self._kv_cache_dtype()
         self.cpu_kernels = self._use_cpu_kernels()
         backend, ops = self._backend_and_ops()
@@ -254,7 +256,7 @@ class ModelRunner:
         cfg, page_size = self.model_config, self.config.page_size
         bytes_per_page = (2 * cfg.num_attention_layers * page_size * cfg.num_key_value_heads * cfg.head_dim
                           * self.kv_dtype.itemsize)
-        state_bytes = self._allocate_state_pool() if self.hybrid else 0
+        state_bytes = self._allocate_states() if self.hybrid else 0
         if self.config.num_kv_pages is not None:  # sized exactly, as asked
             num_pages = self.config.num_kv_pages
             budget = num_pages * bytes_per_page
@@ -297,41 +299,29 @@ class ModelRunner:
                 cache[dst] = cache[src]
 
     # -- hybrid models' recurrent states ----------------------------------------------------------------------
-    def _allocate_state_pool(self) -> int:
-        """One conv state and one SSM state per slot and linear-attention layer; returns their bytes. Slots:
-        ``num_state_slots``, or max_num_seqs within a quarter of the KV budget (at least one)."""
-        cfg, shape = self.model_config, self.model.linear_shape
-        layers = cfg.layer_types.count("linear_attention")
-        ssm_dtype = ssm_state_dtype(cfg.hf_config)
-        conv_shape, ssm_shape = shape.conv_state_shape(), shape.ssm_state_shape()
-        per_slot = layers * (conv_shape[0] * conv_shape[1] * self.dtype.itemsize
-                             + ssm_shape[0] * ssm_shape[1] * ssm_shape[2] * ssm_dtype.itemsize)
+    def _allocate_states(self) -> int:
+        """The recurrent-state slots: ``num_state_slots``, or max_num_seqs within a quarter of the KV budget (at
+        least one); returns their bytes (taken from the KV budget)."""
         num_slots = self.config.num_state_slots
         if num_slots is None:
+            per_slot = RecurrentStateCache.slot_bytes(self.model_config, self.dtype)
             budget = self.config.kv_cache_memory or default_kv_cache_bytes()
             num_slots = max(1, min(self.config.max_num_seqs, budget // 4 // per_slot))
-        self.state_caches = [(torch.zeros(num_slots, *conv_shape, dtype=self.dtype, device=self.device),
-                              torch.zeros(num_slots, *ssm_shape, dtype=ssm_dtype, device=self.device))
-                             for _ in range(layers)]
-        self.state_pool = StatePool(num_slots)
-        log.info("recurrent state: %d slots of %.2f MiB (%d linear-attention layers, SSM state in %s), %.1f MiB",
-                 num_slots, per_slot / 2**20, layers, str(ssm_dtype).removeprefix("torch."),
-                 num_slots * per_slot / 2**20)
-        return num_slots * per_slot
+        self.states = RecurrentStateCache(self.model_config, self.dtype, self.device, num_slots)
+        return self.states.num_bytes
+
+    @property
+    def state_pool(self) -> StatePool | None:
+        return self.states.pool if self.states is not None else None
 
     def copy_states(self, copies: list[tuple[int, int]]) -> None:
-        """Copy recurrent states slot to slot ((src, dst) pairs), in every linear-attention layer."""
-        if not copies:
-            return
-        src = torch.tensor([s for s, _ in copies], device=self.device)
-        dst = torch.tensor([d for _, d in copies], device=self.device)
-        for conv, ssm in self.state_caches:
-            conv[dst], ssm[dst] = conv[src], ssm[src]
+        if self.states is not None:
+            self.states.copy(copies)
 
     def run_model(self, batch: ForwardBatch) -> torch.Tensor:
         """The model over one batch, with its caches: KV pages (and, for a hybrid, the recurrent states)."""
         if self.hybrid:
-            return self.model(batch, self.kv_caches, self.state_caches)
+            return self.model(batch, self.kv_caches, self.states.caches)
         return self.model(batch, self.kv_caches)
 
     def prepare(self, scheduled) -> tuple[ForwardBatch, list[tuple]]:

@@ -163,8 +163,8 @@ def test_forked_sequences_take_their_parents_state(hybrids, references):
 
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
 def test_chunked_state_logits_match_hf(hybrids, kind):
-    """Prefill in three chunks over scattered pages and a state slot other than 0, then decodes beside a second
-    sequence: every position's logits agree with HF's one full forward to 1e-4."""
+    """Prefill in three chunks over scattered pages and a state slot other than 0, then decodes (the first beside
+    a one-token prompt whose slot holds garbage): every position's logits agree with HF's forward to 1e-4."""
     path = str(hybrids(kind))
     cfg = ModelConfig.from_hf(load_hf_config(path))
     with torch.device("meta"):
@@ -181,17 +181,31 @@ def test_chunked_state_logits_match_hf(hybrids, kind):
     ids = torch.randint(0, cfg.vocab_size, (length,), generator=torch.Generator().manual_seed(3))
     pages = torch.tensor([[9, 2, 7, 0, 4, 11, 5]])
     logits = []
-    for start, end in [(0, 20), (20, 37), (37, 51), (51, 52), (52, 53)]:
+    for start, end in [(0, 20), (20, 37), (37, 51), (52, 53)]:
         pos = torch.arange(start, end)
         batch = ForwardBatch(ids[start:end], pos, pages[0][pos // page_size] * page_size + pos % page_size,
                              pages, [end - start], [end], int(end - start == 1), torch.arange(end - start),
                              state_slots=[2])
+        if start == 52:  # position 51 was decoded beside a one-token prompt (slot 0, still garbage: unread)
+            logits.append(decoded[:1])
         with torch.no_grad():
             logits.append(model.compute_logits(model(batch, kv, states)))
+        if end == 51:
+            other = int(ids[7])
+            batch = ForwardBatch(torch.tensor([int(ids[51]), other]), torch.tensor([51, 0]),
+                                 torch.tensor([int(pages[0, 51 // page_size]) * page_size + 51 % page_size,
+                                               10 * page_size]),
+                                 torch.stack([pages[0], torch.tensor([10, 0, 0, 0, 0, 0, 0])]), [1, 1], [52, 1], 2,
+                                 torch.arange(2), state_slots=[2, 0])
+            with torch.no_grad():
+                decoded = model.compute_logits(model(batch, kv, states))
     ours = torch.cat(logits)
+    reference = hf_reference(hybrids(kind), kind)
     with torch.no_grad():
-        ref = hf_reference(hybrids(kind), kind)(ids[None]).logits[0]
+        ref = reference(ids[None]).logits[0]
+        ref_other = reference(torch.tensor([[other]])).logits[0, 0]
     assert ((ours - ref).abs().max() / ref.abs().max()).item() < 1e-4
+    assert ((decoded[1] - ref_other).abs().max() / ref_other.abs().max()).item() < 1e-4
 
 
 def test_unknown_layer_kind_in_a_hybrid_is_refused(hybrids, tmp_path):

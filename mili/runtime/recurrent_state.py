@@ -1,0 +1,54 @@
+"""The hybrid models' recurrent states on the device: for each linear-attention (Gated DeltaNet) layer, a
+conv state [slots, conv_dim, K - 1] in the model's dtype and an SSM state [slots, Hv, Dk, Dv] in
+``mamba_ssm_dtype`` (float32 unless the checkpoint says otherwise), one slot per running sequence; the
+slots' bookkeeping is a StatePool (cache/state_pool.py)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from mili.cache.state_pool import StatePool
+from mili.config import ModelConfig
+from mili.model.qwen3_5 import LinearAttentionShape, ssm_state_dtype
+
+log = logging.getLogger("mili")
+
+
+class RecurrentStateCache:
+    def __init__(self, model_config: ModelConfig, dtype: torch.dtype, device: torch.device, num_slots: int):
+        shape = LinearAttentionShape.of(model_config.hf_config)
+        self.ssm_dtype = ssm_state_dtype(model_config.hf_config)
+        self.num_layers = model_config.layer_types.count("linear_attention")
+        self.caches = [(torch.zeros(num_slots, *shape.conv_state_shape(), dtype=dtype, device=device),
+                        torch.zeros(num_slots, *shape.ssm_state_shape(), dtype=self.ssm_dtype, device=device))
+                       for _ in range(self.num_layers)]
+        self.pool = StatePool(num_slots)
+        self.device = device
+        self.bytes_per_slot = self.slot_bytes(model_config, dtype)
+        log.info("recurrent state: %d slots of %.2f MiB (%d linear-attention layers, SSM state in %s), %.1f MiB",
+                 num_slots, self.bytes_per_slot / 2**20, self.num_layers, str(self.ssm_dtype).removeprefix("torch."),
+                 self.num_bytes / 2**20)
+
+    @staticmethod
+    def slot_bytes(model_config: ModelConfig, dtype: torch.dtype) -> int:
+        """One sequence's state over every linear-attention layer."""
+        shape = LinearAttentionShape.of(model_config.hf_config)
+        conv, ssm = shape.conv_state_shape(), shape.ssm_state_shape()
+        per_layer = (conv[0] * conv[1] * dtype.itemsize
+                     + ssm[0] * ssm[1] * ssm[2] * ssm_state_dtype(model_config.hf_config).itemsize)
+        return model_config.layer_types.count("linear_attention") * per_layer
+
+    @property
+    def num_bytes(self) -> int:
+        return self.pool.num_slots * self.bytes_per_slot
+
+    def copy(self, copies: list[tuple[int, int]]) -> None:
+        """Copy states slot to slot ((src, dst) pairs) in every layer."""
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        for conv, ssm in self.caches:
+            conv[dst], ssm[dst] = conv[src], ssm[src]

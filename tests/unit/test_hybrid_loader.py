@@ -1,0 +1,68 @@
+"""The hybrids' checkpoint layouts at their released sizes: every tensor transformers' own model has (built on
+the meta device from the published configs in tests/data/qwen3.5) maps onto a MILI parameter of the same
+shape, and together they fill every MILI parameter; what MILI cannot run is refused by name."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from helpers import DATA
+from mili.config import ModelConfig
+from mili.errors import ModelLoadError
+from mili.model import loader
+from mili.model.qwen3_5 import Qwen3_5ForCausalLM
+from mili.runtime.attention.torch_backend import TorchAttentionBackend
+
+
+@pytest.mark.parametrize("release", ["Qwen3.5-0.8B", "Qwen3.6-35B-A3B", "Qwen3-Next-80B-A3B-Instruct"])
+def test_released_layouts_map_onto_the_model(release, tmp_path):
+    import transformers
+    from transformers import AutoConfig
+
+    (tmp_path / "config.json").write_text((DATA / "qwen3.5" / f"{release}.config.json").read_text())
+    hf_config = AutoConfig.from_pretrained(tmp_path)
+    with torch.device("meta"):
+        reference = getattr(transformers, hf_config.architectures[0])(hf_config)
+        model = Qwen3_5ForCausalLM(ModelConfig.from_hf(hf_config), TorchAttentionBackend(), torch.bfloat16)
+    params = dict(model.named_parameters())
+    loaded, unmapped, skipped = set(), [], []
+    for name, tensor in reference.state_dict().items():
+        if loader._skipped(model, name):
+            skipped.append(name)
+            continue
+        target = loader._target(model, loader._param_name(model, name), params)
+        if target is None:
+            unmapped.append(name)
+            continue
+        keys, dest = target
+        assert dest.shape == tensor.shape, name
+        loaded.update(keys)
+    assert not unmapped
+    assert not loader._expected_keys(model, params) - loaded
+    assert all(n.startswith("model.visual.") or n == "lm_head.weight" for n in skipped)
+
+
+def test_linear_attention_outside_the_hybrids_is_still_refused(tiny_checkpoint, tmp_path):
+    from mili import LLM
+
+    path = tmp_path / "ck"
+    shutil.copytree(tiny_checkpoint, path)
+    config = json.loads((path / "config.json").read_text())
+    config["layer_types"] = ["linear_attention", "full_attention"]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=r"layer_types has 'linear_attention' \(layer 0.*Qwen3-Next / Qwen3\.5"):
+        LLM(str(path))
+
+
+def test_an_unknown_ssm_state_dtype_is_refused(tmp_path):
+    from transformers import AutoConfig
+
+    config = json.loads((DATA / "qwen3.5" / "Qwen3.5-0.8B.config.json").read_text())
+    config["text_config"]["mamba_ssm_dtype"] = "float8_e4m3fn"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="mamba_ssm_dtype"):
+        ModelConfig.from_hf(AutoConfig.from_pretrained(tmp_path))
