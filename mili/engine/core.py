@@ -58,8 +58,10 @@ class EngineCore:
 
     def ready(self) -> Ready:
         dtype = str(self.runner.dtype).removeprefix("torch.")
+        states = self.runner.states
         return Ready(self.max_model_len, str(self.runner.device), dtype, self.stats(), self.runner.weight_format,
-                     self.runner.kv_cache_dtype)
+                     self.runner.kv_cache_dtype, isinstance(self.prefix_cache, RadixCache),
+                     states.pool.num_slots if states else 0, states.num_bytes if states else 0)
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, add: AddRequest) -> Request:

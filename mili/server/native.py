@@ -41,7 +41,9 @@ async def health(http: Request):
             "model": st.model_name, "vocab_size": engine.model_config.vocab_size,
             "max_seq_length": engine.max_model_len, "device": engine.info.device, "dtype": engine.info.dtype,
             "quantization": engine.info.quantization, "kv_cache_dtype": engine.info.kv_cache_dtype,
-            "prefix_caching": engine.config.enable_prefix_caching, "engine_core_pid": engine.core_pid,
+            "prefix_caching": engine.info.prefix_caching, "engine_core_pid": engine.core_pid,
+            **({"recurrent_state_slots": engine.info.state_slots, "recurrent_state_bytes": engine.info.state_bytes}
+               if engine.info.state_slots else {}),
             # the engine core's counters, from its latest step message
             **st.metrics.snapshot}
     if reason is not None:

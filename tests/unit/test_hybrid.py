@@ -161,6 +161,21 @@ def test_forked_sequences_take_their_parents_state(hybrids, references):
     _check_integrity(llm)
 
 
+def test_prompt_logprobs_match_hf(hybrids):
+    """A 150-token prompt scored over three prefill chunks (the state carried between them) is HF's log_softmax."""
+    prompt = _prompts()[4]
+    llm = LLM(str(hybrids("qwen3_next")), dtype="float32", max_num_batched_tokens=64, page_size=16)
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0),
+                       use_tqdm=False)[0]
+    with torch.no_grad():
+        ref = hf_reference(hybrids("qwen3_next"), "qwen3_next")(torch.tensor([prompt])).logits[0].log_softmax(-1)
+    assert out.prompt_logprobs[0] is None
+    got = torch.tensor([out.prompt_logprobs[i][prompt[i]].logprob for i in range(1, len(prompt))])
+    want = ref[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    assert (got - want).abs().max().item() < 1e-4
+    _check_integrity(llm)
+
+
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
 def test_chunked_state_logits_match_hf(hybrids, kind):
     """Prefill in three chunks over scattered pages and a state slot other than 0, then decodes (the first beside
