@@ -113,6 +113,8 @@ class ModelConfig:
         if model_type in ("qwen3_5", "qwen3_5_moe"):  # the hub layout: the language model's config inside
             hf_config = hf_config.get_text_config()
             model_type = hf_config.model_type
+            if getattr(top, "quantization_config", None) and not getattr(hf_config, "quantization_config", None):
+                hf_config.quantization_config = top.quantization_config  # (Qwen's FP8 releases keep it on top)
         hybrid = model_type in HYBRID_MODEL_TYPES
         check_architecture_settings(hf_config, hybrid)
         moe = _moe_fields(hf_config) if model_type in ("qwen3_moe", "qwen3_next", "qwen3_5_moe_text") else {}

@@ -66,3 +66,40 @@ def test_an_unknown_ssm_state_dtype_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match="mamba_ssm_dtype"):
         ModelConfig.from_hf(AutoConfig.from_pretrained(tmp_path))
+
+
+def test_qwen_fp8_release_layout_loads(tmp_path):
+    """The hub layout with Qwen's block FP8 (quantization_config at the top of config.json, weight_scale_inv
+    beside each linear-attention, attention and MLP projection, partial blocks at these sizes): MILI computes
+    with the dequantized weights and writes HF's greedy tokens for them."""
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    from helpers import greedy_matches
+    from hybrid_checkpoints import build_hybrid_checkpoint
+    from mili import LLM, SamplingParams
+    from mili.model.quant import dequantize_fp8, quantize_fp8_blocks
+
+    plain = build_hybrid_checkpoint(tmp_path / "plain", "qwen3_5_hub")
+    fp8 = tmp_path / "fp8"
+    shutil.copytree(plain, fp8)
+    tensors, dequantized = load_file(plain / "model.safetensors"), {}
+    quantized = (".in_proj_qkv.weight", ".in_proj_z.weight", ".out_proj.weight", "_proj.weight")
+    for name in [n for n in tensors if n.startswith("model.language_model.") and n.endswith(quantized)
+                 and ".in_proj_a." not in n and ".in_proj_b." not in n]:
+        q, scale = quantize_fp8_blocks(tensors[name])
+        tensors[name], tensors[name + "_scale_inv"] = q, scale
+        dequantized[name] = dequantize_fp8(q, scale, (128, 128))
+    save_file(tensors, fp8 / "model.safetensors")
+    config = json.loads((fp8 / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": [128, 128]}
+    (fp8 / "config.json").write_text(json.dumps(config))
+    plain_tensors = load_file(plain / "model.safetensors")
+    save_file({**plain_tensors, **dequantized}, plain / "model.safetensors")  # the reference: the same values
+    reference = Qwen3_5ForConditionalGeneration.from_pretrained(plain, dtype=torch.float32).eval()
+    prompts = [{"prompt_token_ids": torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist()}
+               for n in (1, 40, 130)]
+    llm = LLM(str(fp8), dtype="float32", max_num_batched_tokens=64)
+    assert "fp8" in llm.engine.core.runner.weight_format
+    greedy_matches(llm, reference, prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
