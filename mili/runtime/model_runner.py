@@ -50,6 +50,11 @@ class ModelRunner:
         other ranks' processes on this node; each runner then holds its rank's shard of the weights and KV."""
         self.tp_size, self.rank, self.workers = config.tensor_parallel_size, rank, []
         self.device = config.torch_device
+        self.hybrid = model_config.is_hybrid
+        self.states: RecurrentStateCache | None = None  # hybrids: the recurrent-state slots and tensors
+        if self.hybrid and (self.tp_size > 1 or self.device.type != "cpu"):  # (before any rank starts)
+            raise InvalidRequest("hybrid models (Qwen3-Next, Qwen3.5) run on the CPU without tensor parallelism "
+                                 "for now", param="model")
         if self.tp_size > 1:
             shard = model_config.shard(rank, self.tp_size)  # one that cannot be split fails before anything starts
             if rank == 0 and parallel.torchrun_rank() is not None:
@@ -61,11 +66,6 @@ class ModelRunner:
             parallel.init_group(rank, self.tp_size, address, self.device)
             model_config = shard
         self.config, self.model_config = config, model_config
-        self.hybrid = model_config.is_hybrid
-        self.states: RecurrentStateCache | None = None  # hybrids: the recurrent-state slots and tensors
-        if self.hybrid and (self.tp_size > 1 or self.device.type != "cpu"):
-            raise InvalidRequest("hybrid models (Qwen3-Next, Qwen3.5) run on the CPU without tensor parallelism "
-                                 "for now", param="model")
         self.dtype = config.torch_dtype(model_config)
         if self.device.type == "cpu" and (config.num_threads or self.tp_size > 1):
             torch.set_num_threads(config.num_threads or max(1, (os.cpu_count() or 1) // self.tp_size))
