@@ -1,8 +1,10 @@
-"""The building blocks of the Qwen3 forward: RMSNorm, the rotary table, SwiGLU."""
+"""The building blocks of the Qwen3 forward: RMSNorm, the rotary table, SwiGLU; the hybrids' zero-centred and
+gated RMSNorms."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -55,3 +57,32 @@ class RotaryEmbedding(nn.Module):
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 cos and sin [T, head_dim] for a step's positions: once per step, not per layer."""
         return self.cos[positions], self.sin[positions]
+
+
+class ZeroCentredRMSNorm(nn.Module):
+    """HF's Qwen3_5RMSNorm / Qwen3NextRMSNorm: x̂ · (1 + w) in float32, then cast; ``forward(x, residual)``
+    adds the residual first and returns both."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is not None:
+            x = x + residual
+        out = (F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps) * (1.0 + self.weight.float())).to(x.dtype)
+        return out if residual is None else (out, x)
+
+
+class GatedRMSNorm(nn.Module):
+    """The linear attention's output norm: w · x̂ (plain weight, cast back before it), times silu(gate)."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        normed = self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        return (normed * F.silu(gate.float())).to(x.dtype)

@@ -29,7 +29,7 @@ from mili.config import ModelConfig
 from mili.kernels.gated_delta import (causal_conv1d, causal_conv1d_step, chunk_gated_delta_rule,
                                       recurrent_gated_delta_step)
 from mili.kernels.reference import TorchOps, rotate_half
-from mili.model.layers import RotaryEmbedding
+from mili.model.layers import GatedRMSNorm, RotaryEmbedding, ZeroCentredRMSNorm
 from mili.model.qwen3 import STACKED_PARAMS, FusedLinear, Qwen3MLP, Qwen3MoeBlock
 from mili.runtime.attention.base import AttentionBackend, ForwardBatch
 
@@ -74,35 +74,6 @@ class LinearAttentionShape:
 
     def ssm_state_shape(self) -> tuple[int, int, int]:
         return self.num_v_heads, self.head_k_dim, self.head_v_dim
-
-
-class ZeroCentredRMSNorm(nn.Module):
-    """HF's Qwen3_5RMSNorm / Qwen3NextRMSNorm: x̂ · (1 + w) in float32, then cast; ``forward(x, residual)``
-    adds the residual first and returns both."""
-
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype):
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim, dtype=dtype))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if residual is not None:
-            x = x + residual
-        out = (F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps) * (1.0 + self.weight.float())).to(x.dtype)
-        return out if residual is None else (out, x)
-
-
-class GatedRMSNorm(nn.Module):
-    """The linear attention's output norm: w · x̂ (plain weight, cast back before it), times silu(gate)."""
-
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        normed = self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
-        return (normed * F.silu(gate.float())).to(x.dtype)
 
 
 @dataclass
