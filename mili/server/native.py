@@ -55,7 +55,7 @@ async def status(request_id: str, http: Request):
     return {"request_id": request_id, **(entry or {"status": "not_found"})}
 
 
-@router.post("/generate", responses={**error_responses(400, 503), **streamed()})
+@router.post("/generate", responses={**error_responses(400, 500, 503), **streamed()})
 async def generate(body: GenerateRequest, http: Request):
     """The original design's reply: ``tokens`` are the prompt's ids then the generated ones."""
     st = _state(http)

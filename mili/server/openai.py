@@ -17,7 +17,7 @@ from mili.tokenizer.reasoning import THINK_START, ReasoningStream, split_reasoni
 from mili.tokenizer.tool_calls import ToolCallStream, call_json, extract_tool_calls, new_call_id
 
 router = APIRouter()
-GENERATION_ERRORS = error_responses(400, 404, 503)
+GENERATION_ERRORS = error_responses(400, 404, 500, 503)
 
 
 def _state(http: Request) -> ServerState:
