@@ -64,7 +64,8 @@ class _Choice:
 
 
 def _finite(logprob: float) -> float:
-    return max(logprob, -9999.0)  # -inf is not JSON: OpenAI's (and vLLM's) stand-in
+    # -inf (and NaN) are not JSON: OpenAI's (and vLLM's) stand-in, -9999.0
+    return logprob if logprob >= -9999.0 else -9999.0
 
 
 # -- /v1/completions ---------------------------------------------------------------------------
