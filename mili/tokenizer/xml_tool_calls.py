@@ -150,9 +150,9 @@ class XmlToolCallStream:
             self._arg_text += self.buf[:end]
             self.buf = self.buf[end:]
             if is_plain_string(self._types):  # the trailing newline may be the format's: held back
-                visible = self._arg_text[:-1] if self._arg_text.endswith("\n") else self._arg_text
-                self._arguments(_escaped(visible[self._sent:]), parts)
-                self._sent = len(visible)
+                visible = len(self._arg_text) - self._arg_text.endswith("\n")
+                self._arguments(_escaped(self._arg_text[self._sent:visible]), parts)
+                self._sent = visible
             return False
         self._arg_text += self.buf[:end]
         self.buf = self.buf[end + len(tag):]
@@ -248,7 +248,9 @@ def forced_xml_tool_call_tag(tools: list[dict], name: str | None, parallel: bool
         tags.append({"type": "tag", "begin": f"{TOOL_START}\n{FUNC_START}{fn['name']}>\n",
                      "content": {"type": "json_schema", "json_schema": fn.get("parameters") or {"type": "object"},
                                  "style": "qwen_xml", "max_whitespace_cnt": max_whitespace},
-                     "end": f"\n{FUNC_END}\n{TOOL_END}"})
+                     # the newline before </function> is the arguments' trailing whitespace: a call without
+                     # arguments has none, as the templates write it
+                     "end": f"{FUNC_END}\n{TOOL_END}"})
     fmt = {"type": "tags_with_separator", "tags": tags, "separator": "\n", "at_least_one": True,
            "stop_after_first": name is not None or not parallel}
     return json.dumps({"type": "structural_tag", "format": fmt})
