@@ -6,7 +6,10 @@ and ``\\n</parameter>``: a string as it is, anything else as its template render
 Jinja's ``| string``, so as Python writes them (``True``, ``None``). ``typed_value`` turns the text back
 into the value the schema asks for:
 
-- a parameter the schema types as string (or does not know) stays the text, exactly;
+- a parameter the schema types as a free string (or does not know) stays the text, exactly;
+- a constrained string (enum, const, pattern, format, a length) is the text without the whitespace around
+  it: xgrammar's ``qwen_xml`` style lets whitespace around such a value (not around a free string), so a
+  forced call's values still validate;
 - otherwise the text is read as JSON, then as a Python literal (``True``, ``None``, ``{'a': 1}``), and
   kept when it has one of the schema's types (an integral number for ``integer`` becomes an int);
 - ``true``/``false`` in any case are booleans where the schema allows one; ``null``/``None`` are null
@@ -19,23 +22,33 @@ from __future__ import annotations
 
 import ast
 import json
-from typing import Any
+from typing import Any, NamedTuple
 
 _JSON_TYPES = {bool: "boolean", int: "integer", float: "number", str: "string", type(None): "null",
                dict: "object", list: "array"}
 _LITERAL_LIMIT = 65536  # longer text is not given to ast.literal_eval (its parser recurses)
 
 
-def param_types(schema: dict | None, name: str) -> frozenset[str] | None:
-    """The JSON types the tool's ``parameters`` schema allows for argument ``name``; None when it does
-    not say (no schema, an unknown argument, a property without a type)."""
-    if not isinstance(schema, dict):
-        return None
-    props = schema.get("properties")
-    prop = props.get(name) if isinstance(props, dict) else None
-    if prop is None and isinstance(schema.get("additionalProperties"), dict):
-        prop = schema["additionalProperties"]
-    return _types(prop)
+_STRING_CONSTRAINTS = ("enum", "const", "pattern", "format", "minLength", "maxLength")
+
+
+class ParamType(NamedTuple):
+    types: frozenset[str] | None  # the JSON types the schema allows; None when it does not say
+    free: bool  # the value is its text exactly (a string without constraints, or a type not known)
+
+
+def param_type(schema: dict | None, name: str) -> ParamType:
+    """What the tool's ``parameters`` schema says of argument ``name`` (nothing: no schema, an unknown
+    argument, a property without a type)."""
+    prop = None
+    if isinstance(schema, dict):
+        props = schema.get("properties")
+        prop = props.get(name) if isinstance(props, dict) else None
+        if prop is None and isinstance(schema.get("additionalProperties"), dict):
+            prop = schema["additionalProperties"]
+    types = _types(prop)
+    free = types is None or (types == {"string"} and not any(k in prop for k in _STRING_CONSTRAINTS))
+    return ParamType(types, free)
 
 
 def _types(schema: Any) -> frozenset[str] | None:
@@ -61,16 +74,13 @@ def _types(schema: Any) -> frozenset[str] | None:
     return None
 
 
-def is_plain_string(types: frozenset[str] | None) -> bool:
-    """Whether the argument is always its text (so it can be streamed as it is written)."""
-    return types is None or types == {"string"}
-
-
-def typed_value(text: str, types: frozenset[str] | None) -> Any:
+def typed_value(text: str, param: ParamType) -> Any:
     """The argument's value: see the module's rules."""
-    if is_plain_string(types):
+    types, word = param.types, text.strip()
+    if param.free:
         return text
-    word = text.strip()
+    if types == {"string"}:
+        return word
     if word in ("null", "None") and ("null" in types or "string" not in types):
         return None
     if "boolean" in types and word.lower() in ("true", "false"):

@@ -26,7 +26,7 @@ import json
 
 from mili.tokenizer.reasoning import partial_suffix
 from mili.tokenizer.tool_calls import TOOL_END, TOOL_START, call_json, new_call_id
-from mili.tokenizer.tool_values import is_plain_string, param_types, typed_value
+from mili.tokenizer.tool_values import ParamType, param_type, typed_value
 
 FUNC_START, FUNC_END = "<function=", "</function>"
 PARAM_START, PARAM_END = "<parameter=", "</parameter>"
@@ -55,7 +55,7 @@ class XmlToolCallStream:
         self.num_calls = 0
         self._schema: dict | None = None  # the open call's parameters schema
         self._num_args = 0  # arguments of the open call so far
-        self._types = None  # the open value's JSON types (None: a string)
+        self._param = ParamType(None, True)  # what the schema says of the open argument
         self._arg_text = ""  # the open value's text so far (its first newline taken off)
         self._sent = 0  # characters of a string value already sent
         self._lead = False  # whether the open value's leading newline has been looked at
@@ -133,11 +133,11 @@ class XmlToolCallStream:
             return False
         self.buf, self.state = self.buf[end + 1:], "value"
         name = name.strip()
-        self._types = param_types(self._schema, name)
+        self._param = param_type(self._schema, name)
         self._arg_text, self._sent, self._lead = "", 0, False
         key = ("{" if self._num_args == 0 else ", ") + json.dumps(name, ensure_ascii=False) + ": "
         self._num_args += 1
-        self._arguments(key + ('"' if is_plain_string(self._types) else ""), parts)
+        self._arguments(key + ('"' if self._param.free else ""), parts)
         return True
 
     def _value(self, parts: list, final: bool) -> bool:
@@ -149,7 +149,7 @@ class XmlToolCallStream:
         if tag is None:  # not ended yet: take what cannot be (the start of) its end
             self._arg_text += self.buf[:end]
             self.buf = self.buf[end:]
-            if is_plain_string(self._types):  # the trailing newline may be the format's: held back
+            if self._param.free:  # the trailing newline may be the format's: held back
                 visible = len(self._arg_text) - self._arg_text.endswith("\n")
                 self._arguments(_escaped(self._arg_text[self._sent:visible]), parts)
                 self._sent = visible
@@ -208,10 +208,10 @@ class XmlToolCallStream:
 
     def _close_value(self, parts: list) -> None:
         text = self._arg_text[:-1] if self._arg_text.endswith("\n") else self._arg_text
-        if is_plain_string(self._types):
+        if self._param.free:
             self._arguments(_escaped(text[self._sent:]) + '"', parts)
         else:
-            self._arguments(json.dumps(typed_value(text, self._types), ensure_ascii=False), parts)
+            self._arguments(json.dumps(typed_value(text, self._param), ensure_ascii=False), parts)
 
     def _close_call(self, parts: list) -> None:
         if self.state == "value":

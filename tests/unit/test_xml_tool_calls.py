@@ -6,13 +6,13 @@ import json
 
 import pytest
 
-from mili.tokenizer.tool_values import param_types, typed_value
+from mili.tokenizer.tool_values import ParamType, param_type, typed_value
 from mili.tokenizer.xml_tool_calls import XmlToolCallStream, extract_xml_tool_calls
 
 WEATHER = {"type": "object", "properties": {
     "city": {"type": "string"}, "days": {"type": "integer"}, "hot": {"type": "boolean"},
     "tags": {"type": "array", "items": {"type": "string"}}, "where": {"type": "object"},
-    "ratio": {"type": "number"}, "note": {"type": ["string", "null"]}}}
+    "ratio": {"type": "number"}, "note": {"type": ["string", "null"]}, "unit": {"enum": ["C", "F"]}}}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
          {"type": "function", "function": {"name": "ping"}}]
 
@@ -22,7 +22,7 @@ TWO = ('<tool_call>\n<function=get_weather>\n<parameter=city>\nNew "York"\\n\n\n
        '</parameter>\n<parameter=tags>\n["a", "b"]\n</parameter>\n<parameter=where>\n{"lat": 1.5}\n</parameter>\n'
        '</function>\n</tool_call>\n<tool_call>\n<function=ping>\n</function>\n</tool_call>')
 MULTILINE = ('<tool_call>\n<function=get_weather>\n<parameter=city>\nline 1\n  line 2 </function> x\n\n</parameter>\n'
-             '<parameter=ratio>\n0.25\n</parameter>\n</function>\n</tool_call> after')
+             '<parameter=ratio>\n0.25\n</parameter>\n<parameter=unit>\n C \n</parameter>\n</function>\n</tool_call> after')
 NOT_A_CALL = 'I would write <tool_call> like this </tool_call>, or <tool_call>\n<func'
 MISSING_ENDS = ('<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</function>\n</tool_call>'
                 'then <tool_call>\n<function=get_weather>\n<parameter=days>\n4\n</tool_call>')
@@ -45,7 +45,8 @@ def test_values_are_typed_by_the_schema():
                                        "where": {"lat": 1.5}}
     assert calls[1][1] == "{}"
     _, calls = extract_xml_tool_calls(MULTILINE, TOOLS)  # a literal </function> inside a value stays there
-    assert json.loads(calls[0][1]) == {"city": "line 1\n  line 2 </function> x\n", "ratio": 0.25}
+    assert json.loads(calls[0][1]) == {"city": "line 1\n  line 2 </function> x\n", "ratio": 0.25,
+                                       "unit": "C"}
 
 
 def test_text_that_is_not_a_call_stays_content():
@@ -130,6 +131,8 @@ def test_stream_sends_the_name_and_string_values_early():
 
 @pytest.mark.parametrize("schema, text, value", [
     ({"type": "string"}, " 42 ", " 42 "),
+    ({"type": "string", "maxLength": 4}, " 42 \n", "42"),  # xgrammar's qwen_xml lets whitespace around these
+    ({"enum": ["C", "F"]}, "\n C\t", "C"),
     ({"type": "integer"}, "42", 42),
     ({"type": "integer"}, "4.0", 4),
     ({"type": "integer"}, "four", "four"),
@@ -155,14 +158,14 @@ def test_stream_sends_the_name_and_string_values_early():
     ({}, "[1]", "[1]"),  # no type: the text
 ])
 def test_typed_value(schema, text, value):
-    got = typed_value(text, param_types({"properties": {"p": schema}}, "p"))
+    got = typed_value(text, param_type({"properties": {"p": schema}}, "p"))
     assert got == value and type(got) is type(value)
 
 
 def test_arguments_the_schema_does_not_know_stay_strings():
-    assert param_types({"properties": {"a": {"type": "integer"}}}, "b") is None
-    assert param_types({"additionalProperties": {"type": "integer"}}, "b") == {"integer"}
-    assert param_types(None, "a") is None
+    assert param_type({"properties": {"a": {"type": "integer"}}}, "b") == ParamType(None, True)
+    assert param_type({"additionalProperties": {"type": "integer"}}, "b") == ParamType(frozenset({"integer"}), False)
+    assert param_type(None, "a") == ParamType(None, True)
     _, calls = extract_xml_tool_calls("<tool_call>\n<function=nope>\n<parameter=x>\n1\n</parameter>\n</function>\n"
                                       "</tool_call>", TOOLS)
     assert calls == [("nope", '{"x": "1"}')]
