@@ -108,6 +108,21 @@ def test_arguments_that_are_not_an_object_are_a_400():
     assert '"arguments": [1]' in apply_chat_template(qwen3, bad)
 
 
+def test_the_parser_setting_on_the_command_line_and_in_a_config_file(tmp_path):
+    from mili.cli import build_parser
+    from mili.config_file import ConfigFileError, read_config_file
+
+    parser = build_parser()
+    assert parser.parse_args(["serve", "m"]).tool_call_parser == "auto"
+    assert parser.parse_args(["serve", "m", "--tool-call-parser", "qwen3_xml"]).tool_call_parser == "qwen3_xml"
+    (tmp_path / "a.yaml").write_text("tool_call_parser: hermes\n")
+    assert read_config_file(str(tmp_path / "a.yaml"), parser.serve_parser)[0] == {"tool_call_parser": "hermes"}
+    (tmp_path / "b.yaml").write_text("tool_call_parser: xml\n")
+    with pytest.raises(ConfigFileError) as e:
+        read_config_file(str(tmp_path / "b.yaml"), parser.serve_parser)
+    assert e.value.param == "tool_call_parser" and "qwen3_xml" in str(e.value)
+
+
 def test_the_parser_is_picked_from_the_template():
     assert resolve_tool_call_parser("auto", _tokenizer("3.5")) == "qwen3_xml"
     assert resolve_tool_call_parser("auto", _tokenizer("3.6")) == "qwen3_xml"
