@@ -214,8 +214,6 @@ class XmlToolCallStream:
             self._arguments(json.dumps(typed_value(text, self._param), ensure_ascii=False), parts)
 
     def _close_call(self, parts: list) -> None:
-        if self.state == "value":
-            self._close_value(parts)
         self._arguments("}" if self._num_args else "{}", parts)
 
 
