@@ -1,11 +1,12 @@
 """The chat path every dialect shares (OpenAI's chat completions, Anthropic's messages, OpenAI's responses).
 
 A dialect translates its request into a ``ChatCompletionRequest``; ``ChatPrompt.render`` makes the chat
-template's prompt from it (tools, Qwen3 thinking; the tool-call form the server picked from the template), ``ChatPrompt.params`` the engine request's sampling
+template's prompt from it (tools, Qwen3 thinking), ``ChatPrompt.params`` the engine request's sampling
 parameters (a structured-output or forced-tool constraint placed after ``</think>``). On the way back,
 ``ReplyBlocks`` turns the reply's text, whole or as it streams, into blocks in the order the model wrote
 them: reasoning, text, tool calls (Anthropic's content blocks, the Responses API's output items), through
-the one reasoning parser and the one tool-call parser.
+the one reasoning parser and the tool-call parser of the form the checkpoint writes (the server picks
+hermes or qwen3_xml from its template: tool_parsers.py).
 """
 
 from __future__ import annotations

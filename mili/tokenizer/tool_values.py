@@ -59,7 +59,9 @@ def _types(schema: Any) -> frozenset[str] | None:
         return frozenset({declared})
     if isinstance(declared, list) and all(isinstance(t, str) for t in declared):
         return frozenset(declared)
-    values = schema["enum"] if isinstance(schema.get("enum"), list) else [schema["const"]] if "const" in schema else None
+    values = schema.get("enum") if isinstance(schema.get("enum"), list) else None
+    if values is None and "const" in schema:
+        values = [schema["const"]]
     if values:
         return frozenset(_JSON_TYPES.get(type(v), "string") for v in values)
     for key in ("anyOf", "oneOf"):

@@ -35,13 +35,18 @@ CALL = ("get_time", '{"days": 2}')
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def model(tmp_path_factory):
     path = build_scripted_checkpoint(tmp_path_factory.mktemp("xml") / "qwen35_caller", script_text(198, REPLY),
                                      hidden=64)
     config = path / "tokenizer_config.json"
     config.write_text(json.dumps({k: v for k, v in json.loads(config.read_text()).items() if k != "chat_template"}))
     (path / "chat_template.jinja").write_text((DATA / "qwen3.5" / "qwen3.5_chat_template.jinja").read_text())
-    s = Server(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    s = Server(model)
     yield s
     assert s.stop() == 0, s.output()
 
@@ -124,3 +129,16 @@ def test_forced_tool_choice_writes_the_xml_form(client, choice):
                 entry[0] += d.function.name or ""
                 entry[1] += d.function.arguments or ""
         assert [tuple(v) for v in streamed.values()] == [(call.function.name, call.function.arguments)]
+
+
+def test_the_flag_overrides_the_template(model):
+    """--tool-call-parser hermes on a Qwen3.5 template: the XML block is not a (hermes) call, so it is content."""
+    s = Server(model, "--tool-call-parser", "hermes")
+    try:
+        assert httpx.get(f"{s.url}/health").json()["tool_call_parser"] == "hermes"
+        r = httpx.post(f"{s.url}/v1/chat/completions", json={
+            "model": "test", "messages": MSGS, "tools": TOOLS, "temperature": 0, "max_tokens": 80}).json()
+        message = r["choices"][0]["message"]
+        assert "tool_calls" not in message and "<function=get_time>" in message["content"]
+    finally:
+        assert s.stop() == 0, s.output()
