@@ -103,6 +103,8 @@ _NO_FIT = object()
 def _fit(value: Any, types: frozenset[str]) -> Any:
     """``value`` as one of ``types`` (an integral float as an integer), or ``_NO_FIT``."""
     kind = _JSON_TYPES.get(type(value))
+    if kind == "string":  # strings are written raw in this form: a quoted one is its text, quotes too
+        return _NO_FIT
     if kind in types:
         return value
     if kind == "integer" and "number" in types:

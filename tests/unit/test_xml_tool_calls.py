@@ -151,6 +151,7 @@ def test_stream_sends_the_name_and_string_values_early():
     ({"type": "array"}, "NaN", "NaN"),
     ({"type": ["integer", "string"]}, "12", 12),
     ({"type": ["integer", "string"]}, "12 apples", "12 apples"),
+    ({"type": ["integer", "string"]}, '"x"', '"x"'),
     ({"enum": [1, 2, 3]}, "2", 2),
     ({"anyOf": [{"type": "number"}, {"type": "null"}]}, "1e3", 1000.0),
     ({"anyOf": [{"type": "number"}, {"$ref": "#/x"}]}, "1e3", "1e3"),  # a branch it cannot type: string
