@@ -41,7 +41,8 @@ async def health(http: Request):
             "model": st.model_name, "vocab_size": engine.model_config.vocab_size,
             "max_seq_length": engine.max_model_len, "device": engine.info.device, "dtype": engine.info.dtype,
             "quantization": engine.info.quantization, "kv_cache_dtype": engine.info.kv_cache_dtype,
-            "prefix_caching": engine.config.enable_prefix_caching, "engine_core_pid": engine.core_pid,
+            "prefix_caching": engine.config.enable_prefix_caching, "tool_call_parser": st.tool_call_parser,
+            "engine_core_pid": engine.core_pid,
             # the engine core's counters, from its latest step message
             **st.metrics.snapshot}
     if reason is not None:
