@@ -112,9 +112,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or args.model
     api_key = args.api_key or os.environ.get("MILI_API_KEY") or None
     app = build_app(engine, name, api_key=api_key, max_queued_requests=args.max_queued_requests,
-                    sampling_defaults=args.sampling_defaults)
-    logging.getLogger("mili").info("serving %s as %r on http://%s:%d (chat page: http://%s:%d/ui)", engine.model_path,
-                                   name, args.host, args.port, args.host, args.port)
+                    sampling_defaults=args.sampling_defaults, tool_call_parser=args.tool_call_parser)
+    logging.getLogger("mili").info("serving %s as %r on http://%s:%d (chat page: http://%s:%d/ui; tool calls: %s)",
+                                   engine.model_path, name, args.host, args.port, args.host, args.port,
+                                   app.state.mili.tool_call_parser)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout, access_log=False)
     server = uvicorn.Server(config)
@@ -177,6 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="waiting requests beyond this are refused with 503 and Retry-After")
     srv.add_argument("--shutdown-timeout", type=float, default=10.0,
                      help="seconds in-flight requests get to finish on SIGTERM/SIGINT")
+    srv.add_argument("--tool-call-parser", default="auto", choices=["auto", "hermes", "qwen3_xml"],
+                     help="the form of the model's tool calls: hermes (Qwen3, Qwen3-Next: JSON in <tool_call>), "
+                          "qwen3_xml (Qwen3.5/3.6: <function=NAME><parameter=ARG>); auto (default): the XML form "
+                          "when the chat template renders <function=, else hermes")
     srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     srv.add_argument("--config", default=None, metavar="FILE",
                      help="a JSON or YAML file of settings: inference.{device, dtype, max_batch_size}, "

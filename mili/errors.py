@@ -53,3 +53,10 @@ class EngineDeadError(MiliError, RuntimeError):
     """The engine stopped (a bug, an out-of-memory error, its process killed): nothing more is served."""
 
     code = "engine_dead"
+
+
+class RequestFailed(MiliError, RuntimeError):
+    """One request failed while running (sampling or checking its token, its grammar, its detokenization):
+    it ended with this error, and the engine goes on serving the others."""
+
+    code = "request_failed"

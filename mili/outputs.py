@@ -30,7 +30,7 @@ class CompletionOutput:
         self.index = index
         self._text, self._stream = text, stream  # the text, or the TextStream that holds it
         self.token_ids = token_ids if token_ids is not None else []
-        self.finish_reason = finish_reason  # "stop" | "length" | "abort" | None while running
+        self.finish_reason = finish_reason  # "stop" | "length" | "abort" | "error" | None while running
         self.stop_reason = stop_reason  # the stop token id / stop string, None for EOS or length
         self.logprobs = logprobs  # per generated token: sampled + top-N
         self.cumulative_logprob = cumulative_logprob
@@ -61,3 +61,5 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: per prompt token, None for the first, then {token id: Logprob} with
     # the prompt token and the top N (vLLM's shape); None when not asked
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # why the request failed while running (every sequence then ends with finish_reason "error"); None if not
+    error: str | None = None

@@ -165,6 +165,12 @@ class SeqGrammar:
     def active(self) -> bool:
         return self.waiting_for is None
 
+    def next_token_bitmask(self, vocab_size: int):
+        """This sequence's allowed next tokens alone ([1, ceil(vocab / 32)] int32), without the batch fill."""
+        bitmask = _xgr().allocate_token_bitmask(1, vocab_size)
+        self.matcher.fill_next_token_bitmask(bitmask, 0)
+        return bitmask
+
     def accept(self, token: int) -> bool:
         """Advance with a sampled token; True when the output is complete (the grammar took a stop token)
         or the token broke it (which the bitmask prevents; logged, and the sequence ends)."""

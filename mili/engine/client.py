@@ -30,7 +30,7 @@ from mili.engine.input_processor import InputProcessor
 from mili.engine.messages import (Abort, Dead, FinishSeqs, Ready, Shutdown, StepMessage, encode,
                                   output_decoder)
 from mili.engine.output_processor import OutputProcessor
-from mili.errors import EngineDeadError, InvalidRequest, ModelLoadError
+from mili.errors import EngineDeadError, InvalidRequest, ModelLoadError, RequestFailed
 from mili.outputs import RequestOutput
 from mili.sampling_params import SamplingParams
 
@@ -123,20 +123,24 @@ class AsyncLLM:
             self._fail(f"{type(e).__name__}: {e}")
 
     def _handle(self, msg: StepMessage) -> None:
-        outputs, stopped = self.outputs.process(msg.deltas)
+        outputs, stopped, failed = self.outputs.process(msg.deltas)
         if stopped:
             self._to_core.send(encode(FinishSeqs(stopped)))
+        if failed:  # their output could not be processed here: the core stops computing them
+            self._to_core.send(encode(Abort([request_id for request_id, _ in failed])))
+            msg.failures = [*msg.failures, *failed]
         for out in outputs:
             self._unscheduled.discard(out.request_id)
             q = self._queues.get(out.request_id)
             if q is not None:
                 q.put_nowait(out)
-        for request_id, message in msg.errors:
-            self.outputs.remove(request_id)
-            self._unscheduled.discard(request_id)
-            q = self._queues.get(request_id)
-            if q is not None:
-                q.put_nowait(InvalidRequest(message))
+        for errors, kind in ((msg.errors, InvalidRequest), (msg.failures, RequestFailed)):
+            for request_id, message in errors:  # refused when added (400), or failed while running (500)
+                self.outputs.remove(request_id)
+                self._unscheduled.discard(request_id)
+                q = self._queues.get(request_id)
+                if q is not None:
+                    q.put_nowait(kind(message))
         if self.on_step is not None:
             self.on_step(msg, outputs)
 

@@ -27,6 +27,7 @@ from mili.engine.request import Request, Sequence, SeqStatus
 from mili.engine.scheduler import Scheduler
 from mili.errors import InvalidRequest
 from mili.runtime.model_runner import ModelRunner
+from mili.runtime.sampler import NO_TOKEN
 from mili.structured import GrammarManager, SeqGrammar
 
 log = logging.getLogger("mili")
@@ -53,6 +54,9 @@ class EngineCore:
         self.grammars: GrammarManager | None = None
         self.compiling: dict[str, tuple[Request, Future]] = {}
         self.failed: list[tuple[str, str]] = []  # (request_id, message), for the caller to report
+        # (request_id, message): requests that failed while running, ended here, for the caller to report
+        self.failures: list[tuple[str, str]] = []
+        self.vocab_size = model_config.vocab_size
         self.stats_due = False  # a request ended or left since the gauges were last read
         self.num_generated_tokens = 0
 
@@ -110,9 +114,14 @@ class EngineCore:
                 self.abort_requests([request_id])
                 continue
             params = request.params
-            stop_ids = sorted(params.stop_ids() | set(params.eos_token_ids))
-            for seq in request.seqs:
-                seq.grammar = SeqGrammar(compiled, stop_ids, params.structured_outputs.start_after_token_id)
+            # (ids past the model's vocabulary, such as a tokenizer's EOS on a cut vocabulary, are never sampled)
+            stop_ids = sorted(t for t in params.stop_ids() | set(params.eos_token_ids) if t < self.vocab_size)
+            try:
+                for seq in request.seqs:
+                    seq.grammar = SeqGrammar(compiled, stop_ids, params.structured_outputs.start_after_token_id)
+            except Exception as e:
+                self.fail_request(request, f"its grammar matcher could not start: {type(e).__name__}: {e}")
+                continue
             self.scheduler.add(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -138,6 +147,16 @@ class EngineCore:
         failed, self.failed = self.failed, []
         return failed
 
+    def fail_request(self, request: Request, message: str) -> None:
+        """End a request whose own part of a step failed (its pages go back); the core goes on."""
+        log.error("request %s failed and ends: %s", request.request_id, message)
+        self.failures.append((request.request_id, message))
+        self.abort_requests([request.request_id])
+
+    def take_failures(self) -> list[tuple[str, str]]:
+        failures, self.failures = self.failures, []
+        return failures
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
@@ -158,13 +177,24 @@ class EngineCore:
         for seq, entries in scored:
             seq.request.num_scored += len(entries)
             prompt_logprobs[seq] = entries
-        deltas = []
+        deltas, failed = [], set()  # (the requests that failed this step)
         if sampled is not None:
             self.num_generated_tokens += len(sampled.token_ids)
-            for (seq, _), token, lp in zip(sched.sample_rows, sampled.token_ids, sampled.logprobs):
-                logprobs = None if lp is None else [(lp.sampled_logprob, lp.sampled_rank, lp.top)]
-                deltas.append(self._delta(seq, [token], logprobs, prompt_logprobs.pop(seq, None)))
-                self._append_token(seq, token, deltas[-1])
+            for row, ((seq, _), token, lp) in enumerate(zip(sched.sample_rows, sampled.token_ids, sampled.logprobs)):
+                if seq.request.request_id in failed:  # (a sibling sequence of it failed)
+                    continue
+                error = sampled.errors.get(row) or self._bad_token(token)
+                if error is None:
+                    logprobs = None if lp is None else [(lp.sampled_logprob, lp.sampled_rank, lp.top)]
+                    deltas.append(self._delta(seq, [token], logprobs, prompt_logprobs.pop(seq, None)))
+                    try:  # (its grammar matcher is the request's own)
+                        self._append_token(seq, token, deltas[-1])
+                    except Exception as e:
+                        error = f"accepting token {token} failed: {type(e).__name__}: {e}"
+                if error is not None:
+                    failed.add(seq.request.request_id)
+                    self.fail_request(seq.request, error)
+                    continue
                 self._retire_if_finished(seq.request)
         for s in sched.scheduled:  # max_tokens 0: the prompt is scored, nothing is generated
             seq = s.seq
@@ -174,7 +204,16 @@ class EngineCore:
                     deltas.append(self._delta(each, [], None, prompt_logprobs.pop(each, None), each.finish_reason))
                 self._retire_if_finished(seq.request)
         deltas += [self._delta(seq, [], None, entries) for seq, entries in prompt_logprobs.items()]
-        return deltas
+        return [d for d in deltas if d.request_id not in failed] if failed else deltas
+
+    def _bad_token(self, token: int) -> str | None:
+        """Why a sampled token cannot be fed back (None when it can)."""
+        if token == NO_TOKEN:
+            return ("no token could be sampled: every token of the vocabulary was masked for this sequence (by its "
+                    "grammar, min_tokens, stop tokens, penalties, or logits that are not numbers)")
+        if not 0 <= token < self.vocab_size:
+            return f"the sampled token id {token} is outside the vocabulary [0, {self.vocab_size})"
+        return None
 
     @staticmethod
     def _delta(seq: Sequence, token_ids: list[int], logprobs, prompt_logprobs, finish_reason=None) -> SeqDelta:
@@ -282,7 +321,7 @@ def _loop(core: EngineCore, inputs, outputs, parent_pid: int | None) -> int:
         if core.scheduler.has_work() or core.compiling:
             idle_stats_sent = False
             deltas = core.step()  # with only grammars compiling: waits a few ms for one
-            errors = core.take_failed()
+            errors, failures = core.take_failed(), core.take_failures()
             now = time.monotonic()
             stats = None
             if core.stats_due or now - stats_at >= STATS_PERIOD_S:
@@ -290,8 +329,8 @@ def _loop(core: EngineCore, inputs, outputs, parent_pid: int | None) -> int:
                 if _parent_gone(parent_pid):
                     return 1
                 core.runner.check_workers()
-            if deltas or stats or errors:
-                outputs.send(encode(StepMessage(deltas, core.scheduler.num_preemptions, stats, errors)))
+            if deltas or stats or errors or failures:
+                outputs.send(encode(StepMessage(deltas, core.scheduler.num_preemptions, stats, errors, failures)))
             continue
         if not idle_stats_sent or core.stats_due:  # the gauges at rest: nothing running
             outputs.send(encode(StepMessage([], core.scheduler.num_preemptions, core.stats())))

@@ -64,9 +64,14 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample, and return the outputs of every request that moved."""
-        outputs, stopped = self.outputs.process(self.core.step())
+        outputs, stopped, failed = self.outputs.process(self.core.step())
         if stopped:  # stop strings: the core stops computing those sequences now
             self.core.finish_seqs(stopped)
+        self.core.abort_requests([request_id for request_id, _ in failed])  # (their output failed here)
+        for request_id, message in self.core.take_failures() + failed:  # requests that failed while running
+            out = self.outputs.fail(request_id, message)
+            if out is not None:
+                outputs.append(out)
         for request_id, message in self.core.take_failed():  # a grammar that failed to compile (rare:
             self.outputs.remove(request_id)                   # make_request checked it)
             raise InvalidRequest(message, param="structured_outputs")

@@ -68,6 +68,9 @@ class StepMessage(msgspec.Struct, array_like=True, tag=True):
     num_preemptions: int  # since the core started
     stats: Stats | None = None  # the gauges, when they were refreshed (not every step: a tree walk)
     errors: list[tuple[str, str]] = []  # (request_id, message): requests the core refused when adding
+    # (request_id, message): requests that failed while running (a sampling or grammar failure of their own);
+    # the core ended them and goes on serving the others
+    failures: list[tuple[str, str]] = []
 
 
 class Ready(msgspec.Struct, array_like=True, tag=True):

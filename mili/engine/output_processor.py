@@ -10,11 +10,14 @@ computing them. The offline ``LLMEngine`` and the server's ``AsyncLLM`` both use
 
 from __future__ import annotations
 
+import logging
 import time
 
 from mili.engine.messages import AddRequest, SeqDelta
 from mili.outputs import CompletionOutput, Logprob, RequestOutput
 from mili.tokenizer.detokenizer import TextStream
+
+log = logging.getLogger("mili")
 
 
 class _SeqState:
@@ -77,38 +80,23 @@ class OutputProcessor:
     def remove(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
 
-    def process(self, deltas: list[SeqDelta]) -> tuple[list[RequestOutput], list[tuple[str, int]]]:
-        """(the outputs of every request that moved, the sequences a stop string ended)."""
+    def process(self, deltas: list[SeqDelta]) -> tuple[list[RequestOutput], list[tuple[str, int]], list[tuple[str, str]]]:
+        """(the outputs of every request that moved, the sequences a stop string ended, the requests whose
+        output failed to process here: (request_id, message); the caller ends them: ``fail`` or ``remove``)."""
         touched: dict[str, RequestState] = {}
         stopped: list[tuple[str, int]] = []
+        failed: list[tuple[str, str]] = []
         now = time.monotonic()
         for d in deltas:
             req = self.requests.get(d.request_id)
-            if req is None:  # aborted, or finished here while the core was a step behind
-                continue
-            if d.prompt_logprobs and req.prompt_logprobs is not None:
-                prompt = req.prompt_token_ids
-                for lp in d.prompt_logprobs:
-                    req.prompt_logprobs.append(self._entry(prompt[len(req.prompt_logprobs)], lp))
-            seq = req.seq(d.index)
-            if seq.finish_reason is not None or not (d.token_ids or d.finish_reason):
-                continue
-            touched[d.request_id] = req
-            req.num_cached_tokens = d.num_cached_tokens
-            req.times["first_scheduled_time"] = d.first_scheduled_time
-            for k, token in enumerate(d.token_ids):
-                seq.token_ids.append(token)
-                if d.logprobs is not None and seq.logprobs is not None:
-                    self._record_logprobs(seq, token, d.logprobs[k])
-                if seq.stream.append(token):  # a stop string: the text ends before it
-                    seq.finish_reason, seq.stop_reason = "stop", seq.stream.stop_string
-                    if d.finish_reason is None:
-                        stopped.append((d.request_id, d.index))
-                    break
-            else:
-                if d.finish_reason is not None:
-                    seq.stream.finish()
-                    seq.finish_reason, seq.stop_reason = d.finish_reason, d.stop_reason
+            if req is None or any(d.request_id == f for f, _ in failed):  # aborted, or finished here while the
+                continue                                                   # core was a step behind; or failed
+            try:
+                self._apply(req, d, stopped, touched)
+            except Exception as e:  # (its detokenization, its logprobs): that request alone ends
+                log.exception("request %s: processing its output failed", d.request_id)
+                failed.append((d.request_id, f"processing its output failed: {type(e).__name__}: {e}"))
+                touched.pop(d.request_id, None)
         outputs = []
         for req in touched.values():
             req.times["first_token_time"] = req.times["first_token_time"] or now
@@ -116,7 +104,47 @@ class OutputProcessor:
                 req.times["finished_time"] = now
                 del self.requests[req.request_id]
             outputs.append(req.output())
-        return outputs, stopped
+        return outputs, stopped, failed
+
+    def fail(self, request_id: str, message: str) -> RequestOutput | None:
+        """The final output of a request that failed (offline: every sequence ends with ``"error"`` and
+        the output carries ``error``); None if it is not known here."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        for index in range(req.params.n):
+            seq = req.seq(index)
+            if seq.finish_reason is None:
+                seq.finish_reason = "error"
+        out = req.output()
+        out.error = message
+        return out
+
+    def _apply(self, req: RequestState, d: SeqDelta, stopped: list, touched: dict) -> None:
+        """One delta into its request's state."""
+        if d.prompt_logprobs and req.prompt_logprobs is not None:
+            prompt = req.prompt_token_ids
+            for lp in d.prompt_logprobs:
+                req.prompt_logprobs.append(self._entry(prompt[len(req.prompt_logprobs)], lp))
+        seq = req.seq(d.index)
+        if seq.finish_reason is not None or not (d.token_ids or d.finish_reason):
+            return
+        touched[d.request_id] = req
+        req.num_cached_tokens = d.num_cached_tokens
+        req.times["first_scheduled_time"] = d.first_scheduled_time
+        for k, token in enumerate(d.token_ids):
+            seq.token_ids.append(token)
+            if d.logprobs is not None and seq.logprobs is not None:
+                self._record_logprobs(seq, token, d.logprobs[k])
+            if seq.stream.append(token):  # a stop string: the text ends before it
+                seq.finish_reason, seq.stop_reason = "stop", seq.stream.stop_string
+                if d.finish_reason is None:
+                    stopped.append((d.request_id, d.index))
+                break
+        else:
+            if d.finish_reason is not None:
+                seq.stream.finish()
+                seq.finish_reason, seq.stop_reason = d.finish_reason, d.stop_reason
 
     def _record_logprobs(self, seq: _SeqState, token: int, lp: tuple) -> None:
         seq.logprobs.append(self._entry(token, lp))

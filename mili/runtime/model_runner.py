@@ -30,7 +30,7 @@ from mili.runtime.attention.base import ForwardBatch
 from mili.runtime.attention.torch_backend import TorchAttentionBackend
 from mili.runtime.recurrent_state import RecurrentStateCache
 from mili.runtime.prompt_logprobs import PromptScorer, rows_per_slice
-from mili.runtime.sampler import Sampler, SamplerOutput, SamplingMetadata
+from mili.runtime.sampler import NO_TOKEN, Sampler, SamplerOutput, SamplingMetadata
 
 log = logging.getLogger("mili")
 
@@ -454,15 +454,43 @@ class ModelRunner:
         rows = [logits_row[i] for _, i in sched_out.sample_rows]
         if rows != list(range(logits.shape[0])):  # forked children repeat their parent's row
             logits = logits.index_select(0, torch.tensor(rows, device=self.device))
+        return self._sample(logits, seqs, grammar), scored
+
+    def _sampling_metadata(self, seqs: list) -> SamplingMetadata:
         # the token lists only where a row needs them (penalties; min_tokens counts outputs): copying
         # every prompt each step would cost O(context) per token
         penalties = any(s.params.uses_penalties for s in seqs)
         counts = penalties or any(s.params.min_tokens for s in seqs)
-        meta = SamplingMetadata.build(
+        return SamplingMetadata.build(
             [s.params for s in seqs], [s.generator for s in seqs],
             [s.token_ids[:s.prompt_len] if penalties else [] for s in seqs],
             [s.output_token_ids if counts else [] for s in seqs], self.model_config.vocab_size, self.device)
-        if grammar is not None:
-            bitmask, meta.grammar_rows = grammar.result()
-            meta.grammar_bitmask = bitmask.to(self.device, non_blocking=True)
-        return self.sampler(logits, meta), scored
+
+    def _sample(self, logits: torch.Tensor, seqs: list, grammar: Future | None) -> SamplerOutput:
+        """The step's tokens, one per row of ``logits``. A failure that belongs to rows rather than to the
+        step (their parameters, a grammar's bitmask, the draw) does not end the step: the rows are sampled
+        again one by one, and those that fail alone come back in ``errors`` (their requests end with that
+        error, the core goes on); the other rows' tokens stand."""
+        try:
+            meta = self._sampling_metadata(seqs)
+            if grammar is not None:
+                bitmask, meta.grammar_rows = grammar.result()
+                meta.grammar_bitmask = bitmask.to(self.device, non_blocking=True)
+            return self.sampler(logits, meta)
+        except Exception:
+            log.exception("sampling a step of %d rows failed: sampling them one by one", len(seqs))
+        out = SamplerOutput([], [])
+        for row, seq in enumerate(seqs):
+            try:
+                meta = self._sampling_metadata([seq])
+                if seq.grammar is not None and seq.grammar.active:
+                    bitmask = seq.grammar.next_token_bitmask(self.model_config.vocab_size)
+                    meta.grammar_bitmask, meta.grammar_rows = bitmask.to(self.device), [0]
+                one = self.sampler(logits[row:row + 1], meta)
+                out.token_ids += one.token_ids
+                out.logprobs += one.logprobs
+            except Exception as e:
+                out.token_ids.append(NO_TOKEN)
+                out.logprobs.append(None)
+                out.errors[row] = f"sampling its token failed: {type(e).__name__}: {e}"
+        return out

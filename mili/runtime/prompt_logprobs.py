@@ -42,7 +42,7 @@ class PromptScorer:
         logits = logits[:, :self.vocab_size].float()
         rows = range(first_row, first_row + logits.shape[0])
         target = self.targets[first_row:rows.stop]
-        logprobs = logits.log_softmax(dim=-1)
+        logprobs = logits.log_softmax(dim=-1).nan_to_num_(nan=float("-inf"))  # finite or -inf, as the sampler's
         token_lp = logprobs.gather(1, target).squeeze(1).tolist()
         rank = ((logits > logits.gather(1, target)).sum(dim=-1) + 1).tolist()
         top_vals, top_ids = [[]] * len(rows), [[]] * len(rows)

@@ -6,17 +6,30 @@ logits; the other rows are divided by their temperature, truncated (min_p, then 
 sampled: on the CPU by inverse CDF (one uniform per row against its cumulative probabilities), elsewhere
 with the exponential race ``argmax(probs / q)``, ``q ~ Exp(1)`` (no host sync). A row with its own generator
 draws from it alone, so a seeded sequence's tokens do not depend on what else is in the batch.
+
+The arithmetic is total (README, "Errors"): every float parameter is clamped into the range float32 computes
+faithfully (``SAMPLING_BOUNDS``) when the metadata is built; before a draw, a NaN logit counts as masked
+and +inf as float32's largest value; a row left with no probability mass at all (every token masked)
+samples ``NO_TOKEN`` rather than a random id, and the engine ends that request with an error. Logprobs are
+finite or -inf (a NaN is reported as -inf).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from mili.sampling_params import GREEDY_EPS, SamplingParams
 
 _NEG_INF = float("-inf")
+NO_TOKEN = -1  # a row's "token" when no token has any probability left (every one was masked)
+_F32_MAX = torch.finfo(torch.float32).max
+# The float parameters' ranges in float32 (past them a value would overflow to inf or underflow to 0, and
+# inf / inf or 0 * inf is NaN). Clamping there is faithful: a temperature of 1e30 already flattens any
+# model's logits to a uniform draw in float32, and a repetition penalty of 1e30 (or 1e-30) already sends a
+# seen token's logit to 0 or far past every other one, as 1e39 would.
+SAMPLING_BOUNDS = {"temperature": (0.0, 1e30), "repetition_penalty": (1e-30, 1e30)}
 # Penalised logits stay below this, so that even the smallest temperature (GREEDY_EPS) leaves them finite: a
 # +inf logit makes the softmax NaN (inf - inf), and a NaN row would draw a token outside the vocabulary.
 _PENALISED_MAX = torch.finfo(torch.float32).max * GREEDY_EPS / 2
@@ -31,8 +44,9 @@ class TokenLogprobs:
 
 @dataclass
 class SamplerOutput:
-    token_ids: list[int]  # one per row
+    token_ids: list[int]  # one per row; NO_TOKEN where nothing could be sampled
     logprobs: list[TokenLogprobs | None]  # None for rows whose params.logprobs is None
+    errors: dict[int, str] = field(default_factory=dict)  # row -> why sampling it failed (its token: NO_TOKEN)
 
 
 _TOP_K_PARTIAL_MAX = 1024  # top-k up to this ranks only each row's k best (a topk), not the whole vocabulary
@@ -95,7 +109,7 @@ class SamplingMetadata:
         def per_random(values: list, dtype: torch.dtype, needed: bool) -> torch.Tensor | None:
             return torch.tensor(values, dtype=dtype, device=device) if needed else None
 
-        temps = [p.temperature for p in rp]
+        temps = [_bounded("temperature", p.temperature) for p in rp]
         top_k = [vocab_size if p.top_k < 0 else min(p.top_k, vocab_size) for p in rp]
         seeded = [(j, generators[i]) for j, i in enumerate(rand) if generators[i] is not None]
 
@@ -106,7 +120,7 @@ class SamplingMetadata:
         num_lp = [params[i].logprobs for i in lp]
 
         def per_pen(attr: str) -> torch.Tensor | None:
-            return torch.tensor([getattr(params[i], attr) for i in pen], dtype=torch.float32,
+            return torch.tensor([_bounded(attr, getattr(params[i], attr)) for i in pen], dtype=torch.float32,
                                 device=device) if pen else None
 
         return cls(
@@ -132,6 +146,11 @@ class SamplingMetadata:
         )
 
 
+def _bounded(name: str, value: float) -> float:
+    low, high = SAMPLING_BOUNDS.get(name, (-_F32_MAX, _F32_MAX))
+    return min(max(value, low), high)
+
+
 def _apply_penalties(logits: torch.Tensor, seen_ids: torch.Tensor, output_ids: torch.Tensor,
                      repetition: torch.Tensor, presence: torch.Tensor,
                      frequency: torch.Tensor) -> torch.Tensor:
@@ -141,8 +160,8 @@ def _apply_penalties(logits: torch.Tensor, seen_ids: torch.Tensor, output_ids: t
     seen = torch.zeros(p, v + 1, dtype=torch.bool, device=logits.device)
     seen.scatter_(1, seen_ids, True)
     rep = repetition.unsqueeze(1).clamp(max=_PENALISED_MAX)  # finite: 0 * inf would be NaN
-    penalised = torch.where(logits > 0, logits / rep, logits * rep).clamp_(max=_PENALISED_MAX)
-    logits = torch.where(seen[:, :v], penalised, logits)
+    penalised = torch.where(logits > 0, logits / rep, logits * rep).clamp_(-_PENALISED_MAX, _PENALISED_MAX)
+    logits = torch.where(seen[:, :v] & (logits != _NEG_INF), penalised, logits)  # (a masked token stays masked)
     # OpenAI presence / frequency penalties over output tokens only.
     counts = torch.zeros(p, v + 1, dtype=logits.dtype, device=logits.device)
     counts.scatter_add_(1, output_ids, torch.ones_like(output_ids, dtype=logits.dtype))
@@ -247,6 +266,17 @@ def _draw(probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     return _inverse_cdf(probs, meta) if probs.device.type == "cpu" else _exponential_race(probs, meta)
 
 
+def _sanitise_(logits: torch.Tensor) -> torch.Tensor:
+    """In place: a NaN logit is masked (-inf) and +inf becomes float32's largest value, so that a softmax
+    of the row has no NaN (inf - inf). Returns ``logits``."""
+    return logits.nan_to_num_(nan=_NEG_INF, posinf=_F32_MAX, neginf=_NEG_INF)
+
+
+def _no_mass(logits: torch.Tensor) -> torch.Tensor:
+    """bool [rows]: the rows of sanitised ``logits`` where every token is masked (nothing can be drawn)."""
+    return logits.amax(dim=-1) == _NEG_INF
+
+
 def _apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], vocab_size: int) -> None:
     from xgrammar import apply_token_bitmask_inplace  # (CUDA: its Triton/CUDA kernel)
 
@@ -262,9 +292,10 @@ class Sampler:
     of a step (all greedy, no min_tokens, penalties or logprobs): no float32 copy is made then. The CPU
     kernels give one that reads bf16 in place (a batch of 32 x 152k: ~0.4 ms, torch's ~9)."""
 
-    def __init__(self, argmax=_float_argmax, apply_bitmask=_apply_bitmask):
+    def __init__(self, argmax=_float_argmax, apply_bitmask=_apply_bitmask, draw=_draw):
         self.argmax = argmax
         self.apply_bitmask = apply_bitmask
+        self.draw = draw  # (probs [R, V], meta) -> ids [R]: by default chosen by the device
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """``logits`` [B, >= vocab] in the model's dtype (a private float32 copy is made where needed)."""
@@ -279,7 +310,8 @@ class Sampler:
         raw = logits.index_select(0, meta.logprob_rows) if meta.logprob_rows is not None else None  # a copy
         if meta.grammar_rows is not None:  # structured outputs: the tokens each grammar allows
             self.apply_bitmask(logits, meta.grammar_bitmask, meta.grammar_rows, meta.vocab_size)
-        logits = self._process_logits(logits, meta)
+        logits = _sanitise_(self._process_logits(logits, meta))
+        no_mass = _no_mass(logits)
 
         sampled = torch.empty(meta.num_rows, dtype=torch.long, device=logits.device)
         # (index_select rather than logits[rows]: row gathers of [B, 152k] are ~5x faster on the CPU)
@@ -289,12 +321,14 @@ class Sampler:
             sampled[meta.greedy_rows] = logits.index_select(0, meta.greedy_rows).argmax(dim=-1)
         if meta.random_rows.numel():
             x = logits if meta.random_rows.numel() == meta.num_rows else logits.index_select(0, meta.random_rows)
-            if meta.temperature is not None:
-                x.div_(meta.temperature.unsqueeze(1))
+            if meta.temperature is not None:  # (x - max) / t: the best token stays at 0, nothing overflows
+                _sanitise_(x.sub_(x.amax(dim=-1, keepdim=True)).div_(meta.temperature.unsqueeze(1)))
             if meta.min_p is not None:
                 x = _apply_min_p(x, meta.min_p)
             x = _apply_top_k_top_p(x, meta.top_k, meta.top_p)
-            sampled[meta.random_rows] = _draw(x.softmax(dim=-1), meta)
+            sampled[meta.random_rows] = self.draw(x.softmax(dim=-1), meta).clamp_(0, meta.vocab_size - 1)
+            no_mass[meta.random_rows] = _no_mass(x)  # (truncation keeps a row's best token: this is the masks')
+        sampled.masked_fill_(no_mass, NO_TOKEN)  # a row with no token left draws nothing
 
         token_ids = sampled.tolist()
         logprobs: list[TokenLogprobs | None] = [None] * meta.num_rows
@@ -318,8 +352,8 @@ class Sampler:
     def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, meta: SamplingMetadata,
                   out: list[TokenLogprobs | None]) -> list[TokenLogprobs | None]:
         """Fill ``out`` for the logprob rows, from the raw (unprocessed) logits ``raw`` [L, V]."""
-        lps = raw.log_softmax(dim=-1)
-        tok = tokens.unsqueeze(1)
+        lps = raw.log_softmax(dim=-1).nan_to_num_(nan=_NEG_INF)  # finite or -inf (the server's stand-in)
+        tok = tokens.clamp(min=0).unsqueeze(1)  # (NO_TOKEN rows: the request ends with an error instead)
         sampled_lp = lps.gather(1, tok).squeeze(1).tolist()
         rank = ((raw > raw.gather(1, tok)).sum(dim=-1) + 1).tolist()
         top_vals, top_ids = lps.topk(meta.max_logprobs, dim=-1)  # one batched topk, sliced per row

@@ -225,7 +225,7 @@ def _state(http: Request) -> ServerState:
 async def count_tokens(body: CountTokensRequest, http: Request):
     st = _state(http)
     st.check_model(body.model)
-    return {"input_tokens": len(ChatPrompt.render(st.tokenizer, body.chat()).token_ids)}
+    return {"input_tokens": len(ChatPrompt.render(st.tokenizer, body.chat(), st.tool_call_parser).token_ids)}
 
 
 def _tool_id(block: Block) -> str:

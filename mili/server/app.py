@@ -25,6 +25,7 @@ from mili.server.metrics import Metrics
 from mili.server.openapi import document
 from mili.server.protocol import DetokenizeRequest, TokenizeRequest
 from mili.tokenizer.tokenizer import encode_chat, encode_prompt
+from mili.tokenizer.tool_parsers import resolve_tool_call_parser
 
 log = logging.getLogger("mili")
 OPEN_PATHS = {"/health", "/metrics", "/ui"}  # no API key needed (the chat page asks for one itself)
@@ -34,9 +35,11 @@ _RECENT = 1000  # requests remembered for /status
 
 class ServerState:
     def __init__(self, engine: AsyncLLM, model_name: str, api_key: str | None, max_queued_requests: int,
-                 sampling_defaults: dict | None = None):
+                 sampling_defaults: dict | None = None, tool_call_parser: str = "auto"):
         self.engine = engine
         self.tokenizer = engine.tokenizer
+        # the form the model writes tool calls in: hermes (Qwen3) or qwen3_xml (Qwen3.5/3.6), from its template
+        self.tool_call_parser = resolve_tool_call_parser(tool_call_parser, self.tokenizer)
         self.model_name = model_name
         self.api_key = api_key
         self.max_queued_requests = max_queued_requests
@@ -163,10 +166,11 @@ def new_id(prefix: str, sep: str = "-") -> str:
 
 
 def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
-              max_queued_requests: int = 1024, sampling_defaults: dict | None = None) -> FastAPI:
+              max_queued_requests: int = 1024, sampling_defaults: dict | None = None,
+              tool_call_parser: str = "auto") -> FastAPI:
     from mili.server import anthropic, native, openai, responses
 
-    state = ServerState(engine, model_name, api_key, max_queued_requests, sampling_defaults)
+    state = ServerState(engine, model_name, api_key, max_queued_requests, sampling_defaults, tool_call_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):

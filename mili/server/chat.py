@@ -5,7 +5,8 @@ template's prompt from it (tools, Qwen3 thinking), ``ChatPrompt.params`` the eng
 parameters (a structured-output or forced-tool constraint placed after ``</think>``). On the way back,
 ``ReplyBlocks`` turns the reply's text, whole or as it streams, into blocks in the order the model wrote
 them: reasoning, text, tool calls (Anthropic's content blocks, the Responses API's output items), through
-the one reasoning parser and the one tool-call parser.
+the one reasoning parser and the tool-call parser of the form the checkpoint writes (the server picks
+hermes or qwen3_xml from its template: tool_parsers.py).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from mili.server.app import ServerState
 from mili.server.protocol import ChatCompletionRequest
 from mili.tokenizer.reasoning import THINK_START, ReasoningStream, constraint_start
 from mili.tokenizer.tokenizer import encode_chat
-from mili.tokenizer.tool_calls import ToolCallStream
+from mili.tokenizer.tool_parsers import extract_calls, tool_call_stream
 
 
 @dataclass
@@ -30,9 +31,11 @@ class ChatPrompt:
     thinking: bool  # Qwen3 thinks first (the template's enable_thinking, on unless set false)
     opened: bool  # the template wrote <think> itself: the reply starts inside the reasoning
     tools: bool  # tool calls are parsed out of the reply (tools given, tool_choice not none)
+    tool_parser: str = "hermes"  # the form the model writes calls in (tool_parsers.py)
+    tool_defs: list[dict] | None = None  # the request's tools (their schemas type XML arguments)
 
     @classmethod
-    def render(cls, tokenizer, body: ChatCompletionRequest) -> ChatPrompt:
+    def render(cls, tokenizer, body: ChatCompletionRequest, tool_parser: str = "hermes") -> ChatPrompt:
         kwargs = body.chat_template_kwargs or {}
         tool_mode, _ = body.tool_mode()
         template_kwargs = {**kwargs, "tools": body.tools} if body.tools else kwargs
@@ -40,20 +43,28 @@ class ChatPrompt:
                                       body.add_generation_prompt, template_kwargs)
         thinking = kwargs.get("enable_thinking", True) is not False  # as Qwen3's template decides
         opened = thinking and text.rstrip().endswith(THINK_START)  # templates that open <think> themselves
-        return cls(text, token_ids, thinking, opened, tool_mode != "none")
+        return cls(text, token_ids, thinking, opened, tool_mode != "none", tool_parser, body.tools)
 
     def params(self, tokenizer, body: ChatCompletionRequest, max_tokens: int | None, logprobs: int | None,
                defaults: dict[str, Any]) -> SamplingParams:
-        params = body.sampling_params(max_tokens, logprobs, defaults)
+        params = body.sampling_params(max_tokens, logprobs, defaults, self.tool_parser)
         if params.structured_outputs is not None:
             params.structured_outputs.start_after_token_id = constraint_start(tokenizer, self.text, self.thinking)
         return params
+
+    def tool_stream(self):
+        """A streaming tool-call parser for one reply, or None when calls are not parsed."""
+        return tool_call_stream(self.tool_parser, self.tool_defs) if self.tools else None
+
+    def tool_calls(self, content: str) -> tuple[str | None, list[tuple[str, str]]]:
+        """A whole reply's content (after its reasoning) split into content and [(name, arguments)]."""
+        return extract_calls(self.tool_parser, content, self.tool_defs) if self.tools else (content, [])
 
 
 async def start_chat(st: ServerState, body: ChatCompletionRequest, request_id: str,
                      ) -> tuple[ChatPrompt, AsyncIterator[RequestOutput]]:
     """Render ``body`` and start its one engine request (no logprobs): its prompt and output stream."""
-    prompt = ChatPrompt.render(st.tokenizer, body)
+    prompt = ChatPrompt.render(st.tokenizer, body, st.tool_call_parser)
     params = prompt.params(st.tokenizer, body, body.max_tokens, None, st.openai_defaults)
     (stream,) = await st.start([prompt.token_ids], [params], request_id)
     return prompt, stream
@@ -78,7 +89,7 @@ class ReplyBlocks:
 
     def __init__(self, prompt: ChatPrompt):
         self.reasoning = ReasoningStream(prompt.thinking, prompt.opened)
-        self.tools = ToolCallStream() if prompt.tools else None
+        self.tools = prompt.tool_stream()
         self.blocks: list[Block] = []
         self._open: Block | None = None
         self._space = ""  # whitespace at the end of the text so far, not sent yet

@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mili.errors import EngineDeadError, MiliError
+from mili.errors import EngineDeadError, MiliError, RequestFailed
 
 log = logging.getLogger("mili")
 
@@ -58,7 +58,8 @@ ERRORS = {
          "prompt longer than the context. The error names the field (OpenAI's shape: `param`).",
     401: "Missing or wrong API key (only when the server was started with `--api-key`).",
     404: "The model named in the request is not the one served.",
-    500: "The engine has stopped (`api_error`): the server cannot serve requests until it is restarted.",
+    500: "This request failed while it ran (`request_failed`; the server goes on serving others), or, on "
+         "Anthropic's routes, the engine has stopped (`api_error`).",
     503: "The server is busy (`queue_full`, with `Retry-After`) or its engine has stopped (`engine_dead`).",
     529: "The server is busy (`overloaded_error`, with `Retry-After`): `--max-queued-requests` are waiting.",
 }
@@ -92,6 +93,9 @@ def to_api_error(e: BaseException) -> APIError:
     if isinstance(e, EngineDeadError):
         return APIError(503, f"{e}; the server cannot serve requests until it is restarted", "server_error",
                         None, e.code)
+    if isinstance(e, RequestFailed):
+        return APIError(500, f"this request failed (the server goes on serving others): {e}", "server_error", None,
+                        e.code)
     if isinstance(e, MiliError):
         return APIError(400, str(e), "invalid_request_error", e.param, e.code)
     if isinstance(e, ValidationError):  # a body a route built itself (a dialect's request, translated)

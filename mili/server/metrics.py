@@ -29,6 +29,8 @@ class Metrics:
         self.prompt_tokens = Counter("mili:prompt_tokens", "Prompt tokens processed", registry=r)
         self.generation_tokens = Counter("mili:generation_tokens", "Tokens generated", registry=r)
         self.success = Counter("mili:request_success", "Finished requests", ["finished_reason"], registry=r)
+        self.failures = Counter("mili:request_failures", "Requests that failed while running (the engine went on)",
+                                registry=r)
         self.ttft = Histogram("mili:time_to_first_token_seconds", "Time to first token",
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("mili:inter_token_latency_seconds", "Time between tokens", buckets=_ITL_BUCKETS,
@@ -47,6 +49,7 @@ class Metrics:
         """Called on the event loop for every step message of the engine core (mili.engine.messages)."""
         self.preemptions.inc(msg.num_preemptions - self._preemptions_seen)
         self._preemptions_seen = msg.num_preemptions
+        self.failures.inc(len(msg.failures))
         self._count(outputs, time.monotonic())
         if msg.stats is not None:
             self.update_gauges(msg.stats)

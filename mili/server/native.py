@@ -41,7 +41,8 @@ async def health(http: Request):
             "model": st.model_name, "vocab_size": engine.model_config.vocab_size,
             "max_seq_length": engine.max_model_len, "device": engine.info.device, "dtype": engine.info.dtype,
             "quantization": engine.info.quantization, "kv_cache_dtype": engine.info.kv_cache_dtype,
-            "prefix_caching": engine.info.prefix_caching, "engine_core_pid": engine.core_pid,
+            "prefix_caching": engine.info.prefix_caching, "tool_call_parser": st.tool_call_parser,
+            "engine_core_pid": engine.core_pid,
             **({"recurrent_state_slots": engine.info.state_slots, "recurrent_state_bytes": engine.info.state_bytes}
                if engine.info.state_slots else {}),
             # the engine core's counters, from its latest step message
@@ -57,7 +58,7 @@ async def status(request_id: str, http: Request):
     return {"request_id": request_id, **(entry or {"status": "not_found"})}
 
 
-@router.post("/generate", responses={**error_responses(400, 503), **streamed()})
+@router.post("/generate", responses={**error_responses(400, 500, 503), **streamed()})
 async def generate(body: GenerateRequest, http: Request):
     """The original design's reply: ``tokens`` are the prompt's ids then the generated ones."""
     st = _state(http)

@@ -14,10 +14,10 @@ from mili.server.chat import ChatPrompt
 from mili.server.errors import APIError, error_responses, sse, sse_error, streamed
 from mili.server.protocol import ChatCompletionRequest, CompletionRequest
 from mili.tokenizer.reasoning import THINK_START, ReasoningStream, split_reasoning
-from mili.tokenizer.tool_calls import ToolCallStream, call_json, extract_tool_calls, new_call_id
+from mili.tokenizer.tool_calls import call_json, new_call_id
 
 router = APIRouter()
-GENERATION_ERRORS = error_responses(400, 404, 503)
+GENERATION_ERRORS = error_responses(400, 404, 500, 503)
 
 
 def _state(http: Request) -> ServerState:
@@ -54,17 +54,18 @@ def _top(entry: dict, n: int) -> list:
 class _Choice:
     """Per-choice streaming bookkeeping: what was sent (logprob entries, text), whether it finished."""
 
-    def __init__(self, reasoning: bool = False, prompt_opened: bool = False, tools: bool = False):
+    def __init__(self, prompt: ChatPrompt | None = None):
         self.logprobs_sent = 0
         self.text_sent = 0
         self.done = False
         self.started = False
-        self.reasoning = ReasoningStream(reasoning, prompt_opened)
-        self.tools = ToolCallStream() if tools else None
+        self.reasoning = ReasoningStream(prompt is not None and prompt.thinking, prompt is not None and prompt.opened)
+        self.tools = prompt.tool_stream() if prompt is not None else None
 
 
 def _finite(logprob: float) -> float:
-    return max(logprob, -9999.0)  # -inf is not JSON: OpenAI's (and vLLM's) stand-in
+    # -inf (and NaN) are not JSON: OpenAI's (and vLLM's) stand-in, -9999.0
+    return logprob if logprob >= -9999.0 else -9999.0
 
 
 # -- /v1/completions ---------------------------------------------------------------------------
@@ -187,8 +188,8 @@ def _chat_logprobs(o: CompletionOutput, start: int, n: int) -> dict | None:
 async def chat_completions(body: ChatCompletionRequest, http: Request):
     st = _state(http)
     st.check_model(body.model)
-    prompt = ChatPrompt.render(st.tokenizer, body)
-    thinking, opened, tools = prompt.thinking, prompt.opened, prompt.tools
+    prompt = ChatPrompt.render(st.tokenizer, body, st.tool_call_parser)
+    thinking, opened = prompt.thinking, prompt.opened
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if body.max_tokens is not None and body.max_tokens >= st.engine.max_model_len:  # (even when overridden)
         raise APIError(400, f"max_tokens must be below the context length ({st.engine.max_model_len})",
@@ -204,9 +205,7 @@ async def chat_completions(body: ChatCompletionRequest, http: Request):
         choices = []
         for o in final.outputs:
             reasoning, content = split_reasoning(THINK_START * opened + o.text) if thinking else (None, o.text)
-            calls = []
-            if tools:
-                content, calls = extract_tool_calls(content)
+            content, calls = prompt.tool_calls(content)
             message = {"role": "assistant", "content": content}
             if calls:
                 message["tool_calls"] = [call_json(None, new_call_id(), name, args) for name, args in calls]
@@ -227,7 +226,7 @@ async def chat_completions(body: ChatCompletionRequest, http: Request):
             async for _, out in merge(streams):
                 final = out
                 for o in out.outputs:
-                    c = choices.setdefault(o.index, _Choice(thinking, opened, tools))
+                    c = choices.setdefault(o.index, _Choice(prompt))
                     if not c.started:
                         c.started = True
                         yield sse({**chunk_head, "choices": [{"index": o.index, "delta": {"role": "assistant",

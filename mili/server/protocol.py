@@ -20,7 +20,7 @@ from mili.server.fields import (AsSent, Count, Logprobs, MaxTokens, ModelName, O
                                 Strict, TemplateKwargs, Text, TokenId, TopK, integer, requires, runtime_maximum)
 from mili.structured import MAX_WHITESPACE
 from mili.structured import check as check_structured
-from mili.tokenizer.tool_calls import forced_tool_call_tag
+from mili.tokenizer.tool_parsers import forced_tag
 
 
 class StreamOptions(Strict):
@@ -105,8 +105,9 @@ class _Sampling(Strict):
         return self.prompt_logprobs
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        defaults: dict[str, Any]) -> SamplingParams:
-        """``defaults`` are the model's generation defaults (temperature, top_p, top_k) for unset fields."""
+                        defaults: dict[str, Any], tool_parser: str = "hermes") -> SamplingParams:
+        """``defaults`` are the model's generation defaults (temperature, top_p, top_k) for unset fields;
+        ``tool_parser`` (chat): the form a forced tool call is written in (tool_parsers.py)."""
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
         if self.stream and self.prompt_logprobs is not None:  # (as vLLM: they would come all at once anyway)
@@ -116,7 +117,7 @@ class _Sampling(Strict):
             value = getattr(self, name)
             return value if value is not None else defaults.get(name, fallback)
 
-        structured = self.structured()
+        structured = self.structured(tool_parser)
         if structured is not None:
             check_structured(structured[0], structured[1])
         return SamplingParams(
@@ -128,7 +129,7 @@ class _Sampling(Strict):
             logprobs=logprobs, prompt_logprobs=self.prompt_logprobs_n(), skip_special_tokens=self.skip_special_tokens)
 
 
-    def structured(self) -> tuple[StructuredOutputsParams, str] | None:
+    def structured(self, tool_parser: str = "hermes") -> tuple[StructuredOutputsParams, str] | None:
         """The request's output constraint and the field that asked for it; at most one field may."""
         asked = [(name, value) for name, value in (
             ("response_format", self.response_format), ("structured_outputs", self.structured_outputs),
@@ -287,15 +288,16 @@ class ChatCompletionRequest(_Sampling):
             raise InvalidRequest("tool_choice required needs tools", param="tool_choice")
         return (choice if names else "none"), None
 
-    def structured(self) -> tuple[StructuredOutputsParams, str] | None:
-        """A forced tool call (tool_choice required or named) is a grammar over the tool-call format."""
+    def structured(self, tool_parser: str = "hermes") -> tuple[StructuredOutputsParams, str] | None:
+        """A forced tool call (tool_choice required or named) is a grammar over the tool-call format
+        ``tool_parser`` reads (hermes JSON or Qwen3.5's XML)."""
         mode, name = self.tool_mode()
         asked = super().structured()
         if mode not in ("required", "named"):
             return asked
         if asked is not None:
             raise InvalidRequest(f"{asked[1]} cannot be combined with tool_choice {mode}", param="tool_choice")
-        tag = forced_tool_call_tag(self.tools, name, self.parallel_tool_calls is not False, MAX_WHITESPACE)
+        tag = forced_tag(tool_parser, self.tools, name, self.parallel_tool_calls is not False, MAX_WHITESPACE)
         return StructuredOutputsParams(structural_tag=tag), "tools"
 
     def logprobs_n(self) -> int | None:

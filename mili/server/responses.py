@@ -290,7 +290,7 @@ STREAM = ("the Responses API's named events, each with its `type` and `sequence_
           "... `response.completed`, `response.incomplete` or `response.failed`")
 
 
-@router.post("/v1/responses", responses={**error_responses(400, 404, 503), **streamed(STREAM)})
+@router.post("/v1/responses", responses={**error_responses(400, 404, 500, 503), **streamed(STREAM)})
 async def responses(body: ResponsesRequest, http: Request):
     st: ServerState = http.app.state.mili
     st.check_model(body.model)

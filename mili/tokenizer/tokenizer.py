@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 from mili.errors import ChatTemplateError, InvalidRequest, ModelLoadError
+from mili.tokenizer.tool_parsers import messages_for_template
 
 # apply_chat_template's own parameters: a chat_template_kwargs key with one of these names would
 # collide with (or silently change) how MILI calls it.
@@ -109,7 +110,7 @@ def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: 
     if reserved:
         raise InvalidRequest(f"chat_template_kwargs may not set {', '.join(reserved)}",
                              param="chat_template_kwargs")
-    conversation = _normalize_messages(messages)
+    conversation = messages_for_template(tokenizer, _normalize_messages(messages))
     try:
         text = tokenizer.apply_chat_template(conversation, tokenize=False,
                                              add_generation_prompt=add_generation_prompt,

@@ -65,6 +65,18 @@ def test_schemathesis_finds_nothing(demo_server, tmp_path):
     assert f"Tested: {operations}" in report, report[-5000:]  # every operation, none skipped
 
 
+def test_schemathesis_generation_routes_in_depth(demo_server, tmp_path):
+    """The generation routes again, with enough examples that extreme values of several sampling fields meet
+    in one request (temperature 1e39 with min_tokens stopped the engine once); the core must be the same
+    process at the end."""
+    pid = httpx.get(demo_server.url + "/health").json()["engine_core_pid"]
+    report = schemathesis(demo_server.url, tmp_path, "--max-examples", "60", "--phases", "fuzzing",
+                          "--include-path-regex", "^(" + "|".join(GENERATION) + ")$")
+    assert f"Tested: {len(GENERATION)}" in report, report[-5000:]
+    health = httpx.get(demo_server.url + "/health")
+    assert health.status_code == 200 and health.json()["engine_core_pid"] == pid
+
+
 def test_schemathesis_with_an_api_key(key_server, tmp_path):
     """Every guarded operation answers 401 without the key (the ignored_auth check) and works with it.
     The generation routes, fuzzed above, are left out here (auth is the same middleware for all)."""
