@@ -27,6 +27,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-state-slots", type=int, default=None,
                    help="hybrid models (Qwen3-Next, Qwen3.5): recurrent-state slots, one per running sequence "
                         "(default: max-num-seqs within a quarter of the KV budget)")
+    p.add_argument("--num-state-snapshots", type=int, default=None,
+                   help="hybrid models: recurrent-state snapshots the prefix cache keeps (default: another quarter "
+                        "of the KV budget, 2 to 4 per slot; 0 turns their prefix cache off)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one batch")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="token budget of one step (decodes + prefill chunks)")
@@ -65,6 +68,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                 kv_cache_memory=args.kv_cache_memory, num_kv_pages=args.num_kv_pages, page_size=args.page_size,
                 max_num_seqs=args.max_num_seqs, num_state_slots=args.num_state_slots,
+                num_state_snapshots=args.num_state_snapshots,
                 max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed, num_threads=args.num_threads,
                 enable_prefix_caching=args.enable_prefix_caching, schedule_policy=args.schedule_policy,
                 quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, cpu_kernels=args.cpu_kernels,

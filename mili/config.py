@@ -173,6 +173,8 @@ class EngineConfig:
     num_kv_pages: int | None = None  # the KV pool's exact page count (overrides kv_cache_memory)
     max_num_seqs: int = 256
     num_state_slots: int | None = None  # hybrid models: recurrent-state slots (None: from the KV budget)
+    # hybrid models: recurrent-state snapshots the prefix cache keeps (None: from the KV budget; 0: no prefix cache)
+    num_state_snapshots: int | None = None
     max_num_batched_tokens: int = 2048
     tokenizer: str | None = None  # default: the model folder
     num_threads: int | None = None  # CPU threads for torch; None: torch's default
@@ -221,6 +223,10 @@ class EngineConfig:
         if self.num_state_slots is not None and (not isinstance(self.num_state_slots, int) or self.num_state_slots < 1):
             raise InvalidRequest(f"num_state_slots must be a positive integer, got {self.num_state_slots!r}",
                                  param="num_state_slots")
+        if self.num_state_snapshots is not None and (not isinstance(self.num_state_snapshots, int)
+                                                     or self.num_state_snapshots < 0):
+            raise InvalidRequest(f"num_state_snapshots must be a non-negative integer, got {self.num_state_snapshots!r}",
+                                 param="num_state_snapshots")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise InvalidRequest(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}",
                                  param="kv_cache_memory")

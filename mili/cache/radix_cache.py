@@ -59,7 +59,7 @@ class NoPrefixCache:
 
 
 class _Node:
-    __slots__ = ("parent", "tokens", "pages", "children", "last_access")
+    __slots__ = ("parent", "tokens", "pages", "children", "last_access", "snapshot")
 
     def __init__(self, parent: "_Node | None", tokens: list[int], pages: list[int], last_access: int):
         self.parent = parent
@@ -67,6 +67,7 @@ class _Node:
         self.pages = pages
         self.children: dict[tuple[int, ...], _Node] = {}
         self.last_access = last_access
+        self.snapshot: int | None = None  # hybrids: the recurrent state after this node's last token
 
 
 class RadixCache:
@@ -103,7 +104,8 @@ class RadixCache:
         return pages
 
     # -- insertion -------------------------------------------------------------------------------
-    def insert(self, token_ids: list[int], pages: list[int]) -> None:
+    def insert(self, token_ids: list[int], pages: list[int]) -> _Node:
+        """(Returns the node ending at the last full page inserted; the root when there is none.)"""
         size = self.page_size
         num_pages = min(len(token_ids) // size, len(pages))
         token_ids, pages = token_ids[:num_pages * size], pages[:num_pages]
@@ -120,6 +122,8 @@ class RadixCache:
             self._pages.update(new_pages)
             leaf = _Node(node, token_ids[done * size:], new_pages, now)
             node.children[tuple(leaf.tokens[:size])] = leaf
+            node = leaf
+        return node
 
     def _split(self, node: _Node, n: int) -> _Node:
         """Cut ``node`` after its first ``n`` pages; returns the new upper part."""
@@ -172,6 +176,7 @@ class RadixCache:
             self._pages.difference_update(gone)
             self.pool.decref(gone)
             freed += tail
+            self._end_moved(node)
             if tail < len(node.pages):  # a request still uses the head: trim the node
                 keep = len(node.pages) - tail
                 node.pages, node.tokens = node.pages[:keep], node.tokens[:keep * self.page_size]
@@ -181,6 +186,9 @@ class RadixCache:
             if self._idle_tail(parent):
                 heapq.heappush(leaves, (parent.last_access, id(parent), parent))
         return freed
+
+    def _end_moved(self, node: _Node) -> None:
+        """Eviction trims or removes ``node``: what was kept at its end goes (hybrids: its snapshot)."""
 
     # -- inspection ------------------------------------------------------------------------------
     def _nodes(self):

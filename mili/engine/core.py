@@ -19,6 +19,7 @@ from concurrent.futures import Future
 
 import torch
 
+from mili.cache.hybrid_radix_cache import HybridRadixCache
 from mili.cache.radix_cache import NoPrefixCache, RadixCache
 from mili.config import EngineConfig, ModelConfig
 from mili.engine.messages import (Abort, AddRequest, Dead, FinishSeqs, Ready, SeqDelta, Shutdown, Stats,
@@ -42,11 +43,16 @@ class EngineCore:
         self.runner = ModelRunner(config, model_config, model_path)
         self.max_model_len = self.runner.max_model_len
         pool = self.runner.pool
-        caching = config.enable_prefix_caching
-        if caching and self.runner.state_pool is not None:
-            log.info("prefix caching off: this hybrid model's recurrent states are not snapshotted yet")
-            caching = False
-        self.prefix_cache = RadixCache(pool) if caching else NoPrefixCache()
+        states = self.runner.states
+        if not config.enable_prefix_caching:
+            self.prefix_cache = NoPrefixCache()
+        elif states is None:
+            self.prefix_cache = RadixCache(pool)
+        elif states.snapshots.num_snapshots:  # hybrids: KV pages and snapshots of the recurrent state
+            self.prefix_cache = HybridRadixCache(pool, states.snapshots, self.runner.copy_states)
+        else:
+            log.info("prefix caching off: num_state_snapshots is 0 (a hybrid model resumes only from a snapshot)")
+            self.prefix_cache = NoPrefixCache()
         self.scheduler = Scheduler(pool, self.prefix_cache, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.schedule_policy, states=self.runner.state_pool)
         self.requests: dict[str, Request] = {}
@@ -65,7 +71,8 @@ class EngineCore:
         states = self.runner.states
         return Ready(self.max_model_len, str(self.runner.device), dtype, self.stats(), self.runner.weight_format,
                      self.runner.kv_cache_dtype, isinstance(self.prefix_cache, RadixCache),
-                     states.pool.num_slots if states else 0, states.num_bytes if states else 0)
+                     states.pool.num_slots if states else 0, states.num_bytes if states else 0,
+                     states.snapshots.num_snapshots if states else 0)
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, add: AddRequest) -> Request:

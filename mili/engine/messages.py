@@ -82,9 +82,11 @@ class Ready(msgspec.Struct, array_like=True, tag=True):
     stats: Stats
     quantization: str = "unquantized"  # what the weights compute as (the model runner's weight_format)
     kv_cache_dtype: str = ""  # the KV pages' dtype
-    prefix_caching: bool = True  # whether the radix cache is on (off for hybrid models, for now)
-    state_slots: int = 0  # hybrid models: recurrent-state slots, and the bytes they take from the KV budget
+    prefix_caching: bool = True  # whether the radix cache is on
+    # hybrid models: recurrent-state slots, and the bytes they and the snapshots take from the KV budget
+    state_slots: int = 0
     state_bytes: int = 0
+    state_snapshots: int = 0  # hybrid models: recurrent-state snapshots the prefix cache may keep
 
 
 class Dead(msgspec.Struct, array_like=True, tag=True):

@@ -39,6 +39,10 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     page_table: list[int] = field(default_factory=list)
     state_slot: int | None = None  # hybrid models: its recurrent-state slot (cache/state_pool.py)
+    # hybrids with the prefix cache: a copy of its state at its latest page boundary while decoding
+    # (cache/snapshot_pool.py), at position ``snapshot_pos``; given to the prefix cache when it ends
+    snapshot: int | None = None
+    snapshot_pos: int = 0
     finish_reason: str | None = None  # stop | length | abort
     stop_reason: int | None = None  # the stop token id that ended it (stop strings: the output processor)
     grammar: "SeqGrammar | None" = None  # structured outputs: this sequence's matcher

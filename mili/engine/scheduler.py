@@ -10,6 +10,12 @@ sequence from the longest prefix the cache holds.
 Hybrid models (``states``): every admitted sequence also holds a recurrent-state slot (cache/state_pool.py);
 a sequence is admitted only when a slot is free, gives it back when it finishes or is preempted, and a
 forked sequence's slot takes its parent's state once the step that forked it has run (``state_copies``).
+With the prefix cache on (cache/hybrid_radix_cache.py), a hybrid sequence resumes only where the cache holds
+a snapshot of the recurrent state, copied into its slot at admission. Snapshots are taken after the step
+that computed them: at the prompt's last page boundary before its last token (a prefill chunk is cut to end
+there), into the tree at once; at every page boundary while decoding, into the sequence's own snapshot
+(overwritten at the next one); and when the sequence ends or is preempted, its state at its end if that is
+page-aligned, else that held snapshot, goes into the tree.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
+from mili.cache.hybrid_radix_cache import HybridRadixCache
 from mili.cache.page_pool import PagePool
 from mili.cache.radix_cache import PrefixCache
 from mili.cache.state_pool import StatePool
@@ -54,6 +61,8 @@ class Scheduler:
     def __init__(self, pool: PagePool, cache: PrefixCache, max_num_seqs: int, max_num_batched_tokens: int,
                  policy: str = "fcfs", starvation_steps: int = 64, states: StatePool | None = None):
         self.pool, self.cache, self.states = pool, cache, states
+        # hybrids with the prefix cache: the cache that keeps recurrent-state snapshots
+        self.state_cache = cache if states is not None and isinstance(cache, HybridRadixCache) else None
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.policy = policy
@@ -84,7 +93,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = self._chunk(seq, budget)
             if self._reserve(seq, n, copies):
                 scheduled.append(ScheduledSeq(seq, n))
                 budget -= n
@@ -114,13 +123,15 @@ class Scheduler:
             slotless = self._slotless(seq)
             if self.states is not None and len(slotless) > self.states.num_free:
                 break
-            self._start_from_cache(seq)
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            resume_at = self._start_from_cache(seq)
+            n = self._chunk(seq, budget)
             if not self._reserve(seq, n, copies):
                 self._release(seq)
                 break
             for each in slotless:
                 self.states.allocate(each)
+            if resume_at is not None:  # (the matched node's pages are held: nothing evicted it meanwhile)
+                self.state_cache.resume(resume_at, seq.state_slot)
             self.waiting.popleft()
             self._enqueued_at.pop(seq, None)
             if seq.index == 0 and seq.request.num_cached_tokens is None:  # what the client is told
@@ -161,14 +172,37 @@ class Scheduler:
             end = min(end, seq.request.num_scored)
         return seq.token_ids[:end]
 
-    def _start_from_cache(self, seq: Sequence) -> None:
-        """A sequence with no pages takes the longest cached prefix it may (see ``_matchable``)."""
+    def _start_from_cache(self, seq: Sequence):
+        """A sequence with no pages takes the longest cached prefix it may (see ``_matchable``); hybrids: the
+        longest that ends at a state snapshot, and the node holding it is returned (to resume from)."""
         if seq.page_table:
-            return
-        pages = self.cache.match(self._matchable(seq))
+            return None
+        node = None
+        if self.state_cache is not None:
+            pages, node = self.state_cache.match_state(self._matchable(seq))
+        else:
+            pages = self.cache.match(self._matchable(seq))
         self.pool.incref(pages)
         seq.page_table = pages
         seq.num_computed_tokens = len(pages) * self.pool.page_size
+        return node
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """Tokens ``seq`` computes this step: all it has, within the budget; hybrids with the prefix cache stop
+        a prefill chunk at the prompt's snapshot boundary, so its state there can be copied after the step."""
+        start = seq.num_computed_tokens
+        n = min(seq.num_tokens - start, budget)
+        if self.state_cache is not None:
+            boundary = self._prompt_boundary(seq)
+            if start < boundary < start + n:
+                n = boundary - start
+        return n
+
+    def _prompt_boundary(self, seq: Sequence) -> int:
+        """The last page boundary before the prompt's last token (0 for a prompt within one page): a request
+        repeating the prompt, or extending it, resumes there."""
+        size = self.pool.page_size
+        return (seq.prompt_len - 1) // size * size
 
     def _reserve(self, seq: Sequence, n: int, copies: list[tuple[int, int]]) -> bool:
         """Give ``seq`` pages for ``n`` more tokens, copying a shared page it would write into."""
@@ -214,8 +248,32 @@ class Scheduler:
             seq = s.seq
             before = seq.num_computed_tokens
             seq.num_computed_tokens += s.num_new_tokens
+            if self.state_cache is not None:
+                self._snapshot(seq)
             if before < seq.prompt_len <= seq.num_computed_tokens:
                 self.cache.insert(seq.token_ids[:seq.num_computed_tokens], seq.page_table)
+
+    def _snapshot(self, seq: Sequence) -> None:
+        """Hybrids, after a step: keep ``seq``'s state where it ended if that is a snapshot position."""
+        pos = seq.num_computed_tokens
+        if pos == 0 or pos % self.pool.page_size:
+            return
+        if pos == self._prompt_boundary(seq):  # into the tree now: requests sharing the prompt hit meanwhile
+            self.state_cache.keep_state(seq.token_ids[:pos], seq.page_table, seq.state_slot)
+        elif pos > self._prompt_boundary(seq) and self.state_cache.hold_state(seq, seq.state_slot):
+            seq.snapshot_pos = pos  # its own, overwritten at its next boundary
+
+    def _keep_final_state(self, seq: Sequence) -> None:
+        """Hybrids: a sequence leaving (finished, aborted, preempted) gives the tree its state at its end when
+        that is page-aligned, else the snapshot of its latest page boundary."""
+        pos = seq.num_computed_tokens
+        if seq.snapshot is not None and seq.snapshot_pos == pos:
+            self.state_cache.adopt_state(seq.token_ids[:pos], seq.page_table, seq)
+        elif seq.state_slot is not None and pos and pos % self.pool.page_size == 0:
+            self.state_cache.keep_state(seq.token_ids[:pos], seq.page_table, seq.state_slot)
+        elif seq.snapshot is not None:
+            self.state_cache.adopt_state(seq.token_ids[:seq.snapshot_pos], seq.page_table, seq)
+        self.state_cache.snapshots.free(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         self._release(seq)
@@ -227,10 +285,14 @@ class Scheduler:
         """Put the sequence's computed full pages in the cache, then drop its own references."""
         if seq.page_table:
             self.cache.insert(seq.token_ids[:seq.num_computed_tokens], seq.page_table)
+            if self.state_cache is not None:
+                self._keep_final_state(seq)
             self.pool.decref(seq.page_table)
         seq.page_table = []
         seq.num_computed_tokens = 0
-        if self.states is not None:  # a recurrent state is not kept: the sequence recomputes it
+        if self.state_cache is not None:
+            self.state_cache.snapshots.free(seq)
+        if self.states is not None:  # its slot is not kept: it resumes from a snapshot or recomputes
             self.states.free(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
@@ -252,3 +314,7 @@ class Scheduler:
         if self.states is not None:
             assert all(s.state_slot is not None for s in self.running), "a running sequence holds no state slot"
             self.states.check_integrity(alive=lambda s: s.status in (SeqStatus.RUNNING, SeqStatus.UNBORN))
+        if self.state_cache is not None:  # every snapshot is a tree node's or a running sequence's, or free
+            assert all(s.snapshot is None for s in self.waiting), "a waiting sequence holds a snapshot"
+            alive = {id(n) for n in self.cache._nodes()} | {id(s) for s in self.running}
+            self.state_cache.snapshots.check_integrity(alive=lambda holder: id(holder) in alive)

@@ -301,13 +301,18 @@ class ModelRunner:
     # -- hybrid models' recurrent states ----------------------------------------------------------------------
     def _allocate_states(self) -> int:
         """The recurrent-state slots: ``num_state_slots``, or max_num_seqs within a quarter of the KV budget (at
-        least one); returns their bytes (taken from the KV budget)."""
+        least one); and the prefix cache's snapshots: ``num_state_snapshots``, or (prefix caching on) as many as
+        another quarter of the budget holds, 2 to 4 per slot; returns their bytes (taken from the KV budget)."""
+        per_slot = RecurrentStateCache.slot_bytes(self.model_config, self.dtype)
+        budget = self.config.kv_cache_memory or default_kv_cache_bytes()
         num_slots = self.config.num_state_slots
         if num_slots is None:
-            per_slot = RecurrentStateCache.slot_bytes(self.model_config, self.dtype)
-            budget = self.config.kv_cache_memory or default_kv_cache_bytes()
             num_slots = max(1, min(self.config.max_num_seqs, budget // 4 // per_slot))
-        self.states = RecurrentStateCache(self.model_config, self.dtype, self.device, num_slots)
+        num_snapshots = self.config.num_state_snapshots
+        if num_snapshots is None:
+            num_snapshots = max(2, min(4 * num_slots, budget // 4 // per_slot)) \
+                if self.config.enable_prefix_caching else 0
+        self.states = RecurrentStateCache(self.model_config, self.dtype, self.device, num_slots, num_snapshots)
         return self.states.num_bytes
 
     @property
@@ -315,6 +320,7 @@ class ModelRunner:
         return self.states.pool if self.states is not None else None
 
     def copy_states(self, copies: list[tuple[int, int]]) -> None:
+        """Copy recurrent states row to row: forks (slot to slot), prefix-cache snapshots (slot to snapshot and back)."""
         if self.states is not None:
             self.states.copy(copies)
 

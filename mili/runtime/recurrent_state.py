@@ -1,7 +1,8 @@
 """The hybrid models' recurrent states on the device: for each linear-attention (Gated DeltaNet) layer, a
-conv state [slots, conv_dim, K - 1] in the model's dtype and an SSM state [slots, Hv, Dk, Dv] in
-``mamba_ssm_dtype`` (float32 unless the checkpoint says otherwise), one slot per running sequence; the
-slots' bookkeeping is a StatePool (cache/state_pool.py)."""
+conv state [rows, conv_dim, K - 1] in the model's dtype and an SSM state [rows, Hv, Dk, Dv] in
+``mamba_ssm_dtype`` (float32 unless the checkpoint says otherwise). Rows 0 .. slots - 1 are the running
+sequences' slots (bookkept by a StatePool, cache/state_pool.py); the rows after them are the prefix cache's
+snapshots (a SnapshotPool, cache/snapshot_pool.py), never read by a step: a hit copies one into a slot."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import logging
 
 import torch
 
+from mili.cache.snapshot_pool import SnapshotPool
 from mili.cache.state_pool import StatePool
 from mili.config import ModelConfig
 from mili.model.qwen3_5 import LinearAttentionShape, ssm_state_dtype
@@ -17,19 +19,22 @@ log = logging.getLogger("mili")
 
 
 class RecurrentStateCache:
-    def __init__(self, model_config: ModelConfig, dtype: torch.dtype, device: torch.device, num_slots: int):
+    def __init__(self, model_config: ModelConfig, dtype: torch.dtype, device: torch.device, num_slots: int,
+                 num_snapshots: int = 0):
         shape = LinearAttentionShape.of(model_config.hf_config)
         self.ssm_dtype = ssm_state_dtype(model_config.hf_config)
         self.num_layers = model_config.layer_types.count("linear_attention")
-        self.caches = [(torch.zeros(num_slots, *shape.conv_state_shape(), dtype=dtype, device=device),
-                        torch.zeros(num_slots, *shape.ssm_state_shape(), dtype=self.ssm_dtype, device=device))
+        rows = num_slots + num_snapshots
+        self.caches = [(torch.zeros(rows, *shape.conv_state_shape(), dtype=dtype, device=device),
+                        torch.zeros(rows, *shape.ssm_state_shape(), dtype=self.ssm_dtype, device=device))
                        for _ in range(self.num_layers)]
         self.pool = StatePool(num_slots)
+        self.snapshots = SnapshotPool(num_snapshots, first_row=num_slots)
         self.device = device
         self.bytes_per_slot = self.slot_bytes(model_config, dtype)
-        log.info("recurrent state: %d slots of %.2f MiB (%d linear-attention layers, SSM state in %s), %.1f MiB",
-                 num_slots, self.bytes_per_slot / 2**20, self.num_layers, str(self.ssm_dtype).removeprefix("torch."),
-                 self.num_bytes / 2**20)
+        log.info("recurrent state: %d slots + %d prefix-cache snapshots of %.2f MiB each (%d linear-attention "
+                 "layers, SSM state in %s), %.1f MiB", num_slots, num_snapshots, self.bytes_per_slot / 2**20,
+                 self.num_layers, str(self.ssm_dtype).removeprefix("torch."), self.num_bytes / 2**20)
 
     @staticmethod
     def slot_bytes(model_config: ModelConfig, dtype: torch.dtype) -> int:
@@ -42,10 +47,11 @@ class RecurrentStateCache:
 
     @property
     def num_bytes(self) -> int:
-        return self.pool.num_slots * self.bytes_per_slot
+        """Slots and snapshots together (both come out of the KV budget)."""
+        return (self.pool.num_slots + self.snapshots.num_snapshots) * self.bytes_per_slot
 
     def copy(self, copies: list[tuple[int, int]]) -> None:
-        """Copy states slot to slot ((src, dst) pairs) in every layer."""
+        """Copy states row to row ((src, dst) pairs: slots or snapshots) in every layer."""
         if not copies:
             return
         src = torch.tensor([s for s, _ in copies], device=self.device)

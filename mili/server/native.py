@@ -43,7 +43,8 @@ async def health(http: Request):
             "quantization": engine.info.quantization, "kv_cache_dtype": engine.info.kv_cache_dtype,
             "prefix_caching": engine.info.prefix_caching, "tool_call_parser": st.tool_call_parser,
             "engine_core_pid": engine.core_pid,
-            **({"recurrent_state_slots": engine.info.state_slots, "recurrent_state_bytes": engine.info.state_bytes}
+            **({"recurrent_state_slots": engine.info.state_slots, "recurrent_state_snapshots":
+                engine.info.state_snapshots, "recurrent_state_bytes": engine.info.state_bytes}
                if engine.info.state_slots else {}),
             # the engine core's counters, from its latest step message
             **st.metrics.snapshot}
