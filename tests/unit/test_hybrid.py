@@ -71,7 +71,10 @@ def _check_integrity(llm) -> None:
     llm.engine.check_integrity()
     runner = llm.engine.runner
     assert runner.state_pool.num_free == runner.state_pool.num_slots, "a finished sequence kept its state slot"
-    assert runner.pool.num_free == runner.pool.num_pages, "a finished sequence kept pages"
+    cache = llm.engine.prefix_cache
+    assert runner.pool.num_free + cache.num_evictable() == runner.pool.num_pages, "a finished sequence kept pages"
+    snapshots = runner.states.snapshots  # every snapshot left is a cache node's (none a finished sequence's)
+    assert snapshots.num_used == len(getattr(cache, "nodes_with_snapshots", list)())
 
 
 def _assert_matches(outs, reference, logprobs: bool = True) -> None:
@@ -102,7 +105,7 @@ def test_greedy_matches_hf_generate(hybrids, references, kind, caplog):
         prompts = [prompts[1], prompts[4], prompts[5]]
     with caplog.at_level(logging.INFO, logger="mili"):
         llm = LLM(str(hybrids(kind)), dtype="float32", max_num_batched_tokens=96, page_size=16)
-    assert "prefix caching off" in caplog.text
+    assert "prefix-cache snapshots" in caplog.text
     if kind == "qwen3_5_hub":  # the vision tower skipped with one line; the mtp.* tensors are no reason to refuse
         assert sum("vision tower" in r.message for r in caplog.records) == 1
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
