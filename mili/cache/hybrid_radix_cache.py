@@ -36,8 +36,10 @@ class HybridRadixCache(RadixCache):
     def match(self, token_ids: list[int]) -> list[int]:
         return self.match_state(token_ids)[0]
 
-    def match_state(self, token_ids: list[int]) -> tuple[list[int], _Node | None]:
-        """Pages of the longest cached prefix that ends at a snapshot, and that node (None: no hit)."""
+    def match_state(self, token_ids: list[int]) -> tuple[list[int], _Node | None, int]:
+        """Pages of the longest cached prefix that ends at a snapshot, and that node (None: no hit); and how many
+        tokens the cached pages match (at least as many: where this prompt parts from a cached one, the place
+        for a new snapshot)."""
         pages, usable, hit = [], 0, None
         now = next(self._clock)
         for node, n in self._walk(token_ids):
@@ -45,7 +47,7 @@ class HybridRadixCache(RadixCache):
             pages += node.pages[:n]
             if n == len(node.pages) and node.snapshot is not None:
                 usable, hit = len(pages), node
-        return pages[:usable], hit
+        return pages[:usable], hit, len(pages) * self.page_size
 
     def resume(self, node: _Node, slot: int) -> None:
         """Copy ``node``'s snapshot into a sequence's state slot (the sequence resumes at the node's end)."""

@@ -43,6 +43,7 @@ class Sequence:
     # (cache/snapshot_pool.py), at position ``snapshot_pos``; given to the prefix cache when it ends
     snapshot: int | None = None
     snapshot_pos: int = 0
+    branch_pos: int = 0  # hybrids: where its prompt parts from a cached one (a snapshot is taken there)
     finish_reason: str | None = None  # stop | length | abort
     stop_reason: int | None = None  # the stop token id that ended it (stop strings: the output processor)
     grammar: "SeqGrammar | None" = None  # structured outputs: this sequence's matcher

@@ -12,8 +12,10 @@ a sequence is admitted only when a slot is free, gives it back when it finishes 
 forked sequence's slot takes its parent's state once the step that forked it has run (``state_copies``).
 With the prefix cache on (cache/hybrid_radix_cache.py), a hybrid sequence resumes only where the cache holds
 a snapshot of the recurrent state, copied into its slot at admission. Snapshots are taken after the step
-that computed them: at the prompt's last page boundary before its last token (a prefill chunk is cut to end
-there), into the tree at once; at every page boundary while decoding, into the sequence's own snapshot
+that computed them, into the tree at once: at the prompt's last page boundary before its last token, and
+where its prompt parts from a cached one (the deepest page boundary the cached pages match, when no snapshot
+is there: the second request sharing a system prompt leaves one for the later ones); a prefill chunk is cut
+to end at each; at every page boundary while decoding, into the sequence's own snapshot
 (overwritten at the next one); and when the sequence ends or is preempted, its state at its end if that is
 page-aligned, else that held snapshot, goes into the tree.
 """
@@ -179,7 +181,7 @@ class Scheduler:
             return None
         node = None
         if self.state_cache is not None:
-            pages, node = self.state_cache.match_state(self._matchable(seq))
+            pages, node, seq.branch_pos = self.state_cache.match_state(self._matchable(seq))
         else:
             pages = self.cache.match(self._matchable(seq))
         self.pool.incref(pages)
@@ -193,9 +195,9 @@ class Scheduler:
         start = seq.num_computed_tokens
         n = min(seq.num_tokens - start, budget)
         if self.state_cache is not None:
-            boundary = self._prompt_boundary(seq)
-            if start < boundary < start + n:
-                n = boundary - start
+            for stop in (seq.branch_pos, self._prompt_boundary(seq)):
+                if start < stop < start + n:
+                    n = stop - start
         return n
 
     def _prompt_boundary(self, seq: Sequence) -> int:
@@ -258,7 +260,7 @@ class Scheduler:
         pos = seq.num_computed_tokens
         if pos == 0 or pos % self.pool.page_size:
             return
-        if pos == self._prompt_boundary(seq):  # into the tree now: requests sharing the prompt hit meanwhile
+        if pos in (seq.branch_pos, self._prompt_boundary(seq)):  # into the tree now: sharers hit meanwhile
             self.state_cache.keep_state(seq.token_ids[:pos], seq.page_table, seq.state_slot)
         elif pos > self._prompt_boundary(seq) and self.state_cache.hold_state(seq, seq.state_slot):
             seq.snapshot_pos = pos  # its own, overwritten at its next boundary

@@ -113,15 +113,20 @@ def test_multi_turn_resumes_where_the_reply_ended(checkpoints, pair):
     _whole(on)
 
 
-def test_shared_system_prompt_batch_hits_and_matches_cache_off(pair):
+def test_shared_system_prompt_hits_from_the_second_request_on(pair):
+    """The first request's snapshot is at its own prompt's last page boundary, past the shared part; the second
+    parts from it at page 9 (144 tokens), computes everything and leaves a snapshot there; the rest hit it."""
     on, off = pair("qwen3_next")
     system = _ids(150, 4)
-    prompts = [system + _ids(3 + 5 * i, 10 + i) for i in range(5)]
-    _run(on, prompts[:1])  # caches the system prompt's pages up to 144 and a snapshot there
-    got, cached = _run(on, prompts)
-    want, _ = _run(off, prompts)
-    assert got == want
-    assert cached[0] == 144 and all(c == 144 for c in cached[1:])
+    prompts = [system + _ids(30 + 5 * i, 10 + i) for i in range(6)]
+    got, cached = [], []
+    for p in prompts[:2]:  # one after the other
+        (out,), (c,) = _run(on, [p])
+        got, cached = got + [out], cached + [c]
+    rest, rest_cached = _run(on, prompts[2:] + prompts[:1])  # a batch: the later ones, and the first again
+    want, _ = _run(off, prompts + prompts[:1])
+    assert got + rest == want
+    assert cached == [0, 0] and rest_cached == [144] * 4 + [176]
     _whole(on)
 
 

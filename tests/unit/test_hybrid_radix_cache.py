@@ -32,12 +32,12 @@ def test_hits_stop_at_the_deepest_snapshot_and_survive_splits():
     a = list(range(20))  # 5 pages
     pages = pool.allocate(5)
     cache.insert(a, pages)  # pages only: no snapshot, no hit
-    assert cache.match_state(a) == ([], None)
+    assert cache.match_state(a)[:2] == ([], None)
     cache.keep_state(a[:12], pages, slot=1)  # splits the node at 12: the lower part keeps nothing, the upper
     assert copies == [(1, SLOTS)]              # ... gets the snapshot copied from slot 1
-    got, node = cache.match_state(a)
-    assert got == pages[:3] and node.snapshot == SLOTS
-    assert cache.match_state(a[:11]) == ([], None)  # a partial node: its snapshot is not at a reachable end
+    got, node, matched = cache.match_state(a)
+    assert got == pages[:3] and node.snapshot == SLOTS and matched == 20  # the pages match further
+    assert cache.match_state(a[:11])[:2] == ([], None)  # a partial node: its snapshot is not at a reachable end
     cache.keep_state(a[:8], pages, slot=0)  # splits above the snapshot: the snapshot stays at position 12
     assert cache.match_state(a)[1].snapshot == SLOTS and cache.match_state(a[:10])[0] == pages[:2]
     cache.keep_state(a[:12], pages, slot=0)  # already there: no copy
@@ -58,7 +58,7 @@ def test_held_snapshots_are_adopted_or_freed_and_lru_snapshots_make_room():
     cache.keep_state(b, pb, slot=1)
     cache.match_state(a)  # a is now more recent than b
     cache.keep_state(c, pc, slot=0)  # the pool is full: b's snapshot (least recently used) goes
-    assert cache.match_state(b) == ([], None) and cache.match_state(a)[0] == pa and cache.match_state(c)[0] == pc
+    assert cache.match_state(b)[:2] == ([], None) and cache.match_state(a)[0] == pa and cache.match_state(c)[0] == pc
     other = SimpleNamespace(snapshot=None)
     assert cache.hold_state(other, slot=1)  # a running sequence takes one from the tree too
     cache.adopt_state(a, pa, other)  # a already has one: the held row is freed
