@@ -1,0 +1,120 @@
+"""The hybrid prefix cache (KV pages + recurrent-state snapshots) on vs off, in one run, on a random hybrid of
+the Qwen3.5-0.8B shape cut to a few layers (three Gated DeltaNet layers in four, the real widths and vocabulary).
+
+  shared -- a 1,000-token system prompt plus a short unique question per request, sent one after another:
+            TTFT of a miss (cache off; and the first two requests with it on: the first leaves a snapshot at
+            its own prompt's end, the second one where it parts from the first) vs a hit (the later ones).
+  chat   -- one conversation, each turn resending the whole history plus a new user message: TTFT of the
+            later turns (they resume where the previous reply ended).
+
+    python benchmarks/hybrid_prefix_cache.py [--layers 8] [--system 1000] [--dtype float32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from common import CACHE, DATA, machine, percentile, print_table, random_prompt, run_batch, ttft
+
+from mili.config import EngineConfig
+from mili.engine.engine import LLMEngine
+from mili.sampling_params import SamplingParams
+
+SHAPES = Path(os.environ.get("MILI_QWEN35_CONFIGS", Path(__file__).resolve().parents[2] / "shared" / "qwen3.5"))
+
+
+def hybrid_checkpoint(layers: int, dtype: torch.dtype) -> str:
+    """A random-weight Qwen3.5-0.8B-shaped text model cut to ``layers`` layers, with the Qwen3 tokenizer; built once."""
+    from transformers import AutoTokenizer, Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    path = CACHE / f"Qwen3.5-0.8B-random-{str(dtype).removeprefix('torch.')}-{layers}layers"
+    if (path / "model.safetensors").is_file():
+        return str(path)
+    config = json.loads((SHAPES / "Qwen3.5-0.8B.config.json").read_text())
+    text = {k: v for k, v in config.get("text_config", config).items() if k not in ("model_type", "dtype")}
+    text.update(num_hidden_layers=layers, layer_types=text["layer_types"][:layers])
+    torch.manual_seed(0)
+    model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**text)).to(dtype).eval()
+    tmp = path.with_name(path.name + ".tmp")
+    model.save_pretrained(tmp)
+    AutoTokenizer.from_pretrained(DATA / "qwen3-tokenizer").save_pretrained(tmp)
+    os.replace(tmp, path)
+    return str(path)
+
+
+def shared(engines, args) -> dict:
+    """Request i goes to the cache-off engine, then to the cache-on one (interleaved: a busy machine's noise
+    falls on both alike)."""
+    system, outs = random_prompt(args.system, 1), {label: [] for label in engines}
+    params = SamplingParams(temperature=0, max_tokens=args.out, ignore_eos=True)
+    for i in range(args.requests):
+        for label, engine in engines.items():
+            outs[label].append(run_batch(engine, [system + random_prompt(args.question, 100 + i)], params)[0][0])
+    return outs
+
+
+def chat(engines, args) -> dict:
+    histories = {label: random_prompt(args.system, 2) for label in engines}
+    outs = {label: [] for label in engines}
+    params = SamplingParams(temperature=0, max_tokens=args.answer, ignore_eos=True)
+    for turn in range(args.turns):
+        for label, engine in engines.items():
+            (out,), _ = run_batch(engine, [histories[label] + random_prompt(args.user, 300 + turn)], params)
+            outs[label].append(out)
+            histories[label] = list(out.prompt_token_ids) + out.outputs[0].token_ids
+    return outs
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"],
+                   help="float32 by default: the hybrids run on torch's CPU path, where bf16 is slow without AMX")
+    p.add_argument("--system", type=int, default=1000, help="shared system prompt tokens")
+    p.add_argument("--question", type=int, default=32, help="unique tokens per shared-prompt request")
+    p.add_argument("--requests", type=int, default=6)
+    p.add_argument("--out", type=int, default=4, help="output tokens per shared-prompt request")
+    p.add_argument("--user", type=int, default=100, help="tokens per user message (chat)")
+    p.add_argument("--answer", type=int, default=24, help="tokens per answer (chat)")
+    p.add_argument("--turns", type=int, default=4)
+    args = p.parse_args()
+
+    dtype = getattr(torch, args.dtype)
+    path = hybrid_checkpoint(args.layers, dtype)
+    engines = {label: LLMEngine(EngineConfig(model=path, dtype=args.dtype, max_model_len=4096,
+                                             kv_cache_memory=1 << 30, enable_prefix_caching=on))
+               for label, on in (("off", False), ("on", True))}
+    results = {}
+    for name, workload in (("shared", shared), ("chat", chat)):
+        for label, outs in workload(engines, args).items():
+            results[name, label] = outs
+        print(f"  {name}: done", file=sys.stderr, flush=True)
+
+    print(f"\nMILI hybrid prefix cache, Qwen3.5-0.8B shape cut to {args.layers} layers, random weights, {args.dtype}, "
+          f"{machine()}")
+    print(f"shared: {args.requests} requests in turn, {args.system}-token system prompt + {args.question} unique "
+          f"tokens, {args.out} output tokens; chat: {args.turns} turns, system {args.system}, user {args.user}, "
+          f"answers {args.answer} tokens (greedy, ignore_eos)")
+    rows = []
+    for (name, label), outs in results.items():
+        for i, out in enumerate(outs):
+            rows.append([name, label, i + 1, len(out.prompt_token_ids), out.num_cached_tokens, ttft(out)])
+    print_table("TTFT per request (seconds)", ["workload", "cache", "request", "prompt", "cached", "TTFT"], rows,
+                digits=3)
+    for name, first in (("shared", 2), ("chat", 1)):
+        miss = percentile([ttft(o) for o in results[name, "off"][first:]], 50)
+        hit = percentile([ttft(o) for o in results[name, "on"][first:]], 50)
+        agree = [a == b for x, y in zip(results[name, "off"], results[name, "on"])
+                 for a, b in zip(x.outputs[0].token_ids, y.outputs[0].token_ids)]
+        print(f"{name}: TTFT p50 of requests {first + 1}+: hit {hit:.3f} s / miss {miss:.3f} s = {hit / miss:.3f} "
+              f"(target <= 0.2); output tokens equal on/off: {100 * sum(agree) / len(agree):.1f}%")
+
+
+if __name__ == "__main__":
+    main()
