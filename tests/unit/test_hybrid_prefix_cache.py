@@ -175,3 +175,16 @@ def test_aborts_and_preemption_return_slots_and_snapshots(checkpoints):
     engine.check_integrity()
     assert not core.scheduler.has_work()
     _whole(llm)
+
+
+def test_ready_counts_snapshots_and_zero_snapshots_turn_the_cache_off(checkpoints, pair, caplog):
+    on, _ = pair("qwen3_5")
+    ready, states = on.engine.core.ready(), on.engine.runner.states
+    assert ready.prefix_caching and ready.state_snapshots == states.snapshots.num_snapshots > 0
+    assert ready.state_bytes == (ready.state_slots + ready.state_snapshots) * states.bytes_per_slot
+    with caplog.at_level("INFO", logger="mili"):
+        none = LLM(str(checkpoints("qwen3_5")), dtype="float32", page_size=16, num_state_snapshots=0)
+    assert "prefix caching off: num_state_snapshots is 0" in caplog.text
+    assert "0 prefix-cache snapshots" in caplog.text and not none.engine.core.ready().prefix_caching
+    prompt = _ids(40, 9)
+    assert _run(none, [prompt, prompt])[1] == [0, 0]
