@@ -10,14 +10,8 @@ sequence from the longest prefix the cache holds.
 Hybrid models (``states``): every admitted sequence also holds a recurrent-state slot (cache/state_pool.py);
 a sequence is admitted only when a slot is free, gives it back when it finishes or is preempted, and a
 forked sequence's slot takes its parent's state once the step that forked it has run (``state_copies``).
-With the prefix cache on (cache/hybrid_radix_cache.py), a hybrid sequence resumes only where the cache holds
-a snapshot of the recurrent state, copied into its slot at admission. Snapshots are taken after the step
-that computed them, into the tree at once: at the prompt's last page boundary before its last token, and
-where its prompt parts from a cached one (the deepest page boundary the cached pages match, when no snapshot
-is there: the second request sharing a system prompt leaves one for the later ones); a prefill chunk is cut
-to end at each; at every page boundary while decoding, into the sequence's own snapshot
-(overwritten at the next one); and when the sequence ends or is preempted, its state at its end if that is
-page-aligned, else that held snapshot, goes into the tree.
+With the prefix cache on, a hybrid sequence resumes only from a snapshot of the recurrent state: where
+they are taken, and how chunks are cut for them, is ``state_snapshots.py``'s.
 """
 
 from __future__ import annotations
@@ -31,6 +25,7 @@ from mili.cache.page_pool import PagePool
 from mili.cache.radix_cache import PrefixCache
 from mili.cache.state_pool import StatePool
 from mili.engine.request import Request, Sequence, SeqStatus
+from mili.engine.state_snapshots import StateSnapshots
 
 LPM_MAX_QUEUE = 128  # above this many waiting, matching them all each step costs more than it saves
 
@@ -63,8 +58,9 @@ class Scheduler:
     def __init__(self, pool: PagePool, cache: PrefixCache, max_num_seqs: int, max_num_batched_tokens: int,
                  policy: str = "fcfs", starvation_steps: int = 64, states: StatePool | None = None):
         self.pool, self.cache, self.states = pool, cache, states
-        # hybrids with the prefix cache: the cache that keeps recurrent-state snapshots
-        self.state_cache = cache if states is not None and isinstance(cache, HybridRadixCache) else None
+        # hybrids with the prefix cache: where recurrent-state snapshots are taken and resumed from
+        self.snapshots = StateSnapshots(cache, pool.page_size) \
+            if states is not None and isinstance(cache, HybridRadixCache) else None
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.policy = policy
@@ -133,7 +129,7 @@ class Scheduler:
             for each in slotless:
                 self.states.allocate(each)
             if resume_at is not None:  # (the matched node's pages are held: nothing evicted it meanwhile)
-                self.state_cache.resume(resume_at, seq.state_slot)
+                self.snapshots.resume(resume_at, seq)
             self.waiting.popleft()
             self._enqueued_at.pop(seq, None)
             if seq.index == 0 and seq.request.num_cached_tokens is None:  # what the client is told
@@ -180,8 +176,8 @@ class Scheduler:
         if seq.page_table:
             return None
         node = None
-        if self.state_cache is not None:
-            pages, node, seq.branch_pos = self.state_cache.match_state(self._matchable(seq))
+        if self.snapshots is not None:
+            pages, node = self.snapshots.match(seq, self._matchable(seq))
         else:
             pages = self.cache.match(self._matchable(seq))
         self.pool.incref(pages)
@@ -190,21 +186,10 @@ class Scheduler:
         return node
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
-        """Tokens ``seq`` computes this step: all it has, within the budget; hybrids with the prefix cache stop
-        a prefill chunk at the prompt's snapshot boundary, so its state there can be copied after the step."""
-        start = seq.num_computed_tokens
-        n = min(seq.num_tokens - start, budget)
-        if self.state_cache is not None:
-            for stop in (seq.branch_pos, self._prompt_boundary(seq)):
-                if start < stop < start + n:
-                    n = stop - start
-        return n
-
-    def _prompt_boundary(self, seq: Sequence) -> int:
-        """The last page boundary before the prompt's last token (0 for a prompt within one page): a request
-        repeating the prompt, or extending it, resumes there."""
-        size = self.pool.page_size
-        return (seq.prompt_len - 1) // size * size
+        """Tokens ``seq`` computes this step: all it has, within the budget (hybrids: a chunk ends where a
+        snapshot is to be taken)."""
+        n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        return n if self.snapshots is None else self.snapshots.cut(seq, n)
 
     def _reserve(self, seq: Sequence, n: int, copies: list[tuple[int, int]]) -> bool:
         """Give ``seq`` pages for ``n`` more tokens, copying a shared page it would write into."""
@@ -250,32 +235,10 @@ class Scheduler:
             seq = s.seq
             before = seq.num_computed_tokens
             seq.num_computed_tokens += s.num_new_tokens
-            if self.state_cache is not None:
-                self._snapshot(seq)
+            if self.snapshots is not None:
+                self.snapshots.after_step(seq)
             if before < seq.prompt_len <= seq.num_computed_tokens:
                 self.cache.insert(seq.token_ids[:seq.num_computed_tokens], seq.page_table)
-
-    def _snapshot(self, seq: Sequence) -> None:
-        """Hybrids, after a step: keep ``seq``'s state where it ended if that is a snapshot position."""
-        pos = seq.num_computed_tokens
-        if pos == 0 or pos % self.pool.page_size:
-            return
-        if pos in (seq.branch_pos, self._prompt_boundary(seq)):  # into the tree now: sharers hit meanwhile
-            self.state_cache.keep_state(seq.token_ids[:pos], seq.page_table, seq.state_slot)
-        elif pos > self._prompt_boundary(seq) and self.state_cache.hold_state(seq, seq.state_slot):
-            seq.snapshot_pos = pos  # its own, overwritten at its next boundary
-
-    def _keep_final_state(self, seq: Sequence) -> None:
-        """Hybrids: a sequence leaving (finished, aborted, preempted) gives the tree its state at its end when
-        that is page-aligned, else the snapshot of its latest page boundary."""
-        pos = seq.num_computed_tokens
-        if seq.snapshot is not None and seq.snapshot_pos == pos:
-            self.state_cache.adopt_state(seq.token_ids[:pos], seq.page_table, seq)
-        elif seq.state_slot is not None and pos and pos % self.pool.page_size == 0:
-            self.state_cache.keep_state(seq.token_ids[:pos], seq.page_table, seq.state_slot)
-        elif seq.snapshot is not None:
-            self.state_cache.adopt_state(seq.token_ids[:seq.snapshot_pos], seq.page_table, seq)
-        self.state_cache.snapshots.free(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         self._release(seq)
@@ -287,13 +250,12 @@ class Scheduler:
         """Put the sequence's computed full pages in the cache, then drop its own references."""
         if seq.page_table:
             self.cache.insert(seq.token_ids[:seq.num_computed_tokens], seq.page_table)
-            if self.state_cache is not None:
-                self._keep_final_state(seq)
+        if self.snapshots is not None:  # (before its pages go: the tree takes them with its state)
+            self.snapshots.release(seq)
+        if seq.page_table:
             self.pool.decref(seq.page_table)
         seq.page_table = []
         seq.num_computed_tokens = 0
-        if self.state_cache is not None:
-            self.state_cache.snapshots.free(seq)
         if self.states is not None:  # its slot is not kept: it resumes from a snapshot or recomputes
             self.states.free(seq)
 
@@ -316,7 +278,5 @@ class Scheduler:
         if self.states is not None:
             assert all(s.state_slot is not None for s in self.running), "a running sequence holds no state slot"
             self.states.check_integrity(alive=lambda s: s.status in (SeqStatus.RUNNING, SeqStatus.UNBORN))
-        if self.state_cache is not None:  # every snapshot is a tree node's or a running sequence's, or free
-            assert all(s.snapshot is None for s in self.waiting), "a waiting sequence holds a snapshot"
-            alive = {id(n) for n in self.cache._nodes()} | {id(s) for s in self.running}
-            self.state_cache.snapshots.check_integrity(alive=lambda holder: id(holder) in alive)
+        if self.snapshots is not None:
+            self.snapshots.check_integrity(self.running, self.waiting)
