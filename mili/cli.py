@@ -210,7 +210,7 @@ def _torchrun(args: argparse.Namespace, rank: int) -> int:
     if rank == 0:
         return args.func(args)
     from mili.engine.input_processor import InputProcessor
-    from mili.runtime.parallel import worker_main
+    from mili.runtime.model_runner import worker_main
 
     config = EngineConfig(**engine_kwargs(args))
     inputs = InputProcessor(config)  # the checkpoint's config, refused here as on rank 0 if MILI can't run it

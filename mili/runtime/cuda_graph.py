@@ -12,7 +12,7 @@ import logging
 
 import torch
 
-from mili.runtime.attention.base import ForwardBatch
+from mili.model.batch import ForwardBatch
 
 log = logging.getLogger("mili")
 

@@ -6,6 +6,7 @@ import ctypes
 import functools
 import itertools
 import logging
+import signal
 import os
 from concurrent.futures import Future
 
@@ -25,8 +26,9 @@ from mili.model.cpu_linear import (fp8_gemm_available, fp8_round_trip_linears, i
 from mili.model.loader import load_weights
 from mili.model.qwen3 import Qwen3ForCausalLM
 from mili.model.qwen3_5 import Qwen3_5ForCausalLM
+from mili.process import die_with_parent
 from mili.runtime import parallel
-from mili.runtime.attention.base import ForwardBatch
+from mili.model.batch import ForwardBatch
 from mili.runtime.attention.torch_backend import TorchAttentionBackend
 from mili.runtime.recurrent_state import RecurrentStateCache
 from mili.runtime.prompt_logprobs import PromptScorer, rows_per_slice
@@ -60,7 +62,7 @@ class ModelRunner:
             if rank == 0 and parallel.torchrun_rank() is not None:
                 address = "env://"  # the other ranks are torchrun's processes
             elif rank == 0:
-                self.workers, address = parallel.start_workers(config, model_config, path)
+                self.workers, address = parallel.start_workers(worker_main, config, model_config, path)
             if self.device.type == "cuda":
                 self.device = torch.device("cuda", parallel.local_rank(rank))
             parallel.init_group(rank, self.tp_size, address, self.device)
@@ -494,3 +496,18 @@ class ModelRunner:
                 out.logprobs.append(None)
                 out.errors[row] = f"sampling its token failed: {type(e).__name__}: {e}"
         return out
+
+
+def worker_main(config, model_config, path: str, rank: int, address: str, parent_pid: int) -> None:
+    """A tensor-parallel rank > 0: build its runner (joining the group, loading its shard), then run the steps
+    rank 0 broadcasts until it says stop or goes away."""
+    die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if config.torch_device.type == "cuda":
+        torch.cuda.set_device(parallel.local_rank(rank))
+    runner = ModelRunner(config, model_config, path, rank=rank, address=address)
+    try:
+        runner.serve_steps()
+    except Exception as e:  # rank 0 went away (its socket closed): nothing left to serve
+        log.info("tensor-parallel rank %d stops: %s", rank, e)
+    raise SystemExit(0)

@@ -16,7 +16,7 @@ from mili.config import ModelConfig
 from mili.errors import ModelLoadError
 from mili.model.loader import load_hf_config, load_weights
 from mili.model.qwen3_5 import Qwen3_5ForCausalLM
-from mili.runtime.attention.base import ForwardBatch
+from mili.model.batch import ForwardBatch
 from mili.runtime.attention.torch_backend import TorchAttentionBackend
 
 PROMPT_LENS = [1, 5, 17, 64, 150, 311]  # 150 and 311 are prefilled in chunks (budget 96 tokens)
