@@ -70,8 +70,13 @@ def _grouped_gemm(a, w, out, pairs, block_expert, weights, num_pairs, top_k, row
     grid = (block_expert.numel(), triton.cdiv(n, BLOCK_N))
     _grouped_gemm_kernel[grid](a, w, out, pairs, block_expert, weights, num_pairs, n, k,
                                a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-                               TOP_K=top_k, ROW_PER_PAIR=row_per_pair, MUL_WEIGHT=mul_weight,
-                               BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+                               **grouped_gemm_meta(top_k, row_per_pair, mul_weight))
+
+
+def grouped_gemm_meta(top_k: int, row_per_pair: bool, mul_weight: bool) -> dict:
+    """The first GEMM (gate|up: a token's row, no weight) or the second (down: the pair's row, weighted)."""
+    return dict(TOP_K=top_k, ROW_PER_PAIR=row_per_pair, MUL_WEIGHT=mul_weight, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                BLOCK_K=BLOCK_K)
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
