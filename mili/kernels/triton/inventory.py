@@ -149,10 +149,10 @@ def risk(launch: Launch) -> int:
 
 
 def representatives(all_launches: list[Launch]) -> list[Launch]:
-    """One launch per (kernel, phase, FP8-ness): the riskiest."""
+    """One launch per (kernel, phase, FP8-ness, float32 dots): the riskiest."""
     best: dict[tuple, Launch] = {}
     for launch in all_launches:
-        key = (launch.kernel, launch.phase, launch.needs_fp8)
+        key = (launch.kernel, launch.phase, launch.needs_fp8, dict(launch.constexprs).get("EXACT", False))
         if key not in best or risk(launch) > risk(best[key]):
             best[key] = launch
     return list(best.values())
