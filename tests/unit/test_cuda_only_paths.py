@@ -59,15 +59,17 @@ class EagerGraphs(CudaGraphRunner):
 
 
 def _greedy(llm, prompts):
-    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                                          use_tqdm=False)]
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe", "dense_fp8_kv"])
+@pytest.mark.parametrize("kind", ["moe", "dense_fp8_kv", pytest.param("dense", marks=pytest.mark.slow)])
 def test_graph_replay_path_equals_eager(kind, tiny_checkpoint, tmp_path):
-    path = build_moe_checkpoint(tmp_path / "moe") if kind == "moe" else tiny_checkpoint
-    kw = dict(dtype="bfloat16" if kind.endswith("fp8_kv") else "float32", attention_backend="triton",
+    """Greedy tokens through the graph path (3 sequences padded to 4) are the eager path's (bf16; float32
+    under the slow marker: the interpreter's float32 path is slower)."""
+    path = build_moe_checkpoint(tmp_path / "moe", num_hidden_layers=1) if kind == "moe" else tiny_checkpoint
+    kw = dict(dtype="float32" if kind == "dense" else "bfloat16", attention_backend="triton",
               enforce_eager=True, max_num_seqs=4, kv_cache_memory=2**20)
     if kind.endswith("fp8_kv"):
         kw["kv_cache_dtype"] = "fp8"
@@ -79,7 +81,7 @@ def test_graph_replay_path_equals_eager(kind, tiny_checkpoint, tmp_path):
     assert runner.graphs.sizes == [1, 2, 4] and set(runner.graphs.graphs) == {1, 2, 4}
     EagerGraphs.replays = 0
     assert _greedy(llm, prompts) == eager
-    assert EagerGraphs.replays >= 3  # the decode steps went through the graphs
+    assert EagerGraphs.replays >= 2  # the decode steps went through the graphs
     llm.engine.check_integrity()
 
 
