@@ -106,7 +106,8 @@ def _gemm_checks(dev, dtype, fp8_act: bool) -> list[tuple[str, bool, str]]:
         out.append((f"FP8 GEMM {kind} ({phase})", *_close(got, want, TOL[dtype])))
         got = qg.int4_linear(x, packed, zeros.to(dev), scales.to(dev))
         want = ref.int4_linear(x.cpu(), values, zeros, scales)
-        out.append((f"AWQ int4 GEMM ({phase})", *_close(got, want, (0.05, 0.02) if dtype != torch.float32 else (1e-4, 1e-4))))
+        tol = (0.05, 0.02) if dtype != torch.float32 else (1e-4, 1e-4)
+        out.append((f"AWQ int4 GEMM ({phase})", *_close(got, want, tol)))
     return out
 
 

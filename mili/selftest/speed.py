@@ -77,7 +77,8 @@ def _measure_one(path: Path, device: str, quick: bool, label: str, extra: dict, 
         bandwidth = copy_bandwidth(engine.runner.device, 64 if quick else 1024)
         rows.append(("copy roofline", f"{bandwidth / 1e9:.1f} GB/s"))
     step_bytes = weight_bytes_per_step(engine.runner.model)
-    rows.append((f"{label}: weights read a decode step", f"{step_bytes / 2**20:.1f} MiB ({engine.runner.weight_format})"))
+    rows.append((f"{label}: weights read a decode step",
+                 f"{step_bytes / 2**20:.1f} MiB ({engine.runner.weight_format})"))
     vocab = engine.runner.model_config.vocab_size
     g = torch.Generator().manual_seed(0)
     _run(engine, [torch.randint(0, min(vocab, 256), (8,), generator=g).tolist()], [4])  # warm-up

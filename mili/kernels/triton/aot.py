@@ -119,8 +119,9 @@ def ptxas_usage(ptx: str) -> tuple[int, int]:
         src = os.path.join(tmp, "k.ptx")
         with open(src, "w") as f:
             f.write(ptx)
-        log = subprocess.run([_ptxas(int(re.sub(r"\D", "", arch))), "-v", f"--gpu-name={arch}", src, "-o", os.path.join(tmp, "k.cubin")],
-                             capture_output=True, text=True, check=True).stderr
+        command = [_ptxas(int(re.sub(r"\D", "", arch))), "-v", f"--gpu-name={arch}", src, "-o",
+                   os.path.join(tmp, "k.cubin")]
+        log = subprocess.run(command, capture_output=True, text=True, check=True).stderr
     regs, spills = _REGS.search(log), _PTXAS_LINE.search(log)
     return int(regs.group(1)) if regs else 0, int(spills.group(1)) if spills else 0
 

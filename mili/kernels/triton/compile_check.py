@@ -6,8 +6,9 @@ block, fit the GEMMs' shared-memory bound the runtime choice relies on, and spil
 
 prints the inventory (kernel, target, config, shared memory, registers, spills) and exits 1 if anything
 fails. Without ``--full``: one launch per kernel, phase, FP8-ness and float32-ness (the riskiest) per
-target, bf16 and float32, page size 16. ``--broken`` adds a deliberately too-large tile (sm_80), which must fail. ``run`` starts it in a
-process without ``TRITON_INTERPRET`` (the tests set it; compilation needs real ``@triton.jit`` kernels).
+target, bf16 and float32, page size 16. ``--broken`` adds a deliberately too-large tile (sm_80), which must
+fail. ``run`` starts it in a process without ``TRITON_INTERPRET`` (the tests set it; compilation needs real
+``@triton.jit`` kernels).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import replace
 from pathlib import Path
 
 CONFIGS = Path(__file__).resolve().parents[3] / "tests" / "data" / "qwen3_configs.json"

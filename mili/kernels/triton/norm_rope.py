@@ -86,6 +86,7 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
     for x, w in ((q, q_weight), (k, k_weight)):
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         _qk_norm_rope_kernel[(x.shape[0], x.shape[1])](x, w, cos, sin, out, eps, x.stride(0), x.stride(1),
-                                                       out.stride(0), out.stride(1), cos.stride(0), **qk_norm_rope_meta(d))
+                                                       out.stride(0), out.stride(1), cos.stride(0),
+                                                       **qk_norm_rope_meta(d))
         outs.append(out)
     return outs[0], outs[1]
