@@ -46,7 +46,7 @@ def test_every_launch_of_every_supported_shape_compiles():
 
 
 def test_the_check_fails_on_a_tile_too_large_for_sm80():
-    out = _run(["--targets", "sm_80", "--broken"])
+    out = _run(["--targets", "", "--broken"])  # the broken launch alone
     broken = [line for line in out.splitlines() if "| broken " in line]
     assert broken and "FAIL: shared memory" in broken[0] and "sm_80's 166912 B per block" in broken[0]
 

@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         print("compile_check: TRITON_INTERPRET=1 is set; use compile_check.run() or unset it", file=sys.stderr)
         return 2
     start = time.perf_counter()
-    rows = check(args.targets.split(","), args.full, args.jobs, args.broken)
+    rows = check([t for t in args.targets.split(",") if t], args.full, args.jobs, args.broken)
     print_table(rows)
     failed = [r for r in rows if r["problems"]]
     print(f"\n{len(rows)} launches compiled for {args.targets} in {time.perf_counter() - start:.0f} s: "
