@@ -2,8 +2,8 @@
 configurations the runner launches (``mili/kernels/triton/compile_check.py``): it compiles, fits the target's
 shared memory per block, and spills no more than its stated bound. The default run keeps one launch per
 kernel, phase and FP8-ness per target (about a minute on 2 cores); ``-m slow`` compiles every distinct launch
-of Qwen3 0.6B-32B and 30B-A3B in bf16, fp16 and float32, FP8 and AWQ weights, FP8 KV pages, page sizes 16
-and 64. The check runs in a subprocess: tests/conftest.py sets TRITON_INTERPRET=1, under which kernels
+of Qwen3 0.6B-32B and 30B-A3B in bf16, fp16 and float32, FP8 and AWQ weights, FP8 KV pages, page sizes
+16, 32 and 64. The check runs in a subprocess: tests/conftest.py sets TRITON_INTERPRET=1, under which kernels
 cannot be compiled.
 
 The device-dependent choices (tiles and stages by shared memory, split K by SM count, start-up refusal)

@@ -18,7 +18,7 @@ from mili.model.gpu_linear import fp8_activations
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ROWS = (1, 4, 8, 16, 32, 64, 256, 2048)  # decode batches (CUDA graphs' ladder) and prefill chunks
-PAGE_SIZES = (16, 64)
+PAGE_SIZES = (16, 32, 64)  # what the Triton backend accepts (config.py)
 MAX_MODEL_LENS = (256, 4096, 40960)  # fixes the decode split count, hence the reduce kernel's BLOCK_S
 AWQ_GROUPS = (128, 64, 32)
 F32, I32, I64, F8, U8 = torch.float32, torch.int32, torch.int64, torch.float8_e4m3fn, torch.uint8
