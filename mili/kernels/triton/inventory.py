@@ -113,7 +113,7 @@ def _moe(cfg: dict, dtype) -> list[Launch]:
     if not cfg.get("num_experts"):
         return []
     return [Launch("fused_moe._grouped_gemm_kernel", "any",
-                   _consts(fused_moe.grouped_gemm_meta(cfg["num_experts_per_tok"], second, second)),
+                   _consts(fused_moe.grouped_gemm_meta(cfg["num_experts_per_tok"], second, second, dtype)),
                    _ptrs(A=dtype, W=dtype, C=dtype, PAIRS=I64, BLOCK_EXPERT=I64, WEIGHTS=dtype),
                    aligned=("N", "K", "stride_am", "stride_we", "stride_wn", "stride_cm")) for second in (False, True)]
 
