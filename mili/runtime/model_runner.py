@@ -76,6 +76,8 @@ class ModelRunner:
         if self.hybrid and self.attention_backend != "torch":
             raise InvalidRequest("hybrid models run on the torch attention backend for now", param="attention_backend")
         self.kv_dtype = self._kv_cache_dtype()
+        if self.device.type == "cuda" and self.attention_backend == "triton":
+            self._check_triton_device()
         self.cpu_kernels = self._use_cpu_kernels()
         backend, ops = self._backend_and_ops()
         self.attention = backend
@@ -138,6 +140,8 @@ class ModelRunner:
         if self.triton_linears:
             from mili.model import gpu_linear
 
+            if self.device.type == "cuda":
+                self._check_triton_device()
             fp8_act = gpu_linear.device_fp8_activations(self.device, self.dtype)
             swap_linears(self.model, "plain", quantized=quantized,
                          make_quantized=functools.partial(gpu_linear.quantized_layer, fp8_activations=fp8_act))
@@ -174,6 +178,13 @@ class ModelRunner:
             raise InvalidRequest("--kv-cache-dtype fp8 needs a GPU with FP8 (compute capability 8.9 or later)",
                                  param="kv_cache_dtype")
         return torch.float8_e4m3fn
+
+    def _check_triton_device(self) -> None:
+        """Refuse a GPU the Triton kernels cannot run on (before anything is launched); every tile they pick
+        for it fits its shared memory (mili/kernels/triton/launch.py, checked by the compile check)."""
+        from mili.kernels.triton.launch import check_device, device_spec
+
+        check_device(device_spec(self.device), self.dtype, self.kv_dtype == torch.float8_e4m3fn)
 
     @property
     def kv_cache_dtype(self) -> str:
