@@ -14,7 +14,7 @@ import torch
 from mili.kernels.triton import attention, fused_moe, norm_rope, quant_gemm
 from mili.kernels.triton.aot import Launch
 from mili.kernels.triton.launch import DeviceSpec, gemm_smem_bound
-from mili.model.gpu_linear import fp8_activations
+from mili.kernels.triton.quant_gemm import fp8_activations
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ROWS = (1, 4, 8, 16, 32, 64, 256, 2048)  # decode batches (CUDA graphs' ladder) and prefill chunks

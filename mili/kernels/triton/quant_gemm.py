@@ -210,3 +210,11 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, sca
     args = (x, qweight, zeros, scales, k, x.stride(0), qweight.stride(0), zeros.stride(0), scales.stride(0))
     return _launch(_int4_gemm_kernel, x, x.dtype, 0.5, n, k // block_k, x.dtype, split_k, args, GROUP=group,
                    BLOCK_K=block_k)
+
+
+def fp8_activations(device_type: str, capability: tuple[int, int] | None, dtype: torch.dtype) -> bool:
+    """Whether FP8 weights multiply FP8 activations (W8A8): on GPUs with FP8 (SM 89+) in a 16-bit model.
+    Older GPUs and float32 models run weight-only; the CPU (TRITON_INTERPRET) runs what an H100 runs."""
+    if dtype == torch.float32:
+        return False
+    return device_type == "cpu" or (capability is not None and capability >= (8, 9))
