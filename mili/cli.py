@@ -1,4 +1,4 @@
-"""The `mili` command: serve, generate, bench."""
+"""The `mili` command: serve, generate, bench, selftest."""
 
 from __future__ import annotations
 
@@ -197,7 +197,20 @@ def build_parser() -> argparse.ArgumentParser:
     from mili.bench import add_parser as add_bench_parser
 
     add_bench_parser(sub)
+    st = sub.add_parser("selftest", help="check that MILI is right and fast on this machine (one table; attach it "
+                                         "to a bug report); exits 1 if anything fails")
+    st.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                    help="auto: CUDA when torch sees a GPU, else the CPU")
+    st.add_argument("--quick", action="store_true", help="a tiny benchmark instead of the 0.6B-shaped one")
+    st.set_defaults(func=cmd_selftest)
     return parser
+
+
+def cmd_selftest(args: argparse.Namespace) -> int:
+    from mili.selftest import main as selftest
+
+    logging.getLogger("mili").setLevel(logging.WARNING)  # the table is the output
+    return selftest(args.device, args.quick)
 
 
 def _torchrun(args: argparse.Namespace, rank: int) -> int:
@@ -214,7 +227,7 @@ def _torchrun(args: argparse.Namespace, rank: int) -> int:
     if rank == 0:
         return args.func(args)
     from mili.engine.input_processor import InputProcessor
-    from mili.runtime.parallel import worker_main
+    from mili.runtime.model_runner import worker_main
 
     config = EngineConfig(**engine_kwargs(args))
     inputs = InputProcessor(config)  # the checkpoint's config, refused here as on rank 0 if MILI can't run it

@@ -345,3 +345,31 @@ def awq_layout(weights: dict, group: int) -> tuple[dict, dict]:
         deq = (q.reshape(k // group, group, n) - zeros[:, None]).float() * scales.float()[:, None]
         dequantized[name] = deq.reshape(k, n).t().contiguous()
     return out, dequantized
+
+
+NEAR_TIE = 1e-3  # greedy paths may part only where HF's own top-2 logits are closer than this
+
+
+def assert_greedy_matches_hf(outs, reference, max_tokens: int, logprobs: bool = True) -> None:
+    """MILI's greedy outputs against HF's (tokens, [steps, V] scores) per prompt: the same tokens, or a parting
+    only at a step where HF itself had a near-tie; the logprob of every shared token within 1e-4 of HF's own
+    (``logprobs``); and all prompts but at most one matched to the end."""
+    import pytest
+
+    exact = 0
+    for out, (ref_tokens, scores) in zip(outs, reference):
+        got = out.outputs[0].token_ids
+        assert len(got) == max_tokens
+        parted = next((j for j, (a, b) in enumerate(zip(got, ref_tokens)) if a != b), None)
+        if parted is None:
+            exact += 1
+        else:
+            top2 = scores[parted].topk(2).values
+            assert top2[0] - top2[1] < NEAR_TIE, (
+                f"diverged at step {parted} where HF had no near-tie (gap {top2[0] - top2[1]:.2e})")
+        if logprobs:
+            ref_logprobs = torch.log_softmax(scores, -1)
+            for j in range(parted if parted is not None else max_tokens):
+                ours = out.outputs[0].logprobs[j][got[j]].logprob
+                assert ours == pytest.approx(ref_logprobs[j, got[j]].item(), rel=1e-4, abs=1e-5)
+    assert exact >= len(outs) - 1, f"only {exact}/{len(outs)} prompts matched exactly"

@@ -27,6 +27,7 @@ from mili.engine.messages import (Abort, AddRequest, Dead, FinishSeqs, Ready, Se
 from mili.engine.request import Request, Sequence, SeqStatus
 from mili.engine.scheduler import Scheduler
 from mili.errors import InvalidRequest
+from mili.process import die_with_parent
 from mili.runtime.model_runner import ModelRunner
 from mili.runtime.sampler import NO_TOKEN
 from mili.structured import GrammarManager, SeqGrammar
@@ -360,19 +361,9 @@ def core_process_main(config: EngineConfig, model_config: ModelConfig, model_pat
                       output_address: str, parent_pid: int, log_level: int) -> None:
     """The engine core process: dies with its parent, leaves SIGINT/SIGTERM to it (it drains, then says)."""
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
-    _die_with_parent()
+    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     code = run_core(lambda: EngineCore(config, model_config, model_path), input_address, output_address,
                     parent_pid)
     raise SystemExit(code)
-
-
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this process when its parent dies, so no core outlives the server."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass  # elsewhere the loop's parent check still ends it

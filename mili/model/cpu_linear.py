@@ -26,7 +26,7 @@ from torch import nn
 from mili.errors import InvalidRequest
 from mili.kernels.cpu import ops as cpu_ops
 from mili.model import quant
-from mili.model.qwen3 import STACKED_PARAMS, FusedExperts, RouterLinear
+from mili.model.fused import STACKED_PARAMS, FusedExperts, RouterLinear
 
 
 class _SwappedLinear(nn.Module):

@@ -17,17 +17,10 @@ from __future__ import annotations
 import torch
 
 from mili.kernels.triton import quant_gemm
+from mili.kernels.triton.quant_gemm import fp8_activations
 from mili.model.checks import WeightQuant
 from mili.model.cpu_linear import Fp8Linear, _SwappedLinear
 from mili.model.quant import Fp8Parts, Int4Parts
-
-
-def fp8_activations(device_type: str, capability: tuple[int, int] | None, dtype: torch.dtype) -> bool:
-    """Whether FP8 weights multiply FP8 activations (W8A8): on GPUs with FP8 (SM 89+) in a 16-bit model.
-    Older GPUs and float32 models run weight-only; the CPU (TRITON_INTERPRET) runs what an H100 runs."""
-    if dtype == torch.float32:
-        return False
-    return device_type == "cpu" or (capability is not None and capability >= (8, 9))
 
 
 def device_fp8_activations(device: torch.device, dtype: torch.dtype) -> bool:

@@ -12,11 +12,12 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from mili.distributed import kv_head_range, shard_range
 from mili.errors import ModelLoadError
 from mili.model import quant
 from mili.model.checks import HARMLESS_SUFFIXES, WeightQuant, check_quantization, check_tensors, weight_quant
-from mili.model.qwen3 import EXPERT_PARAMS, STACKED_PARAMS, FusedExperts, FusedLinear, Qwen3ForCausalLM
-from mili.runtime.parallel import kv_head_range, shard_range
+from mili.model.fused import EXPERT_PARAMS, STACKED_PARAMS, FusedExperts, FusedLinear
+from mili.model.qwen3 import Qwen3ForCausalLM
 
 log = logging.getLogger("mili")
 

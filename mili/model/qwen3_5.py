@@ -30,8 +30,9 @@ from mili.kernels.gated_delta import (causal_conv1d, causal_conv1d_step, chunk_g
                                       recurrent_gated_delta_step)
 from mili.kernels.reference import TorchOps, rotate_half
 from mili.model.layers import GatedRMSNorm, RotaryEmbedding, ZeroCentredRMSNorm
-from mili.model.qwen3 import STACKED_PARAMS, FusedLinear, Qwen3MLP, Qwen3MoeBlock
-from mili.runtime.attention.base import AttentionBackend, ForwardBatch
+from mili.model.fused import STACKED_PARAMS, FusedLinear
+from mili.model.qwen3 import Qwen3MLP, Qwen3MoeBlock
+from mili.model.batch import AttentionBackend, ForwardBatch
 
 # checkpoint name -> (fused parameter, shard): Qwen3's, and Qwen3.5's separate linear-attention projections
 HYBRID_STACKED_PARAMS = {**STACKED_PARAMS, "in_proj_qkv": ("in_proj_qkvz", 0), "in_proj_z": ("in_proj_qkvz", 1),

@@ -17,7 +17,7 @@ import torch
 from mili.kernels.cpu import load
 from mili.kernels.cpu.ops import decode_metadata
 from mili.model.cpu_linear import Int4Linear, Int8Linear, KernelLinear
-from mili.runtime.attention.base import ForwardBatch
+from mili.model.batch import ForwardBatch
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 

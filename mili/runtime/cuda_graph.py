@@ -12,7 +12,7 @@ import logging
 
 import torch
 
-from mili.runtime.attention.base import ForwardBatch
+from mili.model.batch import ForwardBatch
 
 log = logging.getLogger("mili")
 
@@ -46,17 +46,23 @@ class CudaGraphRunner:
         self.query_start = torch.arange(top, **i32)
         self.rows = torch.arange(top, device=dev)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        pool = torch.cuda.graph_pool_handle()
+        self._pool = None
         with torch.inference_mode():
             for bs in reversed(self.sizes):  # largest first: the smaller ones reuse its memory
-                batch = self._batch(bs)
-                self._forward(batch)  # compile the kernels outside the capture
-                torch.cuda.synchronize(dev)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    logits = self._forward(batch)
-                self.graphs[bs] = (graph, logits)
+                self.graphs[bs] = self._capture(self._batch(bs))
         log.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
+
+    def _capture(self, batch: ForwardBatch) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """(a graph of one forward over ``batch``, its logits buffer): the kernels compiled outside the
+        capture, every graph in one memory pool. (The tests replace this with an eager stand-in.)"""
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        self._forward(batch)
+        torch.cuda.synchronize(self.runner.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = self._forward(batch)
+        return graph, logits
 
     def _batch(self, bs: int) -> ForwardBatch:
         return ForwardBatch(

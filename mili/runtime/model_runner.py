@@ -6,6 +6,7 @@ import ctypes
 import functools
 import itertools
 import logging
+import signal
 import os
 from concurrent.futures import Future
 
@@ -25,8 +26,9 @@ from mili.model.cpu_linear import (fp8_gemm_available, fp8_round_trip_linears, i
 from mili.model.loader import load_weights
 from mili.model.qwen3 import Qwen3ForCausalLM
 from mili.model.qwen3_5 import Qwen3_5ForCausalLM
+from mili.process import die_with_parent
 from mili.runtime import parallel
-from mili.runtime.attention.base import ForwardBatch
+from mili.model.batch import ForwardBatch
 from mili.runtime.attention.torch_backend import TorchAttentionBackend
 from mili.runtime.recurrent_state import RecurrentStateCache
 from mili.runtime.prompt_logprobs import PromptScorer, rows_per_slice
@@ -60,7 +62,7 @@ class ModelRunner:
             if rank == 0 and parallel.torchrun_rank() is not None:
                 address = "env://"  # the other ranks are torchrun's processes
             elif rank == 0:
-                self.workers, address = parallel.start_workers(config, model_config, path)
+                self.workers, address = parallel.start_workers(worker_main, config, model_config, path)
             if self.device.type == "cuda":
                 self.device = torch.device("cuda", parallel.local_rank(rank))
             parallel.init_group(rank, self.tp_size, address, self.device)
@@ -74,6 +76,8 @@ class ModelRunner:
         if self.hybrid and self.attention_backend != "torch":
             raise InvalidRequest("hybrid models run on the torch attention backend for now", param="attention_backend")
         self.kv_dtype = self._kv_cache_dtype()
+        if self.device.type == "cuda" and self.attention_backend == "triton":
+            self._check_triton_device()
         self.cpu_kernels = self._use_cpu_kernels()
         backend, ops = self._backend_and_ops()
         self.attention = backend
@@ -136,6 +140,8 @@ class ModelRunner:
         if self.triton_linears:
             from mili.model import gpu_linear
 
+            if self.device.type == "cuda":
+                self._check_triton_device()
             fp8_act = gpu_linear.device_fp8_activations(self.device, self.dtype)
             swap_linears(self.model, "plain", quantized=quantized,
                          make_quantized=functools.partial(gpu_linear.quantized_layer, fp8_activations=fp8_act))
@@ -172,6 +178,13 @@ class ModelRunner:
             raise InvalidRequest("--kv-cache-dtype fp8 needs a GPU with FP8 (compute capability 8.9 or later)",
                                  param="kv_cache_dtype")
         return torch.float8_e4m3fn
+
+    def _check_triton_device(self) -> None:
+        """Refuse a GPU the Triton kernels cannot run on (before anything is launched); every tile they pick
+        for it fits its shared memory (mili/kernels/triton/launch.py, checked by the compile check)."""
+        from mili.kernels.triton.launch import check_device, device_spec
+
+        check_device(device_spec(self.device), self.dtype, self.kv_dtype == torch.float8_e4m3fn)
 
     @property
     def kv_cache_dtype(self) -> str:
@@ -500,3 +513,18 @@ class ModelRunner:
                 out.logprobs.append(None)
                 out.errors[row] = f"sampling its token failed: {type(e).__name__}: {e}"
         return out
+
+
+def worker_main(config, model_config, path: str, rank: int, address: str, parent_pid: int) -> None:
+    """A tensor-parallel rank > 0: build its runner (joining the group, loading its shard), then run the steps
+    rank 0 broadcasts until it says stop or goes away."""
+    die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if config.torch_device.type == "cuda":
+        torch.cuda.set_device(parallel.local_rank(rank))
+    runner = ModelRunner(config, model_config, path, rank=rank, address=address)
+    try:
+        runner.serve_steps()
+    except Exception as e:  # rank 0 went away (its socket closed): nothing left to serve
+        log.info("tensor-parallel rank %d stops: %s", rank, e)
+    raise SystemExit(0)

@@ -1,4 +1,5 @@
-"""Tensor parallelism over torch.distributed: the collectives the model calls, and the ranks' processes.
+"""Tensor parallelism over torch.distributed: the ranks' processes and their group (the collectives the model
+calls are in mili/distributed.py).
 
 Rank 0 is the process that schedules (the engine core, or the offline ``LLM``'s process): its
 ``ModelRunner`` starts ranks 1..N-1 on this node (``start_workers``), each a process with a
@@ -13,7 +14,6 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import signal
 import socket
 
 import torch
@@ -21,31 +21,6 @@ import torch.distributed as dist
 
 log = logging.getLogger("mili")
 COLLECTIVE_TIMEOUT_S = 300  # a rank that stops answering fails the step after this (a dead one: at once)
-
-
-def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    dist.all_reduce(x)
-    return x
-
-
-def all_gather_last(x: torch.Tensor, size: int) -> torch.Tensor:
-    """Concatenate every rank's ``x`` along the last dimension (vocabulary shards of logits)."""
-    parts = [torch.empty_like(x) for _ in range(size)]
-    dist.all_gather(parts, x.contiguous())
-    return torch.cat(parts, dim=-1)
-
-
-def shard_range(total: int, rank: int, size: int) -> tuple[int, int]:
-    """(start, length) of rank's even share of ``total``."""
-    part = total // size
-    return rank * part, part
-
-
-def kv_head_range(total_kv: int, rank: int, size: int) -> tuple[int, int]:
-    """(first KV head, count) of a rank: an even split, or one replicated head when heads < ranks."""
-    if size <= total_kv:
-        return shard_range(total_kv, rank, size)
-    return rank * total_kv // size, 1
 
 
 def torchrun_rank() -> int | None:
@@ -77,8 +52,9 @@ def init_group(rank: int, size: int, address: str, device: torch.device) -> None
                             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
 
 
-def start_workers(config, model_config, path: str) -> tuple[list, str]:
-    """Start ranks 1..N-1 of ``config.tensor_parallel_size`` on this node; (their processes, the group's address)."""
+def start_workers(worker_main, config, model_config, path: str) -> tuple[list, str]:
+    """Start ranks 1..N-1 of ``config.tensor_parallel_size`` on this node, each running ``worker_main(config,
+    model_config, path, rank, address, parent_pid)``; (their processes, the group's address)."""
     import multiprocessing
 
     address = f"tcp://127.0.0.1:{_free_port()}"
@@ -90,24 +66,6 @@ def start_workers(config, model_config, path: str) -> tuple[list, str]:
         proc.start()
         procs.append(proc)
     return procs, address
-
-
-def worker_main(config, model_config, path: str, rank: int, address: str, parent_pid: int) -> None:
-    """A rank > 0: build its runner (joining the group, loading its shard), then run the steps rank 0
-    broadcasts until it says stop or goes away."""
-    from mili.engine.core import _die_with_parent
-    from mili.runtime.model_runner import ModelRunner
-
-    _die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if config.torch_device.type == "cuda":
-        torch.cuda.set_device(local_rank(rank))
-    runner = ModelRunner(config, model_config, path, rank=rank, address=address)
-    try:
-        runner.serve_steps()
-    except Exception as e:  # rank 0 went away (its socket closed): nothing left to serve
-        log.info("tensor-parallel rank %d stops: %s", rank, e)
-    raise SystemExit(0)
 
 
 def broadcast(obj):

@@ -19,7 +19,7 @@ from pydantic import ConfigDict, Field
 
 from mili.errors import InvalidRequest
 from mili.outputs import CompletionOutput
-from mili.server.app import ServerState, final_output, new_id, until_disconnect
+from mili.server.state import ServerState, final_output, new_id, until_disconnect
 from mili.server.chat import Block, ChatPrompt, ReplyBlocks, start_chat
 from mili.server.errors import AnthropicError, anthropic_error, error_responses, sse, streamed, to_api_error
 from mili.server.fields import MaxTokens, ModelName, Strict, Text, TypeNeeds, integer, only_types, requires

@@ -17,7 +17,7 @@ from typing import Any
 
 from mili.outputs import RequestOutput
 from mili.sampling_params import SamplingParams
-from mili.server.app import ServerState
+from mili.server.state import ServerState
 from mili.server.protocol import ChatCompletionRequest
 from mili.tokenizer.reasoning import THINK_START, ReasoningStream, constraint_start
 from mili.tokenizer.tokenizer import encode_chat

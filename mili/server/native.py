@@ -6,7 +6,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 import mili
-from mili.server.app import ServerState, final_output, new_id, until_disconnect
+from mili.server.state import ServerState, final_output, new_id, until_disconnect
 from mili.server.errors import error_responses, sse, sse_error, streamed
 from mili.server.protocol import GenerateRequest
 

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from mili.outputs import CompletionOutput, RequestOutput
-from mili.server.app import ServerState, merge, new_id, until_disconnect
+from mili.server.state import ServerState, merge, new_id, until_disconnect
 from mili.server.chat import ChatPrompt
 from mili.server.errors import APIError, error_responses, sse, sse_error, streamed
 from mili.server.protocol import ChatCompletionRequest, CompletionRequest

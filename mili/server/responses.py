@@ -21,7 +21,7 @@ from pydantic import AfterValidator, ConfigDict, Discriminator, Field, Tag, With
 
 from mili.errors import InvalidRequest
 from mili.outputs import RequestOutput
-from mili.server.app import ServerState, final_output, new_id, until_disconnect
+from mili.server.state import ServerState, final_output, new_id, until_disconnect
 from mili.server.chat import Block, ChatPrompt, ReplyBlocks, start_chat
 from mili.server.errors import error_responses, sse, streamed, to_api_error
 from mili.server.fields import MaxTokens, ModelName, Strict, Text, TypeNeeds, only_types, requires

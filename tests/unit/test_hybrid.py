@@ -10,18 +10,18 @@ import logging
 import pytest
 import torch
 
+from helpers import assert_greedy_matches_hf
 from hybrid_checkpoints import build_hybrid_checkpoint, hf_reference
 from mili import LLM, SamplingParams
 from mili.config import ModelConfig
 from mili.errors import ModelLoadError
 from mili.model.loader import load_hf_config, load_weights
 from mili.model.qwen3_5 import Qwen3_5ForCausalLM
-from mili.runtime.attention.base import ForwardBatch
+from mili.model.batch import ForwardBatch
 from mili.runtime.attention.torch_backend import TorchAttentionBackend
 
 PROMPT_LENS = [1, 5, 17, 64, 150, 311]  # 150 and 311 are prefilled in chunks (budget 96 tokens)
 MAX_TOKENS = 12
-NEAR_TIE = 1e-3  # paths may part only where HF's own top-2 logits are closer than this
 # the MoE with fused experts is checked against the per-expert checkpoint it was made from (same weights)
 REFERENCE_KIND = {"qwen3_5_moe_fused": "qwen3_5_moe"}
 LAYOUT_ONLY = ("qwen3_5_hub", "qwen3_5_moe_fused")  # the same math in another layout: three prompts suffice
@@ -78,23 +78,7 @@ def _check_integrity(llm) -> None:
 
 
 def _assert_matches(outs, reference, logprobs: bool = True) -> None:
-    exact = 0
-    for out, (ref_tokens, scores) in zip(outs, reference):
-        got = out.outputs[0].token_ids
-        assert len(got) == MAX_TOKENS
-        parted = next((j for j, (a, b) in enumerate(zip(got, ref_tokens)) if a != b), None)
-        if parted is None:
-            exact += 1
-        else:
-            top2 = scores[parted].topk(2).values
-            assert top2[0] - top2[1] < NEAR_TIE, (
-                f"diverged at step {parted} where HF had no near-tie (gap {top2[0] - top2[1]:.2e})")
-        if logprobs:
-            ref_logprobs = torch.log_softmax(scores, -1)
-            for j in range(parted if parted is not None else MAX_TOKENS):
-                ours = out.outputs[0].logprobs[j][got[j]].logprob
-                assert ours == pytest.approx(ref_logprobs[j, got[j]].item(), rel=1e-4, abs=1e-5)
-    assert exact >= len(outs) - 1, f"only {exact}/{len(outs)} prompts matched exactly"
+    assert_greedy_matches_hf(outs, reference, MAX_TOKENS, logprobs)
 
 
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe", "qwen3_next", "qwen3_5_hub", "qwen3_5_moe_fused"])

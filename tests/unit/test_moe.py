@@ -129,7 +129,7 @@ def test_fused_experts_kernel_matches_the_expert_loop(tokens, experts, top_k, dt
     """The Triton fused-experts kernel (under TRITON_INTERPRET on the CPU) against FusedExperts' loop
     over experts; routing leaves an expert without tokens, and rows pad each expert's block."""
     from mili.kernels.triton.fused_moe import align, fused_experts
-    from mili.model.qwen3 import FusedExperts
+    from mili.model.fused import FusedExperts
 
     torch.manual_seed(tokens)
     hidden, inter = 64, 48

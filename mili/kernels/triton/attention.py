@@ -65,8 +65,29 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     t, h, d = k.shape
     kc, vc = k_cache.view(-1, h, d), v_cache.view(-1, h, d)
     _store_kv_kernel[(t, h)](k, v, kc, vc, slot_mapping, k_scale, v_scale, k.stride(0), k.stride(1), v.stride(0),
-                             v.stride(1), kc.stride(0), kc.stride(1), D=d, BLOCK_D=triton.next_power_of_2(d),
-                             FP8=is_fp8(k_cache))
+                             v.stride(1), kc.stride(0), kc.stride(1), **store_kv_meta(d, k_cache.dtype))
+
+
+# -- launch configurations: pure functions of the shapes and dtypes (the compile check calls them too) -----
+def store_kv_meta(head_dim: int, cache_dtype: torch.dtype) -> dict:
+    return dict(D=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), FP8=cache_dtype == torch.float8_e4m3fn)
+
+
+def decode_meta(group: int, page: int, head_dim: int, dtype: torch.dtype) -> dict:
+    return dict(GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), PAGE=page, D=head_dim,
+                BLOCK_D=triton.next_power_of_2(head_dim), EXACT=exact_dots(dtype))
+
+
+def decode_reduce_meta(head_dim: int, num_splits: int) -> dict:
+    return dict(D=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_S=triton.next_power_of_2(num_splits))
+
+
+PREFILL_BLOCK_M = 32
+
+
+def prefill_meta(group: int, page: int, head_dim: int, dtype: torch.dtype, block_m: int = PREFILL_BLOCK_M) -> dict:
+    return dict(GROUP=group, BLOCK_M=block_m, PAGE=page, D=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+                EXACT=exact_dots(dtype))
 
 
 # -- decode ---------------------------------------------------------------------------------------
@@ -149,16 +170,13 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     num_splits, per_split = decode_splits(max_pages or page_table.shape[1])
     acc = torch.empty(b, hq, num_splits, d, dtype=torch.float32, device=q.device)
     ml = torch.empty(b, hq, num_splits, 2, dtype=torch.float32, device=q.device)
-    block_d = triton.next_power_of_2(d)
     _decode_kernel[(b, hkv, num_splits)](
         q, k_cache, v_cache, page_table, context_lens, acc, ml, scale * k_scale, v_scale, per_split,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), page_table.stride(0),
-        acc.stride(0), acc.stride(1), acc.stride(2), GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
-        PAGE=page, D=d, BLOCK_D=block_d, EXACT=exact_dots(q.dtype))
+        acc.stride(0), acc.stride(1), acc.stride(2), **decode_meta(group, page, d, q.dtype))
     out = torch.empty_like(q)
     _decode_reduce_kernel[(b, hq)](acc, ml, out, num_splits, acc.stride(0), acc.stride(1), acc.stride(2),
-                                   out.stride(0), out.stride(1), D=d, BLOCK_D=block_d,
-                                   BLOCK_S=triton.next_power_of_2(num_splits))
+                                   out.stride(0), out.stride(1), **decode_reduce_meta(d, num_splits))
     return out
 
 
@@ -212,7 +230,7 @@ def _prefill_kernel(Q, KC, VC, OUT, PT, QSTART, QLEN, CTX, scale, v_scale,
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                   query_start: torch.Tensor, query_lens: torch.Tensor, context_lens: torch.Tensor,
-                  max_query_len: int, scale: float, block_m: int = 32, k_scale: float = 1.0,
+                  max_query_len: int, scale: float, block_m: int = PREFILL_BLOCK_M, k_scale: float = 1.0,
                   v_scale: float = 1.0) -> torch.Tensor:
     """q: [T, Hq, D], the chunks of several sequences concatenated (sequence b's at
     query_start[b] .. + query_lens[b], positions context_lens[b] - query_lens[b] ..). Their K/V must
@@ -224,6 +242,6 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     _prefill_kernel[grid](q, k_cache, v_cache, out, page_table, query_start, query_lens, context_lens,
                           scale * k_scale, v_scale,
                           q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                          page_table.stride(0), out.stride(0), out.stride(1), GROUP=hq // hkv, BLOCK_M=block_m,
-                          PAGE=page, D=d, BLOCK_D=triton.next_power_of_2(d), EXACT=exact_dots(q.dtype))
+                          page_table.stride(0), out.stride(0), out.stride(1),
+                          **prefill_meta(hq // hkv, page, d, q.dtype, block_m))
     return out

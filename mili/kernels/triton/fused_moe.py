@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from mili.kernels import reference
+from mili.kernels.triton.attention import _dot, exact_dots
 
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 32
 
@@ -23,7 +24,7 @@ BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 32
 def _grouped_gemm_kernel(A, W, C, PAIRS, BLOCK_EXPERT, WEIGHTS, num_pairs, N, K,
                          stride_am, stride_we, stride_wn, stride_cm,
                          TOP_K: tl.constexpr, ROW_PER_PAIR: tl.constexpr, MUL_WEIGHT: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EXACT: tl.constexpr):
     """C[pair] = A[row of pair] @ W[expert]^T (times the pair's routing weight) for one block of pairs
     (all of one expert) and one tile of N. A's row is the pair's token, or the pair itself."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
@@ -40,7 +41,8 @@ def _grouped_gemm_kernel(A, W, C, PAIRS, BLOCK_EXPERT, WEIGHTS, num_pairs, N, K,
                         other=0.0)
             w = tl.load(W + expert * stride_we + cols[None, :] * stride_wn + ks[:, None],
                         mask=(cols[None, :] < N) & (ks[:, None] < K), other=0.0)
-            acc += tl.dot(a.to(tl.float32), w.to(tl.float32))
+            # bf16/fp16 operands are exact in the GPU's default TF32; float32 ones are not: IEEE dots there
+            acc += _dot(a.to(tl.float32), w.to(tl.float32), EXACT)
         if MUL_WEIGHT:
             acc = acc * tl.load(WEIGHTS + pairs, mask=valid, other=0.0).to(tl.float32)[:, None]
         tl.store(C + pairs[:, None] * stride_cm + cols[None, :], acc.to(C.dtype.element_ty),
@@ -70,8 +72,13 @@ def _grouped_gemm(a, w, out, pairs, block_expert, weights, num_pairs, top_k, row
     grid = (block_expert.numel(), triton.cdiv(n, BLOCK_N))
     _grouped_gemm_kernel[grid](a, w, out, pairs, block_expert, weights, num_pairs, n, k,
                                a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-                               TOP_K=top_k, ROW_PER_PAIR=row_per_pair, MUL_WEIGHT=mul_weight,
-                               BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+                               **grouped_gemm_meta(top_k, row_per_pair, mul_weight, a.dtype))
+
+
+def grouped_gemm_meta(top_k: int, row_per_pair: bool, mul_weight: bool, dtype: torch.dtype) -> dict:
+    """The first GEMM (gate|up: a token's row, no weight) or the second (down: the pair's row, weighted)."""
+    return dict(TOP_K=top_k, ROW_PER_PAIR=row_per_pair, MUL_WEIGHT=mul_weight, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                BLOCK_K=BLOCK_K, EXACT=exact_dots(dtype))
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

@@ -43,11 +43,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     r_out = torch.empty_like(x2) if residual is not None else out
     r2 = residual.reshape(-1, n) if residual is not None else x2
     _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, out, r_out, eps, x2.stride(0), r2.stride(0), out.stride(0),
-                                     r_out.stride(0), N=n, BLOCK=triton.next_power_of_2(n),
-                                     HAS_RESIDUAL=residual is not None)
+                                     r_out.stride(0), **rms_norm_meta(n, residual is not None))
     if residual is None:
         return out.view_as(x)
     return out.view_as(x), r_out.view_as(x)
+
+
+def rms_norm_meta(n: int, has_residual: bool) -> dict:
+    return dict(N=n, BLOCK=triton.next_power_of_2(n), HAS_RESIDUAL=has_residual)
+
+
+def qk_norm_rope_meta(head_dim: int) -> dict:
+    return dict(D=head_dim, HALF=head_dim // 2)
 
 
 @triton.jit
@@ -79,6 +86,7 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
     for x, w in ((q, q_weight), (k, k_weight)):
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         _qk_norm_rope_kernel[(x.shape[0], x.shape[1])](x, w, cos, sin, out, eps, x.stride(0), x.stride(1),
-                                                       out.stride(0), out.stride(1), cos.stride(0), D=d, HALF=d // 2)
+                                                       out.stride(0), out.stride(1), cos.stride(0),
+                                                       **qk_norm_rope_meta(d))
         outs.append(out)
     return outs[0], outs[1]

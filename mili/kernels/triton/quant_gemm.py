@@ -12,8 +12,9 @@
 
 Both kernels take a split of K as a third grid dimension: small batches (decode, M <= 8) leave most of the
 GPU idle with one program per output tile, so K is split and the float32 partial sums are added after
-(no atomics: the same result every run, eager or under a CUDA graph). Tile sizes are fixed by the shapes
-(no autotuning: nothing is timed inside a graph capture). Each kernel's torch reference is in
+(no atomics: the same result every run, eager or under a CUDA graph). Tiles and stages are fixed by the
+rows and the device's shared memory (``launch.gemm_config``; no autotuning: nothing is timed inside a graph
+capture). Each kernel's torch reference is in
 ``mili/kernels/reference.py``. Their speed is unmeasured: they were written and tested without a GPU.
 """
 
@@ -25,10 +26,10 @@ import triton.language as tl
 
 from mili.kernels.triton.attention import _dot, exact_dots
 from mili.kernels.triton.fp8 import fp8_bits_to_float, to_fp8
+from mili.kernels.triton.launch import DeviceSpec, GemmConfig, device_spec, gemm_config
 
 FP8_GROUP = 128  # activations: one scale per token and group of 128 input channels
 SPLIT_K_MAX_ROWS = 8  # split K for batches of at most this many rows
-_TARGET_PROGRAMS = 256  # about two programs per SM of an H100 (132 SMs)
 
 
 # -- activations: per token, per group of 128 --------------------------------------------------------------
@@ -56,34 +57,37 @@ def per_token_group_quant_fp8(x: torch.Tensor, group: int = FP8_GROUP) -> tuple[
 
 
 # -- the shared shape of both GEMMs: tiles, a split of K, float32 partials ---------------------------------
-def _tiles(m: int) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N) for M rows: narrow tiles for decode, wider ones for prefill."""
-    if m <= 16:
-        return 16, 64
-    return (32, 64) if m <= 32 else (64, 128)
-
-
-def split_k_for(m: int, n: int, k_steps: int, block_m: int, block_n: int) -> int:
+def split_k_for(m: int, n: int, k_steps: int, block_m: int, block_n: int, target_programs: int = 256) -> int:
     """How many parts K is split into: 1 above ``SPLIT_K_MAX_ROWS`` rows; else enough for about
-    ``_TARGET_PROGRAMS`` programs, each part at least two K steps."""
+    ``target_programs`` programs (two per SM), each part at least two K steps."""
     if m > SPLIT_K_MAX_ROWS:
         return 1
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    return max(1, min(k_steps // 2, triton.cdiv(_TARGET_PROGRAMS, tiles)))
+    return max(1, min(k_steps // 2, triton.cdiv(target_programs, tiles)))
 
 
-def _launch(kernel, x, n: int, k_steps: int, out_dtype, split_k: int | None, args: tuple, **meta):
-    """Run ``kernel`` over output tiles x K parts; partial sums (float32) are added up after."""
-    m = x.shape[0]
-    block_m, block_n = _tiles(m)
-    split = split_k or split_k_for(m, n, k_steps, block_m, block_n)
+def gemm_plan(m: int, n: int, k_steps: int, block_k: int, a_dtype: torch.dtype, w_bytes_per_k: float,
+              fp32_dots: bool, spec: DeviceSpec, split_k: int | None = None) -> tuple[GemmConfig, int, int]:
+    """(tile config, K parts, K steps per part) of an [m, K] x [K, n] GEMM on ``spec``: what ``_launch``
+    runs, and what the compile check compiles."""
+    cfg = gemm_config(m, block_k, a_dtype.itemsize, w_bytes_per_k, fp32_dots, spec)
+    split = split_k or split_k_for(m, n, k_steps, cfg.block_m, cfg.block_n, 2 * spec.num_sms)
     per_split = triton.cdiv(k_steps, split)
-    split = triton.cdiv(k_steps, per_split)  # no empty parts
+    return cfg, triton.cdiv(k_steps, per_split), per_split  # (no empty parts)
+
+
+def _launch(kernel, x, a_dtype, w_bytes_per_k: float, n: int, k_steps: int, out_dtype, split_k: int | None,
+            args: tuple, **meta):
+    """Run ``kernel`` over output tiles x K parts; partial sums (float32) are added up after."""
+    m = x.shape[0]  # (tiles: by the GPU's dots, float32 ones on the CUDA cores; not the interpreter's EXACT)
+    cfg, split, per_split = gemm_plan(m, n, k_steps, meta["BLOCK_K"], a_dtype, w_bytes_per_k,
+                                      x.dtype == torch.float32, device_spec(x.device), split_k)
     out = torch.empty(split, m, n, dtype=torch.float32 if split > 1 else out_dtype, device=x.device)
     if m:
-        grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), split)
-        kernel[grid](*args, out, m, n, per_split, out.stride(0), out.stride(1), BLOCK_M=block_m, BLOCK_N=block_n,
-                     EXACT=exact_dots(x.dtype), **meta)
+        grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), split)
+        kernel[grid](*args, out, m, n, per_split, out.stride(0), out.stride(1), BLOCK_M=cfg.block_m,
+                     BLOCK_N=cfg.block_n, EXACT=exact_dots(x.dtype), num_warps=cfg.num_warps,
+                     num_stages=cfg.num_stages, **meta)
     return out[0] if split == 1 else out.sum(0).to(out_dtype)
 
 
@@ -141,7 +145,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         a, a_scale, w = x, x, weight.view(torch.uint8)  # (a_scale unused)
     args = (a, a_scale, w, weight_scale, k, a.stride(0), a_scale.stride(0), w.stride(0), weight_scale.stride(0),
             weight_scale.stride(1) if weight_scale.shape[1] > 1 else 0)
-    return _launch(_fp8_gemm_kernel, x, n, triton.cdiv(k, block_k), x.dtype, split_k, args,
+    return _launch(_fp8_gemm_kernel, x, a.dtype, 1, n, triton.cdiv(k, block_k), x.dtype, split_k, args,
                    SCALE_N=scale_block[0], SCALE_K=scale_block[1], FP8_ACT=fp8_activations, BLOCK_K=block_k)
 
 
@@ -204,4 +208,13 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, sca
     block_k = int4_block_size(group, k)
     assert block_k is not None and x.shape[1] == k and x.stride(1) == 1
     args = (x, qweight, zeros, scales, k, x.stride(0), qweight.stride(0), zeros.stride(0), scales.stride(0))
-    return _launch(_int4_gemm_kernel, x, n, k // block_k, x.dtype, split_k, args, GROUP=group, BLOCK_K=block_k)
+    return _launch(_int4_gemm_kernel, x, x.dtype, 0.5, n, k // block_k, x.dtype, split_k, args, GROUP=group,
+                   BLOCK_K=block_k)
+
+
+def fp8_activations(device_type: str, capability: tuple[int, int] | None, dtype: torch.dtype) -> bool:
+    """Whether FP8 weights multiply FP8 activations (W8A8): on GPUs with FP8 (SM 89+) in a 16-bit model.
+    Older GPUs and float32 models run weight-only; the CPU (TRITON_INTERPRET) runs what an H100 runs."""
+    if dtype == torch.float32:
+        return False
+    return device_type == "cpu" or (capability is not None and capability >= (8, 9))

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from mili.kernels.cpu import ops as cpu_ops
-from mili.runtime.attention.base import ForwardBatch
+from mili.model.batch import ForwardBatch
 from mili.runtime.attention.torch_backend import TorchAttentionBackend
 
 

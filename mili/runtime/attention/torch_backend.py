@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from mili.kernels.reference import store_kv
-from mili.runtime.attention.base import ForwardBatch
+from mili.model.batch import ForwardBatch
 
 
 def gather_pages(cache: torch.Tensor, page_table: torch.Tensor, num_tokens: int) -> torch.Tensor:

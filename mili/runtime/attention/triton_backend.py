@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from mili.kernels.triton.attention import paged_decode, paged_prefill, store_kv
-from mili.runtime.attention.base import ForwardBatch
+from mili.model.batch import ForwardBatch
 
 
 class TritonAttentionBackend:

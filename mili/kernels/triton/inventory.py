@@ -1,0 +1,158 @@
+"""Every distinct Triton launch the runner makes for a set of model shapes on one target, derived by calling
+the wrappers' own configuration functions (``*_meta``, ``quant_gemm.gemm_plan``) with the shapes, dtypes and
+phases the runner sees: model dtypes bf16 / fp16 / float32, FP8 block and per-channel weights (W8A8 on SM 89+,
+weight-only elsewhere and in float32), AWQ int4, FP8 KV pages (SM 89+); decode (batches of 1 to 512 rows,
+split K), prefill (chunks up to 2048 tokens).
+
+Must be called where ``TRITON_INTERPRET`` is unset (``exact_dots`` reads it: the GPU's choice is wanted).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mili.kernels.triton import attention, fused_moe, norm_rope, quant_gemm
+from mili.kernels.triton.aot import Launch
+from mili.kernels.triton.launch import DeviceSpec, gemm_smem_bound
+from mili.kernels.triton.quant_gemm import fp8_activations
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+ROWS = (1, 4, 8, 16, 32, 64, 256, 2048)  # decode batches (CUDA graphs' ladder) and prefill chunks
+PAGE_SIZES = (16, 32, 64)  # what the Triton backend accepts (config.py)
+MAX_MODEL_LENS = (256, 4096, 40960)  # fixes the decode split count, hence the reduce kernel's BLOCK_S
+AWQ_GROUPS = (128, 64, 32)
+F32, I32, I64, F8, U8 = torch.float32, torch.int32, torch.int64, torch.float8_e4m3fn, torch.uint8
+
+
+def _ptrs(**kw) -> tuple:
+    return tuple(kw.items())
+
+
+def _consts(meta: dict) -> tuple:
+    return tuple(meta.items())
+
+
+def _attention(cfg: dict, dtype, kv, page: int) -> list[Launch]:
+    d, group = cfg["head_dim"], cfg["num_attention_heads"] // cfg["num_key_value_heads"]
+    fp8 = kv == F8
+    out = [Launch("attention._store_kv_kernel", "any", _consts(attention.store_kv_meta(d, kv)),
+                  _ptrs(K=dtype, V=dtype, KC=kv, VC=kv, SLOTS=I64), ("k_scale", "v_scale"),
+                  ("stride_kt", "stride_vt", "stride_cs", "stride_ch", "stride_kh", "stride_vh"), needs_fp8=fp8),
+           Launch("attention._decode_kernel", "decode", _consts(attention.decode_meta(group, page, d, dtype)),
+                  _ptrs(Q=dtype, KC=kv, VC=kv, PT=I64, CTX=I32, OUT_ACC=F32, OUT_ML=F32), ("scale", "v_scale"),
+                  ("stride_qb", "stride_qh", "stride_cp", "stride_cs", "stride_ch", "stride_ab", "stride_ah"),
+                  needs_fp8=fp8),
+           Launch("attention._prefill_kernel", "prefill", _consts(attention.prefill_meta(group, page, d, dtype)),
+                  _ptrs(Q=dtype, KC=kv, VC=kv, OUT=dtype, PT=I64, QSTART=I32, QLEN=I32, CTX=I32), ("scale", "v_scale"),
+                  ("stride_qt", "stride_qh", "stride_cp", "stride_cs", "stride_ch", "stride_ot", "stride_oh"),
+                  needs_fp8=fp8)]
+    for max_len in MAX_MODEL_LENS:
+        splits, _ = attention.decode_splits(-(-max_len // page))
+        out.append(Launch("attention._decode_reduce_kernel", "decode",
+                          _consts(attention.decode_reduce_meta(d, splits)), _ptrs(ACC=F32, ML=F32, OUT=dtype),
+                          aligned=("stride_ab", "stride_ah", "stride_ob", "stride_oh")))
+    return out
+
+
+def _norms(cfg: dict, dtype) -> list[Launch]:
+    h, d = cfg["hidden_size"], cfg["head_dim"]
+    return [Launch("norm_rope._rms_norm_kernel", "any", _consts(norm_rope.rms_norm_meta(h, res)),
+                   _ptrs(X=dtype, R=dtype, W=dtype, OUT=dtype, R_OUT=dtype), ("eps",),
+                   ("stride_x", "stride_r", "stride_o", "stride_ro")) for res in (False, True)] + \
+        [Launch("norm_rope._qk_norm_rope_kernel", "any", _consts(norm_rope.qk_norm_rope_meta(d)),
+                _ptrs(X=dtype, W=dtype, COS=F32, SIN=F32, OUT=dtype), ("eps",),
+                ("stride_xt", "stride_xh", "stride_ot", "stride_oh", "stride_c"))]
+
+
+def linear_shapes(cfg: dict) -> list[tuple[int, int]]:
+    """(N, K) of the model's quantized linears: q|k|v, o, gate|up, down (the dense MLP's)."""
+    h, d = cfg["hidden_size"], cfg["head_dim"]
+    qkv = (cfg["num_attention_heads"] + 2 * cfg["num_key_value_heads"]) * d
+    inter = cfg["intermediate_size"]
+    return [(qkv, h), (h, cfg["num_attention_heads"] * d), (2 * inter, h), (h, inter)]
+
+
+def _phase(m: int, split: int) -> str:
+    return "split-K" if split > 1 else ("decode" if m <= 16 else "prefill")
+
+
+def _gemms(cfg: dict, dtype, spec: DeviceSpec, awq_groups) -> list[Launch]:
+    out = []
+    fp8_act = fp8_activations("cuda", spec.capability, dtype)
+    for n, k in linear_shapes(cfg):
+        for m in ROWS:
+            for scale_block in ((128, 128), (1, k)):  # Qwen's FP8 blocks; compressed-tensors' per channel
+                if fp8_act and scale_block[0] == 1:
+                    continue  # per channel in W8A8 runs on torch._scaled_mm
+                block_k = quant_gemm.fp8_block_size(scale_block, k)
+                a_dtype = F8 if fp8_act else dtype
+                gc, split, _ = quant_gemm.gemm_plan(m, n, -(-k // block_k), block_k, a_dtype, 1, dtype == F32, spec)
+                meta = dict(SCALE_N=scale_block[0], SCALE_K=scale_block[1], FP8_ACT=fp8_act, BLOCK_K=block_k,
+                            BLOCK_M=gc.block_m, BLOCK_N=gc.block_n, EXACT=attention.exact_dots(dtype))
+                out.append(Launch("quant_gemm._fp8_gemm_kernel", _phase(m, split), _consts(meta),
+                                  _ptrs(A=a_dtype, A_SCALE=F32 if fp8_act else dtype, W=F8 if fp8_act else U8,
+                                        W_SCALE=F32, C=F32 if split > 1 else dtype),
+                                  aligned=("K", "stride_am", "stride_wn", "stride_cs", "stride_cm"),
+                                  num_warps=gc.num_warps, num_stages=gc.num_stages, needs_fp8=fp8_act))
+            for group in awq_groups:
+                block_k = quant_gemm.int4_block_size(group, k)
+                gc, split, _ = quant_gemm.gemm_plan(m, n, k // block_k, block_k, dtype, 0.5, dtype == F32, spec)
+                meta = dict(GROUP=group, BLOCK_K=block_k, BLOCK_M=gc.block_m, BLOCK_N=gc.block_n,
+                            EXACT=attention.exact_dots(dtype))
+                out.append(Launch("quant_gemm._int4_gemm_kernel", _phase(m, split), _consts(meta),
+                                  _ptrs(A=dtype, QW=I32, ZEROS=U8, SCALES=torch.float16, C=F32 if split > 1 else dtype),
+                                  aligned=("K", "stride_am", "stride_qn", "stride_cs", "stride_cm"),
+                                  num_warps=gc.num_warps, num_stages=gc.num_stages))
+    if fp8_act:
+        out.append(Launch("quant_gemm._group_quant_kernel", "any", (("GROUP", quant_gemm.FP8_GROUP),),
+                          _ptrs(X=dtype, Q=F8, S=F32), aligned=("K", "stride_xm", "stride_qm"), needs_fp8=True))
+    return out
+
+
+def _moe(cfg: dict, dtype) -> list[Launch]:
+    if not cfg.get("num_experts"):
+        return []
+    return [Launch("fused_moe._grouped_gemm_kernel", "any",
+                   _consts(fused_moe.grouped_gemm_meta(cfg["num_experts_per_tok"], second, second, dtype)),
+                   _ptrs(A=dtype, W=dtype, C=dtype, PAIRS=I64, BLOCK_EXPERT=I64, WEIGHTS=dtype),
+                   aligned=("N", "K", "stride_am", "stride_we", "stride_wn", "stride_cm")) for second in (False, True)]
+
+
+def launches(configs: list[dict], spec: DeviceSpec, full: bool = True) -> list[Launch]:
+    """The distinct launches for ``configs`` (HF config dicts) on ``spec``, FP8 ones only where it has FP8.
+    ``full=False``: bf16 and float32 only, one page size, AWQ group 128."""
+    dtypes = DTYPES if full else (torch.bfloat16, F32)
+    pages = PAGE_SIZES if full else PAGE_SIZES[:1]
+    seen: dict[tuple, Launch] = {}
+    for cfg in configs:
+        for dtype in dtypes:
+            found = _norms(cfg, dtype) + _moe(cfg, dtype) + _gemms(cfg, dtype, spec, AWQ_GROUPS if full else (128,))
+            for kv in (dtype, F8) if spec.has_fp8 else (dtype,):
+                for page in pages:
+                    found += _attention(cfg, dtype, kv, page)
+            for launch in found:
+                if spec.has_fp8 or not launch.needs_fp8:
+                    seen.setdefault((launch.kernel, launch.constexprs, launch.pointers, launch.num_warps,
+                                     launch.num_stages), launch)
+    return list(seen.values())
+
+
+def risk(launch: Launch) -> int:
+    """What the default run keeps of a (kernel, phase): the launch with the most shared memory (a GEMM's
+    bound), then the most constexpr volume."""
+    c = dict(launch.constexprs)
+    if "BLOCK_N" in c and "BLOCK_K" in c:
+        a = 1 if dict(launch.pointers).get("A") == F8 else dict(launch.pointers)["A"].itemsize
+        w = 0.5 if "GROUP" in c else 1
+        return gemm_smem_bound(c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], a, w, launch.num_stages)
+    return sum(v for v in c.values() if isinstance(v, int) and not isinstance(v, bool))
+
+
+def representatives(all_launches: list[Launch]) -> list[Launch]:
+    """One launch per (kernel, phase, FP8-ness, float32 dots): the riskiest."""
+    best: dict[tuple, Launch] = {}
+    for launch in all_launches:
+        key = (launch.kernel, launch.phase, launch.needs_fp8, dict(launch.constexprs).get("EXACT", False))
+        if key not in best or risk(launch) > risk(best[key]):
+            best[key] = launch
+    return list(best.values())

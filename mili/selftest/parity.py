@@ -1,0 +1,97 @@
+"""Tiny random Qwen3 checkpoints (dense and MoE) built in a folder, and MILI's greedy tokens against HF
+transformers' on them: float32, so the two must agree token for token, except where HF's own top two logits
+nearly tie (random weights meet such ties; the tests' rule: at most one prompt may part, and only there)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+DENSE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)
+MOE = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+           num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4, num_experts_per_tok=2,
+           norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False)
+WEIGHT_SCALE = 8.0  # HF's init gives near-flat logits (ties everywhere); scaled up, greedy parity means something
+
+
+def build(path: Path, kind: str, seed: int = 0, **overrides) -> Path:
+    """A random float32 checkpoint folder (with the demo's byte-level tokenizer): kind dense | moe."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from mili.model.demo import build_demo_tokenizer
+
+    tokenizer = build_demo_tokenizer()
+    config_cls, model_cls, shape = ((Qwen3Config, Qwen3ForCausalLM, DENSE) if kind == "dense"
+                                    else (Qwen3MoeConfig, Qwen3MoeForCausalLM, MOE))
+    cfg = config_cls(vocab_size=-(-len(tokenizer) // 64) * 64, max_position_embeddings=1024, rope_theta=10000.0,
+                     eos_token_id=None, bos_token_id=None, pad_token_id=None, **{**shape, **overrides})
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_cls(cfg).float().eval()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if p.dim() >= 2 and "embed" not in name:
+                    p.mul_(WEIGHT_SCALE)
+                elif "norm" in name:
+                    p.uniform_(0.5, 1.5)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def prompts(vocab: int, n: int = 4, seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, min(vocab, 256), (int(k),), generator=g).tolist()
+            for k in torch.randint(3, 24, (n,), generator=g)]
+
+
+def greedy_parity(path: Path, device: str, max_tokens: int = 12, **engine_kwargs) -> tuple[bool, str]:
+    """(ok, what was found) for MILI on ``device`` against HF on the CPU, float32."""
+    from transformers import AutoModelForCausalLM
+
+    from mili import LLM, SamplingParams
+
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(str(path), dtype="float32", device=device, kv_cache_memory=16 * 2**20, **engine_kwargs)
+    ids = prompts(reference.config.vocab_size)
+    outs = llm.generate([{"prompt_token_ids": p} for p in ids],
+                        SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+    exact, parted_at_tie = 0, 0
+    for p, out in zip(ids, outs):
+        x = torch.tensor([p])
+        with torch.no_grad():
+            ref = reference.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens,
+                                     do_sample=False, output_scores=True, return_dict_in_generate=True,
+                                     pad_token_id=0)
+        got, want = out.outputs[0].token_ids, ref.sequences[0, x.shape[1]:].tolist()
+        parted = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), None)
+        if parted is None and len(got) == len(want):
+            exact += 1
+            continue
+        top2 = ref.scores[parted][0].topk(2).values if parted is not None else None
+        if top2 is None or top2[0] - top2[1] >= 1e-3:
+            return False, f"prompt {len(p)} tokens: diverged at step {parted} without a near-tie"
+        parted_at_tie += 1
+    ok = exact >= len(ids) - 1
+    return ok, f"{exact}/{len(ids)} prompts identical x {max_tokens} tokens" + \
+        (f", {parted_at_tie} parted at a near-tie" if parted_at_tie else "")
+
+
+def graph_equals_eager(path: Path, device: str) -> tuple[bool, str]:
+    """CUDA graphs replayed (the default) against --enforce-eager: the same greedy tokens, bf16."""
+    from mili import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    ids = [{"prompt_token_ids": p} for p in prompts(256, n=6)]
+    runs = []
+    for eager in (False, True):
+        llm = LLM(str(path), dtype="bfloat16", device=device, kv_cache_memory=16 * 2**20, enforce_eager=eager,
+                  max_num_seqs=8)
+        graphs = llm.engine.runner.graphs
+        runs.append([o.outputs[0].token_ids for o in llm.generate(ids, params, use_tqdm=False)])
+        if not eager and graphs is None:
+            return False, "no CUDA graphs were captured"
+    same = sum(a == b for a, b in zip(*runs))
+    return same == len(ids), f"{same}/{len(ids)} prompts identical (batch sizes 1-8 captured)"

@@ -1,0 +1,158 @@
+"""What the routes of every dialect share: the server's state (the engine, the model's name, the API key, the
+queue bound, sampling defaults, the tool-call parser, the metrics) and the helpers to run a request's streams."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+import weakref
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+
+from mili.engine.client import AsyncLLM
+from mili.outputs import RequestOutput
+from mili.sampling_params import SamplingParams
+from mili.server.errors import APIError
+from mili.server.metrics import Metrics
+from mili.tokenizer.tool_parsers import resolve_tool_call_parser
+
+log = logging.getLogger("mili")
+_RECENT = 1000  # requests remembered for /status
+
+
+class ServerState:
+    def __init__(self, engine: AsyncLLM, model_name: str, api_key: str | None, max_queued_requests: int,
+                 sampling_defaults: dict | None = None, tool_call_parser: str = "auto"):
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        # the form the model writes tool calls in: hermes (Qwen3) or qwen3_xml (Qwen3.5/3.6), from its template
+        self.tool_call_parser = resolve_tool_call_parser(tool_call_parser, self.tokenizer)
+        self.model_name = model_name
+        self.api_key = api_key
+        self.max_queued_requests = max_queued_requests
+        # for requests that leave temperature/top_p/top_k unset: the config file's sampling section
+        # (mili serve --config), else the checkpoint's generation_config.json (OpenAI API only)
+        self.sampling_defaults = dict(sampling_defaults or {})
+        self.openai_defaults = {**engine.generation_defaults, **self.sampling_defaults}
+        self.metrics = Metrics(model_name)
+        self.metrics.update_gauges(engine.info.stats)  # the first snapshot for /health
+        engine.on_step = lambda msg, outputs: self.metrics.on_step(msg, outputs, engine.live_request_ids())
+        self.created = int(time.time())
+        self.statuses: OrderedDict[str, dict] = OrderedDict()
+
+    # -- requests ------------------------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist.", "not_found_error", "model",
+                           "model_not_found")
+
+    def check_queue(self) -> None:
+        waiting = self.engine.num_unscheduled  # sent to the core, no token back yet
+        if waiting >= self.max_queued_requests:
+            raise APIError(503, f"the server is busy: {waiting} requests are waiting", "server_error",
+                           None, "queue_full", headers={"Retry-After": "1"})
+
+    async def start(self, prompts: list[str | list[int]], params: list[SamplingParams], base_id: str,
+                    ) -> list[AsyncIterator[RequestOutput]]:
+        """Add one engine request per prompt (all or none) and return their output streams."""
+        self.check_queue()
+        ids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
+        added = []
+        try:
+            for rid, prompt, sp in zip(ids, prompts, params):
+                self.engine.add_request(rid, prompt, sp)
+                added.append(rid)
+        except BaseException:
+            for rid in added:
+                self.engine.abort(rid)
+            raise
+        streams = [self._tracked(rid, sp) for rid, sp in zip(ids, params)]
+        for rid, stream in zip(ids, streams):
+            # a response whose body is never iterated (client gone before it started) still ends its
+            # request: when the stream object goes, the request is aborted (a no-op once finished)
+            weakref.finalize(stream, self.engine.abort, rid)
+        return streams
+
+    async def _tracked(self, rid: str, params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """The request's stream, recording its progress for /status."""
+        self.statuses[rid] = {"status": "processing", "tokens_generated": 0, "tokens_remaining": params.max_tokens}
+        self.statuses.move_to_end(rid)
+        while len(self.statuses) > _RECENT:
+            self.statuses.popitem(last=False)
+        out = None
+        try:
+            async for out in self.engine.stream(rid):
+                generated = max(len(o.token_ids) for o in out.outputs) if out.outputs else 0
+                self.statuses[rid] = {"status": "completed" if out.finished else "processing",
+                                      "tokens_generated": generated,
+                                      "tokens_remaining": 0 if out.finished else
+                                      (params.max_tokens - generated if params.max_tokens else None)}
+                yield out
+        finally:
+            if out is None or not out.finished:
+                self.statuses[rid] = {**self.statuses.get(rid, {}), "status": "aborted"}
+
+
+async def merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several request streams as their outputs come: (stream index, output)."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, s):
+        try:
+            async for out in s:
+                await q.put((i, out))
+        except BaseException as e:
+            await q.put((i, e))
+        finally:
+            await q.put((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        open_streams = len(streams)
+        while open_streams:
+            i, item = await q.get()
+            if item is None:
+                open_streams -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def until_disconnect(http_request: Request, work):
+    """Await ``work`` (a coroutine), cancelling it if the client goes away first."""
+    task = asyncio.ensure_future(work)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=0.1)
+        if done:
+            return task.result()
+        if await http_request.is_disconnected():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise APIError(499, "client disconnected", "invalid_request_error")
+
+
+async def final_output(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+    """The last (finished) output of one request's stream."""
+    out = None
+    async for out in stream:
+        pass
+    return out
+
+
+def new_id(prefix: str, sep: str = "-") -> str:
+    return f"{prefix}{sep}{uuid.uuid4().hex[:24]}"
+
+

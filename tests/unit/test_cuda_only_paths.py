@@ -1,0 +1,110 @@
+"""The CUDA-only code paths, reached from the CPU where they can be (issue 32's audit).
+
+Reached here or elsewhere on the CPU:
+- CUDA-graph replay (``CudaGraphRunner.run``: padding a batch up to a captured size, slot -1 rows, logits of
+  the real rows, ``ModelRunner.forward_logits``' graph branch) for dense, MoE (graphs are off for MoE on CUDA
+  until verified: this is that check's CPU half) and FP8 KV pages: here, with the capture replaced by an eager
+  stand-in, on the Triton backend under the interpreter;
+- the device's properties -> ``DeviceSpec`` (SM version, shared memory per block, SM count): here, from a
+  stand-in of ``torch.cuda.get_device_properties``; tiles, stages and split K by device, start-up refusal:
+  tests/unit/test_triton_compile.py;
+- every Triton kernel compiled for sm_80 / sm_89 / sm_90: tests/unit/test_triton_compile.py;
+- FP8 ``_scaled_mm`` dispatch (which layer each device gets, W8A8 by SM version): test_triton_quant.py's
+  test_which_layer_each_device_gets; ``Fp8Linear`` on the CPU's ``_scaled_mm``: test_quantized_checkpoints.py;
+- ``mili selftest``'s CUDA kernel checks: their code, on the CPU under the interpreter, here (slow).
+
+Not reachable without a GPU (each needs a CUDA device or NCCL): the capture itself (``_capture``:
+``torch.cuda.CUDAGraph``, the memory pool), the KV budget from ``torch.cuda.mem_get_info`` and the profiled
+activation peak (``ModelRunner._kv_budget``, ``_profile_activation_peak``), the FP8 KV and Triton refusals on
+a real device (``_kv_cache_dtype`` below SM 8.9, ``_check_triton_device``: their logic is ``check_device``,
+tested), ``selftest.parity.graph_equals_eager``, tensor parallelism over NCCL.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from helpers import build_moe_checkpoint  # noqa: E402
+from mili import LLM, SamplingParams  # noqa: E402
+from mili.kernels.triton import launch  # noqa: E402
+from mili.runtime.cuda_graph import CudaGraphRunner  # noqa: E402
+
+
+class _EagerReplay:
+    """What a captured graph does on replay: the same forward over the same buffers, into the same logits."""
+
+    def __init__(self, graphs, batch, logits):
+        self.graphs, self.batch, self.logits = graphs, batch, logits
+
+    def replay(self):
+        self.logits.copy_(self.graphs._forward(self.batch))
+
+
+class EagerGraphs(CudaGraphRunner):
+    replays = 0
+
+    def _capture(self, batch):
+        logits = self._forward(batch)
+        return _EagerReplay(self, batch, logits), logits
+
+    def run(self, batch):
+        out = super().run(batch)
+        EagerGraphs.replays += out is not None
+        return out
+
+
+def _greedy(llm, prompts):
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                         use_tqdm=False)]
+
+
+@pytest.mark.parametrize("kind", ["moe", "dense_fp8_kv", pytest.param("dense", marks=pytest.mark.slow)])
+def test_graph_replay_path_equals_eager(kind, tiny_checkpoint, tmp_path):
+    """Greedy tokens through the graph path (3 sequences padded to 4) are the eager path's (bf16; float32
+    under the slow marker: the interpreter's float32 path is slower)."""
+    path = build_moe_checkpoint(tmp_path / "moe", num_hidden_layers=1) if kind == "moe" else tiny_checkpoint
+    kw = dict(dtype="float32" if kind == "dense" else "bfloat16", attention_backend="triton",
+              enforce_eager=True, max_num_seqs=4, kv_cache_memory=2**20)
+    if kind.endswith("fp8_kv"):
+        kw["kv_cache_dtype"] = "fp8"
+    prompts = [[5, 6, 7], [9] * 11, [3, 4]]  # 3 sequences: padded up to the captured 4
+    eager = _greedy(LLM(str(path), **kw), prompts)
+    llm = LLM(str(path), **kw)
+    runner = llm.engine.runner
+    runner.graphs = EagerGraphs(runner)
+    assert runner.graphs.sizes == [1, 2, 4] and set(runner.graphs.graphs) == {1, 2, 4}
+    EagerGraphs.replays = 0
+    assert _greedy(llm, prompts) == eager
+    assert EagerGraphs.replays >= 2  # the decode steps went through the graphs
+    llm.engine.check_integrity()
+
+
+def test_device_spec_from_the_device_properties(monkeypatch):
+    l4 = SimpleNamespace(name="NVIDIA L4", major=8, minor=9, multi_processor_count=58)
+    h100 = SimpleNamespace(name="NVIDIA H100", major=9, minor=0, multi_processor_count=132,
+                           shared_memory_per_block_optin=232448)
+    for props, smem in ((l4, 99 * 1024), (h100, 232448)):
+        launch._cuda_spec.cache_clear()
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index, p=props: p)
+        spec = launch.device_spec("cuda:0")
+        assert (spec.capability, spec.smem_per_block, spec.num_sms) == ((props.major, props.minor), smem,
+                                                                        props.multi_processor_count)
+    launch._cuda_spec.cache_clear()
+    assert launch.device_spec("cpu") == launch.INTERPRETER
+
+
+@pytest.mark.slow
+def test_selftest_cuda_kernel_checks_run_under_the_interpreter():
+    from mili.kernels.triton.ops import TritonOps
+    from mili.selftest import kernels
+
+    dev = torch.device("cpu")
+    rows = kernels._norm_checks(TritonOps, dev, torch.bfloat16) + kernels._attention_checks(dev, torch.bfloat16, True)
+    rows += kernels._gemm_checks(dev, torch.bfloat16, True) + [kernels._moe_check(dev, torch.bfloat16)]
+    assert all(ok for _, ok, _ in rows), rows

@@ -1,0 +1,96 @@
+"""A house without circles: MILI's imports (top-level and inside functions alike) form no cycle, and each
+points down the layers: kernels, then the model (and the caches), then the runtime, the engine, the server,
+and the entry points (the CLI, the offline LLM, mili bench and selftest) above them all. The other top-level
+modules (errors, distributed, process, sampling_params...) sit below every layer."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import mili
+
+ROOT = Path(mili.__file__).parent
+LAYERS = ["mili.kernels", "mili.model", "mili.runtime", "mili.engine", "mili.server"]  # bottom to top
+# beside the model: the page, state and radix caches; the engine's and the model's configs (which check a
+# checkpoint's config with model/checks.py)
+SAME_LEVEL = {"mili.cache": "mili.model", "mili.config": "mili.model"}
+
+
+def _module(path: Path) -> str:
+    return ".".join(("mili",) + path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = {_module(p): p for p in ROOT.rglob("*.py")}
+    graph = {m: set() for m in modules}
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                continue
+            graph[name] |= {t for t in targets if t in modules and t != name and not name.startswith(t + ".")}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+# the entry points, above every layer: the package's own names, the offline LLM, the CLI and its commands
+ENTRY_POINTS = ("mili.cli", "mili.llm", "mili.bench", "mili.selftest")
+
+
+def _level(module: str) -> int:
+    if module == "mili" or any(module == e or module.startswith(e + ".") for e in ENTRY_POINTS):
+        return len(LAYERS)
+    for prefix, same in SAME_LEVEL.items():
+        if module == prefix or module.startswith(prefix + "."):
+            module = same
+    for i, prefix in enumerate(LAYERS):
+        if module == prefix or module.startswith(prefix + "."):
+            return i
+    return -1  # the base: config, errors, distributed, process, sampling_params, outputs, ...
+
+
+def test_no_import_cycles():
+    assert cycles(import_graph()) == []
+
+
+def test_every_import_points_down():
+    upward = [(m, t) for m, targets in import_graph().items() for t in targets if _level(t) > _level(m)]
+    assert upward == []
+
+
+def test_the_check_sees_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
