@@ -113,7 +113,7 @@ def _gemm_checks(dev, dtype, fp8_act: bool) -> list[tuple[str, bool, str]]:
 
 def _moe_check(dev, dtype) -> tuple[str, bool, str]:
     from mili.kernels.triton.fused_moe import fused_experts
-    from mili.model.qwen3 import FusedExperts
+    from mili.model.fused import FusedExperts
 
     g = torch.Generator().manual_seed(3)
     experts, hidden, inter, tokens, top_k = 16, 256, 128, 40, 4
