@@ -34,7 +34,9 @@ def _norm_checks(ops, dev, dtype) -> list[tuple[str, bool, str]]:
     pos = torch.arange(100, 100 + t, dtype=torch.float32)
     emb = torch.cat([pos[:, None] / 10000 ** (torch.arange(0, d, 2) / d)] * 2, dim=-1)
     cos, sin = emb.cos().to(dev), emb.sin().to(dev)
-    got, want = ops.qk_norm_rope(q, k, qw, kw, 1e-6, cos, sin), ref.qk_norm_rope(q, k, qw, kw, 1e-6, cos, sin)
+    # the reference first, on copies: the kernels work in place on the fused qkv rows (the model's case)
+    want = ref.qk_norm_rope(q.clone(), k.clone(), qw, kw, 1e-6, cos, sin)
+    got = ops.qk_norm_rope(q, k, qw, kw, 1e-6, cos, sin)
     out.append(("q/k norm + RoPE", *_close(torch.cat([got[0], got[1]], 1), torch.cat([want[0], want[1]], 1),
                                            (1 / 16, 2e-2) if dtype != torch.float32 else TOL[dtype])))
     return out

@@ -1,6 +1,6 @@
 """MILI's CPU kernels (``kernels.c``): matrix multiplies over packed bf16 or int8 weights (AMX tiles where
-the CPU has them, AVX-512 BF16 / VNNI otherwise), fused RMSNorm, q/k-norm + RoPE, SwiGLU, and decode
-attention reading the paged pool in place.
+the CPU has them, AVX-512 BF16 / VNNI otherwise, AVX-512F where it lacks BF16), fused RMSNorm, q/k-norm +
+RoPE, SwiGLU, and decode attention reading the paged pool in place.
 
 Why C: decoding one token must stream every weight once, and the fastest path torch offers on this
 class of CPU (oneDNN on prepacked weights) streams well below what the memory gives; the kernels here
@@ -9,7 +9,7 @@ torch's dispatch and a few us here.
 
 The library is built on first use with the system C compiler (``$CC`` or ``cc``) and cached under
 ``$MILI_CACHE_DIR/kernels`` (default ``~/.cache/mili``), keyed by the source, the compiler and the CPU.
-Where it can't be used (no compiler, no AVX-512 BF16, not Linux x86-64) :func:`load` says why and
+Where it can't be used (no compiler, no AVX-512, not Linux x86-64) :func:`load` says why and
 the engine runs torch ops instead.
 """
 
@@ -29,7 +29,7 @@ from pathlib import Path
 import torch  # noqa: F401  (loaded first: the library's libgomp must resolve to torch's)
 
 SOURCE = Path(__file__).with_name("kernels.c")
-REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl")  # AVX-512 BF16 where present, else emulated in AVX-512F
 AMX_CPU_FLAGS = ("amx_tile", "amx_bf16", "amx_int8")  # optional: the linear layers use AMX when present
 log = logging.getLogger("mili")
 

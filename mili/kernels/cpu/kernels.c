@@ -1,4 +1,5 @@
-/* MILI's CPU kernels for bf16 on x86-64 with AVX-512 BF16 (Zen 4, Cooper Lake, Sapphire Rapids and later);
+/* MILI's CPU kernels for bf16 on x86-64 with AVX-512 (BF16 instructions on Zen 4, Cooper Lake, Sapphire Rapids
+ * and later; emulated in AVX-512F on Skylake-X to Ice Lake, below);
  * the linear layers use AMX where the CPU has it (Sapphire Rapids and later).
  *
  * Built on first use by mili/kernels/cpu/__init__.py (cc -O3 -march=native -fopenmp) and called through
@@ -19,6 +20,38 @@
 #include <unistd.h>
 
 typedef uint16_t bf16;
+
+/* The three AVX-512 BF16 instructions the kernels use, as AVX-512F where the CPU lacks that extension
+ * (Skylake-X, Cascade Lake, Ice Lake, Tiger Lake: -march=native leaves __AVX512BF16__ undefined there).
+ * A bf16 is the top half of a float32, so widening is a shift; the dot product of a pair is two FMAs
+ * (the odd element first, as vdpbf16ps adds them); narrowing rounds to nearest even, NaNs kept quiet.
+ * The loads stay bf16, so the bytes each kernel streams, what bounds decode, are the same. */
+#ifdef __AVX512BF16__
+static inline __m512 dot_bf16_pairs(__m512 acc, __m512i a, __m512i b) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+}
+static inline __m256i narrow_bf16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+static inline __m512 widen_bf16(__m256i v) { return _mm512_cvtpbh_ps((__m256bh)v); }
+#else
+static inline __m512 dot_bf16_pairs(__m512 acc, __m512i a, __m512i b) {
+  const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
+  acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(a, high)),
+                        _mm512_castsi512_ps(_mm512_and_si512(b, high)), acc);
+  return _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(a, 16)),
+                         _mm512_castsi512_ps(_mm512_slli_epi32(b, 16)), acc);
+}
+static inline __m256i narrow_bf16(__m512 v) {
+  const __m512i x = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(x, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                            _mm512_or_si512(x, _mm512_set1_epi32(0x400000)));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+static inline __m512 widen_bf16(__m256i v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+#endif
 
 static inline float bf16_to_float(bf16 v) {
   uint32_t u = (uint32_t)v << 16;
@@ -64,7 +97,7 @@ static inline void store_tile(int rows, const void *c, bf16 *y, int64_t N, const
                         _mm512_mul_ps(_mm512_set1_ps(sx[r]), _mm512_loadu_ps(sw)));
     else
       v = _mm512_loadu_ps((const float *)c + r * 16);
-    _mm256_storeu_si256((__m256i *)(y + r * N), (__m256i)_mm512_cvtneps_pbh(v));
+    _mm256_storeu_si256((__m256i *)(y + r * N), narrow_bf16(v));
   }
 }
 
@@ -168,7 +201,7 @@ VNNI static inline __attribute__((always_inline)) void avx_micro(const uint8_t *
       const __m512i xb = _mm512_set1_epi32(word);
       for (int j = 0; j < NB; j++)
         acc[i][j] = int8 ? (__m512)_mm512_dpbusd_epi32((__m512i)acc[i][j], xb, wv[j])
-                         : _mm512_dpbf16_ps(acc[i][j], (__m512bh)xb, (__m512bh)wv[j]);
+                         : dot_bf16_pairs(acc[i][j], xb, wv[j]);
     }
   }
   for (int i = 0; i < MR; i++)
@@ -180,7 +213,7 @@ VNNI static inline __attribute__((always_inline)) void avx_micro(const uint8_t *
                           _mm512_mul_ps(_mm512_set1_ps(sx[i]), _mm512_loadu_ps(sw + j * 16)));
       }
       if (yf) _mm512_storeu_ps(yf + i * N + j * 16, v);
-      else _mm256_storeu_si256((__m256i *)(y + i * N + j * 16), (__m256i)_mm512_cvtneps_pbh(v));
+      else _mm256_storeu_si256((__m256i *)(y + i * N + j * 16), narrow_bf16(v));
     }
 }
 
@@ -334,7 +367,7 @@ VNNI static inline __attribute__((always_inline)) void int4_micro(
   }
   for (int i = 0; i < MR; i++)
     for (int j = 0; j < NB; j++)
-      _mm256_storeu_si256((__m256i *)(y + i * ldy + j * 16), (__m256i)_mm512_cvtneps_pbh(f[i][j]));
+      _mm256_storeu_si256((__m256i *)(y + i * ldy + j * 16), narrow_bf16(f[i][j]));
 }
 
 #define I4_NB(MR, NB) \
@@ -412,12 +445,12 @@ static inline __m512 exp_ps(__m512 x) {
 }
 
 static inline __m512 load_bf16x16(const bf16 *p) {
-  return _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const __m256i *)p));
+  return widen_bf16(_mm256_loadu_si256((const __m256i *)p));
 }
 
-static inline __m256i to_bf16x16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); } /* nearest even */
+static inline __m256i to_bf16x16(__m512 v) { return narrow_bf16(v); } /* nearest even */
 
-static inline __m512 round_bf16(__m512 v) { return _mm512_cvtpbh_ps((__m256bh)to_bf16x16(v)); }
+static inline __m512 round_bf16(__m512 v) { return widen_bf16(to_bf16x16(v)); }
 
 /* One row of RMSNorm as torch rounds it: out = bf16(w * bf16(s / sqrt(mean(s^2) + eps))). D % 16 == 0. */
 static inline void rms_norm_row(const bf16 *s, const bf16 *w, bf16 *out, int64_t D, float eps) {
@@ -547,10 +580,10 @@ static inline __attribute__((always_inline)) void pv_slice(const bf16 *v, const 
       ih[c] = _mm512_unpackhi_epi16(a, b);
     }
     for (int g = 0; g < G; g++) {
-      const __m512bh w = (__m512bh)_mm512_set1_epi32((int)wb[g * npairs + j]);
+      const __m512i w = _mm512_set1_epi32((int)wb[g * npairs + j]);
       for (int c = 0; c < NC; c++) {
-        lo[g * NC + c] = _mm512_dpbf16_ps(lo[g * NC + c], (__m512bh)il[c], w);
-        hi[g * NC + c] = _mm512_dpbf16_ps(hi[g * NC + c], (__m512bh)ih[c], w);
+        lo[g * NC + c] = dot_bf16_pairs(lo[g * NC + c], il[c], w);
+        hi[g * NC + c] = dot_bf16_pairs(hi[g * NC + c], ih[c], w);
       }
     }
   }
@@ -642,7 +675,7 @@ void mili_decode_attention(const bf16 *q, int64_t ldq, const bf16 *k_cache, cons
       for (int64_t g = 0; g < group; g++) {
         __m512 s = _mm512_setzero_ps();
         for (int64_t c = 0; c < D; c += 32)
-          s = _mm512_dpbf16_ps(s, (__m512bh)_mm512_loadu_si512(qh + g * D + c), (__m512bh)_mm512_loadu_si512(kr + c));
+          s = dot_bf16_pairs(s, _mm512_loadu_si512(qh + g * D + c), _mm512_loadu_si512(kr + c));
         scores[g * ctx + p] = _mm512_reduce_add_ps(s) * scale;
       }
     }
@@ -777,7 +810,7 @@ void mili_argmax_rows(const bf16 *x, int64_t ld, int64_t R, int64_t N, int64_t *
     for (int64_t i = 0; i < N; i += 16) {
       const __mmask16 m = N - i >= 16 ? 0xffff : (__mmask16)((1u << (N - i)) - 1);
       const __m512 v = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), m,
-                                          _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(m, row + i)));
+                                          widen_bf16(_mm256_maskz_loadu_epi16(m, row + i)));
       /* greater, or NaN (torch's argmax takes the first NaN as the largest): lanes already at NaN stay */
       const __mmask16 settled = _mm512_cmp_ps_mask(best, best, _CMP_UNORD_Q);
       const __mmask16 gt = _mm512_mask_cmp_ps_mask((__mmask16)~settled, v, best, _CMP_NLE_UQ);
