@@ -111,6 +111,17 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(s.num_v_heads, dtype=dtype))
         self.norm = GatedRMSNorm(s.head_v_dim, cfg.rms_norm_eps, dtype)
         self.out_proj = nn.Linear(s.value_dim, cfg.hidden_size, bias=False, dtype=dtype)
+        self.fused_decode = None  # MILI's C kernel for the decode step (set by the runner: use_cpu_kernel)
+        self._float32: tuple[torch.Tensor, ...] | None = None
+
+    def use_cpu_kernel(self) -> None:
+        """Decode steps through kernels.c's mili_gdn_decode: the conv, the gates and the delta rule in one call,
+        in place on the state slots (float32 copies of the conv weight and the gate parameters, made once)."""
+        from mili.kernels.cpu import ops as cpu_ops
+
+        self._float32 = (self.conv1d.weight[:, 0, :].float().contiguous(), self.A_log.float().contiguous(),
+                         self.dt_bias.float().contiguous())
+        self.fused_decode = cpu_ops
 
     def _split(self, x: torch.Tensor):
         s = self.shape
@@ -125,13 +136,25 @@ class GatedDeltaNet(nn.Module):
         each sequence's slot and written back."""
         s, t = self.shape, h.shape[0]
         qkv, z = self.in_proj_qkvz(h).split(self.in_proj_qkvz.shard_sizes, dim=-1)
-        b, a = self.in_proj_ba(h).split(self.in_proj_ba.shard_sizes, dim=-1)
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        ba = self.in_proj_ba(h)
+        b, a = ba.split(self.in_proj_ba.shard_sizes, dim=-1)
         weight = self.conv1d.weight[:, 0, :]
         core = torch.empty(t, s.num_v_heads, s.head_v_dim, dtype=torch.float32, device=h.device)
         nd = rb.decode_slots.shape[0]
-        if nd:  # every decode in one pass
+        kernel = self.fused_decode
+        if nd and kernel is not None and kernel.gdn_decode_supported(qkv, conv_states, ssm_states, s.head_k_dim,
+                                                                     s.head_v_dim):
+            fresh = None if rb.decode_keep is None else ~rb.decode_keep
+            core[:nd] = kernel.gdn_decode(qkv[:nd], ba[:nd], conv_states, ssm_states, rb.decode_slots, fresh,
+                                          *self._float32, s.num_k_heads, s.head_k_dim, s.head_v_dim)
+            if nd == t:
+                return self._output(core, z, h.dtype)
+            torch_decodes = 0
+        else:
+            torch_decodes = nd
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        if torch_decodes:  # every decode in one pass
             conv0 = conv_states.index_select(0, rb.decode_slots)
             ssm0 = ssm_states.index_select(0, rb.decode_slots)
             if rb.decode_keep is not None:  # a sequence's first token starts from zeros, whatever the slot held
@@ -148,7 +171,11 @@ class GatedDeltaNet(nn.Module):
                                                            None if fresh else ssm_states[slot])
             conv_states[slot] = conv1.to(conv_states.dtype)
             ssm_states[slot] = ssm1.to(ssm_states.dtype)
-        out = self.norm(core.to(h.dtype), z.reshape(t, s.num_v_heads, s.head_v_dim))
+        return self._output(core, z, h.dtype)
+
+    def _output(self, core: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        s, t = self.shape, core.shape[0]
+        out = self.norm(core.to(dtype), z.reshape(t, s.num_v_heads, s.head_v_dim))
         return self.out_proj(out.reshape(t, s.value_dim))
 
 

@@ -111,7 +111,11 @@ class ModelRunner:
 
             self.graphs = CudaGraphRunner(self)
         self.cpu_decode = None  # decode steps as one C call per layer (the CPU's counterpart of the graphs)
-        if self.cpu_kernels and not config.enforce_eager:
+        if self.hybrid and self.device.type == "cpu" and config.cpu_kernels and cpu.available():
+            for module in self.model.modules():  # the Gated DeltaNet decode step in one C call (any dtype)
+                if hasattr(module, "use_cpu_kernel"):
+                    module.use_cpu_kernel()
+        if self.cpu_kernels and not config.enforce_eager and not self.hybrid:
             from mili.runtime.cpu_decode import CpuDecodeRunner
 
             self.cpu_decode = CpuDecodeRunner(self.model)
@@ -124,11 +128,12 @@ class ModelRunner:
         weights compute as (for /health and the start-up log). ``quantized``: the loader's kept layers."""
         config, quant = self.config, self.weight_quant
         cpu_bf16 = self.device.type == "cpu" and self.dtype == torch.bfloat16
-        if self.hybrid:  # torch's linears as they are, for now
+        if self.hybrid:
             if config.quantization:
                 raise InvalidRequest(f"--quantization {config.quantization} is not supported for hybrid models yet",
                                      param="quantization")
-            return f"{quant.describe()}, dequantized" if quant else "unquantized"
+            if quant:
+                return f"{quant.describe()}, dequantized"
         if config.quantization and quant is not None:
             raise InvalidRequest(f"--quantization {config.quantization}: the checkpoint is already quantized "
                                  f"({quant.describe()})", param="quantization")
@@ -199,7 +204,7 @@ class ModelRunner:
         """MILI's C kernels: on the CPU, in bf16, with the torch attention path, where they build (not yet
         with tensor parallelism: its ranks run torch ops)."""
         if not (self.config.cpu_kernels and self.device.type == "cpu" and self.dtype == torch.bfloat16
-                and self.attention_backend == "torch" and self.tp_size == 1 and not self.hybrid):
+                and self.attention_backend == "torch" and self.tp_size == 1):
             return False
         lib, why = cpu.load()
         if lib is None:

@@ -224,3 +224,33 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     _lib().mili_prefill_attention(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
                                   out.data_ptr(), hq * d, lq, k.shape[0], hq, k.shape[1], d, scale, _threads())
     return out
+
+
+# -- Gated DeltaNet (the hybrid models' linear attention) ----------------------------------------------------
+def gdn_decode_supported(qkv: torch.Tensor, conv_states: torch.Tensor, ssm_states: torch.Tensor,
+                         head_k_dim: int, head_v_dim: int) -> bool:
+    return (qkv.dtype in (BF16, torch.float32) and conv_states.dtype == qkv.dtype and conv_states.is_contiguous()
+            and ssm_states.dtype == torch.float32 and ssm_states.is_contiguous() and head_v_dim % 16 == 0
+            and head_k_dim <= 1024 and qkv.stride(-1) == 1)
+
+
+def gdn_decode(qkv: torch.Tensor, ba: torch.Tensor, conv_states: torch.Tensor, ssm_states: torch.Tensor,
+               slots: torch.Tensor, fresh: torch.Tensor | None, conv_weight: torch.Tensor, A_log: torch.Tensor,
+               dt_bias: torch.Tensor, num_k_heads: int, head_k_dim: int, head_v_dim: int) -> torch.Tensor:
+    """One decode step of B sequences (kernels.c, mili_gdn_decode): qkv [B, conv_dim] before the conv, ba
+    [B, 2 Hv] (b | a), their slots [B] (int64) and which start a sequence (``fresh``, bool, or None); the
+    conv states [rows, conv_dim, K - 1] (qkv's dtype) and float32 SSM states [rows, Hv, Dk, Dv] are updated in
+    place. ``conv_weight`` [conv_dim, K], ``A_log``, ``dt_bias`` [Hv]: float32. Returns out [B, Hv, Dv] float32."""
+    b, hv = qkv.shape[0], ba.shape[1] // 2
+    out = torch.empty(b, hv, head_v_dim, dtype=torch.float32)
+    if b == 0:
+        return out
+    ba = ba if ba.stride(-1) == 1 else ba.contiguous()
+    slots = slots.to(torch.int64).contiguous()
+    fresh = None if fresh is None else fresh.to(torch.uint8).contiguous()
+    _lib().mili_gdn_decode(qkv.data_ptr(), qkv.stride(0), ba.data_ptr(), ba.stride(0), int(qkv.dtype == BF16),
+                           conv_states.data_ptr(), ssm_states.data_ptr(), slots.data_ptr(),
+                           None if fresh is None else fresh.data_ptr(), conv_weight.data_ptr(), A_log.data_ptr(),
+                           dt_bias.data_ptr(), out.data_ptr(), b, num_k_heads, hv, head_k_dim, head_v_dim,
+                           conv_weight.shape[1], _threads())
+    return out
