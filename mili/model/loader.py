@@ -183,7 +183,7 @@ def _linear_attention_slice(name: str, cfg) -> tuple[int, list[tuple[int, int]]]
     c, r, n = cfg.hf_config, cfg.tp_rank, cfg.tp_size
     hk, hv, dk, dv = c.linear_num_key_heads // n, c.linear_num_value_heads // n, c.linear_key_head_dim, \
         c.linear_value_head_dim
-    key, value = n * hk * dk, n * hv * dv  # the checkpoint's q (and k) and v widths
+    key = n * hk * dk  # the checkpoint's q (and k) width
     if name.endswith((".in_proj_qkv.weight", ".conv1d.weight")):  # q | k | v, each sliced
         return 0, [(r * hk * dk, hk * dk), (key + r * hk * dk, hk * dk), (2 * key + r * hv * dv, hv * dv)]
     if name.endswith(".in_proj_z.weight"):
