@@ -66,7 +66,9 @@ class ModelConfig:
 
     def shard(self, rank: int, size: int) -> "ModelConfig":
         """This config as rank ``rank`` of ``size`` sees it: attention heads, MLP and expert columns and the
-        vocabulary split evenly; KV heads split too, or replicated when there are fewer than ranks."""
+        vocabulary split evenly; KV heads split too, or replicated when there are fewer than ranks. The
+        hybrids' linear-attention heads split too (``hf_config`` keeps the checkpoint's counts: the rank's
+        are ``LinearAttentionShape.of(hf_config, tp_size)``)."""
         if size == 1:
             return self
         kv = self.num_key_value_heads
@@ -82,9 +84,16 @@ class ModelConfig:
              f"moe_intermediate_size {self.moe_intermediate_size} does not split evenly")
         need(self.vocab_size % size == 0, f"vocab_size {self.vocab_size} does not split evenly")
         need(not getattr(self.hf_config, "attention_bias", False), "attention_bias is not supported")
+        if self.is_hybrid:  # Gated DeltaNet: key heads split, each with the value heads it serves
+            hk, hv = self.hf_config.linear_num_key_heads, self.hf_config.linear_num_value_heads
+            need(hk % size == 0, f"{hk} linear-attention key heads do not split evenly")
+            need(hv % size == 0, f"{hv} linear-attention value heads do not split evenly")
+            need(self.shared_expert_intermediate_size % size == 0,
+                 f"shared_expert_intermediate_size {self.shared_expert_intermediate_size} does not split evenly")
         return dataclasses.replace(
             self, num_attention_heads=self.num_attention_heads // size, num_key_value_heads=max(kv // size, 1),
             intermediate_size=self.intermediate_size // size, moe_intermediate_size=self.moe_intermediate_size // size,
+            shared_expert_intermediate_size=self.shared_expert_intermediate_size // size,
             tp_rank=rank, tp_size=size, total_num_key_value_heads=kv)
 
     @property

@@ -141,27 +141,73 @@ def _target(model: Qwen3ForCausalLM, name: str, params: dict[str, torch.nn.Param
     return None
 
 
-def _tp_slice(name: str, cfg) -> tuple[int, int, int] | None:
-    """(dimension, start, length) of checkpoint tensor ``name`` that this rank loads, None for all of it."""
+def _tp_slice(name: str, cfg) -> tuple[int, list[tuple[int, int]]] | None:
+    """(dimension, [(start, length), ...]) of checkpoint tensor ``name`` that this rank loads (the ranges
+    concatenated), None for all of it."""
     if cfg.tp_size == 1:
         return None
+    name = name.replace(".language_model.", ".")  # (the hub's Qwen3.5 layout)
     r, n, d = cfg.tp_rank, cfg.tp_size, cfg.head_dim
-    if name.endswith(".q_proj.weight"):
-        return 0, r * cfg.num_attention_heads * d, cfg.num_attention_heads * d
+    if ".linear_attn." in name:
+        return _linear_attention_slice(name, cfg)
+    if name.endswith(".q_proj.weight"):  # the hybrids' gated attention: each head's query then its gate
+        q = cfg.num_attention_heads * d * (2 if cfg.is_hybrid else 1)
+        return 0, [(r * q, q)]
     if name.endswith((".k_proj.weight", ".v_proj.weight")):
         first, count = kv_head_range(cfg.total_num_key_value_heads, r, n)
-        return 0, first * d, count * d
+        return 0, [(first * d, count * d)]
     if name.endswith(".o_proj.weight"):
-        return 1, r * cfg.num_attention_heads * d, cfg.num_attention_heads * d
-    inter = cfg.moe_intermediate_size if ".experts." in name else cfg.intermediate_size
+        return 1, [(r * cfg.num_attention_heads * d, cfg.num_attention_heads * d)]
+    if ".shared_expert." in name:
+        inter = cfg.shared_expert_intermediate_size
+    else:
+        inter = cfg.moe_intermediate_size if ".experts." in name else cfg.intermediate_size
     if name.endswith((".gate_proj.weight", ".up_proj.weight")):
-        return 0, r * inter, inter
+        return 0, [(r * inter, inter)]
     if name.endswith(".down_proj.weight"):
-        return 1, r * inter, inter
+        return 1, [(r * inter, inter)]
+    if name.endswith(".experts.gate_up_proj"):  # every expert's gate|up in one tensor [E, 2I, H]
+        return 1, [(r * inter, inter), (n * inter + r * inter, inter)]
+    if name.endswith(".experts.down_proj"):  # [E, H, I]
+        return 2, [(r * inter, inter)]
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
         start, part = shard_range(cfg.vocab_size, r, n)
-        return 0, start, part
+        return 0, [(start, part)]
     return None
+
+
+def _linear_attention_slice(name: str, cfg) -> tuple[int, list[tuple[int, int]]] | None:
+    """A Gated DeltaNet tensor's rows (or ``out_proj``'s columns) for this rank's key heads [r Hk/N, (r+1) Hk/N)
+    and the value heads they serve (consecutive: value head j belongs to key head j // (Hv / Hk)); the gated
+    norm's weight (per value channel of a head) is replicated."""
+    c, r, n = cfg.hf_config, cfg.tp_rank, cfg.tp_size
+    hk, hv, dk, dv = c.linear_num_key_heads // n, c.linear_num_value_heads // n, c.linear_key_head_dim, \
+        c.linear_value_head_dim
+    key = n * hk * dk  # the checkpoint's q (and k) width
+    if name.endswith((".in_proj_qkv.weight", ".conv1d.weight")):  # q | k | v, each sliced
+        return 0, [(r * hk * dk, hk * dk), (key + r * hk * dk, hk * dk), (2 * key + r * hv * dv, hv * dv)]
+    if name.endswith(".in_proj_z.weight"):
+        return 0, [(r * hv * dv, hv * dv)]
+    if name.endswith((".in_proj_b.weight", ".in_proj_a.weight", ".dt_bias", ".A_log")):
+        return 0, [(r * hv, hv)]
+    # Qwen3-Next's fused projections, interleaved per key head: the rank's key heads are one run of rows
+    # (reordered to q|k|v|z and b|a once read, by the model's reorder_checkpoint_tensor)
+    if name.endswith(".in_proj_qkvz.weight"):
+        group = 2 * dk + 2 * (hv // hk) * dv
+        return 0, [(r * hk * group, hk * group)]
+    if name.endswith(".in_proj_ba.weight"):
+        group = 2 * (hv // hk)
+        return 0, [(r * hk * group, hk * group)]
+    if name.endswith(".out_proj.weight"):
+        return 1, [(r * hv * dv, hv * dv)]
+    return None
+
+
+def _take(source, part: tuple[int, list[tuple[int, int]]]) -> torch.Tensor:
+    """The ranges of ``part`` from a tensor or a safetensors slice (read from the file as slices), concatenated."""
+    dim, ranges = part
+    pieces = [source[(slice(None),) * dim + (slice(start, start + length),)] for start, length in ranges]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
 
 
 def _read(f, name: str, cfg, dequant=None, keep_quantized: bool = False) -> torch.Tensor:
@@ -172,13 +218,11 @@ def _read(f, name: str, cfg, dequant=None, keep_quantized: bool = False) -> torc
         weight = dequant.weight_name(name)
         part = _tp_slice(weight, cfg)
         tensor = dequant(name, f.get_tensor(name), keep_quantized and part is None and not _EXPERT.match(weight))
-        return tensor if part is None else tensor.narrow(part[0], part[1], part[2])
+        return tensor if part is None else _take(tensor, part)
     part = _tp_slice(name, cfg)
     if part is None:
         return f.get_tensor(name)
-    dim, start, length = part
-    view = f.get_slice(name)
-    return view[start:start + length] if dim == 0 else view[:, start:start + length]
+    return _take(f.get_slice(name), part)
 
 
 def _expected_keys(model: Qwen3ForCausalLM, params: dict[str, torch.nn.Parameter]) -> set[tuple]:

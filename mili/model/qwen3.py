@@ -65,7 +65,11 @@ class Qwen3MLP(nn.Module):
         self.tp_size = cfg.tp_size
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return _reduce(self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(h))), self.tp_size)
+        return _reduce(self.partial(h), self.tp_size)
+
+    def partial(self, h: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the output (the whole output without tensor parallelism), before the all-reduce."""
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(h)))
 
 
 def _reduce(x: torch.Tensor, tp_size: int) -> torch.Tensor:
@@ -98,11 +102,15 @@ class Qwen3MoeBlock(nn.Module):
         self.tp_size = cfg.tp_size  # tensor parallel: every rank has every expert, a slice of its columns
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return _reduce(self.partial(h), self.tp_size)
+
+    def partial(self, h: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the output (its expert columns), before the all-reduce."""
         logits = self.gate(h)
         weights, ids = logits.softmax(dim=-1, dtype=torch.float32).topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights /= weights.sum(dim=-1, keepdim=True)
-        return _reduce(self.experts(h, weights.to(h.dtype), ids), self.tp_size)
+        return self.experts(h, weights.to(h.dtype), ids)
 
 
 class Qwen3DecoderLayer(nn.Module):

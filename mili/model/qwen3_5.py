@@ -14,6 +14,12 @@ the fused ``in_proj_qkvz`` / ``in_proj_ba`` (shards q|k|v, z and b, a); Qwen3-Ne
 interleaved per key head ([q k v z] of each key head's group, [b a] likewise) and are reordered on load
 (``reorder_checkpoint_tensor``). ``mtp.*`` (the MTP head, for speculative decoding later) and
 ``model.visual.*`` tensors are not loaded.
+
+Tensor parallelism (as qwen3.py's): each rank holds an even share of the linear attention's key heads and the
+value heads they serve (value heads are grouped consecutively per key head), of the attention heads (each
+with its gate) and KV heads, of the MLP and expert columns and of the vocabulary; ``out_proj``, ``o_proj``
+and the MLP / experts (with the shared expert, weighted by its replicated gate) are row-parallel, one
+all-reduce each. The loader reads each rank's slices (loader._tp_slice).
 """
 
 from __future__ import annotations
@@ -31,7 +37,8 @@ from mili.kernels.gated_delta import (causal_conv1d, causal_conv1d_step, chunk_g
 from mili.kernels.reference import TorchOps, rotate_half
 from mili.model.layers import GatedRMSNorm, RotaryEmbedding, ZeroCentredRMSNorm
 from mili.model.fused import STACKED_PARAMS, FusedLinear
-from mili.model.qwen3 import Qwen3MLP, Qwen3MoeBlock
+from mili.distributed import all_gather_last
+from mili.model.qwen3 import Qwen3MLP, Qwen3MoeBlock, VocabParallelEmbedding, _reduce
 from mili.model.batch import AttentionBackend, ForwardBatch
 
 # checkpoint name -> (fused parameter, shard): Qwen3's, and Qwen3.5's separate linear-attention projections
@@ -53,10 +60,11 @@ class LinearAttentionShape:
     conv_kernel: int
 
     @classmethod
-    def of(cls, hf_config) -> "LinearAttentionShape":
+    def of(cls, hf_config, tp_size: int = 1) -> "LinearAttentionShape":
+        """The checkpoint's shape, or a tensor-parallel rank's share of its heads (``tp_size`` > 1)."""
         c = hf_config
-        return cls(c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
-                   c.linear_conv_kernel_dim)
+        return cls(c.linear_num_key_heads // tp_size, c.linear_num_value_heads // tp_size, c.linear_key_head_dim,
+                   c.linear_value_head_dim, c.linear_conv_kernel_dim)
 
     @property
     def key_dim(self) -> int:
@@ -103,7 +111,7 @@ class RecurrentBatch:
 class GatedDeltaNet(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
         super().__init__()
-        self.shape = s = LinearAttentionShape.of(cfg.hf_config)
+        self.shape = s = LinearAttentionShape.of(cfg.hf_config, cfg.tp_size)  # (this rank's heads)
         self.in_proj_qkvz = FusedLinear(cfg.hidden_size, [s.conv_dim, s.value_dim], False, dtype)
         self.in_proj_ba = FusedLinear(cfg.hidden_size, [s.num_v_heads, s.num_v_heads], False, dtype)
         self.conv1d = nn.Conv1d(s.conv_dim, s.conv_dim, s.conv_kernel, groups=s.conv_dim, bias=False, dtype=dtype)
@@ -224,7 +232,9 @@ class SharedExpertMoeBlock(Qwen3MoeBlock):
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False, dtype=dtype)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return super().forward(h) + torch.sigmoid(self.shared_expert_gate(h)) * self.shared_expert(h)
+        # tensor parallel: the gate is replicated and the sum is linear, so one all-reduce of the ranks' shares
+        shared = torch.sigmoid(self.shared_expert_gate(h)) * self.shared_expert.partial(h)
+        return _reduce(super().partial(h) + shared, self.tp_size)
 
 
 class HybridDecoderLayer(nn.Module):
@@ -239,21 +249,24 @@ class HybridDecoderLayer(nn.Module):
         self.mlp = SharedExpertMoeBlock(cfg, dtype) if sparse else Qwen3MLP(cfg, dtype)
         self.input_layernorm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.tp_size = cfg.tp_size
 
     def forward(self, h, residual, mix):
-        """``mix(normed h)``: this layer's token mixer with its batch and cache bound."""
+        """``mix(normed h)``: this layer's token mixer with its batch and cache bound (tensor parallel: its
+        row-parallel output projection's share, summed over the ranks here)."""
         if residual is None:
             h, residual = self.input_layernorm(h), h
         else:
             h, residual = self.input_layernorm(h, residual)
-        h, residual = self.post_attention_layernorm(mix(h), residual)
+        h, residual = self.post_attention_layernorm(_reduce(mix(h), self.tp_size), residual)
         return self.mlp(h), residual
 
 
 class HybridModel(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype):
         super().__init__()
-        self.embed_tokens = nn.Embedding.from_pretrained(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype))
+        self.embed_tokens = (VocabParallelEmbedding(cfg, dtype) if cfg.tp_size > 1 else
+                             nn.Embedding.from_pretrained(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype)))
         self.layers = nn.ModuleList(HybridDecoderLayer(cfg, backend, dtype, i) for i in range(cfg.num_hidden_layers))
         self.norm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
@@ -266,9 +279,9 @@ class Qwen3_5ForCausalLM(nn.Module):
         self.config = cfg
         self.model = HybridModel(cfg, backend, dtype)
         self.lm_head = (None if cfg.tie_word_embeddings
-                        else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype))
+                        else nn.Linear(cfg.hidden_size, cfg.vocab_size // cfg.tp_size, bias=False, dtype=dtype))
         self.rotary: RotaryEmbedding | None = None
-        self.linear_shape = LinearAttentionShape.of(cfg.hf_config)
+        self.linear_shape = LinearAttentionShape.of(cfg.hf_config, cfg.tp_size)  # (this rank's heads)
 
     def init_rotary(self, max_positions: int, device: torch.device) -> None:
         self.rotary = RotaryEmbedding(self.config.hf_config, max_positions, device)
@@ -293,9 +306,12 @@ class Qwen3_5ForCausalLM(nn.Module):
         return self.model.norm(h[rows], residual[rows])[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[S, vocab]; with tensor parallelism each rank computes its vocabulary shard, then all gather."""
         if self.lm_head is None:
-            return F.linear(hidden, self.model.embed_tokens.weight)
-        return self.lm_head(hidden)
+            logits = F.linear(hidden, self.model.embed_tokens.weight)
+        else:
+            logits = self.lm_head(hidden)
+        return all_gather_last(logits, self.config.tp_size) if self.config.tp_size > 1 else logits
 
     # -- checkpoint layouts (the loader asks) ----------------------------------------------------------------
     @staticmethod
@@ -309,7 +325,9 @@ class Qwen3_5ForCausalLM(nn.Module):
         return name
 
     def reorder_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """Qwen3-Next's fused projections, interleaved per key head, in the order q|k|v|z and b|a."""
+        """Qwen3-Next's fused projections, interleaved per key head, in the order q|k|v|z and b|a (with tensor
+        parallelism the loader has read this rank's key-head groups, contiguous in that layout, and this
+        reorders them: ``linear_shape`` is the rank's)."""
         s = self.linear_shape
         rep = s.num_v_heads // s.num_k_heads
         if name.endswith(".in_proj_qkvz.weight") and tensor.shape[0] == s.conv_dim + s.value_dim:

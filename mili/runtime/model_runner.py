@@ -54,9 +54,8 @@ class ModelRunner:
         self.device = config.torch_device
         self.hybrid = model_config.is_hybrid
         self.states: RecurrentStateCache | None = None  # hybrids: the recurrent-state slots and tensors
-        if self.hybrid and (self.tp_size > 1 or self.device.type != "cpu"):  # (before any rank starts)
-            raise InvalidRequest("hybrid models (Qwen3-Next, Qwen3.5) run on the CPU without tensor parallelism "
-                                 "for now", param="model")
+        if self.hybrid and self.device.type != "cpu":  # (before any rank starts)
+            raise InvalidRequest("hybrid models (Qwen3-Next, Qwen3.5) run on the CPU for now", param="model")
         if self.tp_size > 1:
             shard = model_config.shard(rank, self.tp_size)  # one that cannot be split fails before anything starts
             if rank == 0 and parallel.torchrun_rank() is not None:
@@ -338,8 +337,11 @@ class ModelRunner:
         return self.states.pool if self.states is not None else None
 
     def copy_states(self, copies: list[tuple[int, int]]) -> None:
-        """Copy recurrent states row to row: forks (slot to slot), prefix-cache snapshots (slot to snapshot and back)."""
+        """Copy recurrent states row to row: forks (slot to slot), prefix-cache snapshots (slot to snapshot and back);
+        rank 0 sends them to the other tensor-parallel ranks (each copies its heads' states)."""
         if self.states is not None:
+            if copies and self.tp_size > 1 and self.rank == 0:
+                parallel.broadcast(("states", copies))
             self.states.copy(copies)
 
     def run_model(self, batch: ForwardBatch) -> torch.Tensor:
@@ -432,13 +434,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def serve_steps(self) -> None:
-        """A rank > 0: run what rank 0 broadcasts (page copies, model steps) until it sends None."""
+        """A rank > 0: run what rank 0 broadcasts (page and state copies, model steps) until it sends None."""
         while True:
             msg = parallel.broadcast(None)
             if msg is None:
                 return
             if msg[0] == "copy":
                 self.copy_pages(msg[1])
+            elif msg[0] == "states":
+                self.copy_states(msg[1])
             else:
                 self._logits(self.run_model(msg[1]), msg[1].num_prompt_rows)
 

@@ -2,7 +2,9 @@
 conv state [rows, conv_dim, K - 1] in the model's dtype and an SSM state [rows, Hv, Dk, Dv] in
 ``mamba_ssm_dtype`` (float32 unless the checkpoint says otherwise). Rows 0 .. slots - 1 are the running
 sequences' slots (bookkept by a StatePool, cache/state_pool.py); the rows after them are the prefix cache's
-snapshots (a SnapshotPool, cache/snapshot_pool.py), never read by a step: a hit copies one into a slot."""
+snapshots (a SnapshotPool, cache/snapshot_pool.py), never read by a step: a hit copies one into a slot.
+With tensor parallelism each rank holds its own heads' states (``model_config`` is the rank's shard), in rows
+numbered alike on every rank: rank 0's pools decide, and its copies are broadcast (ModelRunner.copy_states)."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ log = logging.getLogger("mili")
 class RecurrentStateCache:
     def __init__(self, model_config: ModelConfig, dtype: torch.dtype, device: torch.device, num_slots: int,
                  num_snapshots: int = 0):
-        shape = LinearAttentionShape.of(model_config.hf_config)
+        shape = LinearAttentionShape.of(model_config.hf_config, model_config.tp_size)
         self.ssm_dtype = ssm_state_dtype(model_config.hf_config)
         self.num_layers = model_config.layer_types.count("linear_attention")
         rows = num_slots + num_snapshots
@@ -39,7 +41,7 @@ class RecurrentStateCache:
     @staticmethod
     def slot_bytes(model_config: ModelConfig, dtype: torch.dtype) -> int:
         """One sequence's state over every linear-attention layer."""
-        shape = LinearAttentionShape.of(model_config.hf_config)
+        shape = LinearAttentionShape.of(model_config.hf_config, model_config.tp_size)
         conv, ssm = shape.conv_state_shape(), shape.ssm_state_shape()
         per_layer = (conv[0] * conv[1] * dtype.itemsize
                      + ssm[0] * ssm[1] * ssm[2] * ssm_state_dtype(model_config.hf_config).itemsize)
