@@ -26,7 +26,7 @@ from mili.config import EngineConfig
 from mili.engine.engine import LLMEngine
 from mili.sampling_params import SamplingParams
 
-SHAPES = Path(os.environ.get("MILI_QWEN35_CONFIGS", Path(__file__).resolve().parents[2] / "shared" / "qwen3.5"))
+SHAPES = DATA / "qwen3.5"  # the released configs, in the repository
 
 
 def hybrid_checkpoint(layers: int, dtype: torch.dtype) -> str:

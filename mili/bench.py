@@ -97,6 +97,16 @@ def weight_bytes_per_step(model) -> int:
     return total
 
 
+def step_bytes(runner, context: int) -> dict[str, int]:
+    """What one batch-1 decode step at ``context`` tokens reads and writes: the weights (read), the KV of the
+    full-attention layers (read: K and V of every earlier token), and a hybrid's recurrent state (each linear
+    layer's conv and SSM state read and written back)."""
+    cfg = runner.model_config
+    kv = 2 * cfg.num_attention_layers * context * cfg.num_key_value_heads * cfg.head_dim * runner.kv_dtype.itemsize
+    state = 2 * runner.states.bytes_per_slot if runner.states is not None else 0
+    return {"weights": weight_bytes_per_step(runner.model), "kv": kv, "state": state}
+
+
 def _engine(args):
     from mili.config import EngineConfig
     from mili.engine.engine import LLMEngine
@@ -166,15 +176,16 @@ def latency(args) -> None:
     vocab = engine.model_config.vocab_size
     prompt = _prompts(1, args.input_len, args.input_len, args.seed, vocab)[0]
     ttft, decode, bandwidth = _measure_latency(engine, prompt, args)
-    step_bytes = weight_bytes_per_step(engine.runner.model)
-    roofline = bandwidth / step_bytes
+    parts = step_bytes(engine.runner, args.input_len + args.output_len // 2)  # (the decode's middle step)
+    step = sum(parts.values())
+    roofline = bandwidth / step
     rows = [["mili" + (f" ({args.quantization})" if args.quantization else ""), ttft, args.input_len / ttft, decode,
              f"{100 * decode / roofline:.0f}%"]]
     base_decode = None
     if args.baseline == "bf16":  # the same engine unquantized, in the same run
         base = _engine(argparse.Namespace(**{**vars(args), "quantization": None}))
         b_ttft, base_decode, b_bandwidth = _measure_latency(base, prompt, args)
-        b_roofline = b_bandwidth / weight_bytes_per_step(base.runner.model)
+        b_roofline = b_bandwidth / sum(step_bytes(base.runner, args.input_len + args.output_len // 2).values())
         rows.append(["mili (bf16)", b_ttft, args.input_len / b_ttft, base_decode,
                      f"{100 * base_decode / b_roofline:.0f}% of its {b_roofline:.1f}"])
         del base
@@ -189,8 +200,8 @@ def latency(args) -> None:
     _header(args, engine)
     print(f"prompt {args.input_len} tokens, output {args.output_len} tokens, batch 1, greedy; median of "
           f"{args.repeat}; memory bandwidth (1 GiB copy, read+write, median of one before each run) "
-          f"{bandwidth / 1e9:.1f} GB/s; weights read per decode step {step_bytes / 1e9:.3f} GB; roofline "
-          f"{roofline:.1f} tok/s")
+          f"{bandwidth / 1e9:.1f} GB/s; bytes a decode step moves {step / 1e9:.3f} GB ("
+          + ", ".join(f"{k} {v / 1e9:.3f}" for k, v in parts.items() if v) + f"); roofline {roofline:.1f} tok/s")
     print_table("latency", ["engine", "TTFT s", "prefill tok/s", "decode tok/s", "of roofline"], rows)
     if base_decode is not None:
         print(f"mili / {rows[1][0]}: decode {decode / base_decode:.2f}x, TTFT {rows[1][1] / ttft:.2f}x faster")
