@@ -41,6 +41,8 @@ from mili.distributed import all_gather_last
 from mili.model.qwen3 import Qwen3MLP, Qwen3MoeBlock, VocabParallelEmbedding, _reduce
 from mili.model.batch import AttentionBackend, ForwardBatch
 
+# a prefill chunk this short runs on the CPU kernel's recurrence, token by token, rather than as a chunk of 64
+SHORT_PREFILL = 16
 # checkpoint name -> (fused parameter, shard): Qwen3's, and Qwen3.5's separate linear-attention projections
 HYBRID_STACKED_PARAMS = {**STACKED_PARAMS, "in_proj_qkv": ("in_proj_qkvz", 0), "in_proj_z": ("in_proj_qkvz", 1),
                          "in_proj_b": ("in_proj_ba", 0), "in_proj_a": ("in_proj_ba", 1)}
@@ -150,19 +152,27 @@ class GatedDeltaNet(nn.Module):
         core = torch.empty(t, s.num_v_heads, s.head_v_dim, dtype=torch.float32, device=h.device)
         nd = rb.decode_slots.shape[0]
         kernel = self.fused_decode
-        if nd and kernel is not None and kernel.gdn_decode_supported(qkv, conv_states, ssm_states, s.head_k_dim,
-                                                                     s.head_v_dim):
-            fresh = None if rb.decode_keep is None else ~rb.decode_keep
-            core[:nd] = kernel.gdn_decode(qkv[:nd], ba[:nd], conv_states, ssm_states, rb.decode_slots, fresh,
-                                          *self._float32, s.num_k_heads, s.head_k_dim, s.head_v_dim)
-            if nd == t:
+        if kernel is not None and not kernel.gdn_decode_supported(qkv, conv_states, ssm_states, s.head_k_dim,
+                                                                   s.head_v_dim):
+            kernel = None
+        short = [p for p in rb.prefills if p[1] - p[0] <= SHORT_PREFILL] if kernel is not None else []
+        if kernel is not None:  # the decodes in one call; a short prefill chunk's tokens one call each
+            if nd:
+                fresh = None if rb.decode_keep is None else ~rb.decode_keep
+                core[:nd] = kernel.gdn_decode(qkv[:nd], ba[:nd], conv_states, ssm_states, rb.decode_slots, fresh,
+                                              *self._float32, s.num_k_heads, s.head_k_dim, s.head_v_dim)
+            for start, end, slot, fresh in short:  # (the recurrence beats a chunk padded to 64 here)
+                slot_t = torch.tensor([slot])
+                for i in range(start, end):
+                    core[i:i + 1] = kernel.gdn_decode(
+                        qkv[i:i + 1], ba[i:i + 1], conv_states, ssm_states, slot_t,
+                        torch.tensor([fresh and i == start]), *self._float32, s.num_k_heads, s.head_k_dim,
+                        s.head_v_dim)
+            if nd + sum(end - start for start, end, _, _ in short) == t:
                 return self._output(core, z, h.dtype)
-            torch_decodes = 0
-        else:
-            torch_decodes = nd
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        if torch_decodes:  # every decode in one pass
+        if nd and kernel is None:  # every decode in one pass
             conv0 = conv_states.index_select(0, rb.decode_slots)
             ssm0 = ssm_states.index_select(0, rb.decode_slots)
             if rb.decode_keep is not None:  # a sequence's first token starts from zeros, whatever the slot held
@@ -173,6 +183,8 @@ class GatedDeltaNet(nn.Module):
             conv_states.index_copy_(0, rb.decode_slots, conv1.to(conv_states.dtype))
             ssm_states.index_copy_(0, rb.decode_slots, ssm1.to(ssm_states.dtype))
         for start, end, slot, fresh in rb.prefills:  # each prefill chunk from its sequence's state
+            if kernel is not None and end - start <= SHORT_PREFILL:
+                continue  # (done above)
             conv0 = torch.zeros_like(conv_states[slot]) if fresh else conv_states[slot]
             x, conv1 = causal_conv1d(qkv[start:end], conv0, weight)
             core[start:end], ssm1 = chunk_gated_delta_rule(*self._split(x), g[start:end], beta[start:end],
