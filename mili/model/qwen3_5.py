@@ -101,6 +101,10 @@ class RecurrentBatch:
 
 
 class GatedDeltaNet(nn.Module):
+    # the conv + gated delta rule's implementation, the runner's choice: None for the torch code below, or
+    # mili.kernels.gated_delta_fla's (flash-linear-attention's Triton kernels, on CUDA)
+    kernels = None
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
         super().__init__()
         self.shape = s = LinearAttentionShape.of(cfg.hf_config)
@@ -129,6 +133,10 @@ class GatedDeltaNet(nn.Module):
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         weight = self.conv1d.weight[:, 0, :]
+        if self.kernels is not None:
+            core = self.kernels(qkv, g, beta, weight, rb, conv_states, ssm_states, s)
+            out = self.norm(core.to(h.dtype), z.reshape(t, s.num_v_heads, s.head_v_dim))
+            return self.out_proj(out.reshape(t, s.value_dim))
         core = torch.empty(t, s.num_v_heads, s.head_v_dim, dtype=torch.float32, device=h.device)
         nd = rb.decode_slots.shape[0]
         if nd:  # every decode in one pass
@@ -247,12 +255,13 @@ class Qwen3_5ForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(self.config.hf_config, max_positions, device)
 
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                state_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+                state_caches: list[tuple[torch.Tensor, torch.Tensor]], rb: RecurrentBatch | None = None) -> torch.Tensor:
         """The final hidden states of the rows in ``batch.logits_indices``. ``kv_caches``: one (K, V) pair per
-        full-attention layer; ``state_caches``: one (conv states, SSM states) pair per linear-attention layer."""
+        full-attention layer; ``state_caches``: one (conv states, SSM states) pair per linear-attention layer;
+        ``rb``: where the states are (CUDA graphs pass their static slot buffers), else built from ``batch``."""
         h, residual = self.model.embed_tokens(batch.input_ids), None
         cos_sin = self.rotary.lookup(batch.positions)
-        rb = RecurrentBatch.of(batch)
+        rb = RecurrentBatch.of(batch) if rb is None else rb
         kv, states = iter(kv_caches), iter(state_caches)
         for layer in self.model.layers:
             if layer.is_linear:
