@@ -82,6 +82,15 @@ class EagerGraphs(CudaGraphRunner):
         return out
 
 
+def _garbage(runner) -> None:
+    """Garbage in every row (free slots, the scratch row): a sequence's first token must not read its slot, and
+    no real row may read the scratch row."""
+    with torch.no_grad():
+        for conv, ssm in runner.states.caches:
+            conv.fill_(7.0)
+            ssm.fill_(7.0)
+
+
 def test_hybrid_decode_through_the_graph_runner(qwen3_5, torch_tokens):
     """3 sequences padded to the captured 4: each row's state slot and whether it resumes its state are the
     graph's inputs (the one-token prompt's first step is a decode that starts from zeros), the padding row reads
@@ -89,9 +98,7 @@ def test_hybrid_decode_through_the_graph_runner(qwen3_5, torch_tokens):
     llm = LLM(str(qwen3_5), attention_backend="triton", enforce_eager=True, max_num_seqs=4, **KW)
     runner = llm.engine.runner
     scratch = runner.states.scratch_row
-    with torch.no_grad():  # garbage in the scratch row: no real row may read it
-        for conv, ssm in runner.states.caches:
-            conv[scratch], ssm[scratch] = 7.0, 7.0
+    _garbage(runner)
     runner.graphs = EagerGraphs(runner)
     assert runner.graphs.sizes == [1, 2, 4] and set(runner.graphs.graphs) == {1, 2, 4}
     EagerGraphs.replays, EagerGraphs.seen = 0, []
@@ -105,6 +112,7 @@ def test_hybrid_decode_through_the_graph_runner(qwen3_5, torch_tokens):
     # a one-token prompt alone: its first step is a decode through a graph, from zeros, not from what its slot
     # held (the previous sequences' states)
     EagerGraphs.seen = []
+    _garbage(runner)
     out = llm.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                        use_tqdm=False)[0]
     assert out.outputs[0].token_ids == torch_tokens[0]
