@@ -207,3 +207,23 @@ def test_hybrid_engine_on_fla_and_triton_attention(fla, qwen3_5, torch_tokens):
     assert _greedy(llm) == torch_tokens
     assert any(c[0] == "chunk" and len(c[1]) >= 3 for c in calls)  # two prompts' chunks in one call
     assert any(c[0] == "recurrent" and c[1] >= 2 for c in calls)
+
+
+def test_fla_kernels_compile_for_sm90():
+    """fla's gated delta kernels as the hybrids launch them (prefill: the varlen chunk path's six kernels; decode:
+    the fused recurrent kernel), recorded from fla's own wrappers with fla's hardware probe answering for an
+    H100, compiled for sm_90 (``mili/kernels/triton/fla_check.py``, in a process without TRITON_INTERPRET)."""
+    import importlib.util
+
+    from mili.kernels.triton import fla_check
+
+    if importlib.util.find_spec("fla") is None:
+        pytest.skip("fla-core is not installed (pip install fla-core)")
+    result = fla_check.run(["--targets", "sm_90", "--dtypes", "bf16"])
+    print(result.stdout)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    for kernel in ("l2norm_fwd_kernel", "chunk_local_cumsum_scalar_kernel", "chunk_gated_delta_rule_fwd_kkt_solve",
+                   "recompute_w_u_fwd_kernel", "chunk_gated_delta_rule_fwd_kernel_h_blockdim64", "chunk_fwd_kernel_o",
+                   "fused_recurrent_gated_delta_rule_fwd_kernel"):
+        assert f"{kernel}" in result.stdout
+    assert "| sm_90 " in result.stdout and " 0 failed" in result.stdout
