@@ -89,25 +89,36 @@ class FlaGatedDelta:
             conv_states.index_copy_(0, rb.decode_slots, conv1.to(conv_states.dtype))
             ssm_states.index_copy_(0, rb.decode_slots, ssm1.to(ssm_states.dtype))
         if rb.prefills:
-            xs, h0, lens = [], [], [0]
+            xs, h0 = [], []
             for start, end, slot, fresh in rb.prefills:
                 conv0 = torch.zeros_like(conv_states[slot]) if fresh else conv_states[slot]
                 x, conv1 = causal_conv1d(qkv[start:end], conv0, weight)
                 conv_states[slot] = conv1.to(conv_states.dtype)
                 xs.append(x)
                 h0.append(torch.zeros_like(ssm_states[slot], dtype=torch.float32) if fresh else ssm_states[slot].float())
-                lens.append(lens[-1] + end - start)
             first = rb.prefills[0][0]  # the chunks are the rows after the decodes, back to back
-            cu_cpu = torch.tensor(lens, dtype=torch.long)
+            cu, cu_cpu, slots = _varlen(rb, qkv.device)
             q, k, v = _split(torch.cat(xs)[None], s)  # [1, rows, H, D]
             out, ssm1 = self._chunk(q, k, v, g=g[None, first:], beta=beta[None, first:], scale=scale,
                                     initial_state=torch.stack(h0), output_final_state=True,
-                                    use_qk_l2norm_in_kernel=True, cu_seqlens=cu_cpu.to(qkv.device),
-                                    cu_seqlens_cpu=cu_cpu)
+                                    use_qk_l2norm_in_kernel=True, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
             core[first:] = out[0]
-            slots = torch.tensor([slot for _, _, slot, _ in rb.prefills], dtype=torch.long, device=qkv.device)
             ssm_states.index_copy_(0, slots, ssm1.to(ssm_states.dtype))
         return core
+
+
+def _varlen(rb, device: torch.device):
+    """The step's prefill chunks as fla's varlen input: (cu_seqlens on the device, on the CPU, the chunks' slots),
+    made once per step and kept on ``rb``: every layer passes the same tensors, so fla's tensor cache reuses the
+    chunk indices it derives from them."""
+    if getattr(rb, "_fla_varlen", None) is None:
+        lens = [0]
+        for start, end, _, _ in rb.prefills:
+            lens.append(lens[-1] + end - start)
+        cu_cpu = torch.tensor(lens, dtype=torch.long)
+        slots = torch.tensor([slot for _, _, slot, _ in rb.prefills], dtype=torch.long)
+        rb._fla_varlen = (cu_cpu.to(device), cu_cpu, slots.to(device))
+    return rb._fla_varlen
 
 
 def _split(x: torch.Tensor, s):
