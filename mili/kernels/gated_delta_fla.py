@@ -95,7 +95,7 @@ class FlaGatedDelta:
                 x, conv1 = causal_conv1d(qkv[start:end], conv0, weight)
                 conv_states[slot] = conv1.to(conv_states.dtype)
                 xs.append(x)
-                h0.append(torch.zeros_like(ssm_states[slot], dtype=torch.float32) if fresh else ssm_states[slot].float())
+                h0.append(torch.zeros(ssm_states.shape[1:], device=qkv.device) if fresh else ssm_states[slot].float())
             first = rb.prefills[0][0]  # the chunks are the rows after the decodes, back to back
             cu, cu_cpu, slots = _varlen(rb, qkv.device)
             q, k, v = _split(torch.cat(xs)[None], s)  # [1, rows, H, D]

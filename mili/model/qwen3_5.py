@@ -255,7 +255,8 @@ class Qwen3_5ForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(self.config.hf_config, max_positions, device)
 
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                state_caches: list[tuple[torch.Tensor, torch.Tensor]], rb: RecurrentBatch | None = None) -> torch.Tensor:
+                state_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                rb: RecurrentBatch | None = None) -> torch.Tensor:
         """The final hidden states of the rows in ``batch.logits_indices``. ``kv_caches``: one (K, V) pair per
         full-attention layer; ``state_caches``: one (conv states, SSM states) pair per linear-attention layer;
         ``rb``: where the states are (CUDA graphs pass their static slot buffers), else built from ``batch``."""

@@ -92,7 +92,8 @@ class ModelRunner:
             {"quantization_config": getattr(model_config.hf_config, "quantization_config", None)})
         # a quantized checkpoint's layers kept as stored: on the Triton GEMMs, or AWQ's on the CPU's int4 kernel
         self.triton_linears = (self.weight_quant is not None and not config.quantization and self.tp_size == 1
-                               and not self.hybrid and (self.device.type == "cuda" or self.attention_backend == "triton"))
+                               and not self.hybrid  # (the hybrids' linears are torch's, dequantized)
+                               and (self.device.type == "cuda" or self.attention_backend == "triton"))
         keep = self.triton_linears or (self.cpu_kernels and getattr(self.weight_quant, "method", None) == "awq")
         quantized = load_weights(self.model, path, keep_quantized=keep)
         self.model.eval()
