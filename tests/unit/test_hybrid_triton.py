@@ -193,10 +193,42 @@ def test_fla_recurrent_step_matches_the_torch_reference(fla):
     torch.testing.assert_close(ht, rs, atol=1e-5, rtol=1e-5)
 
 
+def test_fla_layer_matches_the_torch_layer(fla, qwen3_5):
+    """One Gated DeltaNet layer over a mixed step, on fla's kernels and on the torch code, from the same random
+    states: two decodes (one a sequence's first token, whose slot holds garbage), a prefill chunk resuming its
+    slot's state and a fresh one; a slow decay (A_log = -4), so the states carry. Outputs and every state row
+    (the untouched ones too) agree within float32 tolerance."""
+    from mili.config import ModelConfig
+    from mili.model.loader import load_hf_config
+    from mili.model.qwen3_5 import GatedDeltaNet, RecurrentBatch
+
+    cfg = ModelConfig.from_hf(load_hf_config(str(qwen3_5)))
+    torch.manual_seed(0)
+    layer = GatedDeltaNet(cfg, torch.float32)
+    with torch.no_grad():
+        layer.A_log.fill_(-4.0)
+    shape = layer.shape
+    conv = torch.randn(5, *shape.conv_state_shape())
+    ssm = torch.randn(5, *shape.ssm_state_shape())
+    rb = RecurrentBatch(torch.tensor([2, 0]), torch.tensor([True, False]), [(2, 32, 1, False), (32, 39, 3, True)])
+    h = torch.randn(39, cfg.hidden_size)
+    before = ssm.clone()
+    with torch.no_grad():
+        want_conv, want_ssm = conv.clone(), ssm.clone()
+        want = layer(h, rb, want_conv, want_ssm)
+        layer.kernels = gated_delta_fla.FlaGatedDelta()
+        got = layer(h, rb, conv, ssm)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(ssm, want_ssm, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(conv, want_conv, atol=1e-5, rtol=1e-5)
+    assert torch.equal(ssm[4], before[4]) and not torch.allclose(ssm[[0, 1, 2, 3]], before[[0, 1, 2, 3]])
+
+
 def test_hybrid_engine_on_fla_and_triton_attention(fla, qwen3_5, torch_tokens):
     """The whole engine with fla's kernels for the Gated DeltaNet layers (decodes batched through the recurrent
     kernel with a first-token decode among them, prefill chunks through one varlen chunk call, a chunk resuming
-    its slot's state) and the Triton attention backend: the torch path's greedy tokens."""
+    its slot's state) and the Triton attention backend: the torch path's greedy tokens. (This random model's
+    decay is fast: its tokens barely depend on a resumed chunk's SSM state, which the layer test above checks.)"""
     llm = LLM(str(qwen3_5), attention_backend="triton", **KW)
     kernels = gated_delta_fla.FlaGatedDelta()
     assert gated_delta_fla.use(llm.engine.runner.model, kernels) == 3
