@@ -111,6 +111,10 @@ class RecurrentBatch:
 
 
 class GatedDeltaNet(nn.Module):
+    # the conv + gated delta rule's implementation, the runner's choice: None for the torch code below, or
+    # mili.kernels.gated_delta_fla's (flash-linear-attention's Triton kernels, on CUDA)
+    kernels = None
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
         super().__init__()
         self.shape = s = LinearAttentionShape.of(cfg.hf_config, cfg.tp_size)  # (this rank's heads)
@@ -149,6 +153,9 @@ class GatedDeltaNet(nn.Module):
         ba = self.in_proj_ba(h)
         b, a = ba.split(self.in_proj_ba.shard_sizes, dim=-1)
         weight = self.conv1d.weight[:, 0, :]
+        if self.kernels is not None:  # fla's (CUDA)
+            core = self.kernels(qkv, *self._gates(b, a), weight, rb, conv_states, ssm_states, s)
+            return self._output(core, z, h.dtype)
         core = torch.empty(t, s.num_v_heads, s.head_v_dim, dtype=torch.float32, device=h.device)
         nd = rb.decode_slots.shape[0]
         kernel = self.fused_decode
@@ -170,8 +177,7 @@ class GatedDeltaNet(nn.Module):
                         s.head_v_dim)
             if nd + sum(end - start for start, end, _, _ in short) == t:
                 return self._output(core, z, h.dtype)
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        g, beta = self._gates(b, a)
         if nd and kernel is None:  # every decode in one pass
             conv0 = conv_states.index_select(0, rb.decode_slots)
             ssm0 = ssm_states.index_select(0, rb.decode_slots)
@@ -192,6 +198,10 @@ class GatedDeltaNet(nn.Module):
             conv_states[slot] = conv1.to(conv_states.dtype)
             ssm_states[slot] = ssm1.to(ssm_states.dtype)
         return self._output(core, z, h.dtype)
+
+    def _gates(self, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(g, beta): the log decay -exp(A_log) softplus(a + dt_bias) in float32, and sigmoid(b)."""
+        return -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias), b.sigmoid()
 
     def _output(self, core: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         s, t = self.shape, core.shape[0]
@@ -299,12 +309,14 @@ class Qwen3_5ForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(self.config.hf_config, max_positions, device)
 
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                state_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+                state_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                rb: RecurrentBatch | None = None) -> torch.Tensor:
         """The final hidden states of the rows in ``batch.logits_indices``. ``kv_caches``: one (K, V) pair per
-        full-attention layer; ``state_caches``: one (conv states, SSM states) pair per linear-attention layer."""
+        full-attention layer; ``state_caches``: one (conv states, SSM states) pair per linear-attention layer;
+        ``rb``: where the states are (CUDA graphs pass their static slot buffers), else built from ``batch``."""
         h, residual = self.model.embed_tokens(batch.input_ids), None
         cos_sin = self.rotary.lookup(batch.positions)
-        rb = RecurrentBatch.of(batch)
+        rb = RecurrentBatch.of(batch) if rb is None else rb
         kv, states = iter(kv_caches), iter(state_caches)
         for layer in self.model.layers:
             if layer.is_linear:

@@ -3,6 +3,11 @@ padded up to the nearest captured size. Prefill (and any batch with a prefill ch
 
 Padding rows write nothing (slot -1, which the store kernel skips) and attend to one token of page 0,
 so they never touch a real sequence's pages; their logits are dropped.
+
+Hybrid models (Gated DeltaNet layers): each row's recurrent-state slot and whether it resumes its state (False
+for a sequence's first token, which starts from zeros) are graph inputs too, static buffers the replay fills;
+the state tensors are the runner's, static. Padding rows read and write the state pool's scratch row
+(``RecurrentStateCache.scratch_row``), never a sequence's slot.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import logging
 import torch
 
 from mili.model.batch import ForwardBatch
+from mili.model.qwen3_5 import RecurrentBatch
 
 log = logging.getLogger("mili")
 
@@ -45,6 +51,13 @@ class CudaGraphRunner:
         self.query_lens = torch.ones(top, **i32)
         self.query_start = torch.arange(top, **i32)
         self.rows = torch.arange(top, device=dev)
+        self.hybrid = getattr(runner, "hybrid", False)
+        if self.hybrid:
+            self.scratch_row = runner.states.scratch_row
+            if self.scratch_row is None:
+                raise ValueError("CUDA graphs for a hybrid model need the state pool's scratch row")
+            self.state_slots = torch.full((top,), self.scratch_row, dtype=torch.long, device=dev)
+            self.state_keep = torch.zeros(top, dtype=torch.bool, device=dev)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
         with torch.inference_mode():
@@ -73,6 +86,10 @@ class CudaGraphRunner:
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         model = self.runner.model
+        if self.hybrid:  # the states' slots from the static buffers, not from the batch's (capture-time) lists
+            bs = batch.num_seqs
+            rb = RecurrentBatch(self.state_slots[:bs], self.state_keep[:bs], [])
+            return model.compute_logits(model(batch, self.runner.kv_caches, self.runner.states.caches, rb))
         return model.compute_logits(model(batch, self.runner.kv_caches))
 
     def run(self, batch: ForwardBatch) -> torch.Tensor | None:
@@ -91,6 +108,12 @@ class CudaGraphRunner:
         self.context_lens[:n].copy_(batch.context_lens_t)
         self.context_lens[n:bs].fill_(1)
         self.positions[n:bs].zero_()
+        if self.hybrid:
+            fresh = [c == q for c, q in zip(batch.context_lens, batch.query_lens)]
+            self.state_slots[:n].copy_(torch.tensor(batch.state_slots, dtype=torch.long), non_blocking=True)
+            self.state_slots[n:bs].fill_(self.scratch_row)
+            self.state_keep[:n].copy_(torch.tensor([not f for f in fresh], dtype=torch.bool), non_blocking=True)
+            self.state_keep[n:bs].fill_(False)
         graph, logits = self.graphs[bs]
         graph.replay()
         return logits[:n]

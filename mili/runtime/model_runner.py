@@ -17,7 +17,7 @@ from mili.cache.page_pool import PagePool
 from mili.cache.state_pool import StatePool
 from mili.config import EngineConfig, ModelConfig, default_kv_cache_bytes
 from mili.errors import InvalidRequest
-from mili.kernels import cpu
+from mili.kernels import cpu, gated_delta_fla
 from mili.kernels.cpu import ops as cpu_ops
 from mili.kernels.reference import TorchOps
 from mili.model.checks import weight_quant
@@ -54,8 +54,8 @@ class ModelRunner:
         self.device = config.torch_device
         self.hybrid = model_config.is_hybrid
         self.states: RecurrentStateCache | None = None  # hybrids: the recurrent-state slots and tensors
-        if self.hybrid and self.device.type != "cpu":  # (before any rank starts)
-            raise InvalidRequest("hybrid models (Qwen3-Next, Qwen3.5) run on the CPU for now", param="model")
+        # hybrids: the conv + gated delta rule's kernels (fla's on CUDA, refused by name without fla-core)
+        self.gated_delta = gated_delta_fla.select(self.device) if self.hybrid else None
         if self.tp_size > 1:
             shard = model_config.shard(rank, self.tp_size)  # one that cannot be split fails before anything starts
             if rank == 0 and parallel.torchrun_rank() is not None:
@@ -72,8 +72,6 @@ class ModelRunner:
             torch.set_num_threads(config.num_threads or max(1, (os.cpu_count() or 1) // self.tp_size))
         self.max_model_len = config.resolve_max_model_len(model_config)
         self.attention_backend = config.resolve_attention_backend()
-        if self.hybrid and self.attention_backend != "torch":
-            raise InvalidRequest("hybrid models run on the torch attention backend for now", param="attention_backend")
         self.kv_dtype = self._kv_cache_dtype()
         if self.device.type == "cuda" and self.attention_backend == "triton":
             self._check_triton_device()
@@ -83,10 +81,16 @@ class ModelRunner:
         with torch.device("meta"):
             model = (Qwen3_5ForCausalLM if self.hybrid else Qwen3ForCausalLM)(model_config, backend, self.dtype, ops)
         self.model = model.to_empty(device=self.device)
+        if self.hybrid:
+            gated_delta_fla.use(self.model, self.gated_delta)
+            log.info("gated delta rule: %s", "flash-linear-attention's Triton kernels" if self.gated_delta
+                     else "torch" + (" (decode steps: MILI's CPU kernel)" if self.device.type == "cpu"
+                                     and config.cpu_kernels and cpu.available() else ""))
         self.weight_quant = weight_quant(
             {"quantization_config": getattr(model_config.hf_config, "quantization_config", None)})
         # a quantized checkpoint's layers kept as stored: on the Triton GEMMs, or AWQ's on the CPU's int4 kernel
         self.triton_linears = (self.weight_quant is not None and not config.quantization and self.tp_size == 1
+                               and not self.hybrid  # (the hybrids' linears are torch's, dequantized)
                                and (self.device.type == "cuda" or self.attention_backend == "triton"))
         keep = self.triton_linears or (self.cpu_kernels and getattr(self.weight_quant, "method", None) == "awq")
         quantized = load_weights(self.model, path, keep_quantized=keep)
@@ -257,8 +261,9 @@ class ModelRunner:
             page_table=torch.arange(pages, device=dev)[None], query_lens=[tokens], context_lens=[tokens],
             num_decodes=int(tokens == 1), logits_indices=torch.tensor([tokens - 1], device=dev),
             context_lens_t=torch.tensor([tokens], **i32), query_lens_t=torch.tensor([tokens], **i32),
-            query_start_t=torch.tensor([0], **i32))
-        self.model.compute_logits(self.model(batch, kv))
+            query_start_t=torch.tensor([0], **i32), state_slots=[0] if self.hybrid else None)
+        states = (self.states.caches,) if self.hybrid else ()  # (a hybrid's states are allocated by now)
+        self.model.compute_logits(self.model(batch, kv, *states))
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
         del kv
@@ -321,7 +326,7 @@ class ModelRunner:
         least one); and the prefix cache's snapshots: ``num_state_snapshots``, or (prefix caching on) as many as
         another quarter of the budget holds, 2 to 4 per slot; returns their bytes (taken from the KV budget)."""
         per_slot = RecurrentStateCache.slot_bytes(self.model_config, self.dtype)
-        budget = self.config.kv_cache_memory or default_kv_cache_bytes()
+        budget = self.config.kv_cache_memory or self._state_sizing_budget()
         num_slots = self.config.num_state_slots
         if num_slots is None:
             num_slots = max(1, min(self.config.max_num_seqs, budget // 4 // per_slot))
@@ -329,8 +334,19 @@ class ModelRunner:
         if num_snapshots is None:
             num_snapshots = max(2, min(4 * num_slots, budget // 4 // per_slot)) \
                 if self.config.enable_prefix_caching else 0
-        self.states = RecurrentStateCache(self.model_config, self.dtype, self.device, num_slots, num_snapshots)
+        # a scratch row for CUDA graphs' padding rows (the Triton backend: where graphs may be captured)
+        self.states = RecurrentStateCache(self.model_config, self.dtype, self.device, num_slots, num_snapshots,
+                                          scratch=self.attention_backend == "triton")
         return self.states.num_bytes
+
+    def _state_sizing_budget(self) -> int:
+        """The budget the slots and snapshots are sized from when no kv_cache_memory is given: the CPU's default,
+        or on CUDA gpu_memory_utilization of the card less what is allocated (the weights); the KV pages get
+        what is left after the profiled activation peak."""
+        if self.device.type != "cuda":
+            return default_kv_cache_bytes()
+        _, total = torch.cuda.mem_get_info(self.device)
+        return max(int(total * self.config.gpu_memory_utilization) - torch.cuda.memory_allocated(self.device), 0)
 
     @property
     def state_pool(self) -> StatePool | None:

@@ -4,7 +4,11 @@ Reached here or elsewhere on the CPU:
 - CUDA-graph replay (``CudaGraphRunner.run``: padding a batch up to a captured size, slot -1 rows, logits of
   the real rows, ``ModelRunner.forward_logits``' graph branch) for dense, MoE (graphs are off for MoE on CUDA
   until verified: this is that check's CPU half) and FP8 KV pages: here, with the capture replaced by an eager
-  stand-in, on the Triton backend under the interpreter;
+  stand-in, on the Triton backend under the interpreter; for the hybrids (each row's state slot and first-token
+  flag as graph inputs, padding rows on the scratch row): tests/unit/test_hybrid_triton.py;
+- flash-linear-attention's gated delta kernels (the hybrids on CUDA): under the interpreter against the torch
+  reference and through the engine, and compiled for sm_90 (fla_check), in test_hybrid_triton.py when fla-core
+  is installed;
 - the device's properties -> ``DeviceSpec`` (SM version, shared memory per block, SM count): here, from a
   stand-in of ``torch.cuda.get_device_properties``; tiles, stages and split K by device, start-up refusal:
   tests/unit/test_triton_compile.py;
