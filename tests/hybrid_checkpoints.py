@@ -105,10 +105,14 @@ def _fuse_experts(path: Path) -> None:
     _rewrite(path, fuse)
 
 
-def hf_reference(path: Path, kind: str):
-    """transformers' own model for the checkpoint (float32)."""
+def hf_reference(path: Path, kind: str, dtype: torch.dtype = torch.float32):
+    """transformers' own model for the checkpoint (float32 unless ``dtype``), on its PyTorch path."""
     import transformers as tf
+
+    from mili.selftest.parity import hf_torch_paths
+
+    hf_torch_paths()  # (not flash-linear-attention's Triton kernels, when installed: they need a GPU)
 
     cls = {"qwen3_5": tf.Qwen3_5ForCausalLM, "qwen3_5_hub": tf.Qwen3_5ForConditionalGeneration,
            "qwen3_5_moe": tf.Qwen3_5MoeForCausalLM, "qwen3_next": tf.Qwen3NextForCausalLM}[kind]
-    return cls.from_pretrained(path, dtype=torch.float32).eval()
+    return cls.from_pretrained(path, dtype=dtype).eval()

@@ -41,6 +41,37 @@ def build(path: Path, kind: str, seed: int = 0, **overrides) -> Path:
     return path
 
 
+def hf_torch_paths() -> None:
+    """Make HF's hybrid models (Qwen3.5, Qwen3.5 MoE, Qwen3-Next) run their own PyTorch gated-delta and causal-conv
+    functions, whatever is installed: transformers picks flash-linear-attention's Triton kernels at import when
+    the ``fla`` package is there, and those need a GPU, while the reference here runs on the CPU. Idempotent."""
+    import functools
+    import importlib
+    import inspect
+
+    names = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
+             "causal_conv1d_update")
+    for model_type in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
+        try:
+            module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+        except ImportError:
+            continue
+        for name in names:
+            wrapped = getattr(module, name, None)
+            if wrapped is None or getattr(wrapped, "_mili_torch_path", False):
+                continue
+            torch_fn = inspect.unwrap(wrapped)  # the module's own function, under transformers' kernel wrappers
+            params = inspect.signature(torch_fn).parameters
+            takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+            def call(*args, _fn=torch_fn, _params=params, _any=takes_any, **kwargs):
+                return _fn(*args, **(kwargs if _any else {k: v for k, v in kwargs.items() if k in _params}))
+
+            call = functools.wraps(torch_fn)(call)
+            call._mili_torch_path = True
+            setattr(module, name, call)
+
+
 def prompts(vocab: int, n: int = 4, seed: int = 1) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, min(vocab, 256), (int(k),), generator=g).tolist()
