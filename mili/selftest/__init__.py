@@ -1,8 +1,8 @@
 """`mili selftest [--device auto|cpu|cuda] [--quick]`: one table that says whether MILI is right and how fast
 it is on this machine, and the facts a bug report needs. Sections: versions (torch, triton, transformers,
 driver and GPU, CPU flags, which kernels MILI runs here); greedy parity against HF transformers on tiny
-random checkpoints built in a temporary folder (dense, MoE and a hybrid Qwen3.5); the device's kernels against their torch
-references; CUDA-graph replay against eager (CUDA); a short benchmark. Exits 1 when anything fails."""
+random checkpoints built in a temporary folder (dense, MoE and a hybrid Qwen3.5); the device's kernels against
+their torch references; CUDA-graph replay against eager (CUDA); a short benchmark. Exits 1 when anything fails."""
 
 from __future__ import annotations
 
