@@ -14,7 +14,7 @@ from helpers import assert_greedy_matches_hf
 from hybrid_checkpoints import build_hybrid_checkpoint, hf_reference
 from mili import LLM, SamplingParams
 from mili.config import ModelConfig
-from mili.errors import ModelLoadError
+from mili.errors import InvalidRequest, ModelLoadError
 from mili.model.loader import load_hf_config, load_weights
 from mili.model.qwen3_5 import Qwen3_5ForCausalLM
 from mili.model.batch import ForwardBatch
@@ -145,6 +145,9 @@ def test_forked_sequences_take_their_parents_state(hybrids, references):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for out, (ref, _) in zip(outs, references("qwen3_5", prompts)):
         assert [o.token_ids for o in out.outputs] == [ref] * 3
+    with pytest.raises(InvalidRequest, match="exceeds the 6 recurrent-state slots") as e:  # n past the slots
+        llm.generate({"prompt_token_ids": prompts[0]}, SamplingParams(max_tokens=2, n=7), use_tqdm=False)
+    assert e.value.param == "n"
     _check_integrity(llm)
 
 
