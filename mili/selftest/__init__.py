@@ -91,8 +91,8 @@ def run(device: torch.device, quick: bool) -> list[tuple[str, str, str, str]]:
         moe = parity.build(Path(tmp) / "moe", "moe")
         rows += _run("parity", "dense, greedy vs HF (float32)", lambda: parity.greedy_parity(dense, dev))
         rows += _run("parity", "MoE, greedy vs HF (float32)", lambda: parity.greedy_parity(moe, dev))
-        hybrid = parity.build(Path(tmp) / "hybrid", "hybrid")
-        rows += _run("parity", "hybrid Qwen3.5, greedy vs HF (float32)", lambda: parity.hybrid_parity(hybrid, dev))
+        rows += _run("parity", "hybrid Qwen3.5, greedy vs HF (float32)",
+                     lambda: parity.hybrid_parity(Path(tmp) / "hybrid", dev))
         try:
             found = kernels.check(device)
         except Exception as e:

@@ -24,15 +24,15 @@ WEIGHT_SCALE = 8.0  # HF's init gives near-flat logits (ties everywhere); scaled
 
 def build(path: Path, kind: str, seed: int = 0, **overrides) -> Path:
     """A random float32 checkpoint folder (with the demo's byte-level tokenizer): kind dense | moe | hybrid."""
-    from transformers import (Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
-                              Qwen3MoeForCausalLM)
+    import transformers as tf
 
     from mili.model.demo import build_demo_tokenizer
 
     tokenizer = build_demo_tokenizer()
-    config_cls, model_cls, shape = {"dense": (Qwen3Config, Qwen3ForCausalLM, DENSE),
-                                    "moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, MOE),
-                                    "hybrid": (Qwen3_5TextConfig, Qwen3_5ForCausalLM, HYBRID)}[kind]
+    config_cls, model_cls, shape = {"dense": ("Qwen3Config", "Qwen3ForCausalLM", DENSE),
+                                    "moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", MOE),
+                                    "hybrid": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", HYBRID)}[kind]
+    config_cls, model_cls = getattr(tf, config_cls), getattr(tf, model_cls)
     cfg = config_cls(vocab_size=-(-len(tokenizer) // 64) * 64, max_position_embeddings=1024, rope_theta=10000.0,
                      eos_token_id=None, bos_token_id=None, pad_token_id=None, **{**shape, **overrides})
     with torch.random.fork_rng(devices=[]):
@@ -135,11 +135,17 @@ def greedy_parity(path: Path, device: str, max_tokens: int = 12, teacher_forced:
         (f", {parted_at_tie} parted at a near-tie" if parted_at_tie else "")
 
 
-def hybrid_parity(path: Path, device: str) -> tuple[bool | None, str]:
-    """greedy_parity for the hybrid (teacher-forced), its longer prompts prefilled in 16-token chunks (the recurrent
-    state carried between them); (None, why) where MILI does not run hybrids on ``device`` yet."""
+def hybrid_parity(folder: Path, device: str) -> tuple[bool | None, str]:
+    """Build the hybrid in ``folder``, then greedy_parity (teacher-forced), its longer prompts prefilled in 16-token
+    chunks (the recurrent state carried between them); (None, why) where this transformers has no Qwen3.5 or MILI
+    does not run hybrids on ``device`` yet."""
+    import transformers
+
     from mili.errors import InvalidRequest
 
+    if not hasattr(transformers, "Qwen3_5ForCausalLM"):
+        return None, f"transformers {transformers.__version__} has no Qwen3.5"
+    path = build(folder, "hybrid")
     try:
         return greedy_parity(path, device, teacher_forced=True, max_num_batched_tokens=16)
     except InvalidRequest as e:

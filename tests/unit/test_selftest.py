@@ -41,11 +41,11 @@ def test_the_hybrid_row_sees_a_different_model(tmp_path, monkeypatch):
 
     from mili.selftest import parity
 
-    ours, other = parity.build(tmp_path / "a", "hybrid"), parity.build(tmp_path / "b", "hybrid", seed=1)
+    other = parity.build(tmp_path / "other", "hybrid", seed=1)
     if not torch.cuda.is_available():
-        assert parity.hybrid_parity(ours, "cuda")[0] is None
+        assert parity.hybrid_parity(tmp_path / "on_cuda", "cuda")[0] is None
     load = transformers.AutoModelForCausalLM.from_pretrained
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
                         staticmethod(lambda path, **kw: load(other, **kw)))
-    ok, detail = parity.hybrid_parity(ours, "cpu")
+    ok, detail = parity.hybrid_parity(tmp_path / "ours", "cpu")
     assert not ok and "without a near-tie" in detail
