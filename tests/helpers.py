@@ -160,19 +160,24 @@ def prompt_tokens(messages: list[dict], **kwargs) -> int:
     return len(tokenizer(text, add_special_tokens=False).input_ids)
 
 
-def script_text(start: int, text: str, end: int = 151645, avoid: tuple[int, ...] = ()) -> dict[int, int]:
-    """A chain (for ``build_scripted_checkpoint``) whose greedy output after token ``start`` decodes to
-    ``text``, then ``end``. The chain is first-order, so no token may appear twice: repeated pieces of
-    ``text`` are spelled with other tokens (longest unused vocabulary piece first), and none of ``avoid``
-    (the tokens of another chain this one joins) is used."""
-    from transformers import AutoTokenizer
-
-    backend = AutoTokenizer.from_pretrained(QWEN3_TOKENIZER).backend_tokenizer
+@functools.cache
+def _vocab_pieces() -> dict[str, list[int]]:
+    """The Qwen3 vocabulary by decoded text: each piece's token ids (pieces that are not whole characters left out)."""
+    backend = _qwen3_tokenizer().backend_tokenizer
     pieces: dict[str, list[int]] = {}
     for token, i in backend.get_vocab().items():
         piece = backend.decoder.decode([token])
         if "\ufffd" not in piece:
             pieces.setdefault(piece, []).append(i)
+    return pieces
+
+
+def script_text(start: int, text: str, end: int = 151645, avoid: tuple[int, ...] = ()) -> dict[int, int]:
+    """A chain (for ``build_scripted_checkpoint``) whose greedy output after token ``start`` decodes to
+    ``text``, then ``end``. The chain is first-order, so no token may appear twice: repeated pieces of
+    ``text`` are spelled with other tokens (longest unused vocabulary piece first), and none of ``avoid``
+    (the tokens of another chain this one joins) is used."""
+    pieces = _vocab_pieces()
     import random
 
     rng = random.Random(0)

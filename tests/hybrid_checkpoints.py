@@ -67,6 +67,39 @@ def build_hybrid_checkpoint(path: Path, kind: str, seed: int = 0, weight_scale: 
     return path
 
 
+def build_scripted_hybrid_checkpoint(path: Path, chain: dict[int, int], hidden: int = 64) -> Path:
+    """A Qwen3.5 (``Qwen3_5ForCausalLM``, 3 Gated DeltaNet layers + 1 full attention, the real vocabulary) whose
+    greedy next token is ``chain[current token]``: helpers.build_scripted_checkpoint's recipe on the hybrid class.
+    Each token of the chain gets a one-hot embedding and every layer's residual branch is zeroed (out_proj,
+    o_proj, down_proj), so the final hidden state is the current token's embedding (the zero-centred final norm
+    scales by 1), which an untied lm_head maps to its successor. The linear-attention layers still run and keep
+    their recurrent state in the engine's slots; they only add nothing to the residual stream."""
+    import transformers as tf
+    from transformers import AutoTokenizer, GenerationConfig
+
+    assert len(chain) <= hidden
+    torch.manual_seed(0)
+    text = dict(TEXT, vocab_size=151936, hidden_size=hidden, intermediate_size=32, eos_token_id=151645,
+                pad_token_id=151643, max_position_embeddings=2048)
+    model = tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(**text)).float().eval()
+    with torch.no_grad():
+        emb, head = model.model.embed_tokens.weight, model.lm_head.weight
+        emb.normal_(0, 0.01)
+        head.zero_()
+        for name, p in model.named_parameters():
+            if name.endswith(("linear_attn.out_proj.weight", "self_attn.o_proj.weight", "mlp.down_proj.weight")):
+                p.zero_()
+        model.model.norm.weight.zero_()
+        for i, (current, nxt) in enumerate(chain.items()):
+            emb[current].zero_()
+            emb[current, i] = 1.0
+            head[nxt, i] = 4.0  # a margin of 4 * sqrt(hidden) logits over every other token
+    model.generation_config = GenerationConfig(eos_token_id=[151645, 151643], pad_token_id=151643)
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(QWEN3_TOKENIZER).save_pretrained(path)
+    return path
+
+
 def _rewrite(path: Path, change) -> None:
     file = path / "model.safetensors"
     tensors = load_file(file)
@@ -105,10 +138,14 @@ def _fuse_experts(path: Path) -> None:
     _rewrite(path, fuse)
 
 
-def hf_reference(path: Path, kind: str):
-    """transformers' own model for the checkpoint (float32)."""
+def hf_reference(path: Path, kind: str, dtype: torch.dtype = torch.float32):
+    """transformers' own model for the checkpoint (float32 unless ``dtype``), on its PyTorch path."""
     import transformers as tf
+
+    from mili.selftest.parity import hf_torch_paths
+
+    hf_torch_paths()  # (not flash-linear-attention's Triton kernels, when installed: they need a GPU)
 
     cls = {"qwen3_5": tf.Qwen3_5ForCausalLM, "qwen3_5_hub": tf.Qwen3_5ForConditionalGeneration,
            "qwen3_5_moe": tf.Qwen3_5MoeForCausalLM, "qwen3_next": tf.Qwen3NextForCausalLM}[kind]
-    return cls.from_pretrained(path, dtype=torch.float32).eval()
+    return cls.from_pretrained(path, dtype=dtype).eval()

@@ -80,7 +80,7 @@ class EngineCore:
         """Queue a request the API side validated (ids in range, fits the context)."""
         params = add.params
         states = self.runner.state_pool
-        if states is not None and params.n > states.num_slots:
+        if states is not None and params.n > states.num_slots:  # (the API side refuses it first: make_request)
             raise InvalidRequest(f"n {params.n} exceeds the {states.num_slots} recurrent-state slots of this hybrid "
                                  f"model (raise num_state_slots)", param="n")
         request = Request(add.request_id, None, list(add.prompt_token_ids), params, add.max_total_tokens,

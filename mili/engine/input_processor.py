@@ -45,6 +45,10 @@ class InputProcessor:
             raise InvalidRequest(f"stop token ids must be integers in [0, {vocab})", param="stop_token_ids")
         if params.n > self.config.max_num_seqs:
             raise InvalidRequest(f"n ({params.n}) exceeds max_num_seqs ({self.config.max_num_seqs})", param="n")
+        slots = self.core_info.state_slots if self.core_info is not None else 0
+        if slots and params.n > slots:  # hybrids: the n sequences decode at once, each in its own slot
+            raise InvalidRequest(f"n ({params.n}) exceeds the {slots} recurrent-state slots of this hybrid model "
+                                 f"(raise num_state_slots)", param="n")
         if params.structured_outputs is not None:
             check_structured(params.structured_outputs, "structured_outputs")
         max_total = self._check_length(len(token_ids), params.max_tokens)

@@ -1,8 +1,8 @@
 """`mili selftest [--device auto|cpu|cuda] [--quick]`: one table that says whether MILI is right and how fast
 it is on this machine, and the facts a bug report needs. Sections: versions (torch, triton, transformers,
 driver and GPU, CPU flags, which kernels MILI runs here); greedy parity against HF transformers on tiny
-random checkpoints built in a temporary folder (dense and MoE); the device's kernels against their torch
-references; CUDA-graph replay against eager (CUDA); a short benchmark. Exits 1 when anything fails."""
+random checkpoints built in a temporary folder (dense, MoE and a hybrid Qwen3.5); the device's kernels against
+their torch references; CUDA-graph replay against eager (CUDA); a short benchmark. Exits 1 when anything fails."""
 
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ def versions(device: torch.device) -> list[tuple[str, str, str, str]]:
 
 
 def _run(section: str, name: str, fn) -> list[tuple[str, str, str, str]]:
-    """One check: fn() -> (ok, detail); an exception is a failure, its message the detail."""
+    """One check: fn() -> (ok, detail), ok None for a skip; an exception is a failure, its message the detail."""
     start = time.perf_counter()
     try:
         ok, detail = fn()
@@ -77,7 +77,8 @@ def _run(section: str, name: str, fn) -> list[tuple[str, str, str, str]]:
         ok, detail = False, f"{type(e).__name__}: {e}".splitlines()[0][:200]
         if os.environ.get("MILI_SELFTEST_TRACE"):
             traceback.print_exc()
-    return [(section, name, OK if ok else FAIL, f"{detail} ({time.perf_counter() - start:.1f} s)")]
+    result = SKIP if ok is None else OK if ok else FAIL
+    return [(section, name, result, f"{detail} ({time.perf_counter() - start:.1f} s)")]
 
 
 def run(device: torch.device, quick: bool) -> list[tuple[str, str, str, str]]:
@@ -90,6 +91,8 @@ def run(device: torch.device, quick: bool) -> list[tuple[str, str, str, str]]:
         moe = parity.build(Path(tmp) / "moe", "moe")
         rows += _run("parity", "dense, greedy vs HF (float32)", lambda: parity.greedy_parity(dense, dev))
         rows += _run("parity", "MoE, greedy vs HF (float32)", lambda: parity.greedy_parity(moe, dev))
+        rows += _run("parity", "hybrid Qwen3.5, greedy vs HF (float32)",
+                     lambda: parity.hybrid_parity(Path(tmp) / "hybrid", dev))
         try:
             found = kernels.check(device)
         except Exception as e:

@@ -1,6 +1,7 @@
-"""Tiny random Qwen3 checkpoints (dense and MoE) built in a folder, and MILI's greedy tokens against HF
-transformers' on them: float32, so the two must agree token for token, except where HF's own top two logits
-nearly tie (random weights meet such ties; the tests' rule: at most one prompt may part, and only there)."""
+"""Tiny random checkpoints (Qwen3 dense and MoE, and a hybrid Qwen3.5: Gated DeltaNet + full attention) built in
+a folder, and MILI's greedy tokens against HF transformers' on them: float32, so the two must agree token for
+token, except where HF's own top two logits nearly tie (random weights meet such ties; the tests' rule: at most
+one prompt may part, and only there)."""
 
 from __future__ import annotations
 
@@ -13,18 +14,25 @@ DENSE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_att
 MOE = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
            num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4, num_experts_per_tok=2,
            norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False)
+# the hybrid (Qwen3_5ForCausalLM): 3 Gated DeltaNet layers and 1 full attention, GQA in both kinds, partial RoPE
+HYBRID = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+              linear_value_head_dim=16, linear_conv_kernel_dim=4, tie_word_embeddings=False)
+HYBRID_WEIGHT_SCALE = 4.0
 WEIGHT_SCALE = 8.0  # HF's init gives near-flat logits (ties everywhere); scaled up, greedy parity means something
 
 
 def build(path: Path, kind: str, seed: int = 0, **overrides) -> Path:
-    """A random float32 checkpoint folder (with the demo's byte-level tokenizer): kind dense | moe."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    """A random float32 checkpoint folder (with the demo's byte-level tokenizer): kind dense | moe | hybrid."""
+    import transformers as tf
 
     from mili.model.demo import build_demo_tokenizer
 
     tokenizer = build_demo_tokenizer()
-    config_cls, model_cls, shape = ((Qwen3Config, Qwen3ForCausalLM, DENSE) if kind == "dense"
-                                    else (Qwen3MoeConfig, Qwen3MoeForCausalLM, MOE))
+    config_cls, model_cls, shape = {"dense": ("Qwen3Config", "Qwen3ForCausalLM", DENSE),
+                                    "moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", MOE),
+                                    "hybrid": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", HYBRID)}[kind]
+    config_cls, model_cls = getattr(tf, config_cls), getattr(tf, model_cls)
     cfg = config_cls(vocab_size=-(-len(tokenizer) // 64) * 64, max_position_embeddings=1024, rope_theta=10000.0,
                      eos_token_id=None, bos_token_id=None, pad_token_id=None, **{**shape, **overrides})
     with torch.random.fork_rng(devices=[]):
@@ -32,7 +40,16 @@ def build(path: Path, kind: str, seed: int = 0, **overrides) -> Path:
         model = model_cls(cfg).float().eval()
         with torch.no_grad():
             for name, p in model.named_parameters():
-                if p.dim() >= 2 and "embed" not in name:
+                if kind == "hybrid":  # (tests/hybrid_checkpoints.py's recipe)
+                    if p.dim() >= 2 and "embed" not in name and "conv1d" not in name:
+                        p.mul_(HYBRID_WEIGHT_SCALE)
+                    elif name.endswith("linear_attn.norm.weight"):  # the gated norm: a plain weight
+                        p.uniform_(0.5, 1.5)
+                    elif "norm" in name:  # zero-centred: the scale is 1 + w
+                        p.uniform_(-0.5, 0.5)
+                    elif name.endswith("dt_bias"):
+                        p.uniform_(-1.0, 1.0)
+                elif p.dim() >= 2 and "embed" not in name:
                     p.mul_(WEIGHT_SCALE)
                 elif "norm" in name:
                     p.uniform_(0.5, 1.5)
@@ -41,18 +58,53 @@ def build(path: Path, kind: str, seed: int = 0, **overrides) -> Path:
     return path
 
 
+def hf_torch_paths() -> None:
+    """Make HF's hybrid models (Qwen3.5, Qwen3.5 MoE, Qwen3-Next) run their own PyTorch gated-delta and causal-conv
+    functions, whatever is installed: transformers picks flash-linear-attention's Triton kernels at import when
+    the ``fla`` package is there, and those need a GPU, while the reference here runs on the CPU. Idempotent."""
+    import functools
+    import importlib
+    import inspect
+
+    names = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
+             "causal_conv1d_update")
+    for model_type in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
+        try:
+            module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+        except ImportError:
+            continue
+        for name in names:
+            wrapped = getattr(module, name, None)
+            if wrapped is None or getattr(wrapped, "_mili_torch_path", False):
+                continue
+            torch_fn = inspect.unwrap(wrapped)  # the module's own function, under transformers' kernel wrappers
+            params = inspect.signature(torch_fn).parameters
+            takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+            def call(*args, _fn=torch_fn, _params=params, _any=takes_any, **kwargs):
+                return _fn(*args, **(kwargs if _any else {k: v for k, v in kwargs.items() if k in _params}))
+
+            call = functools.wraps(torch_fn)(call)
+            call._mili_torch_path = True
+            setattr(module, name, call)
+
+
 def prompts(vocab: int, n: int = 4, seed: int = 1) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, min(vocab, 256), (int(k),), generator=g).tolist()
             for k in torch.randint(3, 24, (n,), generator=g)]
 
 
-def greedy_parity(path: Path, device: str, max_tokens: int = 12, **engine_kwargs) -> tuple[bool, str]:
-    """(ok, what was found) for MILI on ``device`` against HF on the CPU, float32."""
+def greedy_parity(path: Path, device: str, max_tokens: int = 12, teacher_forced: bool = False,
+                  **engine_kwargs) -> tuple[bool, str]:
+    """(ok, what was found) for MILI on ``device`` against HF on the CPU, float32. ``teacher_forced``: HF scores
+    MILI's tokens in one forward over prompt + output (its greedy token at each step is the argmax there, up to
+    where the two part) rather than generating them one step at a time (slow for HF's hybrids on the CPU)."""
     from transformers import AutoModelForCausalLM
 
     from mili import LLM, SamplingParams
 
+    hf_torch_paths()
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     llm = LLM(str(path), dtype="float32", device=device, kv_cache_memory=16 * 2**20, **engine_kwargs)
     ids = prompts(reference.config.vocab_size)
@@ -60,23 +112,46 @@ def greedy_parity(path: Path, device: str, max_tokens: int = 12, **engine_kwargs
                         SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
     exact, parted_at_tie = 0, 0
     for p, out in zip(ids, outs):
-        x = torch.tensor([p])
+        x, got = torch.tensor([p]), out.outputs[0].token_ids
         with torch.no_grad():
-            ref = reference.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens,
-                                     do_sample=False, output_scores=True, return_dict_in_generate=True,
-                                     pad_token_id=0)
-        got, want = out.outputs[0].token_ids, ref.sequences[0, x.shape[1]:].tolist()
+            if teacher_forced:
+                scores = reference(torch.tensor([p + got])).logits[0, len(p) - 1:len(p) - 1 + len(got)]
+                want = scores.argmax(-1).tolist()
+            else:
+                ref = reference.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens,
+                                         do_sample=False, output_scores=True, return_dict_in_generate=True,
+                                         pad_token_id=0)
+                scores, want = torch.cat(ref.scores), ref.sequences[0, x.shape[1]:].tolist()
         parted = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), None)
-        if parted is None and len(got) == len(want):
+        if parted is None and len(got) == len(want) == max_tokens:
             exact += 1
             continue
-        top2 = ref.scores[parted][0].topk(2).values if parted is not None else None
+        top2 = scores[parted].topk(2).values if parted is not None else None
         if top2 is None or top2[0] - top2[1] >= 1e-3:
             return False, f"prompt {len(p)} tokens: diverged at step {parted} without a near-tie"
         parted_at_tie += 1
     ok = exact >= len(ids) - 1
     return ok, f"{exact}/{len(ids)} prompts identical x {max_tokens} tokens" + \
         (f", {parted_at_tie} parted at a near-tie" if parted_at_tie else "")
+
+
+def hybrid_parity(folder: Path, device: str) -> tuple[bool | None, str]:
+    """Build the hybrid in ``folder``, then greedy_parity (teacher-forced), its longer prompts prefilled in 16-token
+    chunks (the recurrent state carried between them); (None, why) where this transformers has no Qwen3.5 or MILI
+    does not run hybrids on ``device`` yet."""
+    import transformers
+
+    from mili.errors import InvalidRequest
+
+    if not hasattr(transformers, "Qwen3_5ForCausalLM"):
+        return None, f"transformers {transformers.__version__} has no Qwen3.5"
+    path = build(folder, "hybrid")
+    try:
+        return greedy_parity(path, device, teacher_forced=True, max_num_batched_tokens=16)
+    except InvalidRequest as e:
+        if torch.device(device).type == "cpu":
+            raise
+        return None, f"not on {device} yet: {e}"
 
 
 def graph_equals_eager(path: Path, device: str) -> tuple[bool, str]:

@@ -73,10 +73,9 @@ def test_qwen_fp8_release_layout_loads(tmp_path):
     beside each linear-attention, attention and MLP projection, partial blocks at these sizes): MILI computes
     with the dequantized weights and writes HF's greedy tokens for them."""
     from safetensors.torch import load_file, save_file
-    from transformers import Qwen3_5ForConditionalGeneration
 
     from helpers import greedy_matches
-    from hybrid_checkpoints import build_hybrid_checkpoint
+    from hybrid_checkpoints import build_hybrid_checkpoint, hf_reference
     from mili import LLM, SamplingParams
     from mili.model.quant import dequantize_fp8, quantize_fp8_blocks
 
@@ -97,7 +96,7 @@ def test_qwen_fp8_release_layout_loads(tmp_path):
     (fp8 / "config.json").write_text(json.dumps(config))
     plain_tensors = load_file(plain / "model.safetensors")
     save_file({**plain_tensors, **dequantized}, plain / "model.safetensors")  # the reference: the same values
-    reference = Qwen3_5ForConditionalGeneration.from_pretrained(plain, dtype=torch.float32).eval()
+    reference = hf_reference(plain, "qwen3_5_hub")
     prompts = [{"prompt_token_ids": torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist()}
                for n in (1, 40, 130)]
     llm = LLM(str(fp8), dtype="float32", max_num_batched_tokens=64)
