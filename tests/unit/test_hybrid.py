@@ -238,7 +238,8 @@ def test_bfloat16_matches_hf_bfloat16(hybrids, kind, tmp_path):
     chunks) and every greedily decoded token's (the state stored every step) against HF's bf16 forward over the
     same ids. The prompt tokens' bound on the mean is below what float32 (HF's own float32 model, checked here) or
     an SSM state stored in bf16 (the checkpoint saying mamba_ssm_dtype bfloat16, checked for qwen3_next) are off by
-    (measured: 0.0009 and 0.0007 here, HF float32 0.017 and 0.045, the bf16 state 0.009); the decoded tokens' is
+    (measured on the torch path: 0.0009 and 0.0007, HF float32 0.017 and 0.045, the bf16 state 0.009; with MILI's
+    CPU kernels, whose linears and attention round in their own order: 0.0021 for qwen3_next); the decoded tokens' is
     looser (0.012 and 0.019 measured: one token a step, bf16 rounding and the MoE's routing near-ties add up) and
     catches a state lost or misplaced between steps, not its dtype."""
     import json
@@ -272,9 +273,10 @@ def test_bfloat16_matches_hf_bfloat16(hybrids, kind, tmp_path):
 
     prompt_err, decode_err, float32_err, states = errors(path)
     assert llm_dtypes(states) == (torch.bfloat16, torch.float32)
-    assert prompt_err.mean() < 2e-3 and prompt_err.max() < 0.1, (prompt_err.mean(), prompt_err.max())
+    bound = 4e-3
+    assert prompt_err.mean() < bound and prompt_err.max() < 0.1, (prompt_err.mean(), prompt_err.max())
     assert decode_err.mean() < 4e-2 and decode_err.max() < 0.5, (decode_err.mean(), decode_err.max())
-    assert float32_err.mean() > 5e-3  # the bound means something: float32 is further from HF's bf16 than it allows
+    assert float32_err.mean() > 2 * bound  # the bound means something: float32 is further from HF's bf16 than it allows
     if kind == "qwen3_next":  # and an SSM state stored in bf16 is too
         bf16_state = tmp_path / "bf16_state"
         shutil.copytree(path, bf16_state)
@@ -282,7 +284,7 @@ def test_bfloat16_matches_hf_bfloat16(hybrids, kind, tmp_path):
         (bf16_state / "config.json").write_text(json.dumps({**config, "mamba_ssm_dtype": "bfloat16"}))
         prompt_err, _, _, states = errors(bf16_state)
         assert llm_dtypes(states) == (torch.bfloat16, torch.bfloat16)
-        assert prompt_err.mean() > 2e-3, prompt_err.mean()
+        assert prompt_err.mean() > bound, prompt_err.mean()
 
 
 def llm_dtypes(states) -> tuple[torch.dtype, torch.dtype]:
