@@ -1,6 +1,6 @@
 """The server against the offline engine on the same requests, in one run: does serving cost throughput?
 
-    python benchmarks/serve_vs_offline.py                       # the demo model, 256 x (128 in, 128 out)
+    python benchmarks/serve_vs_offline.py                       # demo-random, 256 x (128 in, 128 out)
     python benchmarks/serve_vs_offline.py --model 0.6B --num-prompts 32
 
 Offline: ``LLM.generate`` on every request at once. Served: ``mili serve`` (the engine core in its own
@@ -28,7 +28,9 @@ from mili.bench import print_serve_result, run_serve_load, serve_dataset
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="demo", help="demo, 0.6B (a random Qwen3-0.6B shape), or a checkpoint")
+    p.add_argument("--model", default="demo-random",
+                   help="demo-random (the tiny random demo: the HTTP path is the bottleneck), demo, 0.6B (a random "
+                        "Qwen3-0.6B shape), or a checkpoint")
     p.add_argument("--num-prompts", type=int, default=256)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)

@@ -1,8 +1,13 @@
-"""The offline demo model: a tiny random Qwen3 with a byte-level tokenizer, built locally.
+"""The offline demo models, which need no download.
 
-``mili serve demo`` / ``LLM("demo")`` need no download: the first use builds the checkpoint folder
-(config, bf16 safetensors, tokenizer, chat template, generation config) in the cache, the same
-bytes on every machine, and later uses reuse it. Its text is random, but it runs the whole engine.
+- ``demo``: a small Qwen3 (11M parameters) that MILI trained on the King James Bible with its own
+  script (``python -m mili.demo.train``), shipped in the package (``mili/demo/checkpoint``: bf16
+  safetensors, BPE tokenizer, ChatML template with thinking on/off). It writes KJV-style English and
+  ends its chat turns by itself.
+- ``demo-random``: a tiny random Qwen3 with a byte-level tokenizer, built locally on first use (config,
+  bf16 safetensors, tokenizer, chat template, generation config) in the cache, the same bytes on every
+  machine, and reused later. Its text is random, but it runs the whole engine: the tests that need
+  exact properties of a random model (a 320-token byte vocabulary, say) use it.
 """
 
 from __future__ import annotations
@@ -14,7 +19,8 @@ import threading
 from pathlib import Path
 
 DEMO_MODEL = "demo"
-DEMO_VERSION = "demo-v1"  # bump when the recipe below changes, so stale caches are not reused
+DEMO_RANDOM_MODEL = "demo-random"
+DEMO_VERSION = "demo-random-v1"  # bump when the recipe below changes, so stale caches are not reused
 
 _SEED = 1234
 _INIT_STD = 0.05  # a little larger than HF's 0.02, so the random logits are not near-flat
@@ -49,8 +55,20 @@ def _is_complete(path: Path) -> bool:
     return path.is_dir() and all((path / f).is_file() for f in _REQUIRED)
 
 
-def demo_checkpoint(cache_dir: str | os.PathLike | None = None) -> str:
-    """The path of the demo checkpoint folder (``<cache>/demo-v1``), built on first use.
+def demo_checkpoint() -> str:
+    """The path of the trained demo checkpoint: a folder inside the installed package."""
+    from mili.demo import CHECKPOINT_DIR
+
+    if not _is_complete(CHECKPOINT_DIR):
+        from mili.errors import ModelLoadError
+
+        raise ModelLoadError(f"the demo checkpoint is missing from the package ({CHECKPOINT_DIR}): reinstall "
+                             f"MILI, or use {DEMO_RANDOM_MODEL!r}")
+    return str(CHECKPOINT_DIR)
+
+
+def demo_random_checkpoint(cache_dir: str | os.PathLike | None = None) -> str:
+    """The path of the random demo checkpoint folder (``<cache>/demo-random-v1``), built on first use.
 
     ``cache_dir`` defaults to ``$MILI_CACHE_DIR`` or ``~/.cache/mili``. The build is deterministic
     and atomic: it happens in a temporary folder beside the target, which is then renamed into

@@ -26,10 +26,12 @@ _HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.jinja", "*.model", "toke
 
 def resolve_model_path(model: str) -> str:
     """A local checkpoint folder for ``model``: the demo name, a local path, or a hub id."""
-    from mili.model.demo import DEMO_MODEL, demo_checkpoint
+    from mili.model.demo import DEMO_MODEL, DEMO_RANDOM_MODEL, demo_checkpoint, demo_random_checkpoint
 
     if model == DEMO_MODEL:
         return demo_checkpoint()
+    if model == DEMO_RANDOM_MODEL:
+        return demo_random_checkpoint()
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():

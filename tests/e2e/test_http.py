@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import httpx
 import pytest
 
@@ -133,14 +136,26 @@ def test_prefix_cache_hits_are_reported(server):
 
 
 def test_demo_model_serves(tmp_path):
-    """The README's main command: `mili serve` on the offline demo model, built on first use."""
-    s = Server("demo", env={"MILI_CACHE_DIR": str(tmp_path)}, log_dir=tmp_path)
+    """The README's main command: `mili serve` on the trained demo model, shipped in the package (nothing is
+    built or downloaded), answering the openai client in English that ends by itself."""
+    from openai import OpenAI
+
+    words = set((Path(__file__).resolve().parents[1] / "data" / "demo" / "words.txt").read_text().split())
+    s = Server("demo", env={"MILI_CACHE_DIR": str(tmp_path / "cache")}, log_dir=tmp_path)
     try:
-        models = httpx.get(s.url + "/v1/models").json()["data"]
-        assert [m["id"] for m in models] == ["test"]
-        r = httpx.post(s.url + "/v1/chat/completions", timeout=60, json={
-            "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 8, "temperature": 0})
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 8
-        assert (tmp_path / "demo-v1" / "config.json").is_file()
+        client = OpenAI(base_url=s.url + "/v1", api_key="unused")
+        assert [m.id for m in client.models.list().data] == ["test"]
+        for thinking in (False, True):
+            r = client.chat.completions.create(
+                model="test", messages=[{"role": "user", "content": "Hello!"}], max_tokens=100, temperature=0,
+                extra_body={"chat_template_kwargs": {"enable_thinking": thinking}})
+            reply = r.choices[0].message.content
+            assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens < 100, reply
+            said = re.findall(r"[a-z]+", reply.lower())
+            assert said and sum(w in words for w in said) >= 0.9 * len(said), reply  # the corpus's English
+        r = client.chat.completions.create(model="test", messages=[{"role": "user", "content": "Tell me about love."}],
+                                           max_tokens=60, seed=1)  # sampled, the checkpoint's defaults
+        assert r.choices[0].message.content.strip()
+        assert not list((tmp_path / "cache").glob("demo*"))  # nothing built
     finally:
         assert s.stop() == 0, s.output()

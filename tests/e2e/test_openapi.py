@@ -1,7 +1,8 @@
 """/openapi.json tells the truth: schemathesis (`--checks all`) against a live server reports nothing.
 
-The server runs the offline demo model (a byte-level vocabulary of 320: sampling costs nothing) with a
-64-token context and at most 2 sequences a request, so the thousand-odd generated requests stay cheap.
+The server runs the offline random demo model, `demo-random` (a byte-level vocabulary of 320: sampling
+costs nothing) with a 64-token context and at most 2 sequences a request, so the thousand-odd generated
+requests stay cheap.
 The one kind of refusal a JSON schema cannot rule out is accepted by schemathesis_hooks.py, by name.
 """
 
@@ -26,9 +27,9 @@ KEY = "sekret"
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory) -> str:
-    from mili.model.demo import demo_checkpoint
+    from mili.model.demo import demo_random_checkpoint
 
-    return demo_checkpoint(tmp_path_factory.mktemp("demo-cache"))
+    return demo_random_checkpoint(tmp_path_factory.mktemp("demo-cache"))
 
 
 @pytest.fixture(scope="module")

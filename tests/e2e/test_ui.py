@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from pathlib import Path
 from urllib.parse import urlparse
@@ -212,5 +213,28 @@ def test_api_key_typed_into_the_page(scripted_model, browser):
         set_field(browser, "#temperature", "0")
         send(browser, "Hi")
         assert el(finished_reply(browser), ".text").text == "Hello!"
+    finally:
+        assert s.stop() == 0, s.output()
+
+
+def test_the_trained_demo_replies_and_ends_by_itself(browser, tmp_path):
+    """`mili serve` with no model (the trained `demo`): the page's reply to "Hello" is English from its corpus
+    and ends with the model's own end of turn (finish reason stop), thinking on (the page's default) and off."""
+    words = set((Path(__file__).resolve().parents[1] / "data" / "demo" / "words.txt").read_text().split())
+    s = Server("demo", log_dir=tmp_path)
+    try:
+        open_page(browser, s.url)
+        set_field(browser, "#temperature", "0")
+        for turn, text in enumerate(["Hello", "Who are you?"]):
+            if turn:
+                el(browser, "#thinking").click()  # off
+            send(browser, text)
+            until(browser, lambda: len(browser.find_elements("css selector", ".msg.assistant")) == turn + 1
+                  and el(last_reply(browser), ".stats").text)
+            reply = last_reply(browser)
+            stats, said = el(reply, ".stats").text, el(reply, ".text").text
+            assert "stop" in stats and el(browser, "#error").text == "", (stats, said)
+            found = re.findall(r"[a-z]+", said.lower())
+            assert found and sum(w in words for w in found) >= 0.9 * len(found), said
     finally:
         assert s.stop() == 0, s.output()

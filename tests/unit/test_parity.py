@@ -1,4 +1,4 @@
-"""Greedy parity with HF transformers in float32, on three tiny random Qwen3 shapes."""
+"""Greedy parity with HF transformers in float32, on three tiny random Qwen3 shapes and the trained demo."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ def _prompts(vocab: int, seed: int = 1) -> list[list[int]]:
 
 def _hf_greedy(path, prompts):
     model = HFQwen3.from_pretrained(path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # as ignore_eos: a checkpoint's own eos ids must not stop HF early
     results = []
     for ids in prompts:
         with torch.no_grad():
@@ -49,6 +50,26 @@ def test_greedy_matches_hf_generate(checkpoints, shape):
     llm.engine.check_integrity()
     pool = llm.engine.runner.pool
     assert pool.num_free + llm.engine.prefix_cache.num_evictable() == pool.num_pages
+
+
+def test_trained_demo_greedy_matches_hf_generate():
+    """The shipped `demo` (trained weights, its own BPE tokenizer), on chat prompts and on random ids."""
+    from transformers import AutoTokenizer
+
+    from mili.model.demo import demo_checkpoint
+
+    path = demo_checkpoint()
+    tok = AutoTokenizer.from_pretrained(path)
+    chats = [tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True,
+                                     enable_thinking=thinking)
+             for text, thinking in [("Hello", True), ("Hello", False), ("Tell me about wisdom.", False)]]
+    prompts = [tok(c, add_special_tokens=False)["input_ids"] for c in chats]
+    prompts += [tok("And God said, Let there be light", add_special_tokens=False)["input_ids"]]
+    prompts += _prompts(tok.vocab_size)[2:5]
+    llm = LLM(path, dtype="float32", max_num_batched_tokens=96, page_size=16)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
+    ours = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert_greedy_matches_hf(ours, _hf_greedy(path, prompts), MAX_TOKENS)
 
 
 @pytest.mark.parametrize("shape", ["gqa_untied", "mha_tied"])

@@ -6,6 +6,7 @@ weights; its greedy tokens are HF transformers' for the same checkpoint (HF's ow
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -256,11 +257,33 @@ def test_fp8_quantization_kl_within_its_rounding_budget(tmp_path, qwen3_tokenize
     text = ("The quick brown fox jumps over the lazy dog. Tokenizers split text into pieces; a language model "
             "predicts the next piece from the ones before it, one distribution at a time.")
     ids = qwen3_tokenizer(text)["input_ids"]
-    prompts = [ids[:n] for n in range(4, len(ids), 3)]
+    fp8, budget = _fp8_kl_and_budget(str(dense), [ids[:n] for n in range(4, len(ids), 3)])
+    assert 0.1 * budget < fp8 < budget, (fp8, budget)
+
+
+def test_fp8_quantization_kl_on_the_trained_demo():
+    """The same budget on a trained model and the text it was trained for: the shipped `demo` on Bible
+    chapters it never saw (tests/data/demo/heldout.txt), whose next-token distributions are peaked where a
+    random model's are flat."""
+    from transformers import AutoTokenizer
+
+    from mili.model.demo import demo_checkpoint
+
+    path = demo_checkpoint()
+    text = (Path(__file__).resolve().parents[1] / "data" / "demo" / "heldout.txt").read_text()
+    verses = [line.split(" ", 1)[1] for line in text.splitlines()[:40] if line.startswith("  ")]
+    ids = AutoTokenizer.from_pretrained(path)(" ".join(verses), add_special_tokens=False)["input_ids"][:160]
+    fp8, budget = _fp8_kl_and_budget(path, [ids[:n] for n in range(4, len(ids), 4)])
+    assert 0.1 * budget < fp8 < budget, (fp8, budget)
+
+
+def _fp8_kl_and_budget(path: str, prompts: list[list[int]]) -> tuple[float, float]:
+    """Mean KL of the next-token distributions from the float32 model's: with ``--quantization fp8``, and with
+    every linear weight times (1 + N(0, 3.6%^2)) (the budget)."""
     common = dict(dtype="float32", enable_prefix_caching=False)
-    ref = _next_token_logprobs(LLM(str(dense), **common), prompts)
-    fp8 = _next_token_logprobs(LLM(str(dense), quantization="fp8", **common), prompts)
-    noisy = LLM(str(dense), **common)
+    ref = _next_token_logprobs(LLM(path, **common), prompts)
+    fp8 = _next_token_logprobs(LLM(path, quantization="fp8", **common), prompts)
+    noisy = LLM(path, **common)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in _runner(noisy).model.named_parameters():
@@ -271,4 +294,4 @@ def test_fp8_quantization_kl_within_its_rounding_budget(tmp_path, qwen3_tokenize
     def kl(q):
         return (ref.exp() * (ref - q)).sum(-1).mean().item()
 
-    assert 0.1 * kl(budget) < kl(fp8) < kl(budget), (kl(fp8), kl(budget))
+    return kl(fp8), kl(budget)

@@ -193,3 +193,22 @@ def test_bounded_json_strings_refuse_control_characters(llm):
     compiled = compiler.compile_grammar(build_grammar("json", json.dumps({"type": "string", "maxLength": 5})))
     for text, valid in [('"ab"', True), ('"a\tb"', False), ('"a\nb"', False), ('"abcdef"', False)]:
         assert xgrammar.GrammarMatcher(compiled).accept_string(text) is valid, text
+
+
+def test_trained_demo_ends_a_constrained_reply_by_itself():
+    """The random model above ends only where a grammar's bounds force it to. The trained `demo` under an
+    unbounded constraint (plain English characters, any length; the end of turn allowed anywhere) ends its
+    reply itself: finish_reason stop, well before max_tokens, greedy and sampled. (It never saw JSON:
+    inside an unbounded JSON string it does not write the closing quote, so JSON is not what this tests.)"""
+    llm = LLM("demo", dtype="float32")
+    pattern = r"[A-Za-z ,.;:'!?]+"
+    so = StructuredOutputsParams(regex=pattern)
+    prompts = [[{"role": "user", "content": p}] for p in
+               ("Hello", "Who are you?", "Tell me about wisdom.", "What does John 3:16 say?")]
+    params = [SamplingParams(temperature=0, max_tokens=100, structured_outputs=so)] * 4
+    params += [SamplingParams(temperature=0.7, seed=s, max_tokens=100, structured_outputs=so) for s in range(4)]
+    outs = llm.chat(prompts * 2, params, chat_template_kwargs={"enable_thinking": False}, use_tqdm=False)
+    for o in outs:
+        o = o.outputs[0]
+        assert o.finish_reason == "stop" and len(o.token_ids) < 100, o.text
+        assert re.fullmatch(pattern, o.text) and re.search(r"[A-Za-z]{3}", o.text), o.text
