@@ -15,12 +15,10 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import os
 
 import torch
 
-from common import CACHE, DATA, machine, print_table, random_prompt
+from common import hybrid_checkpoint, machine, print_table, random_prompt
 
 from mili.bench import _hf_generate, _hf_model, _measure_latency, step_bytes
 from mili.config import EngineConfig
@@ -28,29 +26,6 @@ from mili.engine.engine import LLMEngine
 from mili.kernels import cpu
 
 SHAPES = {"0.8B": ("Qwen3.5-0.8B", None), "4B/8": ("Qwen3.5-4B", 8)}
-
-
-def hybrid_checkpoint(name: str, layers: int | None, dtype: torch.dtype) -> str:
-    """A random-weight text model of a released Qwen3.5 shape (``layers``: cut to that many), with the Qwen3
-    tokenizer; built once under the benchmark cache."""
-    from transformers import AutoTokenizer, Qwen3_5ForCausalLM, Qwen3_5TextConfig
-
-    path = CACHE / (f"{name}-random-{str(dtype).removeprefix('torch.')}" + (f"-{layers}layers" if layers else ""))
-    if (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file():
-        return str(path)
-    config = json.loads((DATA / "qwen3.5" / f"{name}.config.json").read_text())
-    text = {k: v for k, v in config.get("text_config", config).items() if k not in ("model_type", "dtype")}
-    text.setdefault("tie_word_embeddings", config.get("tie_word_embeddings", False))
-    if layers:
-        text.update(num_hidden_layers=layers, layer_types=text["layer_types"][:layers])
-    torch.manual_seed(0)
-    with torch.device("cpu"):
-        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**text)).to(dtype).eval()
-    tmp = path.with_name(path.name + ".tmp")
-    model.save_pretrained(tmp)
-    AutoTokenizer.from_pretrained(DATA / "qwen3-tokenizer").save_pretrained(tmp)
-    os.replace(tmp, path)
-    return str(path)
 
 
 def measure(label: str, path: str, args) -> list[list]:

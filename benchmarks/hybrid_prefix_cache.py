@@ -13,39 +13,16 @@ the Qwen3.5-0.8B shape cut to a few layers (three Gated DeltaNet layers in four,
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
-from pathlib import Path
 
 import torch
 
-from common import CACHE, DATA, machine, percentile, print_table, random_prompt, run_batch, ttft
+from common import hybrid_checkpoint, machine, percentile, print_table, random_prompt, run_batch, ttft
 
 from mili.config import EngineConfig
 from mili.engine.engine import LLMEngine
 from mili.sampling_params import SamplingParams
 
-SHAPES = DATA / "qwen3.5"  # the released configs, in the repository
-
-
-def hybrid_checkpoint(layers: int, dtype: torch.dtype) -> str:
-    """A random-weight Qwen3.5-0.8B-shaped text model cut to ``layers`` layers, with the Qwen3 tokenizer; built once."""
-    from transformers import AutoTokenizer, Qwen3_5ForCausalLM, Qwen3_5TextConfig
-
-    path = CACHE / f"Qwen3.5-0.8B-random-{str(dtype).removeprefix('torch.')}-{layers}layers"
-    if (path / "model.safetensors").is_file():
-        return str(path)
-    config = json.loads((SHAPES / "Qwen3.5-0.8B.config.json").read_text())
-    text = {k: v for k, v in config.get("text_config", config).items() if k not in ("model_type", "dtype")}
-    text.update(num_hidden_layers=layers, layer_types=text["layer_types"][:layers])
-    torch.manual_seed(0)
-    model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**text)).to(dtype).eval()
-    tmp = path.with_name(path.name + ".tmp")
-    model.save_pretrained(tmp)
-    AutoTokenizer.from_pretrained(DATA / "qwen3-tokenizer").save_pretrained(tmp)
-    os.replace(tmp, path)
-    return str(path)
 
 
 def shared(engines, args) -> dict:
@@ -86,7 +63,7 @@ def main() -> None:
     args = p.parse_args()
 
     dtype = getattr(torch, args.dtype)
-    path = hybrid_checkpoint(args.layers, dtype)
+    path = hybrid_checkpoint("Qwen3.5-0.8B", args.layers, dtype)
     engines = {label: LLMEngine(EngineConfig(model=path, dtype=args.dtype, max_model_len=4096,
                                              kv_cache_memory=1 << 30, enable_prefix_caching=on))
                for label, on in (("off", False), ("on", True))}

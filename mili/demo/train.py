@@ -35,22 +35,12 @@ import sys
 import time
 from pathlib import Path
 
+from mili.model.demo import CHAT_TEMPLATE  # the demo's ChatML (thinking off: an empty think block)
+
 SEED = 2026
 HELDOUT_EVERY, HELDOUT_AT = 100, 50  # chapter i (0-based, canonical order) is held out when i % 100 == 50
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # Qwen3's "special" tokens
 NON_SPECIAL = ["<think>", "</think>", "<tool_call>", "</tool_call>"]  # added, but not "special" (as Qwen3)
-# ChatML as Qwen3 renders plain conversations; thinking off puts an empty think block in the prompt.
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') + '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}"
-    "{{- '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}"
-    "{{- '<think>\\n\\n</think>\\n\\n' }}"
-    "{%- endif %}"
-    "{%- endif %}"
-)
 MODEL_SHAPE = dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=6,
                    num_key_value_heads=2, head_dim=64)
 VOCAB_SIZE = 4096

@@ -67,8 +67,9 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-# the entry points, above every layer: the package's own names, the offline LLM, the CLI and its commands
-ENTRY_POINTS = ("mili.cli", "mili.llm", "mili.bench", "mili.selftest")
+# the entry points, above every layer: the package's own names, the offline LLM, the CLI and its commands, and
+# the demo's training script (python -m mili.demo.train)
+ENTRY_POINTS = ("mili.cli", "mili.llm", "mili.bench", "mili.selftest", "mili.demo.train")
 
 
 def _level(module: str) -> int:
