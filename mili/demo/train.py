@@ -1,7 +1,11 @@
 """Train MILI's demo model: a small Qwen3 on the King James Bible, with a BPE tokenizer and chat data.
 
     apt-get install bible-kjv            # Debian's KJV text; its `bible` program prints the whole Bible
-    nice -n 19 python -m mili.demo.train --out /tmp/demo-run   # ~1 hour on 2 CPU cores
+    nice -n 19 python -m mili.demo.train --out /tmp/demo-run --minutes 55   # ~1 hour on 2 CPU cores
+    nice -n 19 python -m mili.demo.train --arch hybrid --out /tmp/hybrid-run --minutes 55 --threads 1
+
+``--arch hybrid`` trains the hybrid twin (``demo-hybrid``, mili/demo/hybrid.py): a Qwen3.5 text model with
+a jointly trained MTP head, on the same corpus, tokenizer recipe, chat data and held-out split.
 
 The corpus is the King James Version (1611; public domain) as ``bible -l100000 gen1:1-rev22:21``
 prints it (or ``--corpus FILE`` holding that output; ``--corpus-dir DIR`` reads ``DIR/kjv.txt``).
@@ -11,8 +15,9 @@ under ``--out``:
 
 - ``checkpoint/``: the model (bf16 safetensors), BPE tokenizer, ChatML template, generation config;
   ``mili/demo/checkpoint/`` in the package is this folder;
-- ``train.log`` and ``loss.csv`` (step, tokens, train loss, lr, seconds), ``result.json`` (the figures:
-  parameters, tokens, time, final loss, held-out cross-entropy, sample replies);
+- ``train.log`` and ``loss.csv`` (step, tokens, train loss, lr, seconds; the hybrid adds the MTP head's
+  loss), ``result.json`` (the figures: parameters, tokens, time, final loss, held-out cross-entropy, sample
+  replies; the hybrid adds the MTP head's held-out cross-entropy, accuracy and agreement with the main head);
 - with ``--export-test-data DIR``: ``heldout.txt`` (the held-out chapters) and ``words.txt`` (every word
   of the corpus, lower-cased), which the tests read so that they need no corpus installed.
 
@@ -269,6 +274,10 @@ SAMPLE_PROMPTS = ["Hello", "Who are you?", "What does John 3:16 say?", "Tell me 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="run folder (checkpoint/, train.log, loss.csv, result.json)")
+    p.add_argument("--arch", choices=["dense", "hybrid"], default="dense",
+                   help="dense: the demo (Qwen3); hybrid: its Qwen3.5 twin with an MTP head (mili/demo/hybrid.py)")
+    p.add_argument("--mtp-weight", type=float, default=None,
+                   help="hybrid: the MTP loss's weight in the total (default hybrid.MTP_WEIGHT, 0.3)")
     p.add_argument("--corpus", help="a file with `bible -l100000 gen1:1-rev22:21`'s output")
     p.add_argument("--corpus-dir", help="a folder holding kjv.txt (the same text)")
     p.add_argument("--steps", type=int, default=0, help="a fixed number of steps (cosine schedule over them)")
@@ -345,11 +354,23 @@ def main(argv=None) -> int:
     log(f"tokens: {len(stream)} in the training stream (about {n_chat / len(stream):.0%} chat), "
         f"vocabulary {len(tokenizer)}")
 
-    model = build_model(tokenizer, args.seed)
-    n_params = sum(p.numel() for p in model.parameters())
-    log(f"model: Qwen3 {MODEL_SHAPE}, {n_params / 1e6:.2f}M parameters (tied embeddings)")
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    mtp = None  # the hybrid's MTP head
+    if args.arch == "hybrid":
+        from mili.demo import hybrid
+
+        model, mtp = hybrid.build_hybrid(tokenizer, args.seed)
+        mtp_weight = hybrid.MTP_WEIGHT if args.mtp_weight is None else args.mtp_weight
+        n_params = sum(p.numel() for p in model.parameters())
+        n_mtp = sum(p.numel() for p in mtp.parameters())
+        log(f"model: Qwen3.5 {hybrid.HYBRID_SHAPE} {model.config.layer_types}, {n_params / 1e6:.2f}M parameters "
+            f"(tied embeddings), MTP head {n_mtp / 1e6:.2f}M (loss weight {mtp_weight})")
+    else:
+        model = build_model(tokenizer, args.seed)
+        n_params = sum(p.numel() for p in model.parameters())
+        log(f"model: Qwen3 {MODEL_SHAPE}, {n_params / 1e6:.2f}M parameters (tied embeddings)")
+    named = list(model.named_parameters()) + (list(mtp.named_parameters()) if mtp else [])
+    decay = [p for n, p in named if p.dim() >= 2]
+    no_decay = [p for n, p in named if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
     step, elapsed = 0, 0.0
@@ -357,6 +378,8 @@ def main(argv=None) -> int:
     if args.resume and state_path.is_file():
         state = torch.load(state_path, weights_only=False)
         model.load_state_dict(state["model"])
+        if mtp is not None:
+            mtp.load_state_dict(state["mtp"])
         opt.load_state_dict(state["opt"])
         step, elapsed = state["step"], state["elapsed"]
         torch.set_rng_state(state["rng"])
@@ -379,10 +402,12 @@ def main(argv=None) -> int:
     csv_file = open(csv_path, "w" if new_csv else "a", newline="")
     writer = csv.writer(csv_file)
     if new_csv:
-        writer.writerow(["step", "tokens", "loss", "lr", "seconds"])
+        writer.writerow(["step", "tokens", "loss", "lr", "seconds"] + (["mtp_loss"] if mtp else []))
     tokens_per_step = args.batch * args.seq_len
     model.train()
-    window_loss, window_n, t_last = 0.0, 0, time.time()
+    if mtp is not None:
+        mtp.train()
+    window_loss, window_mtp, window_n, t_last = 0.0, 0.0, 0, time.time()
     t_resume, elapsed0 = t_last, elapsed
     lr = args.lr
     while progress(step, elapsed0 + time.time() - t_resume) < 1:
@@ -391,11 +416,17 @@ def main(argv=None) -> int:
         lr = lr_at(progress(step, elapsed0 + time.time() - t_resume))
         for g in opt.param_groups:
             g["lr"] = lr
-        logits = model(input_ids=batch[:, :-1]).logits
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), batch[:, 1:].reshape(-1))
+        if mtp is None:
+            logits = model(input_ids=batch[:, :-1]).logits
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), batch[:, 1:].reshape(-1))
+            total = loss
+        else:
+            loss, mtp_loss = hybrid.losses(model, mtp, batch)
+            total = loss + mtp_weight * mtp_loss
+            window_mtp += mtp_loss.item()
         opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        total.backward()
+        torch.nn.utils.clip_grad_norm_([p for _, p in named], 1.0)
         opt.step()
         step += 1
         window_loss += loss.item()
@@ -405,20 +436,26 @@ def main(argv=None) -> int:
             elapsed += now - t_last
             t_last = now
             avg = window_loss / window_n
-            writer.writerow([step, step * tokens_per_step, f"{avg:.4f}", f"{lr:.2e}", f"{elapsed:.0f}"])
+            mtp_col = [f"{window_mtp / window_n:.4f}"] if mtp else []
+            writer.writerow([step, step * tokens_per_step, f"{avg:.4f}", f"{lr:.2e}", f"{elapsed:.0f}"] + mtp_col)
             csv_file.flush()
-            log(f"step {step} loss {avg:.4f} lr {lr:.2e} "
+            log(f"step {step} loss {avg:.4f}{' mtp ' + mtp_col[0] if mtp else ''} lr {lr:.2e} "
                 f"{step * tokens_per_step / max(elapsed, 1e-9):.0f} tok/s elapsed {elapsed / 60:.1f} min")
-            window_loss, window_n = 0.0, 0
+            window_loss, window_mtp, window_n = 0.0, 0.0, 0
         if step % args.save_every == 0:
-            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "elapsed": elapsed,
+            torch.save({"model": model.state_dict(), "mtp": mtp.state_dict() if mtp else None,
+                        "opt": opt.state_dict(), "step": step, "elapsed": elapsed,
                         "rng": torch.get_rng_state(), "gen": gen.get_state()}, state_path)
     elapsed += time.time() - t_last
     if window_n:
-        writer.writerow([step, step * tokens_per_step, f"{window_loss / window_n:.4f}", f"{lr:.2e}", f"{elapsed:.0f}"])
+        mtp_col = [f"{window_mtp / window_n:.4f}"] if mtp else []
+        writer.writerow([step, step * tokens_per_step, f"{window_loss / window_n:.4f}", f"{lr:.2e}",
+                         f"{elapsed:.0f}"] + mtp_col)
         csv_file.flush()
 
     model.eval()
+    if mtp is not None:
+        mtp.eval()
     model.generation_config = GenerationConfig(
         bos_token_id=eot, eos_token_id=[im_end, eot], pad_token_id=eot, do_sample=True, temperature=0.7,
         top_p=0.9, top_k=40)
@@ -430,14 +467,26 @@ def main(argv=None) -> int:
     if rows:  # the mean over the last ~100 steps
         last = [float(r["loss"]) for r in rows if int(r["step"]) > int(rows[-1]["step"]) - 100]
         result["final_train_loss"] = round(sum(last) / len(last), 4)
-    bf16 = build_model(tokenizer, args.seed).to(torch.bfloat16)
+        if mtp is not None:
+            last = [float(r["mtp_loss"]) for r in rows if int(r["step"]) > int(rows[-1]["step"]) - 100]
+            result.update(mtp_parameters=sum(p.numel() for p in mtp.parameters()), mtp_weight=mtp_weight,
+                          final_train_mtp_loss=round(sum(last) / len(last), 4))
+    bf16 = (hybrid.build_hybrid(tokenizer, args.seed)[0] if mtp else build_model(tokenizer, args.seed))
+    bf16 = bf16.to(torch.bfloat16)
     bf16.load_state_dict({k: v.to(torch.bfloat16) for k, v in model.state_dict().items()})
     bf16.config.dtype = torch.bfloat16
     bf16.generation_config = model.generation_config
     bf16.save_pretrained(tok_dir)
+    if mtp is not None:
+        hybrid.save_mtp(mtp, tok_dir)
     tokenizer.save_pretrained(tok_dir)
     if not args.no_final:
         held_ids = tokenizer(heldout_text, add_special_tokens=False)["input_ids"]
+        if mtp is not None:  # the saved checkpoint (bf16 weights), in float32
+            bf16, saved_mtp = hybrid.load_hybrid(tok_dir)
+            figures = hybrid.mtp_metrics(bf16, saved_mtp, held_ids, args.seq_len)
+            result.update(figures)
+            log(f"held-out, the MTP head (the token after next): {json.dumps(figures)}")
         ce, n = cross_entropy(bf16.float(), held_ids, args.seq_len)
         result.update(heldout_ce=round(ce, 4), heldout_tokens=n)
         log(f"held-out: {n} tokens, cross-entropy {ce:.4f} nats/token (perplexity {math.exp(ce):.1f})")
