@@ -7,13 +7,14 @@ import logging
 import os
 import sys
 
-from mili.model.demo import DEMO_MODEL, DEMO_RANDOM_MODEL
+from mili.model.demo import DEMO_HYBRID_MODEL, DEMO_MODEL, DEMO_RANDOM_MODEL
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=DEMO_MODEL,
                    help=f"local checkpoint folder, hub id (e.g. Qwen/Qwen3-0.6B), '{DEMO_MODEL}' "
-                        f"(default: a small Qwen3 trained on the King James Bible, shipped with MILI) or "
+                        f"(default: a small Qwen3 trained on the King James Bible, shipped with MILI), "
+                        f"'{DEMO_HYBRID_MODEL}' (its Qwen3.5 twin, also shipped) or "
                         f"'{DEMO_RANDOM_MODEL}' (a tiny random-weight model built offline)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                    help="weights and activations dtype (auto: the checkpoint's)")

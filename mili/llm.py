@@ -21,8 +21,9 @@ PromptType = str | dict
 class LLM:
     """Runs a Qwen3 checkpoint in this process.
 
-    ``model`` is a local folder, a hub id (e.g. ``Qwen/Qwen3-0.6B``), ``"demo"`` or ``"demo-random"``;
-    other keyword arguments are ``EngineConfig`` fields (page_size, kv_cache_memory, max_num_seqs, ...).
+    ``model`` is a local folder, a hub id (e.g. ``Qwen/Qwen3-0.6B``), ``"demo"``, ``"demo-hybrid"`` or
+    ``"demo-random"``; other keyword arguments are ``EngineConfig`` fields (page_size, kv_cache_memory,
+    max_num_seqs, ...).
     """
 
     def __init__(self, model: str, dtype: str = "auto", device: str = "auto",

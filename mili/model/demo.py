@@ -4,6 +4,10 @@
   script (``python -m mili.demo.train``), shipped in the package (``mili/demo/checkpoint``: bf16
   safetensors, BPE tokenizer, ChatML template with thinking on/off). It writes KJV-style English and
   ends its chat turns by itself.
+- ``demo-hybrid``: its hybrid twin, a Qwen3.5 text model (Gated DeltaNet + gated attention, 13M
+  parameters) trained by the same script (``--arch hybrid``) on the same data with the same tokenizer,
+  with a jointly trained MTP head (``mtp.*`` tensors, as the hub's Qwen3.5 checkpoints carry), shipped in
+  ``mili/demo/checkpoint-hybrid``.
 - ``demo-random``: a tiny random Qwen3 with a byte-level tokenizer, built locally on first use (config,
   bf16 safetensors, tokenizer, chat template, generation config) in the cache, the same bytes on every
   machine, and reused later. Its text is random, but it runs the whole engine: the tests that need
@@ -20,6 +24,7 @@ from pathlib import Path
 
 DEMO_MODEL = "demo"
 DEMO_RANDOM_MODEL = "demo-random"
+DEMO_HYBRID_MODEL = "demo-hybrid"
 DEMO_VERSION = "demo-random-v1"  # bump when the recipe below changes, so stale caches are not reused
 
 _SEED = 1234
@@ -55,16 +60,19 @@ def _is_complete(path: Path) -> bool:
     return path.is_dir() and all((path / f).is_file() for f in _REQUIRED)
 
 
-def demo_checkpoint() -> str:
-    """The path of the trained demo checkpoint: a folder inside the installed package."""
-    from mili.demo import CHECKPOINT_DIR
+def demo_checkpoint(hybrid: bool = False) -> str:
+    """The path of the trained demo checkpoint (``hybrid``: its hybrid twin's): a folder inside the installed
+    package."""
+    from mili.demo import CHECKPOINT_DIR, HYBRID_CHECKPOINT_DIR
 
-    if not _is_complete(CHECKPOINT_DIR):
+    folder = HYBRID_CHECKPOINT_DIR if hybrid else CHECKPOINT_DIR
+    if not _is_complete(folder):
         from mili.errors import ModelLoadError
 
-        raise ModelLoadError(f"the demo checkpoint is missing from the package ({CHECKPOINT_DIR}): reinstall "
+        name = DEMO_HYBRID_MODEL if hybrid else DEMO_MODEL
+        raise ModelLoadError(f"the {name!r} checkpoint is missing from the package ({folder}): reinstall "
                              f"MILI, or use {DEMO_RANDOM_MODEL!r}")
-    return str(CHECKPOINT_DIR)
+    return str(folder)
 
 
 def demo_random_checkpoint(cache_dir: str | os.PathLike | None = None) -> str:

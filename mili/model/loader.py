@@ -26,10 +26,11 @@ _HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.jinja", "*.model", "toke
 
 def resolve_model_path(model: str) -> str:
     """A local checkpoint folder for ``model``: the demo name, a local path, or a hub id."""
-    from mili.model.demo import DEMO_MODEL, DEMO_RANDOM_MODEL, demo_checkpoint, demo_random_checkpoint
+    from mili.model.demo import (DEMO_HYBRID_MODEL, DEMO_MODEL, DEMO_RANDOM_MODEL, demo_checkpoint,
+                                 demo_random_checkpoint)
 
-    if model == DEMO_MODEL:
-        return demo_checkpoint()
+    if model in (DEMO_MODEL, DEMO_HYBRID_MODEL):
+        return demo_checkpoint(hybrid=model == DEMO_HYBRID_MODEL)
     if model == DEMO_RANDOM_MODEL:
         return demo_random_checkpoint()
     path = Path(model).expanduser()
