@@ -1,0 +1,30 @@
+"""N-gram prompt lookup (vLLM's ``ngram``, llama.cpp's lookup decoding): drafts copied from the sequence itself.
+
+The longest suffix of the sequence, of ``max_n`` down to ``min_n`` tokens, that occurred earlier in it
+(prompt or output), and the tokens that followed its latest earlier occurrence are the draft. No model runs:
+it pays on text that repeats its context (editing, summarising, code, quoting).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+
+class NgramProposer:
+    def __init__(self, min_n: int, max_n: int):
+        self.min_n, self.max_n = min_n, max_n
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        """Up to ``k`` draft tokens to follow ``token_ids`` (none when no suffix of min_n tokens recurs)."""
+        if k < 1 or len(token_ids) <= self.min_n:
+            return []
+        tokens = np.asarray(token_ids, dtype=np.int64)
+        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
+            # windows starting at 0 .. L - n - 1: each is followed by at least one token
+            windows = sliding_window_view(tokens[:-1], n)
+            starts = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
+            if starts.size:
+                follow = int(starts[-1]) + n  # the latest occurrence
+                return tokens[follow:follow + k].tolist()
+        return []
