@@ -1,7 +1,8 @@
 """N-gram prompt lookup (vLLM's ``ngram``, llama.cpp's lookup decoding): drafts copied from the sequence itself.
 
 The longest suffix of the sequence, of ``max_n`` down to ``min_n`` tokens, that occurred earlier in it
-(prompt or output), and the tokens that followed its latest earlier occurrence are the draft. No model runs:
+(prompt or output), and the tokens that followed its latest earlier occurrence are the draft (continuing
+periodically where they run into the end of the sequence). No model runs:
 it pays on text that repeats its context (editing, summarising, code, quoting).
 """
 
@@ -25,6 +26,15 @@ class NgramProposer:
             windows = sliding_window_view(tokens[:-1], n)
             starts = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
             if starts.size:
-                follow = int(starts[-1]) + n  # the latest occurrence
-                return tokens[follow:follow + k].tolist()
+                return self._copy(token_ids, int(starts[-1]) + n, k)  # after the latest occurrence
         return []
+
+    @staticmethod
+    def _copy(token_ids: list[int], follow: int, k: int) -> list[int]:
+        """``k`` tokens from ``follow`` on; where the copy reaches the end of the sequence it goes on over the
+        draft itself (as LZ77 copies an overlapping match): a sequence repeating a period shorter than ``k``
+        (a token over and over, a short cycle) drafts k tokens of it, not the few left before its end."""
+        extended = token_ids[follow:follow + k]
+        while len(extended) < k:
+            extended.append(extended[len(extended) - (len(token_ids) - follow)])
+        return extended

@@ -88,6 +88,9 @@ def test_ngram_proposer_takes_the_longest_recurring_suffix():
     assert p.propose([4, 1, 9, 4, 2, 4], 2) == [2, 4]  # the latest occurrence
     assert NgramProposer(2, 2).propose([1, 2, 3, 1], 3) == []  # "3 1" never occurred before
     assert p.propose([1, 2, 1, 2], 0) == []
+    # a match next to the end copies on over its own draft: a repeated token, a short cycle
+    assert p.propose([9, 5, 5, 5, 5], 3) == [5, 5, 5]
+    assert p.propose([9, 1, 2, 1, 2], 4) == [1, 2, 1, 2]
 
 
 # -- the sampler's verification keeps the distribution -----------------------------------------------------
