@@ -427,7 +427,8 @@ class ModelRunner:
                 if len(sampling) != len(scheduled):
                     logits = logits[torch.tensor(sampling, device=self.device)]
                 return logits, []
-        hidden = self.cpu_decode.run(batch, self.kv_caches) if self.cpu_decode is not None else None
+        verifying = all(s.num_new_tokens == 1 or s.draft for s in scheduled)  # (decodes and verifications)
+        hidden = self.cpu_decode.run(batch, self.kv_caches, verifying) if self.cpu_decode is not None else None
         if hidden is None:
             hidden = self.run_model(batch)
         if not scoring:

@@ -254,3 +254,30 @@ def test_speculation_stops_above_its_batch_size(tiny_checkpoint):
     assert spec.engine.spec_decode_stats()["num_drafts"] == 0  # six running: off
     spec.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert spec.engine.spec_decode_stats()["num_drafts"] > 0
+
+
+@pytest.mark.skipif(not __import__("mili.kernels.cpu", fromlist=["x"]).available(), reason="needs AVX-512")
+def test_bf16_verifications_run_fused_and_match_plain_decoding_bit_for_bit(tiny_checkpoint):
+    """On the CPU's kernels a verification runs in the fused decode layer, a row per token attending up to
+    its own position as its decode step would: bf16 greedy tokens and logprobs equal plain decoding's
+    exactly (drafts right, partly right and wrong)."""
+    path = str(tiny_checkpoint)
+    prompts = _repetitive_prompts(512, n=6, seed=5)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2)
+    want = _outputs(LLM(path, dtype="bfloat16"), prompts, params)
+    spec = LLM(path, dtype="bfloat16", speculative_config=NGRAM)
+    runner = spec.engine.runner.cpu_decode
+    assert runner is not None
+    fused, run = [], runner.run
+
+    def spy(batch, kv, verifying=False):
+        hidden = run(batch, kv, verifying)
+        fused.append(hidden is not None and batch.num_decodes < batch.num_seqs)  # (a verification in it)
+        return hidden
+
+    runner.run = spy
+    _oracle(spec, prompts, want, 512)
+    got = _outputs(spec, prompts, params)
+    assert got == want
+    assert sum(fused) >= 4  # the steps with verifications (about 20 tokens / 4 a step) ran fused
+    _clean(spec)
