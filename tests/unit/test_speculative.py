@@ -281,3 +281,20 @@ def test_bf16_verifications_run_fused_and_match_plain_decoding_bit_for_bit(tiny_
     assert got == want
     assert sum(fused) >= 4  # the steps with verifications (about 20 tokens / 4 a step) ran fused
     _clean(spec)
+
+
+def test_the_trained_demo_accepts_most_ngram_drafts_on_scripture():
+    """The trained `demo` continuing held-out chapters repeats their phrases ("the children of Israel", "the
+    son of ..."), as its corpus does: most n-gram drafts are accepted (102 of 147 measured), the output is the plain
+    one. (The random checkpoints above accept almost none of the n-gram's own drafts.)"""
+    from pathlib import Path
+
+    text = (Path(__file__).parents[1] / "data" / "demo" / "heldout.txt").read_text()
+    prompts = [text[i:i + 1200] for i in range(1500, 9000, 1500)][:4]
+    params = SamplingParams(temperature=0, max_tokens=48)
+    spec = LLM("demo", dtype="float32", speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                            "prompt_lookup_min": 2})
+    _same(_outputs(LLM("demo", dtype="float32"), prompts, params), _outputs(spec, prompts, params))
+    stats = spec.engine.spec_decode_stats()
+    assert stats["num_accepted_tokens"] >= 0.6 * stats["num_draft_tokens"] > 40, stats
+    _clean(spec)
