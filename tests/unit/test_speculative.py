@@ -285,8 +285,8 @@ def test_bf16_verifications_run_fused_and_match_plain_decoding_bit_for_bit(tiny_
 
 def test_the_trained_demo_accepts_most_ngram_drafts_on_scripture():
     """The trained `demo` continuing held-out chapters repeats their phrases ("the children of Israel", "the
-    son of ..."), as its corpus does: most n-gram drafts are accepted (102 of 147 measured), the output is the plain
-    one. (The random checkpoints above accept almost none of the n-gram's own drafts.)"""
+    son of ..."), as its corpus does: most n-gram drafts are accepted (102 of 147 measured), the output is
+    the plain one. (The random checkpoints above accept almost none of the n-gram's own drafts.)"""
     from pathlib import Path
 
     text = (Path(__file__).parents[1] / "data" / "demo" / "heldout.txt").read_text()
