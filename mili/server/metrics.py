@@ -72,7 +72,8 @@ class Metrics:
         self.spec_draft_tokens.inc(spec.num_draft_tokens - (seen.num_draft_tokens if seen else 0))
         self.spec_accepted.inc(spec.num_accepted_tokens - (seen.num_accepted_tokens if seen else 0))
         for pos, count in enumerate(spec.accepted_per_pos):
-            self.spec_accepted_per_pos.labels(position=str(pos)).inc(count - (seen.accepted_per_pos[pos] if seen else 0))
+            counted = seen.accepted_per_pos[pos] if seen else 0
+            self.spec_accepted_per_pos.labels(position=str(pos)).inc(count - counted)
         self._spec_seen = spec
 
     def update_gauges(self, stats) -> None:
