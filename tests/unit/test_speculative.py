@@ -298,3 +298,16 @@ def test_the_trained_demo_accepts_most_ngram_drafts_on_scripture():
     stats = spec.engine.spec_decode_stats()
     assert stats["num_accepted_tokens"] >= 0.6 * stats["num_draft_tokens"] > 40, stats
     _clean(spec)
+
+
+def test_verifications_on_the_triton_backend(tiny_checkpoint):
+    """The Triton kernels (the CUDA path, here under TRITON_INTERPRET=1) take a verification as a short chunk:
+    the same greedy tokens as the torch backend without speculation."""
+    prompts = _repetitive_prompts(512, n=2, seed=9)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = _outputs(LLM(str(tiny_checkpoint), dtype="float32"), prompts, params)
+    spec = LLM(str(tiny_checkpoint), dtype="float32", attention_backend="triton", speculative_config=NGRAM)
+    _oracle(spec, prompts, want, 512)
+    _same(want, _outputs(spec, prompts, params))
+    assert spec.engine.spec_decode_stats()["num_accepted_tokens"] > 0
+    _clean(spec)
