@@ -33,6 +33,7 @@ from mili.runtime.attention.torch_backend import TorchAttentionBackend
 from mili.runtime.recurrent_state import RecurrentStateCache
 from mili.runtime.prompt_logprobs import PromptScorer, rows_per_slice
 from mili.runtime.sampler import NO_TOKEN, Sampler, SamplerOutput, SamplingMetadata
+from mili.spec.mtp import MtpDrafter
 from mili.spec.verify import SampleRow, accept_drafts
 
 log = logging.getLogger("mili")
@@ -79,8 +80,15 @@ class ModelRunner:
         self.cpu_kernels = self._use_cpu_kernels()
         backend, ops = self._backend_and_ops()
         self.attention = backend
+        spec = config.speculative_config
+        self.mtp: MtpDrafter | None = None  # speculative decoding's MTP head (mili/spec/mtp.py)
+        use_mtp = spec is not None and spec.method == "mtp"
+        if use_mtp and (not self.hybrid or self.tp_size > 1):
+            raise InvalidRequest("speculative_config: method mtp runs the hybrid models' MTP head (Qwen3.5 / 3.6, "
+                                 "Qwen3-Next) without tensor parallelism", param="speculative_config")
         with torch.device("meta"):
-            model = (Qwen3_5ForCausalLM if self.hybrid else Qwen3ForCausalLM)(model_config, backend, self.dtype, ops)
+            model = Qwen3_5ForCausalLM(model_config, backend, self.dtype, ops, mtp=use_mtp) if self.hybrid \
+                else Qwen3ForCausalLM(model_config, backend, self.dtype, ops)
         self.model = model.to_empty(device=self.device)
         if self.hybrid:
             gated_delta_fla.use(self.model, self.gated_delta)
@@ -101,6 +109,8 @@ class ModelRunner:
         if self.device.type == "cpu":
             release_freed_memory()  # the plain weights a swap replaced go back to the OS
         self._allocate_kv_cache()  # may lower max_model_len to what the pool holds
+        if use_mtp:  # its KV: the pool's last layer
+            self.mtp = MtpDrafter(self.model, self.kv_caches[-1], self._one_token_batch)
         self.model.init_rotary(self.max_model_len, self.device)
         if hasattr(backend, "max_pages_per_seq"):
             backend.max_pages_per_seq = self.max_pages_per_seq
@@ -110,6 +120,8 @@ class ModelRunner:
         self.graphs = None
         if self.device.type == "cuda" and (model_config.is_moe or self.tp_size > 1) and not config.enforce_eager:
             log.info("CUDA graphs off: MoE and tensor-parallel models run eagerly until verified under capture")
+        elif self.device.type == "cuda" and use_mtp and not config.enforce_eager:
+            log.info("CUDA graphs off: MTP drafts read every row's hidden state (eager steps)")
         elif self.device.type == "cuda" and self.attention_backend == "triton" and not config.enforce_eager:
             from mili.runtime.cuda_graph import CudaGraphRunner
 
@@ -277,8 +289,8 @@ class ModelRunner:
 
     def _allocate_kv_cache(self) -> None:
         cfg, page_size = self.model_config, self.config.page_size
-        bytes_per_page = (2 * cfg.num_attention_layers * page_size * cfg.num_key_value_heads * cfg.head_dim
-                          * self.kv_dtype.itemsize)
+        num_layers = cfg.num_attention_layers + (getattr(self.model, "mtp", None) is not None)  # (MTP: one more)
+        bytes_per_page = 2 * num_layers * page_size * cfg.num_key_value_heads * cfg.head_dim * self.kv_dtype.itemsize
         state_bytes = self._allocate_states() if self.hybrid else 0
         if self.config.num_kv_pages is not None:  # sized exactly, as asked
             num_pages = self.config.num_kv_pages
@@ -305,7 +317,7 @@ class ModelRunner:
         shape = shape_of(num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
                            torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
-                          for _ in range(cfg.num_attention_layers)]
+                          for _ in range(num_layers)]
         self.pool = PagePool(num_pages, page_size)
         log.info("KV cache: %d pages of %d tokens (%.1f MiB, %s)", num_pages, page_size,
                  num_pages * bytes_per_page / 2**20, self.kv_cache_dtype)
@@ -411,6 +423,24 @@ class ModelRunner:
             state_slots=[s.seq.state_slot for s in scheduled] if self.hybrid else None)
         return batch, scoring
 
+    def _one_token_batch(self, page_tables: list[list[int]], positions: list[int],
+                         input_ids: torch.Tensor) -> ForwardBatch:
+        """A batch of one new token per sequence, at ``positions`` over ``page_tables`` (the MTP drafts')."""
+        page_size, dev = self.config.page_size, self.device
+        max_pages = max(len(t) for t in page_tables)
+        table = torch.tensor([t + [0] * (max_pages - len(t)) for t in page_tables], dtype=torch.long)
+        pos = torch.tensor(positions, dtype=torch.long)
+        slots = table[torch.arange(len(positions)), pos // page_size] * page_size + pos % page_size
+        n, context_lens = len(positions), [p + 1 for p in positions]
+        kernel_lens = {}
+        if self.attention_backend == "triton":
+            kernel_lens = {name: torch.tensor(values, dtype=torch.int32, device=dev) for name, values in
+                           (("context_lens_t", context_lens), ("query_lens_t", [1] * n),
+                            ("query_start_t", list(range(n))))}
+        return ForwardBatch(input_ids=input_ids, positions=pos.to(dev), slot_mapping=slots.to(dev),
+                            page_table=table.to(dev), query_lens=[1] * n, context_lens=context_lens, num_decodes=n,
+                            logits_indices=torch.arange(n, device=dev), **kernel_lens)
+
     @torch.inference_mode()
     def forward_logits(self, scheduled) -> tuple[torch.Tensor, list[tuple]]:
         """Run the model over a step: the last-token logits of each sequence that samples ([S, V], in the
@@ -420,7 +450,7 @@ class ModelRunner:
         batch, scoring = self.prepare(scheduled)
         if self.tp_size > 1:  # every rank runs the same batch
             parallel.broadcast(("step", batch))
-        if self.graphs is not None and not batch.num_prompt_rows:
+        if self.graphs is not None and not batch.num_prompt_rows and self.mtp is None:
             logits = self.graphs.run(batch)  # all rows of a decode batch; None when no graph fits
             if logits is not None:
                 sampling = [i for i, s in enumerate(scheduled) if s.samples]
@@ -431,6 +461,8 @@ class ModelRunner:
         hidden = self.cpu_decode.run(batch, self.kv_caches, verifying) if self.cpu_decode is not None else None
         if hidden is None:
             hidden = self.run_model(batch)
+        if self.mtp is not None:  # the MTP head's pairs of every position computed
+            self.mtp.write(batch, scheduled)
         if not scoring:
             return self._logits(hidden, 0), []
         scorer = PromptScorer([seq.token_ids[p + 1] for seq, rows in scoring for p in rows],
@@ -493,12 +525,16 @@ class ModelRunner:
         scheduled = sched_out.scheduled
         if not scheduled:
             return None, []
+        if self.mtp is not None:  # the drafts the scheduler left to the MTP head
+            self.mtp.draft(scheduled)
         drafting = [s for s in scheduled if s.draft]
         if self.hybrid:  # a hybrid's state before its drafts, kept in a spare row (as many as drafting)
             self.copy_states([(s.seq.state_slot, row) for s, row in zip(drafting, self.states.spare_rows)])
         logits, scored = self.forward_logits(scheduled)
         self.copy_states(sched_out.state_copies)  # forked sequences take their parent's state as it now is
         if not sched_out.sample_rows:
+            if self.mtp is not None:
+                self.mtp.keep(scheduled, [], {})
             return None, scored
         # each sampling sequence has 1 + len(draft) rows of ``logits``, in scheduled order
         first_row = dict(zip((i for i, s in enumerate(scheduled) if s.samples),
@@ -522,6 +558,8 @@ class ModelRunner:
             else:
                 s.num_rejected = rejected
         self.copy_states(restore)
+        if self.mtp is not None:
+            self.mtp.keep(scheduled, sched_out.sample_rows, by_seq)
         return out, scored
 
     def _sampling_metadata(self, rows: list[SampleRow]) -> SamplingMetadata:

@@ -1,9 +1,12 @@
-"""Drafter: what the scheduler asks for draft tokens (speculative decoding), per the engine's SpeculativeConfig."""
+"""Drafter: what the scheduler asks for draft tokens (speculative decoding), per the engine's SpeculativeConfig.
+N-gram drafts are copied here; MTP drafts are placeholders the runner computes at the start of the step
+(mili/spec/mtp.py), for a sequence that keeps the hidden state they start from."""
 
 from __future__ import annotations
 
 from mili.config import SpeculativeConfig
 from mili.errors import InvalidRequest
+from mili.spec import mtp
 from mili.spec.ngram import NgramProposer
 
 
@@ -16,7 +19,8 @@ class Drafter:
         self.config = config
         self.num_tokens = config.num_speculative_tokens
         self.max_seqs = max_seqs
-        self.ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max) \
+            if config.method == "ngram" else None
 
     @staticmethod
     def check(config: SpeculativeConfig, model_path: str) -> None:
@@ -28,11 +32,11 @@ class Drafter:
                 raise InvalidRequest(f"speculative_config: method mtp needs the checkpoint's MTP head (mtp.* "
                                      f"tensors, as Qwen3.5/3.6 and Qwen3-Next ship); {model_path} has none: use "
                                      f"method ngram", param="speculative_config")
-            raise InvalidRequest("speculative_config: method mtp is not implemented yet (the checkpoint has an MTP "
-                                 "head); use method ngram", param="speculative_config")
 
     def active(self, num_running: int) -> bool:
         return num_running <= self.config.disable_by_batch_size
 
     def propose(self, seq, k: int) -> list[int]:
+        if self.ngram is None:  # mtp: computed by the runner before the step's forward
+            return [mtp.PENDING] * k if mtp.can_draft(seq) else []
         return self.ngram.propose(seq.token_ids, k)
