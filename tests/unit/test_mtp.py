@@ -154,3 +154,37 @@ def test_scripted_head_drafts_right(tmp_path):
     accepted, drafted = (stats[k] - before[k] for k in ("num_accepted_tokens", "num_draft_tokens"))
     assert 0.4 * drafted < accepted < drafted, stats
     _clean(spec)
+
+
+def test_sampled_drafts_repeat_with_a_seed_and_stop_strings_cut_alike(tmp_path):
+    """On the scripted hybrid whose head drafts right: seeded sampled output (n = 2) repeats exactly from run to
+    run with drafts verified by rejection, and a stop string cuts the text where it does without speculation."""
+    path = str(build_scripted_hybrid_checkpoint(tmp_path / "scripted", CYCLE, mtp=True))
+    prompts = [{"prompt_token_ids": [1000, 2000, 3000]}, {"prompt_token_ids": [4000] * 9}]
+    spec = LLM(path, dtype="float32", speculative_config=MTP)
+    seeded = SamplingParams(temperature=0.7, n=2, seed=5, max_tokens=24, ignore_eos=True, logprobs=2)
+    first, second = (_outputs(spec, prompts, seeded) for _ in range(2))
+    assert first == second
+    assert spec.engine.spec_decode_stats()["num_accepted_tokens"] > 0
+    plain = LLM(path, dtype="float32")
+    text = plain.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+                          use_tqdm=False)[0].outputs[0].text
+    stop = SamplingParams(temperature=0, max_tokens=20, stop=[text[len(text) // 2:len(text) // 2 + 3]])
+    _same(_outputs(plain, prompts, stop), _outputs(spec, prompts, stop))
+    _clean(spec)
+
+
+def test_drafts_on_the_triton_backend(tmp_path):
+    """The head's one-token batches and the verifications through the Triton attention kernels (the CUDA path,
+    here under TRITON_INTERPRET=1): the torch backend's greedy tokens without speculation, drafts accepted."""
+    pytest.importorskip("triton")
+    path = str(build_scripted_hybrid_checkpoint(tmp_path / "scripted", CYCLE, mtp=True))
+    prompts = [{"prompt_token_ids": [1000, 2000]}, {"prompt_token_ids": [3000] * 5}]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = _outputs(LLM(path, dtype="float32"), prompts, params)
+    spec = LLM(path, dtype="float32", attention_backend="triton",
+               speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    _same(want, _outputs(spec, prompts, params))
+    stats = spec.engine.spec_decode_stats()
+    assert stats["num_accepted_tokens"] >= 0.8 * stats["num_draft_tokens"] > 0, stats
+    _clean(spec)
