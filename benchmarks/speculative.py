@@ -100,11 +100,13 @@ def mtp_draft_bytes(model) -> int:
     step makes k of them, besides the pass that writes the step's pairs (counted once in the weights)."""
     if getattr(model, "mtp", None) is None:
         return 0
-    head = model.lm_head.weight if model.lm_head is not None else model.model.embed_tokens.weight
-    layer = sum(t.numel() * t.element_size() for module in model.mtp.modules()
-                for t in (getattr(module, a, None) for a in ("weight", "qweight", "packed", "scales"))
-                if isinstance(t, torch.Tensor) and t.dim() >= 2)
-    return layer + head.numel() * head.element_size()
+    def matrices(modules) -> int:
+        return sum(t.numel() * t.element_size() for module in modules
+                   for t in (getattr(module, a, None) for a in ("weight", "qweight", "packed", "scales"))
+                   if isinstance(t, torch.Tensor) and t.dim() >= 2)
+
+    head = matrices([model.lm_head] if model.lm_head is not None else [model.model.embed_tokens])
+    return matrices(model.mtp.modules()) + head
 
 
 def q_for(k: int, rate: float) -> float:
