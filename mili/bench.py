@@ -46,12 +46,15 @@ def run_batch(engine, prompts: list[list[int]], params, decode_stats: list | Non
     decode_seconds = decode_tokens = 0
     while len(done) < len(ids):
         sched = engine.scheduler
-        decode_only = not sched.waiting and all(s.num_computed_tokens >= len(s.token_ids) - 1 for s in sched.running)
+        # (every running sequence past its prompt: a step may still recompute a few tokens, as a hybrid whose
+        # draft was rejected does)
+        decode_only = not sched.waiting and all(s.num_computed_tokens >= s.prompt_len - 1 for s in sched.running)
         t = time.perf_counter()
+        generated = engine.core.num_generated_tokens
         outs = engine.step()
         if decode_only:
             decode_seconds += time.perf_counter() - t
-            decode_tokens += len(outs)
+            decode_tokens += engine.core.num_generated_tokens - generated  # (speculation: several a sequence)
         for out in outs:
             if out.finished:
                 done[out.request_id] = out
@@ -114,7 +117,21 @@ def _engine(args):
     return LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                                   kv_cache_memory=args.kv_cache_memory, quantization=args.quantization,
                                   max_num_seqs=args.max_num_seqs, num_threads=args.num_threads,
-                                  cpu_kernels=args.cpu_kernels))
+                                  cpu_kernels=args.cpu_kernels, speculative_config=args.speculative_config))
+
+
+def spec_summary(engine) -> str | None:
+    """Speculative decoding's line for a table: drafts, acceptance rate, tokens a verifying step emits."""
+    stats = engine.spec_decode_stats()
+    if engine.config.speculative_config is None:
+        return None
+    drafts, drafted, accepted = stats["num_drafts"], stats["num_draft_tokens"], stats["num_accepted_tokens"]
+    if not drafts:
+        return "speculative decoding: no drafts were proposed"
+    per_pos = ", ".join(f"{n / drafts:.0%}" for n in stats["accepted_per_pos"])
+    return (f"speculative decoding ({engine.config.speculative_config.method}): {drafts} drafts of {drafted} tokens, "
+            f"acceptance rate {accepted / drafted:.1%} (by position: {per_pos}), {1 + accepted / drafts:.2f} "
+            f"tokens a verifying step")
 
 
 def _run(engine, prompts, out_lens, decode_stats: list | None = None) -> tuple[list, float]:
@@ -203,6 +220,8 @@ def latency(args) -> None:
           f"{bandwidth / 1e9:.1f} GB/s; bytes a decode step moves {step / 1e9:.3f} GB ("
           + ", ".join(f"{k} {v / 1e9:.3f}" for k, v in parts.items() if v) + f"); roofline {roofline:.1f} tok/s")
     print_table("latency", ["engine", "TTFT s", "prefill tok/s", "decode tok/s", "of roofline"], rows)
+    if spec_summary(engine):
+        print(spec_summary(engine))
     if base_decode is not None:
         print(f"mili / {rows[1][0]}: decode {decode / base_decode:.2f}x, TTFT {rows[1][1] / ttft:.2f}x faster")
 
@@ -234,6 +253,8 @@ def throughput(args) -> None:
           f"{args.max_output} tokens (uniform, seed {args.seed}), greedy, ignore_eos; {n_in} prompt + {n_out} "
           f"output tokens")
     print_table("throughput", ["engine", "seconds", "output tok/s", "total tok/s", "mili speed-up"], rows)
+    if spec_summary(engine):
+        print(spec_summary(engine))
     if decode_seconds:
         print(f"mili decode-only steps: {decode_tokens} tokens in {decode_seconds:.2f} s = "
               f"{decode_tokens / decode_seconds:.1f} tok/s of decode in aggregate (llama-batched-bench's S_TG)")
@@ -361,6 +382,9 @@ def add_parser(sub) -> None:
                    help="torch ops and oneDNN instead of MILI's CPU kernels")
     p.add_argument("--baseline", default=None, choices=[None, "hf", "bf16"],
                    help="also run HF transformers generate (hf), or latency: MILI unquantized (bf16)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding (latency, throughput), e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 3}\'; the acceptance rate is printed')
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--kv-cache-memory", type=int, default=2 << 30)
     p.add_argument("--max-num-seqs", type=int, default=256)

@@ -61,6 +61,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="CPU bf16 without MILI's kernels: plain weights instead of oneDNN's prepacked layout")
     p.add_argument("--no-prefix-cache", dest="enable_prefix_caching", action="store_false",
                    help="turn off the radix-tree prefix cache (RadixAttention)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, as vLLM spells it: \'{"method": "ngram", "num_speculative_tokens": 3}\' '
+                        '(drafts looked up in the sequence itself; prompt_lookup_min/max: the n-gram sizes, default '
+                        '1 to 4); disable_by_batch_size: off for a step with more running sequences (default 8). '
+                        'Greedy output is unchanged; sampled output keeps its distribution')
     p.add_argument("--schedule-policy", default="fcfs", choices=["fcfs", "lpm"],
                    help="order of waiting requests: first come first served, or longest cached prefix first "
                         "(with a starvation guard)")
@@ -77,7 +82,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 cpu_weight_prepack=args.cpu_weight_prepack,
                 attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
                 gpu_memory_utilization=args.gpu_memory_utilization,
-                tensor_parallel_size=args.tensor_parallel_size)
+                tensor_parallel_size=args.tensor_parallel_size, speculative_config=args.speculative_config)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -170,6 +170,72 @@ def _moe_fields(hf_config) -> dict:
             "norm_topk_prob": bool(getattr(hf_config, "norm_topk_prob", False)), "sparse_layers": sparse}
 
 
+SPEC_METHODS = ("ngram", "mtp")
+# Batch sizes (running sequences) above which speculation stops paying: benchmarks/speculative.py measures it
+DEFAULT_SPEC_DISABLE_BATCH = 8
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's field names): ``method`` ngram (drafts copied from the sequence's own
+    earlier tokens: the longest suffix of ``prompt_lookup_max`` .. ``prompt_lookup_min`` tokens seen
+    before, and the tokens that followed it) or mtp (the checkpoint's MTP head); ``num_speculative_tokens``
+    drafts a step; off for a step whose running batch exceeds ``disable_by_batch_size``."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+    disable_by_batch_size: int = DEFAULT_SPEC_DISABLE_BATCH
+
+    def __post_init__(self) -> None:
+        def positive(name: str, value, upper: int | None = None) -> None:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1 or (upper and value > upper):
+                within = f" and at most {upper}" if upper else ""
+                raise InvalidRequest(f"speculative_config: {name} must be a positive integer{within}, got "
+                                     f"{value!r}", param="speculative_config")
+
+        if self.method not in SPEC_METHODS:
+            raise InvalidRequest(f"speculative_config: method must be one of {', '.join(SPEC_METHODS)}, got "
+                                 f"{self.method!r}", param="speculative_config")
+        positive("num_speculative_tokens", self.num_speculative_tokens, upper=15)  # (a verify chunk stays short)
+        positive("disable_by_batch_size", self.disable_by_batch_size)
+        if self.method == "ngram":  # as vLLM: one bound given sets the other; neither: 1 .. 4
+            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+            self.prompt_lookup_min = lo if lo is not None else (min(hi, 1) if hi is not None else 1)
+            self.prompt_lookup_max = hi if hi is not None else max(lo, 4) if lo is not None else 4
+            positive("prompt_lookup_min", self.prompt_lookup_min)
+            positive("prompt_lookup_max", self.prompt_lookup_max)
+            if self.prompt_lookup_min > self.prompt_lookup_max:
+                raise InvalidRequest(f"speculative_config: prompt_lookup_min {self.prompt_lookup_min} exceeds "
+                                     f"prompt_lookup_max {self.prompt_lookup_max}", param="speculative_config")
+
+    @classmethod
+    def parse(cls, value) -> "SpeculativeConfig | None":
+        """None, a SpeculativeConfig, a dict of its fields or that dict as JSON text (the CLI's)."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            import json
+
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise InvalidRequest(f"speculative_config is not valid JSON: {e}", param="speculative_config")
+        if not isinstance(value, dict):
+            raise InvalidRequest(f"speculative_config must be an object, got {type(value).__name__}",
+                                 param="speculative_config")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - names)
+        if unknown:
+            raise InvalidRequest(f"speculative_config: unknown field(s) {', '.join(unknown)} (known: "
+                                 f"{', '.join(sorted(names))})", param="speculative_config")
+        missing = [n for n in ("method", "num_speculative_tokens") if n not in value]
+        if missing:
+            raise InvalidRequest(f"speculative_config needs {' and '.join(missing)}", param="speculative_config")
+        return cls(**value)
+
+
 @dataclass
 class EngineConfig:
     model: str
@@ -197,6 +263,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # ranks the model is split over (torch.distributed: gloo on CPU, NCCL on CUDA)
     cpu_kernels: bool = True  # CPU bf16: MILI's C kernels (AVX-512/AMX linear, fused ops, paged attention)
     cpu_weight_prepack: bool = True  # CPU bf16 without those kernels: weights in oneDNN's blocked layout
+    # speculative decoding: None (off), a SpeculativeConfig, or its fields as a dict or JSON text (vLLM's
+    # ``--speculative-config``), e.g. {"method": "ngram", "num_speculative_tokens": 3}
+    speculative_config: "SpeculativeConfig | dict | str | None" = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *_DTYPES):
@@ -239,6 +308,7 @@ class EngineConfig:
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise InvalidRequest(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}",
                                  param="kv_cache_memory")
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         self.torch_device = resolve_device(self.device)
 
     def resolve_attention_backend(self) -> str:

@@ -4,7 +4,8 @@
     kv_cache:  {page_size, num_pages, dtype}       -> --page-size, --num-kv-pages (the pool, exactly),
                                                       --kv-cache-dtype (auto | fp8)
     sampling:  {temperature, top_p, top_k}         -> defaults for requests that leave them unset
-    any other top-level key: a `mili serve` flag by its name (max_model_len: 4096, no_prefix_cache: true)
+    any other top-level key: a `mili serve` flag by its name (max_model_len: 4096, no_prefix_cache: true,
+    speculative_config: {method: ngram, num_speculative_tokens: 3})
 
 Flags on the command line override the file. An unknown key, a wrong type or an impossible value is a
 ``ConfigFileError`` naming the key, raised before anything loads.
@@ -127,6 +128,10 @@ def _convert(path: str, key: str, action: argparse.Action, value):
         if action.dest == "gpu_memory_utilization" and not 0 < value <= 1:
             raise bad("in (0, 1]")
         return value
+    if action.dest == "speculative_config":  # a mapping (or its JSON): EngineConfig checks its fields
+        if not isinstance(value, (dict, str)):
+            raise bad("a mapping (method, num_speculative_tokens, ...)")
+        return value if isinstance(value, str) else json.dumps(value)
     if not isinstance(value, str):
         raise bad("a string")
     if action.choices is not None and value not in action.choices:

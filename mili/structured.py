@@ -15,6 +15,7 @@ properties not listed are not generated.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import os
 import re
@@ -130,23 +131,32 @@ class GrammarManager:
     def _compile(self, kind: str, text: str):
         return self._get_compiler().compile_grammar(build_grammar(kind, text))
 
-    def bitmask(self, grammars: list[SeqGrammar | None]) -> Future | None:
+    def bitmask(self, grammars: list[SeqGrammar | None], drafts: list[list[int]] | None = None) -> Future | None:
         """A future of the token bitmask of a step's sampling rows ([rows, ceil(vocab / 32)] int32) and the
-        rows it constrains (those whose grammar is active); None when none is. It is filled in threads
-        (xgrammar's batch fill, without the GIL) while the model computes the step's logits."""
-        rows = [i for i, g in enumerate(grammars) if g is not None and g.active]
-        if not rows:
+        rows it constrains (those whose grammar is active; None if none is); None when no row can be. It is
+        filled in threads (xgrammar's batch fill, without the GIL) while the model computes the step's logits.
+        ``drafts`` (speculative decoding): each sequence's draft; it then has 1 + len(draft) rows, the row
+        after each draft token allowing what the grammar allows after it."""
+        drafts = drafts or [[] for _ in grammars]
+        first = list(itertools.accumulate((1 + len(d) for d in drafts), initial=0))
+        plain = [(g.matcher, first[i]) for i, g in enumerate(grammars) if g is not None and g.active and not drafts[i]]
+        ahead = [(g, list(range(first[i], first[i + 1])), drafts[i]) for i, g in enumerate(grammars)
+                 if g is not None and drafts[i]]
+        if not plain and not ahead:
             return None
-        matchers = [grammars[i].matcher for i in rows]
-        return self._fill_executor.submit(self._fill, matchers, rows, len(grammars))
+        return self._fill_executor.submit(self._fill, plain, ahead, first[-1])
 
-    def _fill(self, matchers: list, rows: list[int], num_rows: int):
+    def _fill(self, plain: list, ahead: list, num_rows: int):
         xgr = _xgr()
         if self._batch is None:
             self._batch = xgr.BatchGrammarMatcher(max_threads=min(8, os.cpu_count() or 1))
         bitmask = xgr.allocate_token_bitmask(num_rows, self.vocab_size)
-        self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
-        return bitmask, rows
+        rows = [row for _, row in plain]
+        if plain:
+            self._batch.batch_fill_next_token_bitmask([m for m, _ in plain], bitmask, rows)
+        for grammar, draft_rows, draft in ahead:
+            rows += grammar.fill_ahead(bitmask, draft_rows, draft)
+        return bitmask, sorted(rows) or None
 
 
 class SeqGrammar:
@@ -165,11 +175,38 @@ class SeqGrammar:
     def active(self) -> bool:
         return self.waiting_for is None
 
-    def next_token_bitmask(self, vocab_size: int):
-        """This sequence's allowed next tokens alone ([1, ceil(vocab / 32)] int32), without the batch fill."""
+    def next_token_bitmask(self, vocab_size: int, ahead: list[int] = ()):
+        """This sequence's allowed next tokens alone ([1, ceil(vocab / 32)] int32), without the batch fill; after
+        the tokens ``ahead`` (drafts before this position) when given; None where no grammar applies (not
+        started yet, or ``ahead`` broke or ended it: that row is never reached)."""
         bitmask = _xgr().allocate_token_bitmask(1, vocab_size)
-        self.matcher.fill_next_token_bitmask(bitmask, 0)
-        return bitmask
+        rows = [None] * len(ahead) + [0]
+        return bitmask if self.fill_ahead(bitmask, rows, list(ahead)) == [0] else None
+
+    def fill_ahead(self, bitmask, rows: list, draft: list[int]) -> list[int]:
+        """Fill ``bitmask`` row ``rows[j]`` (None: skip) with the tokens allowed after ``draft[:j]``
+        (speculative decoding; len(rows) <= len(draft) + 1), rolling the matcher back afterwards; returns the
+        rows filled (where the grammar is active). A draft token the grammar forbids, or one that ends it,
+        ends the filling: the rows after it are never reached (the sampler cannot accept a forbidden token,
+        and a sequence ends at the token completing its grammar)."""
+        filled, waiting, accepted = [], self.waiting_for, 0
+        for j, row in enumerate(rows):
+            if waiting is None and row is not None:
+                self.matcher.fill_next_token_bitmask(bitmask, row)
+                filled.append(row)
+            if j == len(rows) - 1:
+                break
+            if waiting is not None:
+                waiting = None if draft[j] == waiting else waiting
+                continue
+            if not self.matcher.accept_token(draft[j]):
+                break
+            accepted += 1
+            if self.matcher.is_terminated():
+                break
+        if accepted:
+            self.matcher.rollback(accepted)
+        return filled
 
     def accept(self, token: int) -> bool:
         """Advance with a sampled token; True when the output is complete (the grammar took a stop token)

@@ -39,9 +39,11 @@ def _model(kind: str):
                                                       norm_topk_prob=True))
 
 
-def build_hybrid_checkpoint(path: Path, kind: str, seed: int = 0, weight_scale: float = 4.0) -> Path:
+def build_hybrid_checkpoint(path: Path, kind: str, seed: int = 0, weight_scale: float = 4.0,
+                            mtp: bool = False) -> Path:
     """A random checkpoint folder of ``kind`` (see KINDS). Matrices are scaled up and norm weights randomised
-    so logits are not flat (as helpers.build_checkpoint does)."""
+    so logits are not flat (as helpers.build_checkpoint does). ``mtp``: random ``mtp.*`` tensors too (the hub
+    layout has them always), the MoE head where the model is MoE (Qwen3-Next's config names no MTP layer)."""
     from transformers import AutoTokenizer
 
     torch.manual_seed(seed)
@@ -60,20 +62,23 @@ def build_hybrid_checkpoint(path: Path, kind: str, seed: int = 0, weight_scale: 
                 p.uniform_(-1.0, 1.0)
     model.save_pretrained(path)
     AutoTokenizer.from_pretrained(QWEN3_TOKENIZER).save_pretrained(path)
-    if kind == "qwen3_5_hub":
-        _add_mtp_tensors(path, model.config.text_config)
+    if kind == "qwen3_5_hub" or mtp:
+        _add_mtp_tensors(path, getattr(model.config, "text_config", model.config))
     if kind == "qwen3_5_moe_fused":
         _fuse_experts(path)
     return path
 
 
-def build_scripted_hybrid_checkpoint(path: Path, chain: dict[int, int], hidden: int = 64) -> Path:
+def build_scripted_hybrid_checkpoint(path: Path, chain: dict[int, int], hidden: int = 64, mtp: bool = False) -> Path:
     """A Qwen3.5 (``Qwen3_5ForCausalLM``, 3 Gated DeltaNet layers + 1 full attention, the real vocabulary) whose
     greedy next token is ``chain[current token]``: helpers.build_scripted_checkpoint's recipe on the hybrid class.
     Each token of the chain gets a one-hot embedding and every layer's residual branch is zeroed (out_proj,
     o_proj, down_proj), so the final hidden state is the current token's embedding (the zero-centred final norm
     scales by 1), which an untied lm_head maps to its successor. The linear-attention layers still run and keep
-    their recurrent state in the engine's slots; they only add nothing to the residual stream."""
+    their recurrent state in the engine's slots; they only add nothing to the residual stream. ``mtp``: with an
+MTP head scripted alike: ``fc`` passes the token's normed embedding through, the layer's o_proj and down_proj
+are zero, so mtp.norm's output is the token's embedding direction and the shared lm_head drafts its successor
+(whatever the hidden state it is paired with)."""
     import transformers as tf
     from transformers import AutoTokenizer, GenerationConfig
 
@@ -97,6 +102,8 @@ def build_scripted_hybrid_checkpoint(path: Path, chain: dict[int, int], hidden: 
     model.generation_config = GenerationConfig(eos_token_id=[151645, 151643], pad_token_id=151643)
     model.save_pretrained(path)
     AutoTokenizer.from_pretrained(QWEN3_TOKENIZER).save_pretrained(path)
+    if mtp:
+        _add_mtp_tensors(path, model.config, scripted=True)
     return path
 
 
@@ -107,18 +114,37 @@ def _rewrite(path: Path, change) -> None:
     save_file(tensors, file, metadata={"format": "pt"})
 
 
-def _add_mtp_tensors(path: Path, text) -> None:
-    """The MTP head's 15 tensors (mtp_tensors.md, dense form) at this model's sizes: MILI must not refuse them."""
-    h, d, inter = text.hidden_size, text.head_dim, text.intermediate_size
+def _add_mtp_tensors(path: Path, text, scripted: bool = False) -> None:
+    """The MTP head's tensors (mtp_tensors.md) at this model's sizes: the dense form's 15, or for an MoE model
+    (``num_experts``) the routed experts one tensor each, the router and the shared expert with its gate
+    (Qwen3-Next's layout). Random (norms in -0.5 .. 0.5, matrices of unit scale), or ``scripted`` (see
+    build_scripted_hybrid_checkpoint)."""
+    h, d = text.hidden_size, text.head_dim
     nq, nkv = text.num_attention_heads, text.num_key_value_heads
     shapes = {"fc.weight": (h, 2 * h), "norm.weight": (h,), "pre_fc_norm_embedding.weight": (h,),
               "pre_fc_norm_hidden.weight": (h,), "layers.0.input_layernorm.weight": (h,),
-              "layers.0.post_attention_layernorm.weight": (h,), "layers.0.mlp.gate_proj.weight": (inter, h),
-              "layers.0.mlp.up_proj.weight": (inter, h), "layers.0.mlp.down_proj.weight": (h, inter),
+              "layers.0.post_attention_layernorm.weight": (h,),
               "layers.0.self_attn.q_proj.weight": (2 * nq * d, h), "layers.0.self_attn.k_proj.weight": (nkv * d, h),
               "layers.0.self_attn.v_proj.weight": (nkv * d, h), "layers.0.self_attn.o_proj.weight": (h, nq * d),
               "layers.0.self_attn.q_norm.weight": (d,), "layers.0.self_attn.k_norm.weight": (d,)}
-    _rewrite(path, lambda t: t.update({f"mtp.{k}": torch.randn(s) for k, s in shapes.items()}))
+    experts = getattr(text, "num_experts", 0) or 0
+    mlps = {"layers.0.mlp": text.intermediate_size} if not experts else \
+        {**{f"layers.0.mlp.experts.{e}": text.moe_intermediate_size for e in range(experts)},
+         "layers.0.mlp.shared_expert": text.shared_expert_intermediate_size}
+    for stem, inter in mlps.items():
+        shapes.update({f"{stem}.gate_proj.weight": (inter, h), f"{stem}.up_proj.weight": (inter, h),
+                       f"{stem}.down_proj.weight": (h, inter)})
+    if experts:
+        shapes.update({"layers.0.mlp.gate.weight": (experts, h), "layers.0.mlp.shared_expert_gate.weight": (1, h)})
+    g = torch.Generator().manual_seed(1)
+    tensors = {k: torch.rand(s, generator=g) - 0.5 if len(s) == 1 else torch.randn(s, generator=g) / s[1] ** 0.5
+               for k, s in shapes.items()}
+    if scripted:
+        for k, t in tensors.items():
+            if len(t.shape) == 1 or k.endswith(("o_proj.weight", "down_proj.weight")):
+                t.zero_()
+        tensors["fc.weight"] = torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1)
+    _rewrite(path, lambda t: t.update({f"mtp.{k}": v for k, v in tensors.items()}))
 
 
 def _fuse_experts(path: Path) -> None:

@@ -22,14 +22,16 @@ import torch
 from mili.cache.hybrid_radix_cache import HybridRadixCache
 from mili.cache.radix_cache import NoPrefixCache, RadixCache
 from mili.config import EngineConfig, ModelConfig
-from mili.engine.messages import (Abort, AddRequest, Dead, FinishSeqs, Ready, SeqDelta, Shutdown, Stats,
-                                  StepMessage, encode, input_decoder)
+from mili.engine.messages import (Abort, AddRequest, Dead, FinishSeqs, Ready, SeqDelta, Shutdown,
+                                  SpecDecodeCounts, Stats, StepMessage, encode, input_decoder)
 from mili.engine.request import Request, Sequence, SeqStatus
 from mili.engine.scheduler import Scheduler
 from mili.errors import InvalidRequest
 from mili.process import die_with_parent
 from mili.runtime.model_runner import ModelRunner
 from mili.runtime.sampler import NO_TOKEN
+from mili.spec.drafter import Drafter
+from mili.spec.stats import SpecDecodeStats
 from mili.structured import GrammarManager, SeqGrammar
 
 log = logging.getLogger("mili")
@@ -41,6 +43,8 @@ class EngineCore:
         self.config = config
         torch.manual_seed(config.seed)
         self.model_path = model_path
+        if config.speculative_config is not None:  # (refused before the weights load)
+            Drafter.check(config.speculative_config, model_path)
         self.runner = ModelRunner(config, model_config, model_path)
         self.max_model_len = self.runner.max_model_len
         pool = self.runner.pool
@@ -54,8 +58,14 @@ class EngineCore:
         else:
             log.info("prefix caching off: num_state_snapshots is 0 (a hybrid model resumes only from a snapshot)")
             self.prefix_cache = NoPrefixCache()
+        self.drafter = None  # speculative decoding (mili/spec)
+        if config.speculative_config is not None:
+            self.drafter = Drafter(config.speculative_config, max_seqs=len(states.spare_rows) if states is not None
+                                   else config.max_num_seqs)
         self.scheduler = Scheduler(pool, self.prefix_cache, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.schedule_policy, states=self.runner.state_pool)
+                                   config.schedule_policy, states=self.runner.state_pool, drafter=self.drafter)
+        self.spec_stats = SpecDecodeStats(config.speculative_config.num_speculative_tokens
+                                          if config.speculative_config else 0)
         self.requests: dict[str, Request] = {}
         # structured outputs: requests whose grammar is compiling (not yet scheduled), and the failed ones
         self.grammars: GrammarManager | None = None
@@ -179,7 +189,7 @@ class EngineCore:
         for s in sched.scheduled:
             if s.seq.request.first_scheduled_time is None:
                 s.seq.request.first_scheduled_time = now
-        sampled, scored = self.runner.execute(sched, self._grammar_bitmask(sched.sample_rows))
+        sampled, scored = self.runner.execute(sched, self._grammar_bitmask(sched.sample_rows, sched.scheduled))
         self.scheduler.after_step(sched.scheduled)
         prompt_logprobs = {}  # sequence -> the prompt logprobs it scored this step (sent with its delta)
         for seq, entries in scored:
@@ -187,22 +197,29 @@ class EngineCore:
             prompt_logprobs[seq] = entries
         deltas, failed = [], set()  # (the requests that failed this step)
         if sampled is not None:
-            self.num_generated_tokens += len(sampled.token_ids)
-            for row, ((seq, _), token, lp) in enumerate(zip(sched.sample_rows, sampled.token_ids, sampled.logprobs)):
+            self.spec_stats.add(sampled.num_drafted, sampled.num_accepted)
+            for row, ((seq, _), tokens, lps) in enumerate(zip(sched.sample_rows, sampled.token_ids, sampled.logprobs)):
                 if seq.request.request_id in failed:  # (a sibling sequence of it failed)
                     continue
-                error = sampled.errors.get(row) or self._bad_token(token)
-                if error is None:
-                    logprobs = None if lp is None else [(lp.sampled_logprob, lp.sampled_rank, lp.top)]
-                    deltas.append(self._delta(seq, [token], logprobs, prompt_logprobs.pop(seq, None)))
+                error = sampled.errors.get(row)
+                delta = self._delta(seq, [], None if lps and lps[0] is None else [], prompt_logprobs.pop(seq, None))
+                for token, lp in zip(tokens, lps):  # (more than one: accepted drafts)
+                    error = error or self._bad_token(token)
+                    if error is not None or seq.is_finished:
+                        break
+                    delta.token_ids.append(token)
+                    if lp is not None:
+                        delta.logprobs.append((lp.sampled_logprob, lp.sampled_rank, lp.top))
                     try:  # (its grammar matcher is the request's own)
-                        self._append_token(seq, token, deltas[-1])
+                        self._append_token(seq, token, delta)
                     except Exception as e:
                         error = f"accepting token {token} failed: {type(e).__name__}: {e}"
+                self.num_generated_tokens += len(delta.token_ids)
                 if error is not None:
                     failed.add(seq.request.request_id)
                     self.fail_request(seq.request, error)
                     continue
+                deltas.append(delta)
                 self._retire_if_finished(seq.request)
         for s in sched.scheduled:  # max_tokens 0: the prompt is scored, nothing is generated
             seq = s.seq
@@ -231,12 +248,13 @@ class EngineCore:
                         num_cached_tokens=request.num_cached_tokens or 0,
                         first_scheduled_time=request.first_scheduled_time)
 
-    def _grammar_bitmask(self, sample_rows) -> Future | None:
+    def _grammar_bitmask(self, sample_rows, scheduled) -> Future | None:
         """A future of (token bitmask [rows, vocab / 32], the constrained rows) for this step's sampling
-        rows, filled while the model runs; None if no row is constrained."""
+        rows (1 + len(draft) each), filled while the model runs; None if no row is constrained."""
         if self.grammars is None:
             return None
-        return self.grammars.bitmask([seq.grammar for seq, _ in sample_rows])
+        return self.grammars.bitmask([seq.grammar for seq, _ in sample_rows],
+                                     [scheduled[i].draft for _, i in sample_rows])
 
     def _retire_if_finished(self, request: Request) -> None:
         """A request whose sequences have all ended leaves the core (its pages are back already)."""
@@ -259,8 +277,10 @@ class EngineCore:
     def stats(self) -> Stats:
         self.stats_due = False
         sched, pool = self.scheduler, self.scheduler.pool
+        totals = self.spec_stats.totals()
+        spec = SpecDecodeCounts(*totals) if totals is not None else None
         return Stats(len(sched.running), len(sched.waiting), pool.num_pages, pool.num_free,
-                     self.prefix_cache.num_evictable(), self.num_generated_tokens)
+                     self.prefix_cache.num_evictable(), self.num_generated_tokens, spec)
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

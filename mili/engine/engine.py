@@ -77,5 +77,10 @@ class LLMEngine:
             raise InvalidRequest(message, param="structured_outputs")
         return outputs
 
+    def spec_decode_stats(self) -> dict:
+        """Speculative decoding since the engine started: {"num_drafts", "num_draft_tokens",
+        "num_accepted_tokens", "accepted_per_pos"} (all 0 when it is off)."""
+        return self.core.spec_stats.as_dict()
+
     def check_integrity(self) -> None:
         self.core.check_integrity()

@@ -54,6 +54,16 @@ class SeqDelta(msgspec.Struct, array_like=True):
     prompt_logprobs: list[tuple[float, int, list[tuple[int, float]]]] | None = None
 
 
+class SpecDecodeCounts(msgspec.Struct, array_like=True):
+    """Speculative decoding since the core started (vLLM's counters): drafts verified (one per sequence and
+    step with a draft), draft tokens, accepted ones, and accepted ones by position in the draft."""
+
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_pos: list[int]
+
+
 class Stats(msgspec.Struct, array_like=True):
     num_running: int
     num_waiting: int
@@ -61,6 +71,7 @@ class Stats(msgspec.Struct, array_like=True):
     num_pages_free: int
     num_pages_cached: int  # idle pages the prefix cache holds (reusable, evictable)
     num_generated_tokens: int  # tokens the core has sampled since it started
+    spec: SpecDecodeCounts | None = None  # speculative decoding's counters (None: it is off)
 
 
 class StepMessage(msgspec.Struct, array_like=True, tag=True):

@@ -47,6 +47,9 @@ class Sequence:
     finish_reason: str | None = None  # stop | length | abort
     stop_reason: int | None = None  # the stop token id that ended it (stop strings: the output processor)
     grammar: "SeqGrammar | None" = None  # structured outputs: this sequence's matcher
+    # MTP speculative decoding: (first position, [rows, hidden]) the main model's final-normed hidden states
+    # it keeps for the MTP head's next pairs and drafts (mili/spec/mtp.py)
+    mtp_hidden: tuple | None = None
 
     @property
     def params(self) -> SamplingParams:

@@ -12,6 +12,13 @@ a sequence is admitted only when a slot is free, gives it back when it finishes 
 forked sequence's slot takes its parent's state once the step that forked it has run (``state_copies``).
 With the prefix cache on, a hybrid sequence resumes only from a snapshot of the recurrent state: where
 they are taken, and how chunks are cut for them, is ``state_snapshots.py``'s.
+
+Speculative decoding (``drafter``): a running sequence about to sample, with at most 1 + k tokens left to
+compute, is given up to k draft tokens to verify in the same step (``ScheduledSeq.draft``, computed after
+its own tokens), while the running batch is at most ``disable_by_batch_size``. After the step,
+``num_rejected`` positions (the drafts the sampler did not accept; for a hybrid, whose recurrent state
+cannot step back, the whole chunk when any draft was rejected: its state is restored and the chunk
+recomputed) are uncomputed again, and pages that hold only those positions go back.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from mili.cache.hybrid_radix_cache import HybridRadixCache
 from mili.cache.page_pool import PagePool
@@ -27,19 +35,24 @@ from mili.cache.state_pool import StatePool
 from mili.engine.request import Request, Sequence, SeqStatus
 from mili.engine.state_snapshots import StateSnapshots
 
+if TYPE_CHECKING:
+    from mili.spec.drafter import Drafter
+
 LPM_MAX_QUEUE = 128  # above this many waiting, matching them all each step costs more than it saves
 
 
 @dataclass
 class ScheduledSeq:
     seq: Sequence
-    num_new_tokens: int
+    num_new_tokens: int  # the sequence's own tokens computed this step, then its drafts
+    draft: list[int] = field(default_factory=list)  # speculative decoding: the drafted tokens it verifies
+    num_rejected: int = 0  # set once sampled: positions of this step that stay uncomputed (see module doc)
 
     @property
     def samples(self) -> bool:
         """Whether this step computes the sequence's last token, so a new token is sampled (never for a
         request that asks for none: max_tokens 0 scores its prompt only)."""
-        return (self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        return (self.seq.num_computed_tokens + self.num_new_tokens - len(self.draft) == self.seq.num_tokens
                 and self.seq.params.max_tokens != 0)
 
 
@@ -56,8 +69,10 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, pool: PagePool, cache: PrefixCache, max_num_seqs: int, max_num_batched_tokens: int,
-                 policy: str = "fcfs", starvation_steps: int = 64, states: StatePool | None = None):
+                 policy: str = "fcfs", starvation_steps: int = 64, states: StatePool | None = None,
+                 drafter: "Drafter | None" = None):
         self.pool, self.cache, self.states = pool, cache, states
+        self.drafter = drafter
         # hybrids with the prefix cache: where recurrent-state snapshots are taken and resumed from
         self.snapshots = StateSnapshots(cache, pool.page_size) \
             if states is not None and isinstance(cache, HybridRadixCache) else None
@@ -88,12 +103,17 @@ class Scheduler:
         scheduled: list[ScheduledSeq] = []
         copies: list[tuple[int, int]] = []
         preempted = False
+        drafter = self.drafter if self.drafter is not None and self.drafter.active(len(self.running)) else None
+        num_drafting = 0
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = self._chunk(seq, budget)
+            draft = self._draft(seq, budget) if drafter is not None and num_drafting < drafter.max_seqs else []
+            n = self._chunk(seq, budget, len(draft))
+            del draft[max(0, n - (seq.num_tokens - seq.num_computed_tokens)):]  # (a chunk cut short drops them)
             if self._reserve(seq, n, copies):
-                scheduled.append(ScheduledSeq(seq, n))
+                scheduled.append(ScheduledSeq(seq, n, draft))
+                num_drafting += bool(draft)
                 budget -= n
                 i += 1
                 continue
@@ -185,11 +205,22 @@ class Scheduler:
         seq.num_computed_tokens = len(pages) * self.pool.page_size
         return node
 
-    def _chunk(self, seq: Sequence, budget: int) -> int:
-        """Tokens ``seq`` computes this step: all it has, within the budget (hybrids: a chunk ends where a
-        snapshot is to be taken)."""
-        n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+    def _chunk(self, seq: Sequence, budget: int, num_draft: int = 0) -> int:
+        """Tokens ``seq`` computes this step: all it has (and its drafts), within the budget (hybrids: a chunk
+        ends where a snapshot is to be taken)."""
+        n = min(seq.num_tokens - seq.num_computed_tokens + num_draft, budget)
         return n if self.snapshots is None else self.snapshots.cut(seq, n)
+
+    def _draft(self, seq: Sequence, budget: int) -> list[int]:
+        """Draft tokens for ``seq`` to verify this step: only for a sequence about to sample with at most 1 + k
+        tokens left to compute, not scoring its prompt, with no unborn siblings to fork, and never past its
+        token limit (each step emits at most len(draft) + 1 tokens) or the step's budget."""
+        left = seq.num_tokens - seq.num_computed_tokens
+        k = min(self.drafter.num_tokens, budget - left, seq.request.max_total_tokens - seq.num_tokens - 1)
+        if (k < 1 or left > 1 + self.drafter.num_tokens or seq.params.max_tokens == 0 or seq.request.scoring_prompt
+                or (seq.index == 0 and seq.request.unborn())):
+            return []
+        return self.drafter.propose(seq, k)
 
     def _reserve(self, seq: Sequence, n: int, copies: list[tuple[int, int]]) -> bool:
         """Give ``seq`` pages for ``n`` more tokens, copying a shared page it would write into."""
@@ -234,7 +265,11 @@ class Scheduler:
         for s in scheduled:
             seq = s.seq
             before = seq.num_computed_tokens
-            seq.num_computed_tokens += s.num_new_tokens
+            seq.num_computed_tokens += s.num_new_tokens - s.num_rejected
+            keep = self.pool.pages_for(seq.num_computed_tokens)
+            if s.num_rejected and len(seq.page_table) > keep:  # pages holding rejected drafts only
+                self.pool.decref(seq.page_table[keep:])
+                del seq.page_table[keep:]
             if self.snapshots is not None:
                 self.snapshots.after_step(seq)
             if before < seq.prompt_len <= seq.num_computed_tokens:

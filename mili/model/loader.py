@@ -102,6 +102,20 @@ def safetensors_files(path: str) -> list[str]:
     return [str(folder / f) for f in files]
 
 
+def tensor_names(path: str) -> list[str]:
+    """Every tensor name of a checkpoint folder (read from the index or the files' headers, no data)."""
+    from safetensors import safe_open
+
+    index = Path(path) / "model.safetensors.index.json"
+    if index.is_file():
+        return list(json.loads(index.read_text())["weight_map"])
+    names = []
+    for file in safetensors_files(path):
+        with safe_open(file, "pt") as f:
+            names += list(f.keys())
+    return names
+
+
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 # the experts stacked in one tensor per projection (transformers 5's layout, Qwen3.6 MoE's releases)
 _FUSED_EXPERTS = {"gate_up_proj": "w13", "down_proj": "w2"}

@@ -12,8 +12,8 @@ the linear attention (plain weight). Numerics follow HF transformers; as in qwen
 Checkpoint layouts: Qwen3.5's separate ``in_proj_qkv``/``in_proj_z``/``in_proj_b``/``in_proj_a`` load into
 the fused ``in_proj_qkvz`` / ``in_proj_ba`` (shards q|k|v, z and b, a); Qwen3-Next's fused projections are
 interleaved per key head ([q k v z] of each key head's group, [b a] likewise) and are reordered on load
-(``reorder_checkpoint_tensor``). ``mtp.*`` (the MTP head, for speculative decoding later) and
-``model.visual.*`` tensors are not loaded.
+(``reorder_checkpoint_tensor``). ``model.visual.*`` tensors are not loaded; nor are ``mtp.*`` (the MTP head)
+unless speculative decoding asks for it (``mtp=True``: ``MultiTokenPredictor``, below).
 
 Tensor parallelism (as qwen3.py's): each rank holds an even share of the linear attention's key heads and the
 value heads they serve (value heads are grouped consecutively per key head), of the attention heads (each
@@ -293,15 +293,60 @@ class HybridModel(nn.Module):
         self.norm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
 
+class MultiTokenPredictor(nn.Module):
+    """The checkpoint's MTP head (``mtp.*``; vLLM's Qwen3_5MultiTokenPredictor / Qwen3NextMultiTokenPredictor):
+    for the pair (h, t) of the main model's final-normed hidden state at position p - 1 and the token at p,
+    ``fc(cat([pre_fc_norm_embedding(embed(t)), pre_fc_norm_hidden(h)]))`` (embedding first), one gated
+    full-attention decoder layer (the model's own layer class, dense MLP or the MoE block with its shared
+    expert as the model's layers have) attending causally over the head's own KV of earlier pairs, at
+    rotary position p, then ``mtp.norm``; the shared lm_head scores it (the token at p + 1) and its output is
+    the h of the next pair when drafting on."""
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype):
+        super().__init__()
+        h = cfg.hidden_size
+        self.pre_fc_norm_embedding = ZeroCentredRMSNorm(h, cfg.rms_norm_eps, dtype)
+        self.pre_fc_norm_hidden = ZeroCentredRMSNorm(h, cfg.rms_norm_eps, dtype)
+        self.fc = nn.Linear(2 * h, h, bias=False, dtype=dtype)
+        one = dataclasses.replace(cfg, num_hidden_layers=1, layer_types=("full_attention",),
+                                  sparse_layers=(cfg.is_moe,))
+        self.layers = nn.ModuleList([HybridDecoderLayer(one, backend, dtype, 0)])
+        self.norm = ZeroCentredRMSNorm(h, cfg.rms_norm_eps, dtype)
+
+    def _input(self, input_ids: torch.Tensor, hidden: torch.Tensor, embed: nn.Module) -> torch.Tensor:
+        e = self.pre_fc_norm_embedding(embed(input_ids))
+        return self.fc(torch.cat([e, self.pre_fc_norm_hidden(hidden)], dim=-1))
+
+    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, cos_sin, k_cache,
+                v_cache, embed: nn.Module) -> torch.Tensor:
+        """input_ids [T], hidden [T, H] (the pairs, at ``batch``'s positions and slots) -> [T, H] after mtp.norm."""
+        layer = self.layers[0]
+        x, residual = layer(self._input(input_ids, hidden, embed), None,
+                            lambda y: layer.self_attn(y, batch, cos_sin, k_cache, v_cache))
+        return self.norm(x, residual)[0]
+
+    def write_kv(self, input_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, cos_sin, k_cache,
+                 v_cache, embed: nn.Module) -> None:
+        """Only the pairs' K/V into the head's pages (the attention runs, its output and the MLP do not)."""
+        layer = self.layers[0]
+        layer.self_attn(layer.input_layernorm(self._input(input_ids, hidden, embed)), batch, cos_sin, k_cache,
+                        v_cache)
+
+
 class Qwen3_5ForCausalLM(nn.Module):
     stacked_params = HYBRID_STACKED_PARAMS
 
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, ops=TorchOps):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, ops=TorchOps,
+                 mtp: bool = False):
+        """``mtp``: build (and load) the MTP head too; the forward then keeps every row's final-normed hidden
+        state in ``hidden_states`` for it."""
         super().__init__()
         self.config = cfg
         self.model = HybridModel(cfg, backend, dtype)
         self.lm_head = (None if cfg.tie_word_embeddings
                         else nn.Linear(cfg.hidden_size, cfg.vocab_size // cfg.tp_size, bias=False, dtype=dtype))
+        self.mtp = MultiTokenPredictor(cfg, backend, dtype) if mtp else None
+        self.hidden_states: torch.Tensor | None = None  # (mtp) the last forward's rows, final-normed
         self.rotary: RotaryEmbedding | None = None
         self.linear_shape = LinearAttentionShape.of(cfg.hf_config, cfg.tp_size)  # (this rank's heads)
 
@@ -327,7 +372,18 @@ class Qwen3_5ForCausalLM(nn.Module):
                 mix = lambda x, layer=layer, k=k_cache, v=v_cache: layer.self_attn(x, batch, cos_sin, k, v)  # noqa: E731
             h, residual = layer(h, residual, mix)
         rows = batch.logits_indices
+        if self.mtp is not None:  # every row's, for the MTP head's pairs (the norm is row by row)
+            self.hidden_states = self.model.norm(h, residual)[0]
+            return self.hidden_states[rows]
         return self.model.norm(h[rows], residual[rows])[0]
+
+    def mtp_forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch,
+                    kv_cache: tuple[torch.Tensor, torch.Tensor], write_only: bool = False) -> torch.Tensor | None:
+        """The MTP head over the pairs (``hidden`` [T, H], ``input_ids`` [T]) at ``batch``'s positions, with its
+        KV pages ``kv_cache``: [T, H] after mtp.norm (None with ``write_only``: their K/V written only)."""
+        cos_sin = self.rotary.lookup(batch.positions)
+        run = self.mtp.write_kv if write_only else self.mtp
+        return run(input_ids, hidden, batch, cos_sin, *kv_cache, self.model.embed_tokens)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[S, vocab]; with tensor parallelism each rank computes its vocabulary shard, then all gather."""
@@ -338,11 +394,10 @@ class Qwen3_5ForCausalLM(nn.Module):
         return all_gather_last(logits, self.config.tp_size) if self.config.tp_size > 1 else logits
 
     # -- checkpoint layouts (the loader asks) ----------------------------------------------------------------
-    @staticmethod
-    def checkpoint_name(name: str) -> str | None:
+    def checkpoint_name(self, name: str) -> str | None:
         """The parameter name a checkpoint tensor loads as, or None for tensors not loaded: the MTP head
-        (``mtp.*``) and the vision tower (``model.visual.*``)."""
-        if name.startswith(("mtp.", "model.visual.")):
+        (``mtp.*``) unless the model has one, and the vision tower (``model.visual.*``)."""
+        if name.startswith("model.visual.") or (name.startswith("mtp.") and self.mtp is None):
             return None
         if name.startswith("model.language_model."):
             return "model." + name.removeprefix("model.language_model.")

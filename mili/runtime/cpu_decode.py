@@ -4,8 +4,9 @@ The CPU counterpart of the CUDA graphs: on a decode-only batch the model's modul
 into a kernel ~15 times a layer, and the Python and torch work between those kernels (module calls, views,
 allocations, the KV store) cost about a quarter of a batch-32 step and a seventh of a batch-1 step. Here
 each layer is one call running the same kernels in the same order, so the result is bit for bit the
-module path's (tested). Prefill and mixed steps, and models the kernels can't take whole, keep the
-module path.
+module path's (tested). A speculative verification (a sequence's last token and its drafts) runs here too,
+each token a row attending up to its own position as its decode would: the same bits as decoding those
+tokens one step at a time. Prefill steps, and models the kernels can't take whole, keep the module path.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from mili.model.cpu_linear import Int4Linear, Int8Linear, KernelLinear
 from mili.model.batch import ForwardBatch
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
+# a verifying sequence's tokens in one step, at most (its last token and drafts, each a row of the decode kernels)
+MAX_QUERY = 16
 
 
 class LinearDesc(ctypes.Structure):
@@ -81,17 +84,24 @@ class CpuDecodeRunner:
     def available(self) -> bool:
         return bool(self.layers)
 
-    def run(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
-        """The final hidden states of the rows in ``batch.logits_indices`` for a decode-only batch, else None."""
+    def run(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+            verifying: bool = False) -> torch.Tensor | None:
+        """The final hidden states of the rows in ``batch.logits_indices`` for a decode-only batch, or with
+        ``verifying`` one whose chunks are speculative decoding's verifications (at most ``MAX_QUERY`` tokens a
+        sequence); else None."""
         t = batch.input_ids.shape[0]
-        if not self.layers or batch.num_decodes != batch.num_seqs or t != batch.num_seqs:
+        if not self.layers or max(batch.query_lens) > (MAX_QUERY if verifying else 1):
             return None
         h = self.model.model.embed_tokens(batch.input_ids).contiguous()
         residual = torch.empty_like(h)
         cos, sin = (c.contiguous() for c in self.model.rotary.lookup(batch.positions))
         work = torch.empty(t * self.work_per_token, dtype=torch.bfloat16)
         slots = batch.slot_mapping.contiguous()
-        table, lens = decode_metadata(batch.page_table, batch.context_lens, t)
+        if t == batch.num_seqs:
+            table, lens = decode_metadata(batch.page_table, batch.context_lens, t)
+        else:  # a row per token, attending up to its own position (every row's K/V is stored first)
+            table = batch.page_table.repeat_interleave(torch.tensor(batch.query_lens), dim=0).to(torch.int64)
+            lens = batch.positions.to(torch.int64) + 1
         threads = torch.get_num_threads()
         for i, (desc, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             self.lib.mili_decode_layer(ctypes.byref(desc), h.data_ptr(), residual.data_ptr(), int(i == 0),

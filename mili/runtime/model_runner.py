@@ -33,6 +33,8 @@ from mili.runtime.attention.torch_backend import TorchAttentionBackend
 from mili.runtime.recurrent_state import RecurrentStateCache
 from mili.runtime.prompt_logprobs import PromptScorer, rows_per_slice
 from mili.runtime.sampler import NO_TOKEN, Sampler, SamplerOutput, SamplingMetadata
+from mili.spec.mtp import MtpDrafter
+from mili.spec.verify import SampleRow, accept_drafts
 
 log = logging.getLogger("mili")
 
@@ -78,8 +80,15 @@ class ModelRunner:
         self.cpu_kernels = self._use_cpu_kernels()
         backend, ops = self._backend_and_ops()
         self.attention = backend
+        spec = config.speculative_config
+        self.mtp: MtpDrafter | None = None  # speculative decoding's MTP head (mili/spec/mtp.py)
+        use_mtp = spec is not None and spec.method == "mtp"
+        if use_mtp and (not self.hybrid or self.tp_size > 1):
+            raise InvalidRequest("speculative_config: method mtp runs the hybrid models' MTP head (Qwen3.5 / 3.6, "
+                                 "Qwen3-Next) without tensor parallelism", param="speculative_config")
         with torch.device("meta"):
-            model = (Qwen3_5ForCausalLM if self.hybrid else Qwen3ForCausalLM)(model_config, backend, self.dtype, ops)
+            model = Qwen3_5ForCausalLM(model_config, backend, self.dtype, ops, mtp=use_mtp) if self.hybrid \
+                else Qwen3ForCausalLM(model_config, backend, self.dtype, ops)
         self.model = model.to_empty(device=self.device)
         if self.hybrid:
             gated_delta_fla.use(self.model, self.gated_delta)
@@ -100,6 +109,8 @@ class ModelRunner:
         if self.device.type == "cpu":
             release_freed_memory()  # the plain weights a swap replaced go back to the OS
         self._allocate_kv_cache()  # may lower max_model_len to what the pool holds
+        if use_mtp:  # its KV: the pool's last layer
+            self.mtp = MtpDrafter(self.model, self.kv_caches[-1], self._one_token_batch)
         self.model.init_rotary(self.max_model_len, self.device)
         if hasattr(backend, "max_pages_per_seq"):
             backend.max_pages_per_seq = self.max_pages_per_seq
@@ -109,6 +120,8 @@ class ModelRunner:
         self.graphs = None
         if self.device.type == "cuda" and (model_config.is_moe or self.tp_size > 1) and not config.enforce_eager:
             log.info("CUDA graphs off: MoE and tensor-parallel models run eagerly until verified under capture")
+        elif self.device.type == "cuda" and use_mtp and not config.enforce_eager:
+            log.info("CUDA graphs off: MTP drafts read every row's hidden state (eager steps)")
         elif self.device.type == "cuda" and self.attention_backend == "triton" and not config.enforce_eager:
             from mili.runtime.cuda_graph import CudaGraphRunner
 
@@ -276,8 +289,8 @@ class ModelRunner:
 
     def _allocate_kv_cache(self) -> None:
         cfg, page_size = self.model_config, self.config.page_size
-        bytes_per_page = (2 * cfg.num_attention_layers * page_size * cfg.num_key_value_heads * cfg.head_dim
-                          * self.kv_dtype.itemsize)
+        num_layers = cfg.num_attention_layers + (getattr(self.model, "mtp", None) is not None)  # (MTP: one more)
+        bytes_per_page = 2 * num_layers * page_size * cfg.num_key_value_heads * cfg.head_dim * self.kv_dtype.itemsize
         state_bytes = self._allocate_states() if self.hybrid else 0
         if self.config.num_kv_pages is not None:  # sized exactly, as asked
             num_pages = self.config.num_kv_pages
@@ -304,7 +317,7 @@ class ModelRunner:
         shape = shape_of(num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
                            torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
-                          for _ in range(cfg.num_attention_layers)]
+                          for _ in range(num_layers)]
         self.pool = PagePool(num_pages, page_size)
         log.info("KV cache: %d pages of %d tokens (%.1f MiB, %s)", num_pages, page_size,
                  num_pages * bytes_per_page / 2**20, self.kv_cache_dtype)
@@ -334,9 +347,11 @@ class ModelRunner:
         if num_snapshots is None:
             num_snapshots = max(2, min(4 * num_slots, budget // 4 // per_slot)) \
                 if self.config.enable_prefix_caching else 0
+        spec = self.config.speculative_config  # a spare row for each sequence verifying drafts in a step
+        num_spare = min(num_slots, spec.disable_by_batch_size) if spec is not None else 0
         # a scratch row for CUDA graphs' padding rows (the Triton backend: where graphs may be captured)
         self.states = RecurrentStateCache(self.model_config, self.dtype, self.device, num_slots, num_snapshots,
-                                          scratch=self.attention_backend == "triton")
+                                          scratch=self.attention_backend == "triton", num_spare=num_spare)
         return self.states.num_bytes
 
     def _state_sizing_budget(self) -> int:
@@ -376,13 +391,13 @@ class ModelRunner:
         for s in scheduled:
             seq, n = s.seq, s.num_new_tokens
             start, first_row = seq.num_computed_tokens, len(input_ids)
-            input_ids += seq.token_ids[start:start + n]
+            input_ids += seq.token_ids[start:start + n - len(s.draft)] + s.draft
             positions += range(start, start + n)
             query_lens.append(n)
             context_lens.append(start + n)
             num_decodes += n == 1
-            if s.samples:  # logits only where a token is sampled, and where a prompt token is scored
-                logits_indices.append(len(input_ids) - 1)
+            if s.samples:  # logits only where a token is sampled (and each draft verified), and where a
+                logits_indices += range(len(input_ids) - len(s.draft) - 1, len(input_ids))  # prompt token is scored
             unscored = seq.request.unscored(start, start + n)
             if unscored:
                 prompt_rows += range(first_row + unscored.start - start, first_row + unscored.stop - start)
@@ -408,6 +423,24 @@ class ModelRunner:
             state_slots=[s.seq.state_slot for s in scheduled] if self.hybrid else None)
         return batch, scoring
 
+    def _one_token_batch(self, page_tables: list[list[int]], positions: list[int],
+                         input_ids: torch.Tensor) -> ForwardBatch:
+        """A batch of one new token per sequence, at ``positions`` over ``page_tables`` (the MTP drafts')."""
+        page_size, dev = self.config.page_size, self.device
+        max_pages = max(len(t) for t in page_tables)
+        table = torch.tensor([t + [0] * (max_pages - len(t)) for t in page_tables], dtype=torch.long)
+        pos = torch.tensor(positions, dtype=torch.long)
+        slots = table[torch.arange(len(positions)), pos // page_size] * page_size + pos % page_size
+        n, context_lens = len(positions), [p + 1 for p in positions]
+        kernel_lens = {}
+        if self.attention_backend == "triton":
+            kernel_lens = {name: torch.tensor(values, dtype=torch.int32, device=dev) for name, values in
+                           (("context_lens_t", context_lens), ("query_lens_t", [1] * n),
+                            ("query_start_t", list(range(n))))}
+        return ForwardBatch(input_ids=input_ids, positions=pos.to(dev), slot_mapping=slots.to(dev),
+                            page_table=table.to(dev), query_lens=[1] * n, context_lens=context_lens, num_decodes=n,
+                            logits_indices=torch.arange(n, device=dev), **kernel_lens)
+
     @torch.inference_mode()
     def forward_logits(self, scheduled) -> tuple[torch.Tensor, list[tuple]]:
         """Run the model over a step: the last-token logits of each sequence that samples ([S, V], in the
@@ -417,16 +450,19 @@ class ModelRunner:
         batch, scoring = self.prepare(scheduled)
         if self.tp_size > 1:  # every rank runs the same batch
             parallel.broadcast(("step", batch))
-        if self.graphs is not None and not batch.num_prompt_rows:
+        if self.graphs is not None and not batch.num_prompt_rows and self.mtp is None:
             logits = self.graphs.run(batch)  # all rows of a decode batch; None when no graph fits
             if logits is not None:
                 sampling = [i for i, s in enumerate(scheduled) if s.samples]
                 if len(sampling) != len(scheduled):
                     logits = logits[torch.tensor(sampling, device=self.device)]
                 return logits, []
-        hidden = self.cpu_decode.run(batch, self.kv_caches) if self.cpu_decode is not None else None
+        verifying = all(s.num_new_tokens == 1 or s.draft for s in scheduled)  # (decodes and verifications)
+        hidden = self.cpu_decode.run(batch, self.kv_caches, verifying) if self.cpu_decode is not None else None
         if hidden is None:
             hidden = self.run_model(batch)
+        if self.mtp is not None:  # the MTP head's pairs of every position computed
+            self.mtp.write(batch, scheduled)
         if not scoring:
             return self._logits(hidden, 0), []
         scorer = PromptScorer([seq.token_ids[p + 1] for seq, rows in scoring for p in rows],
@@ -486,49 +522,78 @@ class ModelRunner:
         vocab / 32] int32, the constrained rows), awaited once the logits are computed (it is filled
         meanwhile), or None."""
         self.copy_pages(sched_out.page_copies)
-        if not sched_out.scheduled:
+        scheduled = sched_out.scheduled
+        if not scheduled:
             return None, []
-        logits, scored = self.forward_logits(sched_out.scheduled)
+        if self.mtp is not None:  # the drafts the scheduler left to the MTP head
+            self.mtp.draft(scheduled)
+        drafting = [s for s in scheduled if s.draft]
+        if self.hybrid:  # a hybrid's state before its drafts, kept in a spare row (as many as drafting)
+            self.copy_states([(s.seq.state_slot, row) for s, row in zip(drafting, self.states.spare_rows)])
+        logits, scored = self.forward_logits(scheduled)
         self.copy_states(sched_out.state_copies)  # forked sequences take their parent's state as it now is
         if not sched_out.sample_rows:
+            if self.mtp is not None:
+                self.mtp.keep(scheduled, [], {})
             return None, scored
-        seqs = [seq for seq, _ in sched_out.sample_rows]
-        # scheduled index -> row of ``logits`` (which holds only the sampling sequences)
-        logits_row = {i: r for r, i in enumerate(i for i, s in enumerate(sched_out.scheduled) if s.samples)}
-        rows = [logits_row[i] for _, i in sched_out.sample_rows]
-        if rows != list(range(logits.shape[0])):  # forked children repeat their parent's row
-            logits = logits.index_select(0, torch.tensor(rows, device=self.device))
-        return self._sample(logits, seqs, grammar), scored
+        # each sampling sequence has 1 + len(draft) rows of ``logits``, in scheduled order
+        first_row = dict(zip((i for i, s in enumerate(scheduled) if s.samples),
+                             itertools.accumulate((1 + len(s.draft) for s in scheduled if s.samples), initial=0)))
+        rows, logits_rows = [], []
+        for seq, i in sched_out.sample_rows:  # (forked children repeat their parent's row; none drafts then)
+            draft = scheduled[i].draft
+            rows += [SampleRow(seq, draft[:j], draft[j] if j < len(draft) else -1) for j in range(len(draft) + 1)]
+            logits_rows += range(first_row[i], first_row[i] + len(draft) + 1)
+        if logits_rows != list(range(logits.shape[0])):
+            logits = logits.index_select(0, torch.tensor(logits_rows, device=self.device))
+        out = accept_drafts(self._sample(logits, rows, grammar), [(seq, scheduled[i].draft)
+                                                                   for seq, i in sched_out.sample_rows])
+        by_seq = {seq: n for (seq, _), n in zip(sched_out.sample_rows, out.num_accepted)}
+        restore = []
+        for j, s in enumerate(drafting):
+            rejected = len(s.draft) - by_seq[s.seq]
+            if rejected and self.hybrid:  # its state goes back to before the chunk, which is computed again
+                restore.append((self.states.spare_rows[j], s.seq.state_slot))
+                s.num_rejected = s.num_new_tokens
+            else:
+                s.num_rejected = rejected
+        self.copy_states(restore)
+        if self.mtp is not None:
+            self.mtp.keep(scheduled, sched_out.sample_rows, by_seq)
+        return out, scored
 
-    def _sampling_metadata(self, seqs: list) -> SamplingMetadata:
+    def _sampling_metadata(self, rows: list[SampleRow]) -> SamplingMetadata:
         # the token lists only where a row needs them (penalties; min_tokens counts outputs): copying
         # every prompt each step would cost O(context) per token
-        penalties = any(s.params.uses_penalties for s in seqs)
-        counts = penalties or any(s.params.min_tokens for s in seqs)
+        penalties = any(r.seq.params.uses_penalties for r in rows)
+        counts = penalties or any(r.seq.params.min_tokens for r in rows)
+        drafts = [r.draft for r in rows]
         return SamplingMetadata.build(
-            [s.params for s in seqs], [s.generator for s in seqs],
-            [s.token_ids[:s.prompt_len] if penalties else [] for s in seqs],
-            [s.output_token_ids if counts else [] for s in seqs], self.model_config.vocab_size, self.device)
+            [r.seq.params for r in rows], [r.seq.generator for r in rows],
+            [r.seq.token_ids[:r.seq.prompt_len] if penalties else [] for r in rows],
+            [r.seq.output_token_ids + r.ahead if counts else [] for r in rows], self.model_config.vocab_size,
+            self.device, drafts=drafts if any(d >= 0 for d in drafts) else None)
 
-    def _sample(self, logits: torch.Tensor, seqs: list, grammar: Future | None) -> SamplerOutput:
+    def _sample(self, logits: torch.Tensor, rows: list[SampleRow], grammar: Future | None) -> SamplerOutput:
         """The step's tokens, one per row of ``logits``. A failure that belongs to rows rather than to the
         step (their parameters, a grammar's bitmask, the draw) does not end the step: the rows are sampled
         again one by one, and those that fail alone come back in ``errors`` (their requests end with that
         error, the core goes on); the other rows' tokens stand."""
         try:
-            meta = self._sampling_metadata(seqs)
+            meta = self._sampling_metadata(rows)
             if grammar is not None:
                 bitmask, meta.grammar_rows = grammar.result()
                 meta.grammar_bitmask = bitmask.to(self.device, non_blocking=True)
             return self.sampler(logits, meta)
         except Exception:
-            log.exception("sampling a step of %d rows failed: sampling them one by one", len(seqs))
+            log.exception("sampling a step of %d rows failed: sampling them one by one", len(rows))
         out = SamplerOutput([], [])
-        for row, seq in enumerate(seqs):
+        for row, each in enumerate(rows):
             try:
-                meta = self._sampling_metadata([seq])
-                if seq.grammar is not None and seq.grammar.active:
-                    bitmask = seq.grammar.next_token_bitmask(self.model_config.vocab_size)
+                meta = self._sampling_metadata([each])
+                bitmask = each.seq.grammar.next_token_bitmask(self.model_config.vocab_size, each.ahead) \
+                    if each.seq.grammar is not None else None
+                if bitmask is not None:
                     meta.grammar_bitmask, meta.grammar_rows = bitmask.to(self.device), [0]
                 one = self.sampler(logits[row:row + 1], meta)
                 out.token_ids += one.token_ids

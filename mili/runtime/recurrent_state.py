@@ -3,7 +3,9 @@ conv state [rows, conv_dim, K - 1] in the model's dtype and an SSM state [rows, 
 ``mamba_ssm_dtype`` (float32 unless the checkpoint says otherwise). Rows 0 .. slots - 1 are the running
 sequences' slots (bookkept by a StatePool, cache/state_pool.py); the rows after them are the prefix cache's
 snapshots (a SnapshotPool, cache/snapshot_pool.py), never read by a step: a hit copies one into a slot. With
-``scratch`` one more row follows, no sequence's: CUDA graphs' padding rows read and write it.
+``scratch`` one more row follows, no sequence's: CUDA graphs' padding rows read and write it. Speculative
+decoding adds ``num_spare`` rows: a step copies each drafting sequence's state into one before it runs, and
+back when a draft is rejected (the chunk is then recomputed: a recurrent state cannot step back).
 With tensor parallelism each rank holds its own heads' states (``model_config`` is the rank's shard), in rows
 numbered alike on every rank: rank 0's pools decide, and its copies are broadcast (ModelRunner.copy_states)."""
 
@@ -23,13 +25,15 @@ log = logging.getLogger("mili")
 
 class RecurrentStateCache:
     def __init__(self, model_config: ModelConfig, dtype: torch.dtype, device: torch.device, num_slots: int,
-                 num_snapshots: int = 0, scratch: bool = False):
+                 num_snapshots: int = 0, scratch: bool = False, num_spare: int = 0):
         shape = LinearAttentionShape.of(model_config.hf_config, model_config.tp_size)
         self.ssm_dtype = ssm_state_dtype(model_config.hf_config)
         self.num_layers = model_config.layer_types.count("linear_attention")
         rows = num_slots + num_snapshots
         self.scratch_row = rows if scratch else None
         rows += int(scratch)
+        self.spare_rows = list(range(rows, rows + num_spare))
+        rows += num_spare
         self.caches = [(torch.zeros(rows, *shape.conv_state_shape(), dtype=dtype, device=device),
                         torch.zeros(rows, *shape.ssm_state_shape(), dtype=self.ssm_dtype, device=device))
                        for _ in range(self.num_layers)]
@@ -53,7 +57,8 @@ class RecurrentStateCache:
     @property
     def num_bytes(self) -> int:
         """Slots, snapshots and the scratch row together (all come out of the KV budget)."""
-        rows = self.pool.num_slots + self.snapshots.num_snapshots + (self.scratch_row is not None)
+        rows = (self.pool.num_slots + self.snapshots.num_snapshots + (self.scratch_row is not None)
+                + len(self.spare_rows))
         return rows * self.bytes_per_slot
 
     def copy(self, copies: list[tuple[int, int]]) -> None:

@@ -95,11 +95,17 @@ class SamplingMetadata:
     # ([num_rows, ceil(V / 32)] int32, one bit a token); set by the model runner.
     grammar_rows: list[int] | None = None
     grammar_bitmask: torch.Tensor | None = None
+    # Speculative decoding: each sampled row's draft token (-1: none), in random_rows' order ([R]); a row with
+    # a draft accepts it with its probability, else draws from the rest (``_verify_drafts``). Greedy rows take
+    # their argmax: the caller accepts a draft equal to it.
+    drafts: torch.Tensor | None = None
+    num_drafted_rows: int = 0  # random rows with a draft
+    draft_seeded: list[tuple[int, torch.Generator]] = field(default_factory=list)  # those rows' own generators
 
     @classmethod
     def build(cls, params: list[SamplingParams], generators: list[torch.Generator | None],
               prompt_token_ids: list[list[int]], output_token_ids: list[list[int]],
-              vocab_size: int, device: torch.device) -> "SamplingMetadata":
+              vocab_size: int, device: torch.device, drafts: list[int] | None = None) -> "SamplingMetadata":
         n = len(params)
         assert len(generators) == len(prompt_token_ids) == len(output_token_ids) == n
         greedy = [i for i, p in enumerate(params) if p.greedy]
@@ -123,7 +129,12 @@ class SamplingMetadata:
             return torch.tensor([_bounded(attr, getattr(params[i], attr)) for i in pen], dtype=torch.float32,
                                 device=device) if pen else None
 
+        rand_drafts = [drafts[i] for i in rand] if drafts is not None else []
         return cls(
+            drafts=torch.tensor(rand_drafts, dtype=torch.long, device=device) if any(d >= 0 for d in rand_drafts)
+            else None,
+            num_drafted_rows=sum(d >= 0 for d in rand_drafts),
+            draft_seeded=[(j, g) for j, g in seeded if rand_drafts[j] >= 0] if rand_drafts else [],
             num_rows=n, vocab_size=vocab_size,
             greedy_rows=_rows(greedy, device), random_rows=_rows(rand, device),
             temperature=per_random(temps, torch.float32, any(t != 1.0 for t in temps)),
@@ -266,6 +277,27 @@ def _draw(probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     return _inverse_cdf(probs, meta) if probs.device.type == "cpu" else _exponential_race(probs, meta)
 
 
+def _verify_drafts(probs: torch.Tensor, meta: SamplingMetadata, draw) -> torch.Tensor:
+    """One token per row of ``probs`` [R, V] (the random rows, normalised), rows with a draft d verifying it:
+    d with probability p(d), otherwise a draw from p without d (renormalised); so the token is distributed as
+    p whatever the draft (speculative sampling with a draft that puts all its mass on d). Rows without a draft
+    draw as ``draw`` does. A drafted row takes one uniform (from its own generator when seeded) before its
+    draw."""
+    drafts = meta.drafts
+    has = drafts >= 0
+    d = drafts.clamp(min=0).unsqueeze(1)
+    u = torch.ones(probs.shape[0], dtype=probs.dtype, device=probs.device)  # (1: never accepts)
+    seeded = {j for j, _ in meta.draft_seeded}
+    unseeded = [j for j in has.nonzero().flatten().tolist() if j not in seeded]
+    if unseeded:
+        u[unseeded] = torch.rand(len(unseeded), dtype=probs.dtype, device=probs.device)
+    for j, gen in meta.draft_seeded:
+        u[j] = torch.rand(1, dtype=probs.dtype, device=probs.device, generator=gen)
+    accept = has & (u < probs.gather(1, d).squeeze(1))
+    rest = probs.scatter(1, d, torch.zeros_like(d, dtype=probs.dtype)).where(has.unsqueeze(1), probs)
+    return torch.where(accept, drafts, draw(rest, meta))
+
+
 def _sanitise_(logits: torch.Tensor) -> torch.Tensor:
     """In place: a NaN logit is masked (-inf) and +inf becomes float32's largest value, so that a softmax
     of the row has no NaN (inf - inf). Returns ``logits``."""
@@ -326,7 +358,9 @@ class Sampler:
             if meta.min_p is not None:
                 x = _apply_min_p(x, meta.min_p)
             x = _apply_top_k_top_p(x, meta.top_k, meta.top_p)
-            sampled[meta.random_rows] = self.draw(x.softmax(dim=-1), meta).clamp_(0, meta.vocab_size - 1)
+            probs = x.softmax(dim=-1)
+            drawn = self.draw(probs, meta) if meta.drafts is None else _verify_drafts(probs, meta, self.draw)
+            sampled[meta.random_rows] = drawn.clamp_(0, meta.vocab_size - 1)
             no_mass[meta.random_rows] = _no_mass(x)  # (truncation keeps a row's best token: this is the masks')
         sampled.masked_fill_(no_mass, NO_TOKEN)  # a row with no token left draws nothing
 

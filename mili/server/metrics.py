@@ -39,6 +39,15 @@ class Metrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.queue_time = Histogram("mili:request_queue_time_seconds", "Time waiting before first scheduled",
                                     buckets=_LATENCY_BUCKETS, registry=r)
+        # speculative decoding (vLLM's names): drafts verified, draft tokens, accepted ones (and by position)
+        self.spec_drafts = Counter("mili:spec_decode_num_drafts", "Drafts verified (a sequence's draft in a step)",
+                                   registry=r)
+        self.spec_draft_tokens = Counter("mili:spec_decode_num_draft_tokens", "Draft tokens verified", registry=r)
+        self.spec_accepted = Counter("mili:spec_decode_num_accepted_tokens", "Draft tokens accepted", registry=r)
+        self.spec_accepted_per_pos = Counter("mili:spec_decode_num_accepted_tokens_per_pos",
+                                             "Draft tokens accepted, by position in the draft", ["position"],
+                                             registry=r)
+        self._spec_seen = None
         self.info = Gauge("mili:model_info", "The model served", list(labels), registry=r)
         self.info.labels(**labels).set(1)
         self._seen: dict[str, tuple[int, float]] = {}  # request id -> (tokens counted, last token time)
@@ -56,8 +65,21 @@ class Metrics:
             for rid in [r for r in self._seen if r not in live_request_ids]:  # aborted since
                 del self._seen[rid]
 
+    def _count_spec(self, spec) -> None:
+        """The speculative-decoding counters, from the core's totals (sent with the gauges)."""
+        seen = self._spec_seen
+        self.spec_drafts.inc(spec.num_drafts - (seen.num_drafts if seen else 0))
+        self.spec_draft_tokens.inc(spec.num_draft_tokens - (seen.num_draft_tokens if seen else 0))
+        self.spec_accepted.inc(spec.num_accepted_tokens - (seen.num_accepted_tokens if seen else 0))
+        for pos, count in enumerate(spec.accepted_per_pos):
+            counted = seen.accepted_per_pos[pos] if seen else 0
+            self.spec_accepted_per_pos.labels(position=str(pos)).inc(count - counted)
+        self._spec_seen = spec
+
     def update_gauges(self, stats) -> None:
         """Gauges and the /health snapshot, from the core's counters."""
+        if stats.spec is not None:
+            self._count_spec(stats.spec)
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         used = stats.num_pages - stats.num_pages_free

@@ -74,6 +74,25 @@ def call_json(index: int | None, call_id: str | None, name: str | None, argument
     return out
 
 
+def merge_entries(entries: list[dict]) -> list[dict]:
+    """One ``delta.tool_calls`` entry per call index, as OpenAI streams them: entries of the same index (the
+    call's id and name, then its first arguments) joined, arguments concatenated. A client reading
+    ``delta.tool_calls[0]`` then sees the whole chunk."""
+    merged: dict[int, dict] = {}
+    for entry in entries:
+        into = merged.get(entry["index"])
+        if into is None:
+            merged[entry["index"]] = {**entry, "function": dict(entry["function"])}
+        else:
+            into["function"]["arguments"] += entry["function"]["arguments"]
+    return list(merged.values())
+
+
+def split_parts(parts: list[str | dict]) -> tuple[str, list[dict]]:
+    """``feed_parts``' output as (the content, the merged call entries)."""
+    return "".join(p for p in parts if isinstance(p, str)), merge_entries([p for p in parts if isinstance(p, dict)])
+
+
 class ToolCallStream:
     """Turns the growing content of one choice into (content delta, ``delta.tool_calls`` entries)."""
 
@@ -85,8 +104,7 @@ class ToolCallStream:
         self._args_sent = 0
 
     def feed(self, delta: str, final: bool = False) -> tuple[str, list[dict]]:
-        parts = self.feed_parts(delta, final)
-        return "".join(p for p in parts if isinstance(p, str)), [p for p in parts if isinstance(p, dict)]
+        return split_parts(self.feed_parts(delta, final))
 
     def feed_parts(self, delta: str, final: bool = False) -> list[str | dict]:
         """The same as ``feed``, in the order the model wrote it: content strings and call entries."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 
 from mili.tokenizer.reasoning import partial_suffix
-from mili.tokenizer.tool_calls import TOOL_END, TOOL_START, call_json, new_call_id
+from mili.tokenizer.tool_calls import TOOL_END, TOOL_START, call_json, new_call_id, split_parts
 from mili.tokenizer.tool_values import ParamType, param_type, typed_value
 
 FUNC_START, FUNC_END = "<function=", "</function>"
@@ -61,8 +61,7 @@ class XmlToolCallStream:
         self._lead = False  # whether the open value's leading newline has been looked at
 
     def feed(self, delta: str, final: bool = False) -> tuple[str, list[dict]]:
-        parts = self.feed_parts(delta, final)
-        return "".join(p for p in parts if isinstance(p, str)), [p for p in parts if isinstance(p, dict)]
+        return split_parts(self.feed_parts(delta, final))
 
     def feed_parts(self, delta: str, final: bool = False) -> list[str | dict]:
         """The same as ``feed``, in the order the model wrote it: content strings and call entries."""

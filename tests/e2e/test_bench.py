@@ -20,6 +20,13 @@ def test_bench_latency_and_throughput_with_hf_baseline(random_model, capsys):
     assert "tok/s of decode in aggregate" in out
 
 
+def test_bench_prints_the_acceptance_rate(random_model, capsys):
+    spec = '{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 64}'
+    assert main(["bench", "throughput", str(random_model), "--dtype", "float32", "--num-requests", "4",
+                 "--min-input", "8", "--max-input", "16", "--min-output", "12", "--max-output", "16",
+                 "--max-model-len", "256", "--speculative-config", spec]) == 0
+    out = capsys.readouterr().out
+    assert "speculative decoding (ngram):" in out and "acceptance rate" in out, out
 
 def test_bench_latency_int8_against_bf16_in_one_run(random_model, capsys):
     assert main(["bench", "latency", str(random_model), "--dtype", "bfloat16", "--quantization", "int8",

@@ -116,6 +116,8 @@ def _stream_calls(client, **kwargs) -> tuple[str, list[tuple[str, str]], str]:
             continue
         delta = chunk.choices[0].delta
         content += delta.content or ""
+        indices = [d.index for d in delta.tool_calls or []]
+        assert len(set(indices)) == len(indices), "two entries for one call in a chunk"  # (OpenAI: one)
         for d in delta.tool_calls or []:
             entry = calls.setdefault(d.index, {"name": None, "arguments": ""})
             if d.id is not None:

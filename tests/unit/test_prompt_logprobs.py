@@ -170,8 +170,8 @@ def test_one_token_chunks_on_the_fused_cpu_decode_path(checkpoints):
     ran = []  # per fused step: how many prompt rows it scored
     run = runner.cpu_decode.run
 
-    def spy(batch, kv):
-        hidden = run(batch, kv)
+    def spy(batch, kv, *rest):
+        hidden = run(batch, kv, *rest)
         if hidden is not None:
             ran.append(batch.num_prompt_rows)
         return hidden

@@ -87,12 +87,22 @@ def test_stream_of_a_broken_block(size):
 
 
 def test_stream_sends_the_name_before_the_arguments_end():
+    """The name goes out as soon as it is complete; a chunk carries one entry per call index (OpenAI's shape:
+    a client reading ``delta.tool_calls[0]`` gets the id, the name and the first arguments together)."""
     s = ToolCallStream()
     _, deltas = s.feed('<tool_call>\n{"name": "get_weather", "arguments": {"ci')
-    assert deltas[0]["function"] == {"name": "get_weather", "arguments": ""} and deltas[0]["index"] == 0
-    assert deltas[1]["function"] == {"arguments": '{"ci'}
+    (first,) = deltas
+    assert first["function"] == {"name": "get_weather", "arguments": '{"ci'} and first["index"] == 0
+    assert first["id"].startswith("call_") and first["type"] == "function"
     _, more = s.feed('ty": "Paris"}}\n</tool_call>', final=True)
     assert "".join(d["function"]["arguments"] for d in deltas + more) == '{"city": "Paris"}'
+
+
+def test_two_calls_in_one_chunk_keep_one_entry_each():
+    _, deltas = ToolCallStream().feed('<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n'
+                                      '<tool_call>\n{"name": "b", "arguments": {}}\n</tool_call>', final=True)
+    assert [(d["index"], d["function"]["name"], d["function"]["arguments"]) for d in deltas] == \
+        [(0, "a", '{"x": 1}'), (1, "b", "{}")]
 
 
 def test_forced_tag_names_only_the_chosen_function():

@@ -77,9 +77,8 @@ def _assemble(deltas: list[dict]) -> list[tuple[str, str]]:
     calls: dict[int, dict] = {}
     for d in deltas:
         call = calls.setdefault(d["index"], {"name": None, "arguments": "", "id": None})
-        if "id" in d:
+        if "id" in d:  # (with the first arguments of the same chunk: one entry per index per chunk)
             assert call["id"] is None and d["id"].startswith("call_") and d["type"] == "function"
-            assert d["function"]["arguments"] == ""
             call["id"], call["name"] = d["id"], d["function"]["name"]
         else:
             assert call["id"] is not None, "arguments before the call's id and name"
@@ -119,8 +118,8 @@ def test_stream_cut_at_every_place_matches_the_whole(text):
 def test_stream_sends_the_name_and_string_values_early():
     s = XmlToolCallStream(TOOLS)
     _, d = s.feed("<tool_call>\n<function=get_weather>\n<parameter=city>\nPar")
-    assert d[0]["function"] == {"name": "get_weather", "arguments": ""}
-    assert "".join(x["function"]["arguments"] for x in d[1:]) == '{"city": "Par'
+    assert d == [{"index": 0, "id": d[0]["id"], "type": "function",  # one entry per call index per chunk
+                  "function": {"name": "get_weather", "arguments": '{"city": "Par'}}]
     _, d = s.feed("is\n")  # the newline may be the format's: held back
     assert "".join(x["function"]["arguments"] for x in d) == "is"
     _, d = s.feed("</parameter>\n<parameter=days>\n1")
