@@ -2,7 +2,7 @@
 
     apt-get install bible-kjv            # Debian's KJV text; its `bible` program prints the whole Bible
     nice -n 19 python -m mili.demo.train --out /tmp/demo-run --minutes 55   # ~1 hour on 2 CPU cores
-    nice -n 19 python -m mili.demo.train --arch hybrid --out /tmp/hybrid-run --minutes 55 --threads 1
+    nice -n 19 python -m mili.demo.train --arch hybrid --out /tmp/hybrid-run --minutes 50 --threads 1
 
 ``--arch hybrid`` trains the hybrid twin (``demo-hybrid``, mili/demo/hybrid.py): a Qwen3.5 text model with
 a jointly trained MTP head, on the same corpus, tokenizer recipe, chat data and held-out split.

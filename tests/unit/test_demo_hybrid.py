@@ -17,7 +17,7 @@ import torch.nn.functional as F
 DATA = Path(__file__).resolve().parents[1] / "data" / "demo"  # held-out chapters (as test_demo.py's)
 RESULT = json.loads((DATA / "hybrid_result.json").read_text())  # the training run's figures
 HELDOUT_CE_BOUND = 3.66  # nats per token; the shipped checkpoint measures 3.638 (README)
-MTP_CHAPTERS = 4  # the held-out chapters the MTP reimplementation reads (of 12)
+MTP_CHAPTERS = None  # the held-out chapters the MTP reimplementation reads (all 12, as the figures were taken)
 
 
 @pytest.fixture(scope="module")
@@ -193,9 +193,10 @@ def mtp_logits(t: dict[str, torch.Tensor], cfg, hidden: torch.Tensor, next_ids: 
 
 
 def test_mtp_reimplementation_reproduces_the_recorded_figures(hf_model, tokenizer, tensors, path):
-    """On the first held-out chapters, in the training script's 256-token windows: the reimplementation's
-    logits equal the training code's (mili.demo.hybrid), and its accuracy for the token after next and its
-    agreement with the main head's greedy next choice are near the figures recorded on all 12 chapters."""
+    """On the held-out chapters, in the training script's 256-token windows: the reimplementation's logits equal
+    the training code's (mili.demo.hybrid), and its accuracy for the token after next and its agreement with
+    the main head's greedy next choice are the figures the training run recorded (within 1%: it measured them
+    before the bf16 rounding of the saved weights)."""
     from mili.demo import hybrid
 
     t = {k: v.float() for k, v in tensors.items()}
@@ -213,9 +214,9 @@ def test_mtp_reimplementation_reproduces_the_recorded_figures(hf_model, tokenize
             correct += (guess == w[2:]).sum().item()
             agree += (guess == hf_model.lm_head(hidden[1:]).argmax(-1)).sum().item()
             count += guess.shape[0]
-    assert count > 2000
-    assert abs(correct / count - RESULT["mtp_heldout_accuracy"]) < 0.03, correct / count
-    assert abs(agree / count - RESULT["mtp_agreement"]) < 0.03, agree / count
+    assert count == RESULT["mtp_positions"]
+    assert abs(correct / count - RESULT["mtp_heldout_accuracy"]) < 0.01, correct / count
+    assert abs(agree / count - RESULT["mtp_agreement"]) < 0.01, agree / count
 
 
 def test_training_the_hybrid_a_few_steps_lowers_both_losses(tmp_path):
@@ -239,3 +240,21 @@ def test_training_the_hybrid_a_few_steps_lowers_both_losses(tmp_path):
         assert sum(k.startswith("mtp.") for k in f.keys()) == 15
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["steps"] == 10 and result["mtp_weight"] == 0.3
+
+
+def test_the_trained_mtp_head_drafts_held_out_scripture(llm, tokenizer):
+    """Speculative decoding with the jointly trained head (k = 2) continuing held-out chapters the model never
+    saw: the plain greedy tokens, and most drafts accepted (measured: 69% at k = 2, 74% at k = 1; a random
+    head gets ~0%). The README's figure comes from benchmarks/speculative.py --demo."""
+    from mili import LLM, SamplingParams
+
+    ids = heldout_ids(tokenizer, 2)
+    prompts = [{"prompt_token_ids": ids[i:i + 64]} for i in range(0, 1024, 128)]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    spec = LLM("demo-hybrid", dtype="float32", speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)] == want
+    stats = spec.engine.spec_decode_stats()
+    assert stats["num_accepted_tokens"] >= 0.6 * stats["num_draft_tokens"] > 0, stats
+    first, second = stats["accepted_per_pos"]
+    assert first > second > 0, stats
