@@ -116,6 +116,7 @@ def _engine(args):
 
     return LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                                   kv_cache_memory=args.kv_cache_memory, quantization=args.quantization,
+                                  lm_head_dtype=getattr(args, "lm_head_dtype", "auto"),
                                   max_num_seqs=args.max_num_seqs, num_threads=args.num_threads,
                                   cpu_kernels=args.cpu_kernels, speculative_config=args.speculative_config))
 
@@ -378,6 +379,7 @@ def add_parser(sub) -> None:
     p.add_argument("model", nargs="?", default=DEMO_MODEL, help="checkpoint (latency, throughput)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantization", default=None, choices=[None, "int8", "fp8"])
+    p.add_argument("--lm-head-dtype", default="auto", choices=["auto", "bf16", "int8"])
     p.add_argument("--no-cpu-kernels", dest="cpu_kernels", action="store_false",
                    help="torch ops and oneDNN instead of MILI's CPU kernels")
     p.add_argument("--baseline", default=None, choices=[None, "hf", "bf16"],

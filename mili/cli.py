@@ -48,6 +48,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="quantize an unquantized checkpoint as it loads, one scale per output channel: int8, or "
                         "fp8 (e4m3; FP8 GEMMs on CUDA SM 89+, int8 kernels on the CPU in bf16). Quantized "
                         "checkpoints (FP8, AWQ) need no flag; default: none")
+    p.add_argument("--lm-head-dtype", default="auto", choices=["auto", "bf16", "int8"],
+                   help="the lm_head's weights on the CPU: int8 (per output channel, on MILI's int8 kernel), bf16 "
+                        "(the model's dtype), or auto = int8 where the body is quantized (--quantization, an AWQ "
+                        "checkpoint), else as the body")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                    help="KV cache pages: auto = the model's dtype; fp8 = e4m3 (twice the tokens in the same memory; "
                         "the Triton attention backend on GPUs with FP8, SM 89+)")
@@ -79,6 +83,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed, num_threads=args.num_threads,
                 enable_prefix_caching=args.enable_prefix_caching, schedule_policy=args.schedule_policy,
                 quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, cpu_kernels=args.cpu_kernels,
+                lm_head_dtype=args.lm_head_dtype,
                 cpu_weight_prepack=args.cpu_weight_prepack,
                 attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
                 gpu_memory_utilization=args.gpu_memory_utilization,

@@ -260,6 +260,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # CUDA: share of the card for weights + activations + KV pool
     quantization: str | None = None  # None | int8 (per output channel; W8A8 with the CPU kernels) | fp8
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8 (e4m3 pages: the Triton backend, GPUs with FP8)
+    # the lm_head's weights on the CPU: auto (int8 where the body is quantized: --quantization int8/fp8 or an
+    # int4 checkpoint; else as the body) | bf16 (the model's dtype) | int8 (per output channel)
+    lm_head_dtype: str = "auto"
     tensor_parallel_size: int = 1  # ranks the model is split over (torch.distributed: gloo on CPU, NCCL on CUDA)
     cpu_kernels: bool = True  # CPU bf16: MILI's C kernels (AVX-512/AMX linear, fused ops, paged attention)
     cpu_weight_prepack: bool = True  # CPU bf16 without those kernels: weights in oneDNN's blocked layout
@@ -287,6 +290,12 @@ class EngineConfig:
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise InvalidRequest(f"kv_cache_dtype must be auto or fp8, got {self.kv_cache_dtype!r}",
                                  param="kv_cache_dtype")
+        if self.lm_head_dtype not in ("auto", "bf16", "int8"):
+            raise InvalidRequest(f"lm_head_dtype must be auto, bf16 or int8, got {self.lm_head_dtype!r}",
+                                 param="lm_head_dtype")
+        if self.lm_head_dtype == "int8" and self.tensor_parallel_size > 1:
+            raise InvalidRequest("--lm-head-dtype int8 runs on the CPU's linear layers, one rank (not with tensor "
+                                 "parallelism)", param="lm_head_dtype")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise InvalidRequest(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}",
                                  param="tensor_parallel_size")

@@ -165,14 +165,33 @@ def int4_layer(parts: quant.Int4Parts, bias, shard_sizes) -> Int4Linear | None:
     return Int4Linear(*parts, bias, shard_sizes)
 
 
+def swap_lm_head(model: nn.Module, dtype: str, kernels: bool) -> None:
+    """The lm_head as ``dtype``: int8 (``Int8Linear`` per output channel, on MILI's int8 kernel when
+    ``kernels``; a tied embedding keeps its table for the lookup and the head gets its own int8 copy) or bf16
+    (the model's dtype: on MILI's bf16 kernel when ``kernels`` can take it, a tied table packed once and shared
+    as swap_linears does; else oneDNN-packed, a tied head left on the plain table). ``swap_linears(...,
+    skip_head=True)`` leaves the head for this."""
+    embed, tied = model.model.embed_tokens, model.lm_head is None
+    weight = embed.weight if tied else model.lm_head.weight
+    if dtype == "int8":
+        model.lm_head = Int8Linear(weight, kernels=kernels)
+    elif kernels and cpu_ops.linear_supported(weight):
+        model.lm_head = KernelLinear(weight)
+        if tied:  # the table stored once, packed
+            model.model.embed_tokens = PackedEmbedding(model.lm_head)
+    elif not tied and prepack_available(weight.dtype):
+        model.lm_head = PackedLinear(weight)
+
+
 def swap_linears(model: nn.Module, kind: str, kernels: bool = False, quantized: dict | None = None,
-                 make_quantized=None) -> None:
+                 make_quantized=None, skip_head: bool = False) -> None:
     """Replace every nn.Linear of ``model`` (and its lm_head, tied or not) with ``kind``: kernel | packed |
     int8 | fp8 | plain (left as it is). With kernel, a layer the kernel can't take (in_features not a multiple
     of 32) is packed instead; int8 uses MILI's int8 kernel when ``kernels``; fp8 (CUDA) quantizes per channel,
     the lm_head aside. ``quantized``: a checkpoint's layers kept quantized by the loader (weight name ->
     parts); a layer whose shards all have parts becomes ``make_quantized(parts, bias, shard_sizes)`` (a fused
-    layer's joined by ``quant.concat_parts``), unless that returns None; the other layers become ``kind``."""
+    layer's joined by ``quant.concat_parts``), unless that returns None; the other layers become ``kind``.
+    ``skip_head``: the lm_head (and a tied table) left as it is, for ``swap_lm_head``."""
     if kind not in ("kernel", "packed", "int8", "fp8", "plain"):
         raise InvalidRequest(f"unknown linear kind {kind!r}", param="quantization")
 
@@ -208,7 +227,7 @@ def swap_linears(model: nn.Module, kind: str, kernels: bool = False, quantized: 
             continue
         for child_name, child in list(module.named_children()):
             name = f"{module_name}.{child_name}" if module_name else child_name
-            if kind == "fp8" and name == "lm_head":
+            if (kind == "fp8" or skip_head) and name == "lm_head":
                 continue
             if isinstance(child, nn.Linear) and not isinstance(child, RouterLinear):  # FusedLinear too
                 layer = make_from_parts(name, child) if quantized else None
@@ -216,7 +235,7 @@ def swap_linears(model: nn.Module, kind: str, kernels: bool = False, quantized: 
                     layer = make(child.weight, child.bias, getattr(child, "shard_sizes", None))
                 if layer is not None:
                     setattr(module, child_name, layer)
-    if model.lm_head is not None or kind in ("fp8", "plain"):
+    if model.lm_head is not None or kind in ("fp8", "plain") or skip_head:
         return
     embed = model.model.embed_tokens
     if kind == "int8":  # int8 halves the bytes the head reads: it gets its own (smaller) copy

@@ -22,7 +22,7 @@ from mili.kernels.cpu import ops as cpu_ops
 from mili.kernels.reference import TorchOps
 from mili.model.checks import weight_quant
 from mili.model.cpu_linear import (fp8_gemm_available, fp8_round_trip_linears, int4_layer, prepack_available,
-                                   swap_linears)
+                                   swap_linears, swap_lm_head)
 from mili.model.loader import load_weights
 from mili.model.qwen3 import Qwen3ForCausalLM
 from mili.model.qwen3_5 import Qwen3_5ForCausalLM
@@ -101,6 +101,9 @@ class ModelRunner:
         self.triton_linears = (self.weight_quant is not None and not config.quantization and self.tp_size == 1
                                and not self.hybrid  # (the hybrids' linears are torch's, dequantized)
                                and (self.device.type == "cuda" or self.attention_backend == "triton"))
+        if config.lm_head_dtype == "int8" and (self.device.type != "cpu" or self.triton_linears):
+            raise InvalidRequest("--lm-head-dtype int8 runs on the CPU's linear layers (not on CUDA or the Triton "
+                                 "layers)", param="lm_head_dtype")
         keep = self.triton_linears or (self.cpu_kernels and getattr(self.weight_quant, "method", None) == "awq")
         quantized = load_weights(self.model, path, keep_quantized=keep)
         self.model.eval()
@@ -140,8 +143,33 @@ class ModelRunner:
                 self.cpu_decode = None
 
     def _swap_linears(self, quantized: dict) -> str:
-        """Put the linear layers on the kernels for this device, dtype and weight format; returns what the
-        weights compute as (for /health and the start-up log). ``quantized``: the loader's kept layers."""
+        """Put the linear layers on the kernels for this device, dtype and weight format (the lm_head as
+        ``lm_head_dtype`` asks); returns what the weights compute as (for /health and the start-up log).
+        ``quantized``: the loader's kept layers."""
+        head = self._lm_head_dtype(quantized)
+        weight_format = self._swap_body(quantized, skip_head=head is not None)
+        if head is None:
+            return weight_format
+        int8_kernels = self.cpu_kernels and cpu.int8_available()
+        swap_lm_head(self.model, head, kernels=int8_kernels if head == "int8" else self.cpu_kernels)
+        name = head if head == "int8" else str(self.dtype).removeprefix("torch.")
+        return weight_format + f", lm_head {name}" + (" (W8A8 kernel)" if head == "int8" and int8_kernels else "")
+
+    def _lm_head_dtype(self, quantized: dict) -> str | None:
+        """What ``lm_head_dtype`` makes of the head here: int8, bf16, or None (as the body's swap leaves it: int8
+        with an int8 body, else the model's dtype). auto quantizes it where the body is quantized: an int4
+        checkpoint on the int4 kernel (int8 bodies already quantize their head)."""
+        config = self.config
+        choice = config.lm_head_dtype
+        on_cpu_layers = self.device.type == "cpu" and self.tp_size == 1 and not self.triton_linears
+        if choice == "auto":
+            int4_body = bool(quantized) and self.cpu_kernels and not self.hybrid and config.quantization is None
+            return "int8" if int4_body else None
+        if not on_cpu_layers:
+            return None  # bf16: the head is already in the model's dtype there (int8: refused in __init__)
+        return choice  # (bf16 means unquantized: a float32 model's head stays float32)
+
+    def _swap_body(self, quantized: dict, skip_head: bool) -> str:
         config, quant = self.config, self.weight_quant
         cpu_bf16 = self.device.type == "cpu" and self.dtype == torch.bfloat16
         if self.hybrid:
@@ -174,16 +202,16 @@ class ModelRunner:
                 return "fp8 e4m3 per channel (torch._scaled_mm, per-token activations)"
         if config.quantization in ("int8", "fp8") or (quant is not None and quant.method != "awq" and cpu_bf16):
             kernels = self.cpu_kernels and cpu.int8_available()
-            swap_linears(self.model, "int8", kernels=kernels)
+            swap_linears(self.model, "int8", kernels=kernels, skip_head=skip_head)
             origin = quant.describe() if quant else ("fp8 values" if config.quantization == "fp8" else "")
             return f"int8 per channel ({'W8A8 kernel' if kernels else 'weight-only'})" + \
                 (f", requantized from {origin}" if origin else "")
         if self.cpu_kernels:
-            swap_linears(self.model, "kernel", quantized=quantized, make_quantized=int4_layer)
+            swap_linears(self.model, "kernel", quantized=quantized, make_quantized=int4_layer, skip_head=skip_head)
             if quantized:
                 return f"{quant.describe()} on the int4 kernel (W4A8)"
         elif self.device.type == "cpu" and config.cpu_weight_prepack and prepack_available(self.dtype):
-            swap_linears(self.model, "packed")
+            swap_linears(self.model, "packed", skip_head=skip_head)
         return f"{quant.describe()}, dequantized to {str(self.dtype).removeprefix('torch.')}" if quant \
             else "unquantized"
 

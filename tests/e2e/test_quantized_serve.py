@@ -20,7 +20,8 @@ def test_awq_server_reports_its_format(tmp_path):
     server = Server(path, "--dtype", "bfloat16")
     try:
         health = httpx.get(f"{server.url}/health").json()
-        assert health["quantization"] == "awq int4 (group 128, zero points) on the int4 kernel (W4A8)"
+        head = ", lm_head int8" + (" (W8A8 kernel)" if cpu.int8_available() else "")  # (--lm-head-dtype auto)
+        assert health["quantization"] == "awq int4 (group 128, zero points) on the int4 kernel (W4A8)" + head
         assert health["kv_cache_dtype"] == "bfloat16" and health["dtype"] == "bfloat16"
         model = httpx.get(f"{server.url}/v1/models").json()["data"][0]
         assert model["quantization"] == health["quantization"]

@@ -170,7 +170,7 @@ def _runner(llm):
 
 @pytest.mark.skipif(not cpu.int8_available(), reason="MILI's int kernels need AVX-512 VNNI or AMX")
 def test_awq_in_bf16_runs_on_the_int4_kernel(dense, tmp_path):
-    from mili.model.cpu_linear import Int4Linear, KernelLinear
+    from mili.model.cpu_linear import Int4Linear, Int8Linear, KernelLinear
 
     tensors, _ = awq_layout(load_file(dense / "model.safetensors"), 128)
     path = write_quantized_checkpoint(dense, tmp_path / "awq", tensors, AWQ_CONFIG)
@@ -178,7 +178,9 @@ def test_awq_in_bf16_runs_on_the_int4_kernel(dense, tmp_path):
     runner = _runner(fused)
     layer = runner.model.model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj, Int4Linear) and isinstance(layer.mlp.down_proj, Int4Linear)
-    assert isinstance(runner.model.lm_head, KernelLinear)  # not quantized in the checkpoint: bf16
+    # not quantized in the checkpoint: int8 on the int8 kernel (lm_head_dtype auto), or bf16 when asked
+    assert isinstance(runner.model.lm_head, Int8Linear) and runner.weight_format.endswith("lm_head int8 (W8A8 kernel)")
+    assert isinstance(_runner(LLM(str(path), dtype="bfloat16", lm_head_dtype="bf16")).model.lm_head, KernelLinear)
     assert runner.cpu_decode is not None and "int4" in runner.weight_format
     # the fused decode layer runs the int4 kernel: the same tokens as the module path
     eager = LLM(str(path), dtype="bfloat16", enforce_eager=True)
