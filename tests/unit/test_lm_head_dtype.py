@@ -115,12 +115,15 @@ def test_auto_bf16_and_int8_on_the_kernels():
     once) and gives an int8 body an int8 head; bf16 keeps it under an int8 body; int8 puts it on the W8A8
     kernel beside a bf16 body (the tied table kept for the lookup). The trained demo says the same "Hello"
     reply with each."""
+    from mili.bench import weight_bytes_per_step
+
     def head(**kw):
         llm = LLM("demo", dtype="bfloat16", **kw)
         model = llm.engine.runner.model
         reply = llm.chat([{"role": "user", "content": "Hello"}], SamplingParams(temperature=0, max_tokens=30),
                          chat_template_kwargs={"enable_thinking": False}, use_tqdm=False)[0].outputs[0].text
-        return type(model.lm_head), type(model.model.embed_tokens), llm.engine.runner.weight_format, reply
+        return type(model.lm_head), type(model.model.embed_tokens), llm.engine.runner.weight_format, reply, \
+            weight_bytes_per_step(model)
 
     plain = head()
     assert plain[:2] == (KernelLinear, PackedEmbedding) and "lm_head" not in plain[2]
@@ -132,6 +135,10 @@ def test_auto_bf16_and_int8_on_the_kernels():
     assert int8_head[0] is Int8Linear and int8_head[0] is not PackedEmbedding
     assert int8_head[2] == "unquantized, lm_head int8 (W8A8 kernel)"
     assert plain[3] == int8_head[3] and int8_body[3] == kept[3], (plain[3], int8_head[3], int8_body[3], kept[3])
+    # mili bench's bytes a step: the head as it is read (4,096 x 384: 3.1 MB in bf16, half that in int8)
+    vocab, hidden = 4096, 384
+    assert plain[4] - int8_head[4] == pytest.approx(vocab * hidden, rel=0.02)
+    assert kept[4] - int8_body[4] == pytest.approx(vocab * hidden, rel=0.02)
 
 
 def test_int8_head_off_the_cpu_layers_is_refused_by_name(tiny_checkpoint):
