@@ -1,10 +1,14 @@
 """Batch-1 decode on the CPU in every weight format MILI reads, one run: bf16, int8 (``--quantization
 int8``), FP8 (a Qwen block-FP8 checkpoint: requantized onto the int8 kernel in bf16) and AWQ int4 (an AWQ
-GEMM checkpoint on the int4 kernel), each with the bytes of weights a decode step reads and its share of
-the memory-copy roofline over those bytes.
+GEMM checkpoint on the int4 kernel; its bf16 lm_head on the int8 kernel, ``--lm-head-dtype auto``, and kept
+bf16 for comparison), each with the bytes of weights a decode step reads (the head as it is read) and its
+share of the memory-copy roofline over those bytes, the copy taken with the model's thread count.
 
     python benchmarks/quant_decode.py [--models Qwen3-0.6B Qwen3-4B:8] [--output-len 32] [--repeat 3]
-                                      [--num-threads N]
+                                      [--num-threads 1 2]
+
+``--num-threads 1 2`` runs the table once per thread count (each with its own copy roofline): one thread
+is steady on a machine with other load; two is what users (and llama.cpp's -t 2) see.
 
 ``NAME:L`` cuts a shape to L decoder layers. The FP8 and AWQ checkpoints are made from the bf16 random one
 (cached beside it) in the exact on-disk layouts (mili/model/quant.py), as a quantizer would write them.
@@ -71,20 +75,30 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--num-threads", type=int, default=None,
-                   help="threads for the model and the copy (1 is steady on a machine with other load)")
+    p.add_argument("--num-threads", type=int, nargs="+", default=[None],
+                   help="threads for the model and the copy, a table for each (1 is steady on a machine with other "
+                        "load); default: torch's")
     args = p.parse_args()
-    if args.num_threads:
-        torch.set_num_threads(args.num_threads)
+    for threads in args.num_threads:
+        if threads:
+            torch.set_num_threads(threads)
+        run_shapes(argparse.Namespace(**{**vars(args), "num_threads": threads}))
+
+
+def run_shapes(args) -> None:
     for spec in args.models:
         name, _, layers = spec.partition(":")
         dense = qwen3_checkpoint(name, layers=int(layers) if layers else None)
-        formats = {"bf16": (dense, None), "int8": (dense, "int8"), "fp8 (Qwen block FP8 checkpoint)":
-                   (_quantized_copy(dense, "fp8"), None), "awq int4 (AWQ checkpoint)": (_quantized_copy(dense, "awq"), None)}
+        awq = _quantized_copy(dense, "awq")
+        formats = {"bf16": (dense, None, "auto"), "int8": (dense, "int8", "auto"),
+                   "fp8 (Qwen block FP8 checkpoint)": (_quantized_copy(dense, "fp8"), None, "auto"),
+                   "awq int4 (AWQ checkpoint)": (awq, None, "auto"),
+                   "awq int4, lm_head kept bf16": (awq, None, "bf16")}
         prompt = random_prompt(args.input_len, 0)
         rows = []
-        for label, (path, quantization) in formats.items():
+        for label, (path, quantization, head) in formats.items():
             engine = LLMEngine(EngineConfig(model=path, dtype="bfloat16", quantization=quantization,
+                                            lm_head_dtype=head,
                                             max_model_len=1024, kv_cache_memory=1 << 30,
                                             num_threads=args.num_threads))
             ttft, decode, bandwidth = _measure_latency(engine, prompt, args)
@@ -97,12 +111,12 @@ def main() -> None:
         base = rows[0][3]
         for row in rows:
             row.append(f"{row[3] / base:.2f}x")
+        threads = torch.get_num_threads()
         print(f"\n{spec} (random weights), prompt {args.input_len}, {args.output_len} greedy tokens, batch 1, "
-              f"median of {args.repeat}; {machine()}; roofline = 1 GiB copy bandwidth (read + write, measured "
-              f"before each repeat) / weight bytes per step")
-        print_table(f"decode, {spec}", ["format", "computes as", "GB/step", "decode tok/s", "roofline tok/s",
-                                        "of roofline", "vs bf16"], rows, digits=3)
-
+              f"median of {args.repeat}, {threads} threads; {machine()}; roofline = 1 GiB copy bandwidth (read + "
+              f"write, {threads} threads, measured before each repeat) / weight bytes per step")
+        print_table(f"decode, {spec}, {threads} threads", ["format", "computes as", "GB/step", "decode tok/s",
+                                                            "roofline tok/s", "of roofline", "vs bf16"], rows, digits=3)
 
 if __name__ == "__main__":
     main()

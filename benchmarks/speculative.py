@@ -56,7 +56,7 @@ def scripted(path: str) -> str:
     """A copy of the checkpoint with its residual branches zeroed (built once, beside it); a hybrid gains a
     scripted MTP head."""
     config = json.loads(open(path + "/config.json").read())
-    hybrid = "layer_types" in config
+    hybrid = "linear_attention" in config.get("layer_types", ())
     out = path + ("-scripted-mtp" if hybrid else "-scripted")
     if shutil.os.path.isfile(out + "/model.safetensors"):
         return out
