@@ -1,0 +1,170 @@
+"""MILI against llama.cpp on the CPU, side by side in one run: batch-1 decode and prefill for the same random
+checkpoint in each format pair (MILI bf16 / llama.cpp BF16, MILI int8 / Q8_0, MILI AWQ int4 / Q4_0), the same
+thread count, two passes with the engines' order swapped.
+
+llama.cpp comes from the ``llama-cpp-python`` sdist on PyPI (its vendored tree), built here with
+``GGML_NATIVE=ON`` (only ``llama-bench`` and ``llama-quantize``); the checkpoint goes to GGUF BF16 with
+llama.cpp's own ``convert_hf_to_gguf.py``, then Q8_0 and Q4_0 with ``llama-quantize``. MILI reads the same
+checkpoint in bf16, with ``--quantization int8``, and as an AWQ checkpoint made from it
+(benchmarks/quant_decode.py; its lm_head on the int8 kernel, ``--lm-head-dtype auto``). Everything is cached
+under ``~/.cache/mili/bench`` (``MILI_BENCH_CACHE``).
+
+    python benchmarks/llamacpp_compare.py [--models Qwen3-0.6B Qwen3-4B:8] [--threads 2] [--input-len 64]
+                                          [--output-len 32] [--repeat 3] [--llama-cpp-python 0.3.36]
+
+Each figure is the median of ``--repeat`` runs (llama-bench's ``-r``; MILI's ``mili bench latency``
+measure). The roofline is a copy (read + write) with the same thread count over the bytes a decode step
+reads: MILI's weights as loaded (the head as read), llama.cpp's GGUF file (tied: its token table is the
+output matrix, read whole each step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import torch
+from common import CACHE, machine, print_table, qwen3_checkpoint, random_prompt
+from quant_decode import _quantized_copy
+
+from mili.bench import _measure_latency, memory_bandwidth, weight_bytes_per_step
+from mili.config import EngineConfig
+from mili.engine.engine import LLMEngine
+
+PAIRS = [  # (label, MILI: (checkpoint kind, --quantization), llama.cpp GGUF type)
+    ("bf16 / BF16", ("dense", None), "BF16"),
+    ("int8 / Q8_0", ("dense", "int8"), "Q8_0"),
+    ("AWQ int4 / Q4_0", ("awq", None), "Q4_0"),
+]
+
+
+def llama_cpp(version: str) -> Path:
+    """llama.cpp's bin/ folder, built once from the llama-cpp-python sdist's vendored tree."""
+    root = CACHE / "llamacpp"
+    src = root / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp"
+    bin_dir = src / "build" / "bin"
+    if (bin_dir / "llama-bench").is_file() and (bin_dir / "llama-quantize").is_file():
+        return bin_dir
+    root.mkdir(parents=True, exist_ok=True)
+    sdist = root / f"llama_cpp_python-{version}.tar.gz"
+    if not sdist.is_file():
+        subprocess.run([sys.executable, "-m", "pip", "download", f"llama-cpp-python=={version}", "--no-deps",
+                        "--no-binary", ":all:", "-d", str(root)], check=True)
+    if not src.is_dir():
+        with tarfile.open(sdist) as tar:
+            tar.extractall(root, filter="data")
+    subprocess.run(["cmake", "-S", str(src), "-B", str(src / "build"), "-DCMAKE_BUILD_TYPE=Release",
+                    "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF",
+                    "-DBUILD_SHARED_LIBS=OFF"], check=True)
+    subprocess.run(["cmake", "--build", str(src / "build"), "--target", "llama-bench", "llama-quantize", "-j",
+                    str(os.cpu_count() or 2)], check=True)
+    return bin_dir
+
+
+def gguf(checkpoint: str, kind: str, bin_dir: Path) -> Path:
+    """The checkpoint as GGUF ``kind`` (BF16 converted by llama.cpp's script; Q8_0, Q4_0 quantized from it)."""
+    src = bin_dir.parents[1]
+    bf16 = Path(f"{checkpoint}-BF16.gguf")
+    if not bf16.is_file():
+        env = {**os.environ, "PYTHONPATH": str(src / "gguf-py")}
+        subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), checkpoint, "--outtype", "bf16",
+                        "--outfile", str(bf16) + ".tmp"], check=True, env=env)
+        os.replace(str(bf16) + ".tmp", bf16)
+    if kind == "BF16":
+        return bf16
+    out = Path(f"{checkpoint}-{kind}.gguf")
+    if not out.is_file():
+        subprocess.run([str(bin_dir / "llama-quantize"), str(bf16), str(out) + ".tmp", kind], check=True)
+        os.replace(str(out) + ".tmp", out)
+    return out
+
+
+def run_llama(bin_dir: Path, model: Path, args) -> tuple[float, float]:
+    """(prefill tok/s, decode tok/s): llama-bench's mean over ``--repeat`` runs of each test."""
+    out = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(model), "-p", str(args.input_len), "-n",
+                          str(args.output_len), "-t", str(args.threads), "-r", str(args.repeat), "-o", "json"],
+                         check=True, capture_output=True, text=True).stdout
+    results = json.loads(out)
+    prefill = next(r["avg_ts"] for r in results if r["n_prompt"] and not r["n_gen"])
+    decode = next(r["avg_ts"] for r in results if r["n_gen"] and not r["n_prompt"])
+    return prefill, decode
+
+
+def run_mili(path: str, quantization: str | None, args) -> tuple[float, float, int]:
+    """(prefill tok/s, decode tok/s, weight bytes a decode step reads)."""
+    engine = LLMEngine(EngineConfig(model=path, dtype="bfloat16", quantization=quantization, max_model_len=1024,
+                                    kv_cache_memory=1 << 30, num_threads=args.threads))
+    ttft, decode, _ = _measure_latency(engine, random_prompt(args.input_len, 0), args)
+    step = weight_bytes_per_step(engine.runner.model)
+    del engine
+    gc.collect()
+    return args.input_len / ttft, decode, step
+
+
+def compare(spec: str, bin_dir: Path, args) -> None:
+    name, _, layers = spec.partition(":")
+    dense = qwen3_checkpoint(name, layers=int(layers) if layers else None)
+    checkpoints = {"dense": dense, "awq": _quantized_copy(dense, "awq")}
+    models = {kind: gguf(dense, kind, bin_dir) for _, _, kind in PAIRS}
+    figures = {label: {"mili": [], "llama": []} for label, _, _ in PAIRS}
+    steps = {}
+    for run in range(2):  # pass 1: MILI first; pass 2: llama.cpp first
+        for engine in (("mili", "llama") if run == 0 else ("llama", "mili")):
+            for label, (ckpt, quantization), kind in PAIRS:
+                if engine == "mili":
+                    prefill, decode, steps[label] = run_mili(checkpoints[ckpt], quantization, args)
+                else:
+                    prefill, decode = run_llama(bin_dir, models[kind], args)
+                figures[label][engine].append((prefill, decode))
+    torch.set_num_threads(args.threads)
+    bandwidth = memory_bandwidth()
+    rows = []
+    for label, _, kind in PAIRS:
+        mili, llama = figures[label]["mili"], figures[label]["llama"]
+        mili_decode, llama_decode = (statistics.median(d for _, d in x) for x in (mili, llama))
+        mili_prefill, llama_prefill = (statistics.median(p for p, _ in x) for x in (mili, llama))
+        llama_bytes = models[kind].stat().st_size
+        rows.append([label, " / ".join(f"{d:.1f}" for _, d in mili), " / ".join(f"{d:.1f}" for _, d in llama),
+                     f"{mili_decode / llama_decode:.2f}x",
+                     f"{100 * mili_decode * steps[label] / bandwidth:.0f}% / "
+                     f"{100 * llama_decode * llama_bytes / bandwidth:.0f}%",
+                     f"{steps[label] / 1e9:.3f} / {llama_bytes / 1e9:.3f}",
+                     f"{mili_prefill:.0f} / {llama_prefill:.0f}", f"{mili_prefill / llama_prefill:.2f}x"])
+    print(f"\n{spec} (random weights): prompt {args.input_len}, {args.output_len} tokens, batch 1, "
+          f"{args.threads} threads each, median of {args.repeat} a pass; {machine()}; llama.cpp from "
+          f"llama-cpp-python {args.llama_cpp_python}; {args.threads}-thread copy {bandwidth / 1e9:.1f} GB/s")
+    print_table(f"MILI vs llama.cpp, {spec}", [
+        "MILI / llama.cpp format", "MILI decode (pass 1 / 2)", "llama.cpp decode (pass 1 / 2)", "decode ratio",
+        "of copy roofline (MILI / llama.cpp)", "GB a step (MILI / llama.cpp)", "prefill tok/s (MILI / llama.cpp)",
+        "prefill ratio"], rows)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", default=["Qwen3-0.6B", "Qwen3-4B:8"])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--input-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--llama-cpp-python", default="0.3.36", help="the sdist whose vendored llama.cpp is built")
+    args = p.parse_args()
+    if shutil.which("cmake") is None:
+        sys.exit("needs cmake and a C++ compiler (apt-get install cmake g++)")
+    if importlib.util.find_spec("sentencepiece") is None:  # llama.cpp's converter imports it for Qwen's vocab
+        sys.exit("llama.cpp's convert_hf_to_gguf.py needs sentencepiece: pip install sentencepiece")
+    bin_dir = llama_cpp(args.llama_cpp_python)
+    for spec in args.models:
+        compare(spec, bin_dir, args)
+
+
+if __name__ == "__main__":
+    main()
