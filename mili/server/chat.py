@@ -83,9 +83,10 @@ class ReplyBlocks:
     """One reply's growing text → its blocks, each started, extended and stopped, in order.
 
     ``feed`` returns events ``("start", block, "")``, ``("delta", block, text)`` and ``("stop", block, "")``.
-    Fed the whole text at once it ends with the same ``blocks`` a stream builds piece by piece: a text
-    block never starts with whitespace, and whitespace at its end is sent only once more text follows it
-    (or the reply ends on it), so the whitespace around a tool call is in no block either way."""
+    Fed the whole text at once it ends with the same ``blocks`` a stream builds piece by piece. The text
+    after ``</think>`` is kept as written, its leading whitespace included (vLLM's rule, the one chat
+    completions follows: reasoning.py); whitespace is sent only once more text follows it (or the reply
+    ends on it), so the whitespace around a tool call is in no block either way."""
 
     def __init__(self, prompt: ChatPrompt):
         self.reasoning = ReasoningStream(prompt.thinking, prompt.opened)
@@ -108,8 +109,8 @@ class ReplyBlocks:
                 text = self._space + part
                 body = text.rstrip()
                 self._space = text[len(body):]
-                if body:
-                    self._extend("text", body if self._is_open("text") else body.lstrip(), events)
+                if body:  # text right after a tool call starts at its first non-whitespace character
+                    self._extend("text", body.lstrip() if self._after_call() else body, events)
                 continue
             fn = part["function"]
             if "id" in part:  # a new call: its name (and, if it came whole, its arguments)
@@ -118,10 +119,14 @@ class ReplyBlocks:
             if fn["arguments"]:
                 self._extend("tool_call", fn["arguments"], events)
         if final:
-            if self._space and self._is_open("text"):
+            if self._space and not self._after_call():
                 self._extend("text", self._space, events)
             self._stop(events)
         return events
+
+    def _after_call(self) -> bool:
+        """The last block is a tool call: the whitespace that follows it is in no block."""
+        return bool(self.blocks) and self.blocks[-1].kind == "tool_call"
 
     def _is_open(self, kind: str) -> bool:
         return self._open is not None and self._open.kind == kind

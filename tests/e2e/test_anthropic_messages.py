@@ -90,12 +90,38 @@ def test_thinking_blocks(client):
     assert [b.type for b in whole.content] == ["thinking", "text"]
     thinking = whole.content[0]
     assert thinking.thinking == "Let me think" and isinstance(thinking.signature, str) and thinking.signature
-    assert whole.content[1].text == CALLER_TEXT and text == CALLER_TEXT
+    assert whole.content[1].text == text == "\n\n" + CALLER_TEXT  # what follows </think>, as written
     assert _blocks(streamed) == _blocks(whole)
     assert whole.usage.input_tokens == prompt_tokens(USER, enable_thinking=True)
     off = client.messages.create(**{**kwargs, "thinking": {"type": "disabled"}})
     assert [b.type for b in off.content] == ["text"] and off.usage.input_tokens == prompt_tokens(USER,
                                                                                           enable_thinking=False)
+
+
+def test_the_same_greedy_text_through_the_three_dialects(client, server):
+    """Chat completions, the Responses API and Messages give the same reply text, whole and streamed: what
+    follows </think>, "\\n\\n" included, as vLLM's qwen3 reasoning parser gives it (issue 30, defect c)."""
+    from openai import OpenAI
+
+    expected = "\n\n" + CALLER_TEXT  # the model writes "<think>Let me think</think>\n\n" first
+    oc = OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=60)
+    chat = dict(model="test", messages=USER, temperature=0, max_tokens=100)
+    whole = oc.chat.completions.create(**chat).choices[0].message
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in oc.chat.completions.create(stream=True, **chat)
+                       if ch.choices)
+    texts = {"chat": whole.content, "chat, streamed": streamed}
+    assert whole.model_extra["reasoning_content"] == "Let me think"
+    responses = dict(model="test", input=USER[0]["content"], reasoning={"effort": "low"}, temperature=0,
+                     max_output_tokens=100)
+    texts["responses"] = oc.responses.create(**responses).output_text
+    with oc.responses.stream(**responses) as stream:
+        texts["responses, streamed"] = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+    message, streamed_message, text = _both(client, model="test", max_tokens=100, messages=USER, extra_body=GREEDY,
+                                            thinking={"type": "enabled", "budget_tokens": 50})
+    texts["messages"] = "".join(b.text for b in message.content if b.type == "text")
+    texts["messages, streamed"] = text
+    assert [b.thinking for b in message.content if b.type == "thinking"] == ["Let me think"]
+    assert texts == dict.fromkeys(texts, expected)
 
 
 def test_tool_round_trip(client):

@@ -434,7 +434,7 @@ def test_thinking_non_stream(scripted, scripted_server):
     r = scripted.chat.completions.create(model="test", messages=MSGS, temperature=0, max_tokens=32)
     (c,) = r.choices
     assert c.finish_reason == "stop"
-    assert c.message.content == "Hello!"
+    assert c.message.content == "\n\nHello!"  # what follows </think>, as written (vLLM's rule)
     assert _extra(c.message, "reasoning_content") == "Let me think"
     assert _extra(c.message, "reasoning") == "Let me think"
     # <think> Let me think </think> \n\n Hello ! and <|im_end|>
@@ -464,7 +464,7 @@ def test_thinking_stream(scripted):
     content = [ch.choices[0].delta.content for ch in body]
     assert "".join(r or "" for r in reasoning) == "Let me think"
     assert reasoning == reasoning_alias
-    assert "".join(c or "" for c in content) == "Hello!"
+    assert "".join(c or "" for c in content) == "\n\nHello!"
     assert not any("<think>" in (c or "") or "</think>" in (c or "") for c in content)
     assert not any("<think>" in (r or "") or "</think>" in (r or "") for r in reasoning)
     assert [ch.choices[0].finish_reason for ch in body if ch.choices[0].finish_reason] == ["stop"]
@@ -487,7 +487,7 @@ def test_thinking_completions_keep_raw_text(scripted, scripted_server):
 def test_thinking_null_kwarg_never_leaks_tags(scripted):
     r = scripted.chat.completions.create(model="test", messages=MSGS, temperature=0, max_tokens=32,
                                          extra_body={"chat_template_kwargs": {"enable_thinking": None}})
-    assert r.choices[0].message.content == "Hello!"
+    assert r.choices[0].message.content == "\n\nHello!"
 
 
 def test_completion_top_logprobs_always_hold_the_sampled_token(client):
