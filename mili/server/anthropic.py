@@ -3,9 +3,10 @@
 A request is translated into the chat path the OpenAI API uses (``mili.server.chat``): system, user and
 assistant turns with ``tool_use``/``tool_result`` blocks become the chat template's messages, ``tools``
 its tools, ``tool_choice`` ``any``/``tool`` the same grammar-enforced tool calls as OpenAI's
-``required``/named choice, ``thinking`` Qwen3's enable_thinking. The reply's blocks (thinking, text,
-tool_use) come from the shared reasoning and tool-call parsers. Errors on these paths are in Anthropic's
-shape (``mili.server.errors``).
+``required``/named choice, ``thinking`` Qwen3's enable_thinking; a final assistant turn is continued
+(prefill: chat's ``continue_final_message``), the reply holding only what follows it. The reply's blocks
+(thinking, text, tool_use) come from the shared reasoning and tool-call parsers. Errors on these paths
+are in Anthropic's shape (``mili.server.errors``).
 """
 
 from __future__ import annotations
@@ -151,10 +152,12 @@ class CountTokensRequest(Strict):
         tools = [{"type": "function", "function": {**t.model_dump(include={"name", "description"}, exclude_none=True),
                                                    "parameters": t.input_schema}} for t in self.tools or []]
         thinking = self.thinking is not None and self.thinking.type != "disabled"
+        prefill = self.messages[-1].role == "assistant"  # the reply continues it, as Anthropic's API does
         return ChatCompletionRequest(
             messages=self._messages(), tools=tools or None, tool_choice=tool_choice,
             parallel_tool_calls=None if choice is None else not choice.disable_parallel_tool_use,
-            chat_template_kwargs={"enable_thinking": thinking}, **sampling)
+            chat_template_kwargs={"enable_thinking": thinking}, add_generation_prompt=not prefill,
+            continue_final_message=prefill, **sampling)
 
     def _messages(self) -> list[dict]:
         out = [{"role": "system", "content": _text(self.system)}] if self.system else []
@@ -181,9 +184,12 @@ class CountTokensRequest(Strict):
                 out += [{"role": "user", "content": "\n".join(texts)}] if texts else []
             else:
                 out.append({**message, "content": "\n".join(texts)})
-        if self.messages[-1].role != "user":
-            raise InvalidRequest("the last message must be a user turn: MILI does not continue a final "
-                                 "assistant turn (prefill)", param="messages")
+        final = out[-1]
+        if final["role"] == "assistant":  # a prefill: Anthropic's rules
+            if final.get("tool_calls"):
+                raise InvalidRequest("a final assistant turn (prefill) cannot hold tool_use blocks", param="messages")
+            if final["content"] != final["content"].rstrip():
+                raise InvalidRequest("final assistant content cannot end with trailing whitespace", param="messages")
         return out
 
 

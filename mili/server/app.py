@@ -75,7 +75,7 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
         if body.messages is not None:
             _, ids = encode_chat(state.tokenizer, [m.for_template() for m in body.messages],
-                                 body.add_generation_prompt, body.chat_template_kwargs)
+                                 body.add_generation_prompt, body.chat_template_kwargs, body.continue_final_message)
         else:
             ids = encode_prompt(state.tokenizer, body.prompt, body.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}

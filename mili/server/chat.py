@@ -19,9 +19,12 @@ from mili.outputs import RequestOutput
 from mili.sampling_params import SamplingParams
 from mili.server.state import ServerState
 from mili.server.protocol import ChatCompletionRequest
-from mili.tokenizer.reasoning import THINK_START, ReasoningStream, constraint_start
+from mili.tokenizer.reasoning import THINK_END, THINK_START, ReasoningStream, constraint_start
 from mili.tokenizer.tokenizer import encode_chat
 from mili.tokenizer.tool_parsers import extract_calls, tool_call_stream
+
+
+TURN_START = "<|im_start|>"  # where each turn of Qwen's chat format starts
 
 
 @dataclass
@@ -40,9 +43,12 @@ class ChatPrompt:
         tool_mode, _ = body.tool_mode()
         template_kwargs = {**kwargs, "tools": body.tools} if body.tools else kwargs
         text, token_ids = encode_chat(tokenizer, [m.for_template() for m in body.messages],
-                                      body.add_generation_prompt, template_kwargs)
+                                      body.add_generation_prompt, template_kwargs, body.continue_final_message)
         thinking = kwargs.get("enable_thinking", True) is not False  # as Qwen3's template decides
         opened = thinking and text.rstrip().endswith(THINK_START)  # templates that open <think> themselves
+        if body.continue_final_message:  # the reply continues the final turn: inside its thinking if left open
+            turn = text[text.rfind(TURN_START):]
+            thinking = opened = thinking and turn.rfind(THINK_START) > turn.rfind(THINK_END)
         return cls(text, token_ids, thinking, opened, tool_mode != "none", tool_parser, body.tools)
 
     def params(self, tokenizer, body: ChatCompletionRequest, max_tokens: int | None, logprobs: int | None,
