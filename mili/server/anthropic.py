@@ -20,7 +20,7 @@ from pydantic import ConfigDict, Field
 
 from mili.errors import InvalidRequest
 from mili.outputs import CompletionOutput
-from mili.server.state import ServerState, final_output, new_id, until_disconnect
+from mili.server.state import final_output, new_id, state_of, until_disconnect
 from mili.server.chat import Block, ChatPrompt, ReplyBlocks, start_chat
 from mili.server.errors import AnthropicError, anthropic_error, error_responses, sse, streamed, to_api_error
 from mili.server.fields import MaxTokens, ModelName, Strict, Text, TypeNeeds, integer, only_types, requires
@@ -223,13 +223,9 @@ class MessagesRequest(CountTokensRequest):
                                 "type": "json_schema", "json_schema": {"name": "output", "schema": fmt.schema_}})
 
 
-def _state(http: Request) -> ServerState:
-    return http.app.state.mili
-
-
 @router.post("/v1/messages/count_tokens", responses=error_responses(400, 404, model=AnthropicError))
 async def count_tokens(body: CountTokensRequest, http: Request):
-    st = _state(http)
+    st = state_of(http)
     st.check_model(body.model)
     return {"input_tokens": len(ChatPrompt.render(st.tokenizer, body.chat(), st.tool_call_parser).token_ids)}
 
@@ -284,7 +280,7 @@ STREAM = ("Anthropic's named events: `event: message_start`, `content_block_star
 @router.post("/v1/messages", responses={**error_responses(400, 404, 500, 529, model=AnthropicError),
                                         **streamed(STREAM)})
 async def messages(body: MessagesRequest, http: Request):
-    st = _state(http)
+    st = state_of(http)
     st.check_model(body.model)
     mid = new_id("msg", "_")
     prompt, stream = await start_chat(st, body.chat(), mid)
