@@ -66,8 +66,8 @@ class ModelConfig:
 
     def shard(self, rank: int, size: int) -> "ModelConfig":
         """This config as rank ``rank`` of ``size`` sees it: attention heads, MLP and expert columns split evenly
-        (the vocabulary too, padded to split: distributed.vocab_shard); KV heads split too, or replicated when there are fewer than ranks. The
-        hybrids' linear-attention heads split too (``hf_config`` keeps the checkpoint's counts: the rank's
+        (the vocabulary too, padded to split: distributed.vocab_shard); KV heads split too, or replicated when
+        there are fewer than ranks. The hybrids' linear-attention heads split too (``hf_config`` keeps the checkpoint's counts: the rank's
         are ``LinearAttentionShape.of(hf_config, tp_size)``)."""
         if size == 1:
             return self

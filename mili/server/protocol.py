@@ -267,7 +267,8 @@ class ChatCompletionRequest(_Sampling):
     model_config = ConfigDict(json_schema_extra={"allOf": [
         _STREAM_OPTIONS, _PROMPT_LOGPROBS,
         requires("top_logprobs", {"type": "integer"}, {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}),
-        requires("tool_choice", {"const": "required"}, {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]}),
+        requires("tool_choice", {"const": "required"}, {"properties": {"tools": {"type": "array", "minItems": 1}},
+                                                         "required": ["tools"]}),
         _CONTINUE]})
 
     messages: list[ChatMessage] = Field(min_length=1)
