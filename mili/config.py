@@ -65,9 +65,9 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0
 
     def shard(self, rank: int, size: int) -> "ModelConfig":
-        """This config as rank ``rank`` of ``size`` sees it: attention heads, MLP and expert columns and the
-        vocabulary split evenly; KV heads split too, or replicated when there are fewer than ranks. The
-        hybrids' linear-attention heads split too (``hf_config`` keeps the checkpoint's counts: the rank's
+        """This config as rank ``rank`` of ``size`` sees it: attention heads, MLP and expert columns split evenly
+        (the vocabulary too, padded to split: distributed.vocab_shard); KV heads split too, or replicated when
+        there are fewer than ranks. The hybrids' linear-attention heads split too (``hf_config`` keeps the checkpoint's counts: the rank's
         are ``LinearAttentionShape.of(hf_config, tp_size)``)."""
         if size == 1:
             return self
@@ -82,7 +82,6 @@ class ModelConfig:
         need(self.intermediate_size % size == 0, f"intermediate_size {self.intermediate_size} does not split evenly")
         need(self.moe_intermediate_size % size == 0,
              f"moe_intermediate_size {self.moe_intermediate_size} does not split evenly")
-        need(self.vocab_size % size == 0, f"vocab_size {self.vocab_size} does not split evenly")
         need(not getattr(self.hf_config, "attention_bias", False), "attention_bias is not supported")
         if self.is_hybrid:  # Gated DeltaNet: key heads split, each with the value heads it serves
             hk, hv = self.hf_config.linear_num_key_heads, self.hf_config.linear_num_value_heads

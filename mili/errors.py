@@ -33,6 +33,15 @@ class ChatTemplateError(InvalidRequest):
         super().__init__(message, param="messages")
 
 
+class NotContinuable(InvalidRequest):
+    """continue_final_message asked of a conversation whose final message is not an assistant's text."""
+
+    code = "final_message_not_continuable"
+
+    def __init__(self, message: str):
+        super().__init__(message, param="messages")
+
+
 class ContextLengthExceeded(InvalidRequest):
     """The prompt (plus the tokens asked for) does not fit the model's context or the KV pool."""
 

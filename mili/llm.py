@@ -56,17 +56,20 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
              chat_template_kwargs: dict | None = None, add_generation_prompt: bool = True,
-             use_tqdm: bool = True, tools: list[dict] | None = None) -> list[RequestOutput]:
+             use_tqdm: bool = True, tools: list[dict] | None = None,
+             continue_final_message: bool = False) -> list[RequestOutput]:
         """Generate the assistant's reply to one conversation or a list of them. ``tools`` (OpenAI's
         function shape) go to the chat template. With thinking on, a structured output constraint starts
-        after ``</think>``."""
+        after ``</think>``. ``continue_final_message`` (with ``add_generation_prompt=False``, as vLLM's):
+        the reply continues the final message, an assistant's."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.engine.tokenizer
         kwargs = {**(chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
-        encoded = [encode_chat(tok, conv, add_generation_prompt, kwargs) for conv in conversations]
-        # (one template and one set of kwargs: every prompt ends alike)
-        start = constraint_start(tok, encoded[0][0], kwargs.get("enable_thinking", True) is not False) \
-            if encoded else None
+        encoded = [encode_chat(tok, conv, add_generation_prompt, kwargs, continue_final_message)
+                   for conv in conversations]
+        # (one template and one set of kwargs: every prompt ends alike; a continued turn is past its thinking)
+        thinking = kwargs.get("enable_thinking", True) is not False and not continue_final_message
+        start = constraint_start(tok, encoded[0][0], thinking) if encoded else None
         if start is not None:
             many = isinstance(sampling_params, (list, tuple))
             sampling_params = [_after(p, start) for p in (sampling_params if many else [sampling_params])]

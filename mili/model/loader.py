@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from mili.distributed import kv_head_range, shard_range
+from mili.distributed import kv_head_range, vocab_shard
 from mili.errors import ModelLoadError
 from mili.model import quant
 from mili.model.checks import HARMLESS_SUFFIXES, WeightQuant, check_quantization, check_tensors, weight_quant
@@ -187,9 +187,8 @@ def _tp_slice(name: str, cfg) -> tuple[int, list[tuple[int, int]]] | None:
         return 1, [(r * inter, inter), (n * inter + r * inter, inter)]
     if name.endswith(".experts.down_proj"):  # [E, H, I]
         return 2, [(r * inter, inter)]
-    if name in ("model.embed_tokens.weight", "lm_head.weight"):
-        start, part = shard_range(cfg.vocab_size, r, n)
-        return 0, [(start, part)]
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):  # (past the vocabulary: zeros, see _take)
+        return 0, [vocab_shard(cfg.vocab_size, r, n)]
     return None
 
 
@@ -221,9 +220,17 @@ def _linear_attention_slice(name: str, cfg) -> tuple[int, list[tuple[int, int]]]
 
 
 def _take(source, part: tuple[int, list[tuple[int, int]]]) -> torch.Tensor:
-    """The ranges of ``part`` from a tensor or a safetensors slice (read from the file as slices), concatenated."""
+    """The ranges of ``part`` from a tensor or a safetensors slice (read from the file as slices), concatenated;
+    what a range holds past the tensor's end (the padding of a vocabulary split over ranks) is zeros."""
     dim, ranges = part
-    pieces = [source[(slice(None),) * dim + (slice(start, start + length),)] for start, length in ranges]
+    pieces = []
+    for start, length in ranges:
+        piece = source[(slice(None),) * dim + (slice(start, start + length),)]
+        if piece.shape[dim] < length:
+            missing = list(piece.shape)
+            missing[dim] = length - piece.shape[dim]
+            piece = torch.cat([piece, piece.new_zeros(missing)], dim)
+        pieces.append(piece)
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
 
 

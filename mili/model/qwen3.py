@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mili.config import ModelConfig
-from mili.distributed import all_gather_last, all_reduce, shard_range
+from mili.distributed import all_reduce, gather_logits, vocab_shard
 from mili.kernels.reference import TorchOps
 from mili.model.fused import FusedExperts, FusedLinear, RouterLinear
 from mili.model.layers import RMSNorm, RotaryEmbedding
@@ -78,12 +78,13 @@ def _reduce(x: torch.Tensor, tp_size: int) -> torch.Tensor:
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Rank r holds rows [r V/N, (r+1) V/N) of the table: it looks up its own ids, zeros the others, and
-    the ranks' sum is the embedding."""
+    """Rank r holds rows [r V/N, (r+1) V/N) of the table (V padded up to a multiple of N: the last rank's
+    padded rows are zeros no id reaches): it looks up its own ids, zeros the others, and the ranks' sum is
+    the embedding."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
         super().__init__()
-        self.start, part = shard_range(cfg.vocab_size, cfg.tp_rank, cfg.tp_size)
+        self.start, part = vocab_shard(cfg.vocab_size, cfg.tp_rank, cfg.tp_size)
         self.weight = nn.Parameter(torch.empty(part, cfg.hidden_size, dtype=dtype), requires_grad=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -153,8 +154,8 @@ class Qwen3ForCausalLM(nn.Module):
         self.model = Qwen3Model(cfg, backend, dtype, ops)
         # Tied checkpoints have no lm_head: logits come from the embedding table (unless a CPU linear
         # swap gives the head a copy of its own in another layout, see model/cpu_linear.py).
-        self.lm_head = (None if cfg.tie_word_embeddings
-                        else nn.Linear(cfg.hidden_size, cfg.vocab_size // cfg.tp_size, bias=False, dtype=dtype))
+        self.lm_head = (None if cfg.tie_word_embeddings else nn.Linear(
+            cfg.hidden_size, vocab_shard(cfg.vocab_size, cfg.tp_rank, cfg.tp_size)[1], bias=False, dtype=dtype))
         self.rotary: RotaryEmbedding | None = None  # built by init_rotary once weights are on the device
 
     def init_rotary(self, max_positions: int, device: torch.device) -> None:
@@ -170,9 +171,10 @@ class Qwen3ForCausalLM(nn.Module):
         return self.model.norm(h[rows], residual[rows])[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[S, vocab]; with tensor parallelism each rank computes its vocabulary shard, then all gather."""
+        """[S, vocab]; with tensor parallelism each rank computes its vocabulary shard, then all gather (cut to
+        the vocabulary: the padding is never sampled)."""
         if self.lm_head is None:
             logits = F.linear(hidden, self.model.embed_tokens.weight)
         else:
             logits = self.lm_head(hidden)
-        return all_gather_last(logits, self.config.tp_size) if self.config.tp_size > 1 else logits
+        return gather_logits(logits, self.config.vocab_size, self.config.tp_size)

@@ -37,7 +37,7 @@ from mili.kernels.gated_delta import (causal_conv1d, causal_conv1d_step, chunk_g
 from mili.kernels.reference import TorchOps, rotate_half
 from mili.model.layers import GatedRMSNorm, RotaryEmbedding, ZeroCentredRMSNorm
 from mili.model.fused import STACKED_PARAMS, FusedLinear
-from mili.distributed import all_gather_last
+from mili.distributed import gather_logits, vocab_shard
 from mili.model.qwen3 import Qwen3MLP, Qwen3MoeBlock, VocabParallelEmbedding, _reduce
 from mili.model.batch import AttentionBackend, ForwardBatch
 
@@ -343,8 +343,8 @@ class Qwen3_5ForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = HybridModel(cfg, backend, dtype)
-        self.lm_head = (None if cfg.tie_word_embeddings
-                        else nn.Linear(cfg.hidden_size, cfg.vocab_size // cfg.tp_size, bias=False, dtype=dtype))
+        self.lm_head = (None if cfg.tie_word_embeddings else nn.Linear(
+            cfg.hidden_size, vocab_shard(cfg.vocab_size, cfg.tp_rank, cfg.tp_size)[1], bias=False, dtype=dtype))
         self.mtp = MultiTokenPredictor(cfg, backend, dtype) if mtp else None
         self.hidden_states: torch.Tensor | None = None  # (mtp) the last forward's rows, final-normed
         self.rotary: RotaryEmbedding | None = None
@@ -386,12 +386,13 @@ class Qwen3_5ForCausalLM(nn.Module):
         return run(input_ids, hidden, batch, cos_sin, *kv_cache, self.model.embed_tokens)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[S, vocab]; with tensor parallelism each rank computes its vocabulary shard, then all gather."""
+        """[S, vocab]; with tensor parallelism each rank computes its vocabulary shard, then all gather (cut to
+        the vocabulary: the padding is never sampled)."""
         if self.lm_head is None:
             logits = F.linear(hidden, self.model.embed_tokens.weight)
         else:
             logits = self.lm_head(hidden)
-        return all_gather_last(logits, self.config.tp_size) if self.config.tp_size > 1 else logits
+        return gather_logits(logits, self.config.vocab_size, self.config.tp_size)
 
     # -- checkpoint layouts (the loader asks) ----------------------------------------------------------------
     def checkpoint_name(self, name: str) -> str | None:

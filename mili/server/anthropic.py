@@ -3,9 +3,10 @@
 A request is translated into the chat path the OpenAI API uses (``mili.server.chat``): system, user and
 assistant turns with ``tool_use``/``tool_result`` blocks become the chat template's messages, ``tools``
 its tools, ``tool_choice`` ``any``/``tool`` the same grammar-enforced tool calls as OpenAI's
-``required``/named choice, ``thinking`` Qwen3's enable_thinking. The reply's blocks (thinking, text,
-tool_use) come from the shared reasoning and tool-call parsers. Errors on these paths are in Anthropic's
-shape (``mili.server.errors``).
+``required``/named choice, ``thinking`` Qwen3's enable_thinking; a final assistant turn is continued
+(prefill: chat's ``continue_final_message``), the reply holding only what follows it. The reply's blocks
+(thinking, text, tool_use) come from the shared reasoning and tool-call parsers. Errors on these paths
+are in Anthropic's shape (``mili.server.errors``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pydantic import ConfigDict, Field
 
 from mili.errors import InvalidRequest
 from mili.outputs import CompletionOutput
-from mili.server.state import ServerState, final_output, new_id, until_disconnect
+from mili.server.state import final_output, new_id, state_of, until_disconnect
 from mili.server.chat import Block, ChatPrompt, ReplyBlocks, start_chat
 from mili.server.errors import AnthropicError, anthropic_error, error_responses, sse, streamed, to_api_error
 from mili.server.fields import MaxTokens, ModelName, Strict, Text, TypeNeeds, integer, only_types, requires
@@ -151,10 +152,12 @@ class CountTokensRequest(Strict):
         tools = [{"type": "function", "function": {**t.model_dump(include={"name", "description"}, exclude_none=True),
                                                    "parameters": t.input_schema}} for t in self.tools or []]
         thinking = self.thinking is not None and self.thinking.type != "disabled"
+        prefill = self.messages[-1].role == "assistant"  # the reply continues it, as Anthropic's API does
         return ChatCompletionRequest(
             messages=self._messages(), tools=tools or None, tool_choice=tool_choice,
             parallel_tool_calls=None if choice is None else not choice.disable_parallel_tool_use,
-            chat_template_kwargs={"enable_thinking": thinking}, **sampling)
+            chat_template_kwargs={"enable_thinking": thinking}, add_generation_prompt=not prefill,
+            continue_final_message=prefill, **sampling)
 
     def _messages(self) -> list[dict]:
         out = [{"role": "system", "content": _text(self.system)}] if self.system else []
@@ -181,9 +184,12 @@ class CountTokensRequest(Strict):
                 out += [{"role": "user", "content": "\n".join(texts)}] if texts else []
             else:
                 out.append({**message, "content": "\n".join(texts)})
-        if self.messages[-1].role != "user":
-            raise InvalidRequest("the last message must be a user turn: MILI does not continue a final "
-                                 "assistant turn (prefill)", param="messages")
+        final = out[-1]
+        if final["role"] == "assistant":  # a prefill: Anthropic's rules
+            if final.get("tool_calls"):
+                raise InvalidRequest("a final assistant turn (prefill) cannot hold tool_use blocks", param="messages")
+            if final["content"] != final["content"].rstrip():
+                raise InvalidRequest("final assistant content cannot end with trailing whitespace", param="messages")
         return out
 
 
@@ -217,13 +223,9 @@ class MessagesRequest(CountTokensRequest):
                                 "type": "json_schema", "json_schema": {"name": "output", "schema": fmt.schema_}})
 
 
-def _state(http: Request) -> ServerState:
-    return http.app.state.mili
-
-
 @router.post("/v1/messages/count_tokens", responses=error_responses(400, 404, model=AnthropicError))
 async def count_tokens(body: CountTokensRequest, http: Request):
-    st = _state(http)
+    st = state_of(http)
     st.check_model(body.model)
     return {"input_tokens": len(ChatPrompt.render(st.tokenizer, body.chat(), st.tool_call_parser).token_ids)}
 
@@ -278,7 +280,7 @@ STREAM = ("Anthropic's named events: `event: message_start`, `content_block_star
 @router.post("/v1/messages", responses={**error_responses(400, 404, 500, 529, model=AnthropicError),
                                         **streamed(STREAM)})
 async def messages(body: MessagesRequest, http: Request):
-    st = _state(http)
+    st = state_of(http)
     st.check_model(body.model)
     mid = new_id("msg", "_")
     prompt, stream = await start_chat(st, body.chat(), mid)

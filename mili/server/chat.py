@@ -19,9 +19,12 @@ from mili.outputs import RequestOutput
 from mili.sampling_params import SamplingParams
 from mili.server.state import ServerState
 from mili.server.protocol import ChatCompletionRequest
-from mili.tokenizer.reasoning import THINK_START, ReasoningStream, constraint_start
+from mili.tokenizer.reasoning import THINK_END, THINK_START, ReasoningStream, constraint_start
 from mili.tokenizer.tokenizer import encode_chat
 from mili.tokenizer.tool_parsers import extract_calls, tool_call_stream
+
+
+TURN_START = "<|im_start|>"  # where each turn of Qwen's chat format starts
 
 
 @dataclass
@@ -40,9 +43,12 @@ class ChatPrompt:
         tool_mode, _ = body.tool_mode()
         template_kwargs = {**kwargs, "tools": body.tools} if body.tools else kwargs
         text, token_ids = encode_chat(tokenizer, [m.for_template() for m in body.messages],
-                                      body.add_generation_prompt, template_kwargs)
+                                      body.add_generation_prompt, template_kwargs, body.continue_final_message)
         thinking = kwargs.get("enable_thinking", True) is not False  # as Qwen3's template decides
         opened = thinking and text.rstrip().endswith(THINK_START)  # templates that open <think> themselves
+        if body.continue_final_message:  # the reply continues the final turn: inside its thinking if left open
+            turn = text[text.rfind(TURN_START):]
+            thinking = opened = thinking and turn.rfind(THINK_START) > turn.rfind(THINK_END)
         return cls(text, token_ids, thinking, opened, tool_mode != "none", tool_parser, body.tools)
 
     def params(self, tokenizer, body: ChatCompletionRequest, max_tokens: int | None, logprobs: int | None,
@@ -83,9 +89,10 @@ class ReplyBlocks:
     """One reply's growing text → its blocks, each started, extended and stopped, in order.
 
     ``feed`` returns events ``("start", block, "")``, ``("delta", block, text)`` and ``("stop", block, "")``.
-    Fed the whole text at once it ends with the same ``blocks`` a stream builds piece by piece: a text
-    block never starts with whitespace, and whitespace at its end is sent only once more text follows it
-    (or the reply ends on it), so the whitespace around a tool call is in no block either way."""
+    Fed the whole text at once it ends with the same ``blocks`` a stream builds piece by piece. The text
+    after ``</think>`` is kept as written, its leading whitespace included (vLLM's rule, the one chat
+    completions follows: reasoning.py); whitespace is sent only once more text follows it (or the reply
+    ends on it), so the whitespace around a tool call is in no block either way."""
 
     def __init__(self, prompt: ChatPrompt):
         self.reasoning = ReasoningStream(prompt.thinking, prompt.opened)
@@ -108,8 +115,8 @@ class ReplyBlocks:
                 text = self._space + part
                 body = text.rstrip()
                 self._space = text[len(body):]
-                if body:
-                    self._extend("text", body if self._is_open("text") else body.lstrip(), events)
+                if body:  # text right after a tool call starts at its first non-whitespace character
+                    self._extend("text", body.lstrip() if self._after_call() else body, events)
                 continue
             fn = part["function"]
             if "id" in part:  # a new call: its name (and, if it came whole, its arguments)
@@ -118,10 +125,14 @@ class ReplyBlocks:
             if fn["arguments"]:
                 self._extend("tool_call", fn["arguments"], events)
         if final:
-            if self._space and self._is_open("text"):
+            if self._space and not self._after_call():
                 self._extend("text", self._space, events)
             self._stop(events)
         return events
+
+    def _after_call(self) -> bool:
+        """The last block is a tool call: the whitespace that follows it is in no block."""
+        return bool(self.blocks) and self.blocks[-1].kind == "tool_call"
 
     def _is_open(self, kind: str) -> bool:
         return self._open is not None and self._open.kind == kind

@@ -6,7 +6,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 import mili
-from mili.server.state import ServerState, final_output, new_id, until_disconnect
+from mili.server.state import final_output, new_id, state_of, until_disconnect
 from mili.server.errors import error_responses, sse, sse_error, streamed
 from mili.server.protocol import GenerateRequest
 
@@ -16,10 +16,6 @@ ENDPOINTS = ["GET /", "GET /health", "GET /version", "GET /metrics", "POST /gene
              "POST /tokenize", "POST /detokenize", "GET /v1/models", "POST /v1/completions",
              "POST /v1/chat/completions", "POST /v1/responses", "POST /v1/messages", "POST /v1/messages/count_tokens",
              "GET /ui"]
-
-
-def _state(http: Request) -> ServerState:
-    return http.app.state.mili
 
 
 @router.get("/")
@@ -33,7 +29,7 @@ async def root():
                                                       "\"unhealthy\" and a reason"}})
 async def health(http: Request):
     """The original design's fields with status "healthy"; 503 "unhealthy" with the reason otherwise."""
-    st = _state(http)
+    st = state_of(http)
     engine = st.engine
     reason = None if engine.error is None else str(engine.error)
     body = {"status": "healthy" if reason is None else "unhealthy", "model_loaded": True, "tokenizer_ready": True,
@@ -55,14 +51,14 @@ async def health(http: Request):
 
 @router.get("/status/{request_id}")
 async def status(request_id: str, http: Request):
-    entry = _state(http).statuses.get(request_id)
+    entry = state_of(http).statuses.get(request_id)
     return {"request_id": request_id, **(entry or {"status": "not_found"})}
 
 
 @router.post("/generate", responses={**error_responses(400, 500, 503), **streamed()})
 async def generate(body: GenerateRequest, http: Request):
     """The original design's reply: ``tokens`` are the prompt's ids then the generated ones."""
-    st = _state(http)
+    st = state_of(http)
     params = body.sampling_params(st.sampling_defaults)
     rid = new_id("gen")
     (stream,) = await st.start([body.prompt], [params], rid)

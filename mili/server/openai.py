@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from mili.outputs import CompletionOutput, RequestOutput
-from mili.server.state import ServerState, merge, new_id, until_disconnect
+from mili.server.state import merge, new_id, state_of, until_disconnect
 from mili.server.chat import ChatPrompt
 from mili.server.errors import APIError, error_responses, sse, sse_error, streamed
 from mili.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -20,13 +20,9 @@ router = APIRouter()
 GENERATION_ERRORS = error_responses(400, 404, 500, 503)
 
 
-def _state(http: Request) -> ServerState:
-    return http.app.state.mili
-
-
 @router.get("/v1/models")
 async def models(http: Request):
-    st = _state(http)
+    st = state_of(http)
     return {"object": "list", "data": [{
         "id": st.model_name, "object": "model", "created": st.created, "owned_by": "mili",
         "root": st.engine.model_path, "max_model_len": st.engine.max_model_len,
@@ -106,7 +102,7 @@ def _prompt_logprobs(f: RequestOutput) -> list:
 
 @router.post("/v1/completions", responses={**GENERATION_ERRORS, **streamed()})
 async def completions(body: CompletionRequest, http: Request):
-    st = _state(http)
+    st = state_of(http)
     st.check_model(body.model)
     if body.best_of not in (None, body.n):
         raise APIError(400, "best_of other than n is not supported", param="best_of")
@@ -186,7 +182,7 @@ def _chat_logprobs(o: CompletionOutput, start: int, n: int) -> dict | None:
 
 @router.post("/v1/chat/completions", responses={**GENERATION_ERRORS, **streamed()})
 async def chat_completions(body: ChatCompletionRequest, http: Request):
-    st = _state(http)
+    st = state_of(http)
     st.check_model(body.model)
     prompt = ChatPrompt.render(st.tokenizer, body, st.tool_call_parser)
     thinking, opened = prompt.thinking, prompt.opened

@@ -257,11 +257,19 @@ class NamedToolChoice(Open):
     function: FunctionName
 
 
+# vLLM's continue_final_message: the final (assistant) message left open, with add_generation_prompt false
+_CONTINUE = requires("continue_final_message", {"const": True}, {
+    "properties": {"add_generation_prompt": {"const": False}}, "required": ["add_generation_prompt"]})
+_CONTINUE_DOC = "the model continues the final message, an assistant's (needs add_generation_prompt: false)"
+
+
 class ChatCompletionRequest(_Sampling):
     model_config = ConfigDict(json_schema_extra={"allOf": [
         _STREAM_OPTIONS, _PROMPT_LOGPROBS,
         requires("top_logprobs", {"type": "integer"}, {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}),
-        requires("tool_choice", {"const": "required"}, {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]})]})
+        requires("tool_choice", {"const": "required"}, {"properties": {"tools": {"type": "array", "minItems": 1}},
+                                                         "required": ["tools"]}),
+        _CONTINUE]})
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: MaxTokens | None = None
@@ -269,6 +277,7 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: Logprobs | None = Field(None, description="only with logprobs: true")
     chat_template_kwargs: TemplateKwargs | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = Field(False, description=_CONTINUE_DOC)
     tools: Annotated[list[Tool], AsSent] | None = None
     tool_choice: Annotated[Literal["none", "auto", "required"] | NamedToolChoice, AsSent] | None = Field(
         None, description="required needs tools; a named function must be one of tools")
@@ -335,12 +344,13 @@ class TokenizeRequest(Strict):
 
     model_config = ConfigDict(json_schema_extra={"oneOf": [
         {"properties": {"prompt": {"type": "string"}}, "required": ["prompt"]},
-        {"properties": {"messages": {"type": "array"}}, "required": ["messages"]}]})
+        {"properties": {"messages": {"type": "array"}}, "required": ["messages"]}], "allOf": [_CONTINUE]})
 
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = Field(False, description=_CONTINUE_DOC)
     chat_template_kwargs: TemplateKwargs | None = None
 
 

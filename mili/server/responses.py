@@ -21,7 +21,7 @@ from pydantic import AfterValidator, ConfigDict, Discriminator, Field, Tag, With
 
 from mili.errors import InvalidRequest
 from mili.outputs import RequestOutput
-from mili.server.state import ServerState, final_output, new_id, until_disconnect
+from mili.server.state import ServerState, final_output, new_id, state_of, until_disconnect
 from mili.server.chat import Block, ChatPrompt, ReplyBlocks, start_chat
 from mili.server.errors import error_responses, sse, streamed, to_api_error
 from mili.server.fields import MaxTokens, ModelName, Strict, Text, TypeNeeds, only_types, requires
@@ -292,7 +292,7 @@ STREAM = ("the Responses API's named events, each with its `type` and `sequence_
 
 @router.post("/v1/responses", responses={**error_responses(400, 404, 500, 503), **streamed(STREAM)})
 async def responses(body: ResponsesRequest, http: Request):
-    st: ServerState = http.app.state.mili
+    st = state_of(http)
     st.check_model(body.model)
     rid = new_id("resp", "_")
     with _named_as_responses():

@@ -1,5 +1,7 @@
 """What the routes of every dialect share: the server's state (the engine, the model's name, the API key, the
-queue bound, sampling defaults, the tool-call parser, the metrics) and the helpers to run a request's streams."""
+queue bound, sampling defaults, the tool-call parser, the metrics), ``state_of`` a request, and the helpers to
+run a request's streams (``merge``, ``until_disconnect``, ``final_output``) and name it (``new_id``). It imports
+no router and not the app: every router imports it, and ``app.py`` assembles them."""
 
 from __future__ import annotations
 
@@ -95,6 +97,11 @@ class ServerState:
         finally:
             if out is None or not out.finished:
                 self.statuses[rid] = {**self.statuses.get(rid, {}), "status": "aborted"}
+
+
+def state_of(http: Request) -> ServerState:
+    """The server's state, from a route's request (``build_app`` keeps it on the app)."""
+    return http.app.state.mili
 
 
 async def merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -1,8 +1,11 @@
 """Qwen3 thinking: split generated text into the ``<think>…</think>`` reasoning and the answer.
 
 ``split_reasoning`` is a pure function of the text so far, and both of its parts only ever grow as the
-text grows (the answer's leading newlines are dropped only at its start), so a stream can send the
-difference between consecutive splits and never retract anything.
+text grows, so a stream can send the difference between consecutive splits and never retract anything.
+
+One rule for every dialect, vLLM's (its qwen3 reasoning parser): the reasoning is the text between the
+tags and the content the text after ``</think>``, both as the model wrote them; no whitespace or newline
+is stripped (Qwen3 writes ``</think>\n\n``, so the content starts with those newlines, as on vLLM).
 """
 
 from __future__ import annotations
@@ -23,11 +26,11 @@ def split_reasoning(text: str, final: bool = True) -> tuple[str | None, str]:
         return None, text
     start = text.index(THINK_START) + len(THINK_START) if opened else 0
     if end == -1:
-        reasoning = text[start:].lstrip("\n")
+        reasoning = text[start:]
         if not final:  # hold back what may be the start of "</think>"
             reasoning = reasoning[:len(reasoning) - partial_suffix(reasoning, THINK_END)]
         return reasoning, ""
-    return text[start:end].lstrip("\n") if end >= start else "", text[end + len(THINK_END):].lstrip("\n")
+    return text[start:end] if end >= start else "", text[end + len(THINK_END):]
 
 
 def partial_suffix(text: str, tag: str) -> int:

@@ -6,7 +6,7 @@ import json
 import os
 from typing import Any
 
-from mili.errors import ChatTemplateError, InvalidRequest, ModelLoadError
+from mili.errors import ChatTemplateError, InvalidRequest, ModelLoadError, NotContinuable
 from mili.tokenizer.tool_parsers import messages_for_template
 
 # apply_chat_template's own parameters: a chat_template_kwargs key with one of these names would
@@ -92,12 +92,14 @@ def _normalize_messages(messages: Any) -> list[dict]:
 
 
 def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
-                        chat_template_kwargs: dict | None = None) -> str:
+                        chat_template_kwargs: dict | None = None, continue_final_message: bool = False) -> str:
     """The prompt text for a conversation, rendered with the tokenizer's chat template.
 
     ``chat_template_kwargs`` go to the template (Qwen3: ``enable_thinking``, ``tools``...).
-    Raises ``InvalidRequest`` (param ``messages``) when there is no template, the messages are
-    malformed, or the template itself rejects them.
+    ``continue_final_message`` (vLLM's, through transformers as vLLM does): the final message, an
+    assistant's, is left open for the model to continue ("prefill"): the template renders it whole and the
+    text is cut at the end of its content. Raises ``InvalidRequest`` (param ``messages``) when there is no
+    template, the messages are malformed, or the template itself rejects them.
     """
     if getattr(tokenizer, "chat_template", None) is None:
         raise InvalidRequest("this model's tokenizer has no chat template; send a plain prompt "
@@ -111,9 +113,12 @@ def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: 
         raise InvalidRequest(f"chat_template_kwargs may not set {', '.join(reserved)}",
                              param="chat_template_kwargs")
     conversation = messages_for_template(tokenizer, _normalize_messages(messages))
+    if continue_final_message:
+        _check_continuable(conversation, add_generation_prompt)
     try:
         text = tokenizer.apply_chat_template(conversation, tokenize=False,
                                              add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message,
                                              **chat_template_kwargs)
     except Exception as e:  # jinja TemplateError (incl. raise_exception), TypeError, KeyError...
         raise ChatTemplateError(f"the chat template could not render these messages: "
@@ -121,6 +126,19 @@ def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: 
     if not isinstance(text, str):  # tokenize=False always gives text; guard against odd tokenizers
         raise InvalidRequest("the chat template did not render to text", param="messages")
     return text
+
+
+def _check_continuable(messages: list[dict], add_generation_prompt: bool) -> None:
+    """vLLM's rules for ``continue_final_message``: not with ``add_generation_prompt`` (which defaults to true),
+    and the final message is the assistant's, with text to continue."""
+    if add_generation_prompt:
+        raise InvalidRequest("Cannot set both continue_final_message and add_generation_prompt to true "
+                             "(add_generation_prompt defaults to true: send false)", param="add_generation_prompt")
+    final = messages[-1]
+    if final.get("role") != "assistant":
+        raise NotContinuable("continue_final_message needs the last message to be the assistant's")
+    if not isinstance(final.get("content"), str):
+        raise NotContinuable("continue_final_message needs the final assistant message to have text content")
 
 
 def encode_prompt(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -138,7 +156,9 @@ def encode_prompt(tokenizer, text: str, add_special_tokens: bool = True) -> list
 
 
 def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
-                chat_template_kwargs: dict | None = None) -> tuple[str, list[int]]:
+                chat_template_kwargs: dict | None = None, continue_final_message: bool = False,
+                ) -> tuple[str, list[int]]:
     """The chat template's text for ``messages`` and its token ids (its specials are in the text)."""
-    text = apply_chat_template(tokenizer, messages, add_generation_prompt, chat_template_kwargs)
+    text = apply_chat_template(tokenizer, messages, add_generation_prompt, chat_template_kwargs,
+                               continue_final_message)
     return text, encode_prompt(tokenizer, text, add_special_tokens=False)

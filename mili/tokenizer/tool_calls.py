@@ -61,8 +61,15 @@ def extract_tool_calls(text: str) -> tuple[str | None, list[tuple[str, str]]]:
         pos = m.end()
         calls.append(call)
     kept.append(text[pos:])
-    content = "".join(kept).strip() if calls else text
-    return (content or None) if calls else content, calls
+    return (content_around_calls(kept[0], kept[1:]), calls) if calls else (text, calls)
+
+
+def content_around_calls(before: str, after: list[str]) -> str | None:
+    """A reply's content once its calls are out: the text before the first call, then the text after them,
+    its leading whitespace kept as the model wrote it (after ``</think>``: vLLM's rule, reasoning.py) unless
+    only whitespace precedes the first call, and the whitespace at its end dropped; None when it is empty."""
+    text = (before + "".join(after)).rstrip()
+    return (text if before.strip() else text.lstrip()) or None
 
 
 def call_json(index: int | None, call_id: str | None, name: str | None, arguments: str) -> dict:

@@ -25,7 +25,8 @@ from __future__ import annotations
 import json
 
 from mili.tokenizer.reasoning import partial_suffix
-from mili.tokenizer.tool_calls import TOOL_END, TOOL_START, call_json, new_call_id, split_parts
+from mili.tokenizer.tool_calls import (TOOL_END, TOOL_START, call_json, content_around_calls, new_call_id,
+                                      split_parts)
 from mili.tokenizer.tool_values import ParamType, param_type, typed_value
 
 FUNC_START, FUNC_END = "<function=", "</function>"
@@ -219,17 +220,17 @@ class XmlToolCallStream:
 def extract_xml_tool_calls(text: str, tools: list[dict] | None = None) -> tuple[str | None, list[tuple[str, str]]]:
     """(content without the tool-call blocks, or None when nothing else was said; [(name, arguments)])."""
     calls: list[list[str]] = []
-    content = []
+    before, after = [], []  # the content before the first call, and after it
     for part in XmlToolCallStream(tools).feed_parts(text, final=True):
         if isinstance(part, str):
-            content.append(part)
+            (after if calls else before).append(part)
         elif "id" in part:
             calls.append([part["function"]["name"], part["function"]["arguments"]])
         else:
             calls[-1][1] += part["function"]["arguments"]
     if not calls:
         return text, []
-    return "".join(content).strip() or None, [(name, arguments) for name, arguments in calls]
+    return content_around_calls("".join(before), after), [(name, arguments) for name, arguments in calls]
 
 
 def forced_xml_tool_call_tag(tools: list[dict], name: str | None, parallel: bool, max_whitespace: int) -> str:

@@ -19,6 +19,8 @@ BEYOND_SCHEMA = {
     ("max_tokens", "context_length_exceeded"): "prompt tokens + max_tokens must fit the context",
     ("prompt", "context_length_exceeded"): "the prompt's tokens must fit the context",
     ("messages", "chat_template_error"): "the chat template decides which conversations it renders",
+    ("messages", "final_message_not_continuable"):
+        "continue_final_message: the last message is the assistant's (JSON Schema cannot name an array's last item)",
     ("min_tokens", None): "at most max_tokens; not with a structured output",
     ("best_of", None): "equal to n",
     ("tool_choice", None): "a named function must be in tools; not with another constraint",
@@ -40,7 +42,9 @@ BEYOND_SCHEMA = {
 ANTHROPIC_BEYOND_SCHEMA = {
     "This model's maximum context length is": "prompt tokens + max_tokens must fit the context",
     "the chat template could not render these messages": "the chat template decides which conversations it renders",
-    "the last message must be a user turn": "no final assistant turn (JSON Schema cannot name an array's last item)",
+    # a final assistant turn (prefill) as Anthropic takes it: JSON Schema cannot name an array's last item
+    "final assistant content cannot end with trailing whitespace": "a prefill ends with no whitespace",
+    "a final assistant turn (prefill) cannot hold tool_use blocks": "a prefill is text (and thinking)",
     "thinking.budget_tokens must be less than max_tokens": "budget_tokens below max_tokens",
     "tool_choice names the function": "a named tool must be in tools",
     "invalid JSON schema": "output_config.format's schema must compile",

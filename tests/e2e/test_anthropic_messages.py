@@ -7,6 +7,7 @@ The server runs the scripted checkpoint of helpers.build_caller_checkpoint (it t
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import anthropic
 import httpx
@@ -90,12 +91,72 @@ def test_thinking_blocks(client):
     assert [b.type for b in whole.content] == ["thinking", "text"]
     thinking = whole.content[0]
     assert thinking.thinking == "Let me think" and isinstance(thinking.signature, str) and thinking.signature
-    assert whole.content[1].text == CALLER_TEXT and text == CALLER_TEXT
+    assert whole.content[1].text == text == "\n\n" + CALLER_TEXT  # what follows </think>, as written
     assert _blocks(streamed) == _blocks(whole)
     assert whole.usage.input_tokens == prompt_tokens(USER, enable_thinking=True)
     off = client.messages.create(**{**kwargs, "thinking": {"type": "disabled"}})
     assert [b.type for b in off.content] == ["text"] and off.usage.input_tokens == prompt_tokens(USER,
                                                                                           enable_thinking=False)
+
+
+def test_the_same_greedy_text_through_the_three_dialects(client, server):
+    """Chat completions, the Responses API and Messages give the same reply text, whole and streamed: what
+    follows </think>, "\\n\\n" included, as vLLM's qwen3 reasoning parser gives it (issue 30, defect c)."""
+    from openai import OpenAI
+
+    expected = "\n\n" + CALLER_TEXT  # the model writes "<think>Let me think</think>\n\n" first
+    oc = OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=60)
+    chat = dict(model="test", messages=USER, temperature=0, max_tokens=100)
+    whole = oc.chat.completions.create(**chat).choices[0].message
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in oc.chat.completions.create(stream=True, **chat)
+                       if ch.choices)
+    texts = {"chat": whole.content, "chat, streamed": streamed}
+    assert whole.model_extra["reasoning_content"] == "Let me think"
+    responses = dict(model="test", input=USER[0]["content"], reasoning={"effort": "low"}, temperature=0,
+                     max_output_tokens=100)
+    texts["responses"] = oc.responses.create(**responses).output_text
+    with oc.responses.stream(**responses) as stream:
+        texts["responses, streamed"] = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+    message, streamed_message, text = _both(client, model="test", max_tokens=100, messages=USER, extra_body=GREEDY,
+                                            thinking={"type": "enabled", "budget_tokens": 50})
+    texts["messages"] = "".join(b.text for b in message.content if b.type == "text")
+    texts["messages, streamed"] = text
+    assert [b.thinking for b in message.content if b.type == "thinking"] == ["Let me think"]
+    assert texts == dict.fromkeys(texts, expected)
+
+
+def _offline(model: Path, prompt_ids: list[int], max_tokens: int) -> str:
+    """The offline engine's greedy text for these prompt tokens."""
+    from mili import LLM, SamplingParams
+
+    (out,) = LLM(str(model), dtype="float32").generate(
+        {"prompt_token_ids": prompt_ids}, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
+    return out.outputs[0].text
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_prefill_continues_the_final_assistant_turn(client, caller_model, thinking):
+    """A final assistant turn is continued, as Anthropic's API does (issue 30, defect d): the prompt is the
+    template's rendering of it left open, and the reply holds only the continuation, the offline engine's
+    greedy text for the same prompt tokens."""
+    from transformers import AutoTokenizer
+
+    messages = [*USER, {"role": "assistant", "content": "It is"}]
+    kwargs = dict(model="test", max_tokens=8, messages=messages, extra_body=GREEDY)
+    if thinking:
+        kwargs["thinking"] = {"type": "enabled", "budget_tokens": 4}
+    whole, streamed, text = _both(client, **kwargs)
+    tok = AutoTokenizer.from_pretrained(caller_model[0])
+    prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=False,
+                                     continue_final_message=True, enable_thinking=thinking)
+    assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\nIt is")  # Qwen3's template
+    ids = tok(prompt, add_special_tokens=False).input_ids
+    expected = _offline(caller_model[0], ids, 8)
+    assert expected and not expected.startswith("It is")
+    assert [b.type for b in whole.content] == ["text"]  # past the thinking: the continuation is text
+    assert whole.content[0].text == text == expected and _blocks(streamed) == _blocks(whole)
+    assert whole.usage.input_tokens == len(ids)
+    assert client.messages.count_tokens(model="test", messages=messages).input_tokens == len(ids)
 
 
 def test_tool_round_trip(client):
@@ -156,7 +217,9 @@ def test_bad_requests_are_anthropic_400s(client, server):
         dict(messages=USER, extra_body={"thinking": {"type": "enabled"}}),
         dict(messages=USER, tools=TOOLS, tool_choice={"type": "tool", "name": "nope"}),
         dict(messages=USER, tool_choice={"type": "any"}),
-        dict(messages=[*USER, {"role": "assistant", "content": "It is"}]),
+        dict(messages=[*USER, {"role": "assistant", "content": "It is "}]),  # a prefill ending in whitespace
+        dict(messages=[*USER, {"role": "assistant", "content": [  # a prefill with a tool call
+            {"type": "text", "text": "It is"}, {"type": "tool_use", "id": "t", "name": "get_time", "input": {}}]}]),
         dict(messages=[{"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "x", "content": "y"}]},
                        *USER]),
         dict(messages=USER, tools=[{"name": "f", "input_schema": {"type": "nope"}}], tool_choice={"type": "any"}),

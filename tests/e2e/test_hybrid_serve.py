@@ -86,7 +86,7 @@ def test_chat_whole_and_streamed_with_thinking_split(client):
     kwargs = dict(model="test", messages=MSGS, temperature=0, max_tokens=40)
     c = client.chat.completions.create(**kwargs)
     choice = c.choices[0]
-    assert choice.finish_reason == "stop" and choice.message.content == ANSWER
+    assert choice.finish_reason == "stop" and choice.message.content == "\n\n" + ANSWER  # as written
     assert choice.message.model_extra["reasoning_content"] == REASONING  # "</think>" itself is in neither
     assert c.usage.completion_tokens > 0
     content, reasoning, finish = _stream(client, **kwargs)

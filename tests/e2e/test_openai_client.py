@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+
 import httpx
+import openai
 import pytest
 from openai import OpenAI
 
@@ -277,6 +280,51 @@ def test_chat_non_stream_and_stream(client, server):
     assert "".join(ch.choices[0].delta.content or "" for ch in streamed) == off.choices[0].message.content
 
 
+@functools.cache
+def _offline_text(model: str, prompt_ids: tuple[int, ...], max_tokens: int) -> str:
+    """The offline engine's greedy text for these prompt tokens (ignoring EOS)."""
+    from mili import LLM, SamplingParams
+
+    (out,) = LLM(model, dtype="float32").generate({"prompt_token_ids": list(prompt_ids)}, SamplingParams(
+        temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+    return out.outputs[0].text
+
+
+def test_continue_final_message(client, server, random_model):
+    """vLLM's continue_final_message (issue 30, defect d): the final assistant message is left open and the
+    reply continues it, the offline engine's greedy text for the same prompt tokens (HF's rendering of it)."""
+    from transformers import AutoTokenizer
+
+    messages = [*MSGS, {"role": "assistant", "content": "Hello, my friend"}]
+    extra = {"continue_final_message": True, "add_generation_prompt": False, "ignore_eos": True}
+    kw = dict(model="test", messages=messages, temperature=0, max_tokens=8, extra_body=extra)
+    tok = AutoTokenizer.from_pretrained(random_model)
+    prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=False,
+                                     continue_final_message=True)
+    assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\nHello, my friend")
+    ids = tok(prompt, add_special_tokens=False).input_ids
+    expected = _offline_text(str(random_model), tuple(ids), 8)
+    r = client.chat.completions.create(**kw)
+    assert r.usage.prompt_tokens == len(ids) == _count(server, messages=messages, add_generation_prompt=False,
+                                                       continue_final_message=True)
+    message = r.choices[0].message
+    assert message.content == expected and _extra(message, "reasoning_content") is None  # past the thinking
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in client.chat.completions.create(stream=True, **kw)
+                       if ch.choices)
+    assert streamed == expected
+    # add_generation_prompt false alone: the prompt ends after the final message's turn, as vLLM renders it
+    closed = client.chat.completions.create(**{**kw, "extra_body": {"add_generation_prompt": False}})
+    no_header = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+    assert closed.usage.prompt_tokens == len(tok(no_header, add_special_tokens=False).input_ids)
+    # vLLM's 400s: with add_generation_prompt (true by default), and with a final turn that is not the assistant's
+    for body in ({**kw, "extra_body": {"continue_final_message": True}},
+                 {**kw, "extra_body": {**extra, "add_generation_prompt": True}},
+                 {**kw, "messages": MSGS}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(**body)
+        assert e.value.body["param"] in ("add_generation_prompt", "messages"), e.value.body
+
+
 # -- logprobs -------------------------------------------------------------------------------------
 def test_completion_logprobs(client):
     r = client.completions.create(model="test", prompt="Logprobs please", max_tokens=8, temperature=0, logprobs=3,
@@ -434,7 +482,7 @@ def test_thinking_non_stream(scripted, scripted_server):
     r = scripted.chat.completions.create(model="test", messages=MSGS, temperature=0, max_tokens=32)
     (c,) = r.choices
     assert c.finish_reason == "stop"
-    assert c.message.content == "Hello!"
+    assert c.message.content == "\n\nHello!"  # what follows </think>, as written (vLLM's rule)
     assert _extra(c.message, "reasoning_content") == "Let me think"
     assert _extra(c.message, "reasoning") == "Let me think"
     # <think> Let me think </think> \n\n Hello ! and <|im_end|>
@@ -464,7 +512,7 @@ def test_thinking_stream(scripted):
     content = [ch.choices[0].delta.content for ch in body]
     assert "".join(r or "" for r in reasoning) == "Let me think"
     assert reasoning == reasoning_alias
-    assert "".join(c or "" for c in content) == "Hello!"
+    assert "".join(c or "" for c in content) == "\n\nHello!"
     assert not any("<think>" in (c or "") or "</think>" in (c or "") for c in content)
     assert not any("<think>" in (r or "") or "</think>" in (r or "") for r in reasoning)
     assert [ch.choices[0].finish_reason for ch in body if ch.choices[0].finish_reason] == ["stop"]
@@ -487,7 +535,7 @@ def test_thinking_completions_keep_raw_text(scripted, scripted_server):
 def test_thinking_null_kwarg_never_leaks_tags(scripted):
     r = scripted.chat.completions.create(model="test", messages=MSGS, temperature=0, max_tokens=32,
                                          extra_body={"chat_template_kwargs": {"enable_thinking": None}})
-    assert r.choices[0].message.content == "Hello!"
+    assert r.choices[0].message.content == "\n\nHello!"
 
 
 def test_completion_top_logprobs_always_hold_the_sampled_token(client):

@@ -101,7 +101,7 @@ def test_reasoning_items(client):
     reasoning = whole.output[0]
     assert reasoning.id.startswith("rs_") and reasoning.summary == []
     assert [(c.type, c.text) for c in reasoning.content] == [("reasoning_text", "Let me think")]
-    assert whole.output_text == CALLER_TEXT and _items(streamed) == _items(whole)
+    assert whole.output_text == "\n\n" + CALLER_TEXT and _items(streamed) == _items(whole)
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == "Let me think"
     # "<think>", "Let", " me", " think", "</think>"
     assert whole.usage.output_tokens_details.reasoning_tokens == 5
@@ -118,7 +118,7 @@ def test_function_tool_round_trip(client):
         {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "Let me think"}],
          "status": "completed"},
         {"type": "message", "role": "assistant", "status": "completed",
-         "content": [{"type": "output_text", "text": "I will check.", "annotations": [], "logprobs": []}]},
+         "content": [{"type": "output_text", "text": "\n\nI will check.", "annotations": [], "logprobs": []}]},
         {"type": "function_call", "name": "get_time", "arguments": '{"zone":"CET"}', "status": "completed"}]
     call = whole.output[2]
     assert call.call_id.startswith("call_") and call.id.startswith("fc_")

@@ -64,7 +64,7 @@ def test_the_parser_is_picked_from_the_template(server):
 def test_openai_chat_whole_and_streamed(client):
     kwargs = dict(model="test", messages=MSGS, tools=TOOLS, temperature=0, max_tokens=80)
     c = client.chat.completions.create(**kwargs).choices[0]
-    assert c.finish_reason == "tool_calls" and c.message.content == "I will check."
+    assert c.finish_reason == "tool_calls" and c.message.content == "\n\nI will check."
     assert c.message.model_extra["reasoning_content"] == "Let me think."
     (call,) = c.message.tool_calls
     assert (call.function.name, call.function.arguments) == CALL and call.id.startswith("call_")
@@ -94,7 +94,7 @@ def test_anthropic_messages_whole_and_streamed(server):
                   tools=[{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in TOOLS])
     m = ac.messages.create(**kwargs)
     assert [b.type for b in m.content] == ["thinking", "text", "tool_use"] and m.stop_reason == "tool_use"
-    assert m.content[0].thinking == "Let me think." and m.content[1].text == "I will check."
+    assert m.content[0].thinking == "Let me think." and m.content[1].text == "\n\nI will check."
     assert (m.content[2].name, m.content[2].input) == ("get_time", {"days": 2})
     with ac.messages.stream(**kwargs) as stream:
         final = stream.get_final_message()

@@ -70,6 +70,32 @@ def test_tp2_matches_tp1(hybrids, kind):
     assert not runner.workers
 
 
+def test_an_odd_vocabulary_splits(hybrids, tmp_path):
+    """A vocabulary that does not divide by two (issue 30, defect b): padded, TP=2 gives the TP=1 tokens."""
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "odd_vocab"
+    shutil.copytree(hybrids("qwen3_5_hub"), path)
+    for file in path.glob("*.safetensors"):  # the table and the head cut to 509 rows, as a resize would
+        tensors = load_file(file)
+        save_file({name: t[:509].clone() if name.endswith(("embed_tokens.weight", "lm_head.weight")) else t
+                   for name, t in tensors.items()}, file, metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["text_config"]["vocab_size"] = 509
+    (path / "config.json").write_text(json.dumps(config))
+    prompts = [{"prompt_token_ids": [t % 509 for t in p["prompt_token_ids"]]} for p in _prompts()]
+    one = LLM(str(path), dtype="float32", max_num_batched_tokens=32, page_size=16)
+    assert one.engine.model_config.vocab_size == 509
+    expected = _tokens(one.generate(prompts, PARAMS, use_tqdm=False))
+    del one
+    two = LLM(str(path), dtype="float32", max_num_batched_tokens=32, page_size=16, tensor_parallel_size=2)
+    try:
+        assert two.engine.runner.model.lm_head.weight.shape[0] == 255  # half of 509, rounded up
+        assert _tokens(two.generate(prompts, PARAMS, use_tqdm=False)) == expected
+    finally:
+        two.engine.runner.close()
+
+
 def test_linear_heads_that_do_not_split_are_refused_before_anything_starts(hybrids, tmp_path):
     path = tmp_path / "one_key_head"
     shutil.copytree(hybrids("qwen3_5_hub"), path)

@@ -93,5 +93,29 @@ def test_every_import_points_down():
     assert upward == []
 
 
+# inside the server, bottom to top: the shared pieces (state.py: the server's state and the stream helpers;
+# errors, fields, protocol, metrics, openapi), the chat path the dialects share, the routers, and the app
+ROUTERS = {f"mili.server.{name}" for name in ("openai", "anthropic", "responses", "native", "utility")}
+
+
+def _server_level(module: str) -> int:
+    return 3 if module == "mili.server.app" else 2 if module in ROUTERS else 1 if module == "mili.server.chat" else 0
+
+
+def test_the_server_app_only_assembles():
+    """server/ without its circle (issue 30, item 3): the routers import down (the shared state and helpers,
+    the chat path), never the app nor each other; the app imports them all and nothing imports it but
+    ``mili serve``."""
+    graph = import_graph()
+    assert ROUTERS <= set(graph)
+    server = {m: {t for t in targets if t.startswith("mili.server")} for m, targets in graph.items()
+              if m.startswith("mili.server.")}
+    wrong = [(m, t) for m, targets in server.items() for t in targets
+             if _server_level(t) > _server_level(m) or (_server_level(t) == _server_level(m) > 0)]
+    assert wrong == []
+    assert ROUTERS <= graph["mili.server.app"]
+    assert sorted(m for m, targets in graph.items() if "mili.server.app" in targets) == ["mili.cli"]
+
+
 def test_the_check_sees_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

@@ -82,7 +82,7 @@ def test_thinking_opens_in_the_prompt(version):
         pieces.feed(ch, final=i == len(reply) - 1)
     for blocks in (whole, pieces):
         assert [(b.kind, b.text, b.name) for b in blocks.blocks] == [
-            ("reasoning", "Tomorrow too.\n", None), ("text", "Let me see.", None),
+            ("reasoning", "Tomorrow too.\n", None), ("text", "\n\nLet me see.", None),
             ("tool_call", '{"city": "Paris", "days": 1}', "get_weather")]
     content, calls = on.tool_calls("Let me see.\n<tool_call>\n<function=ping>\n</function>\n</tool_call>")
     assert (content, calls) == ("Let me see.", [("ping", "{}")])

@@ -13,12 +13,13 @@ from mili.server.app import build_app
 from mili.tokenizer.reasoning import ReasoningStream, split_reasoning
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("<think>\nstep one\n</think>\n\nThe answer.", ("step one\n", "The answer.")),
+@pytest.mark.parametrize("text,expected", [  # vLLM's rule: both parts as written, nothing stripped
+    ("<think>\nstep one\n</think>\n\nThe answer.", ("\nstep one\n", "\n\nThe answer.")),
     ("<think>still going", ("still going", "")),
     ("no tags at all", (None, "no tags at all")),
-    ("prompt-opened reasoning</think>\n\nanswer", ("prompt-opened reasoning", "answer")),
+    ("prompt-opened reasoning</think>\n\nanswer", ("prompt-opened reasoning", "\n\nanswer")),
     ("<think></think>answer", ("", "answer")),
+    ("<think>x</think> answer", ("x", " answer")),
 ])
 def test_split_reasoning(text, expected):
     assert split_reasoning(text) == expected
@@ -34,11 +35,11 @@ def test_reasoning_stream_never_retracts():
             r, c = stream.feed(piece, final=k == len(pieces) - 1)
             assert "<think>" not in c and "</think>" not in c and "<think>" not in r
             r_all, c_all = r_all + r, c_all + c
-        assert (r_all, c_all) == split_reasoning(text) == ("Let me think.\n", "Hello!")
+        assert (r_all, c_all) == split_reasoning(text) == ("\nLet me think.\n", "\n\nHello!")
     opened = ReasoningStream(True, prompt_opened=True)  # the template wrote "<think>" into the prompt
     pieces = ["Let", " me", " think", "</think>", "\n\n", "Hello", "!"]
     deltas = [opened.feed(p, final=k == len(pieces) - 1) for k, p in enumerate(pieces)]
-    assert "".join(r for r, _ in deltas) == "Let me think" and "".join(c for _, c in deltas) == "Hello!"
+    assert "".join(r for r, _ in deltas) == "Let me think" and "".join(c for _, c in deltas) == "\n\nHello!"
     off = ReasoningStream(False)
     assert off.feed("<think>x</think>y", final=True) == ("", "<think>x</think>y")
 
@@ -112,10 +113,13 @@ def _replay(events) -> list[tuple]:
 
 
 @pytest.mark.parametrize("text, thinking, tools, expected", [
-    (REPLY, True, True, [("reasoning", None, "Let me think.\n"), ("text", None, "I will check."),
+    (REPLY, True, True, [("reasoning", None, "\nLet me think.\n"), ("text", None, "\n\nI will check."),
                          ("tool_call", "f", '{"a": 1}'), ("tool_call", "g", "{}"), ("text", None, "Done.\n")]),
     (REPLY[:REPLY.index("check")], True, True,  # cut short: the whitespace at its end is the text's
-     [("reasoning", None, "Let me think.\n"), ("text", None, "I will ")]),
+     [("reasoning", None, "\nLet me think.\n"), ("text", None, "\n\nI will ")]),
+    ("<think>x</think> Hi", True, False, [("reasoning", None, "x"), ("text", None, " Hi")]),  # (issue 30, c)
+    ("<think>x</think>\n\n", True, True, [("reasoning", None, "x"), ("text", None, "\n\n")]),
+    ("\n<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>", False, True, [("tool_call", "f", "{}")]),
     ("Hello <b>world</b>\n\n", False, True, [("text", None, "Hello <b>world</b>\n\n")]),
     ("<think>x</think>y", False, False, [("text", None, "<think>x</think>y")]),
 ])
@@ -130,6 +134,28 @@ def test_reply_blocks_are_the_same_streamed_or_whole(text, thinking, tools, expe
         events = [e for k, piece in enumerate(pieces) for e in stream.feed(piece, final=k == len(pieces) - 1)]
         assert _replay(events) == expected
         assert [b.call_id is not None for b in stream.blocks] == [b.kind == "tool_call" for b in stream.blocks]
+
+
+@pytest.mark.parametrize("text", [REPLY, "<think>x</think> Hi", "<think>x</think>\n\nHi\n", "Hi", " Hi",
+                                  "<think>x</think>\n\n", '<think>x</think>\n\n<tool_call>\n{"name": "f", '
+                                  '"arguments": {}}\n</tool_call>\n  Bye.'])
+def test_the_dialects_split_a_reply_alike(text):
+    """Chat completions' content (whole and streamed) is the text of the Anthropic/Responses blocks: what
+    follows </think> as written, vLLM's rule (issue 30, defect c)."""
+    from mili.server.chat import ChatPrompt, ReplyBlocks
+
+    prompt = ChatPrompt("", [], True, False, True)
+    reasoning, content = split_reasoning(text)
+    content, calls = prompt.tool_calls(content)
+    blocks = ReplyBlocks(prompt)
+    blocks.feed(text, final=True)
+    texts = [b.text for b in blocks.blocks if b.kind == "text"]
+    assert (content or "") == "".join(texts) if len(texts) < 2 else content.startswith(texts[0])
+    assert [b.text for b in blocks.blocks if b.kind == "reasoning"] == ([reasoning] if reasoning else [])
+    assert [b.name for b in blocks.blocks if b.kind == "tool_call"] == [name for name, _ in calls]
+    stream = ReasoningStream(True)
+    streamed = "".join(stream.feed(text[i:i + 3], final=i + 3 >= len(text))[1] for i in range(0, len(text), 3))
+    assert streamed == split_reasoning(text)[1]
 
 
 def test_anthropic_error_types():

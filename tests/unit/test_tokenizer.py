@@ -249,6 +249,21 @@ def test_chat_template_thinking(tok):
     assert apply_chat_template(tok, parts) == apply_chat_template(tok, [{"role": "user", "content": "Hi"}])
 
 
+def test_continue_final_message(tok):
+    """vLLM's continue_final_message: the template renders the final assistant message, cut at its end."""
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Well, "}]
+    for kwargs in ({}, {"enable_thinking": False}):
+        text = apply_chat_template(tok, messages, False, kwargs, continue_final_message=True)
+        assert text == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nWell, "
+    rules = [(dict(add_generation_prompt=True), "add_generation_prompt"),  # both: vLLM's 400
+             (dict(messages=messages[:1]), "messages")]  # the final message must be the assistant's
+    for change, param in rules:
+        args = {"messages": messages, "add_generation_prompt": False, **change}
+        with pytest.raises(InvalidRequest) as e:
+            apply_chat_template(tok, args["messages"], args["add_generation_prompt"], continue_final_message=True)
+        assert e.value.param == param
+
+
 @pytest.mark.parametrize("messages", [
     "hello", [], [1, 2], [{"content": "no role"}], [{"role": 3, "content": "x"}],
     [{"role": "user", "content": 5}], [{"role": "user", "content": [{"type": "image_url"}]}],
