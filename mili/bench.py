@@ -261,6 +261,25 @@ def throughput(args) -> None:
               f"{decode_tokens / decode_seconds:.1f} tok/s of decode in aggregate (llama-batched-bench's S_TG)")
 
 
+def process_cpu_seconds(pid: int | None) -> float | None:
+    """CPU seconds of process ``pid``'s live threads (the nanosecond run times in /proc/PID/task/*/schedstat),
+    or None where there is no such process here (a server on another machine) or no /proc."""
+    try:
+        tasks = os.listdir(f"/proc/{int(pid)}/task")
+    except (OSError, TypeError, ValueError):
+        return None
+    total = 0
+    for task in tasks:
+        try:
+            with open(f"/proc/{int(pid)}/task/{task}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except FileNotFoundError:  # (a thread that ended meanwhile)
+            continue
+        except OSError:
+            return None
+    return total / 1e9
+
+
 def serve_dataset(num_prompts: int, input_len: int, output_len: int, vocab: int, seed: int):
     """A random dataset with fixed lengths (vllm bench serve's 'random'): token-id prompts, so every
     prompt is exactly ``input_len`` tokens whatever the tokenizer; ids below Qwen3's special tokens."""
@@ -349,6 +368,11 @@ def print_serve_result(result: dict) -> None:
     print(f"client: {result['client_cpu_s']:.2f} s of CPU over {result['duration_s']:.2f} s "
           f"({100 * result['client_cpu_share']:.0f}% of one core: the load generator is "
           f"{'NOT ' if result['client_cpu_share'] < 0.5 else 'possibly '}the bottleneck)")
+    if "cpu_us_per_token" in result:
+        cpu = result["cpu_us_per_token"]
+        print("CPU per streamed output token: " + ", ".join(
+            f"{label} {cpu[name]:.0f} µs" if cpu[name] is not None else f"{label} (not on this machine)"
+            for name, label in (("api", "API process"), ("core", "engine core"), ("client", "load generator"))))
     for e in result["errors"]:
         print(f"error: {e}")
 
@@ -363,8 +387,15 @@ def serve(args) -> None:
     print(f"mili bench serve: {args.url} model {model}; {args.num_prompts} prompts, random dataset "
           f"{args.random_input_len} in / {args.random_output_len} out, request rate {args.request_rate} req/s "
           f"(Poisson), max concurrency {args.max_concurrency or 'none'}, streamed")
+    pids = {"api": health.get("api_server_pid"), "core": health.get("engine_core_pid")}
+    before = {name: process_cpu_seconds(pid) for name, pid in pids.items()}
     result = asyncio.run(run_serve_load(args.url, model, prompts, out_lens, args.request_rate,
                                         args.max_concurrency, args.seed))
+    after = {name: process_cpu_seconds(pid) for name, pid in pids.items()}
+    tokens = max(result["output_tokens"], 1)
+    result["cpu_us_per_token"] = {  # (None where the server runs on another machine: no /proc entry here)
+        **{name: 1e6 * (after[name] - before[name]) / tokens if None not in (before[name], after[name]) else None
+           for name in pids}, "client": 1e6 * result["client_cpu_s"] / tokens}
     print_serve_result(result)
     if args.save_result:
         with open(args.save_result, "w") as f:

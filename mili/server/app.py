@@ -8,7 +8,8 @@ import contextlib
 import hmac
 import logging
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
+from starlette.datastructures import Headers
 
 import mili
 from mili.engine.client import AsyncLLM
@@ -19,6 +20,29 @@ from mili.server.state import ServerState
 
 log = logging.getLogger("mili")
 OPEN_PATHS = {"/health", "/metrics", "/ui"}  # no API key needed (the chat page asks for one itself)
+
+
+class ApiKeyMiddleware:
+    """The API key check as pure ASGI middleware: a request that passes goes to the app with its scope,
+    receive and send untouched, so a stream's chunks are not relayed through a memory stream as
+    Starlette's ``BaseHTTPMiddleware`` (``@app.middleware("http")``) relays them; one that fails gets the
+    dialect's 401 body. Only installed when the server has a key."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.key = app, api_key.encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        headers = Headers(scope=scope)
+        auth = headers.get("authorization", "")
+        token = auth[7:] if auth.lower().startswith("bearer ") else headers.get("x-api-key", "")
+        if hmac.compare_digest(token.encode(), self.key):
+            return await self.app(scope, receive, send)
+        response = error_response(scope["path"], APIError(
+            401, "Incorrect or missing API key. Send it as 'Authorization: Bearer KEY' or 'x-api-key: KEY'.",
+            code="invalid_api_key"))
+        await response(scope, receive, send)
 
 
 def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
@@ -44,17 +68,8 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
 
     app.openapi = openapi
 
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next):
-        if state.api_key and request.url.path not in OPEN_PATHS:
-            auth = request.headers.get("authorization", "")
-            token = auth[7:] if auth.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
-            if not hmac.compare_digest(token.encode(), state.api_key.encode()):
-                return error_response(request.url.path, APIError(
-                    401, "Incorrect or missing API key. Send it as 'Authorization: Bearer KEY' or 'x-api-key: KEY'.",
-                    code="invalid_api_key"))
-        return await call_next(request)
-
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     for module in (utility, openai, anthropic, responses, native):
         app.include_router(module.router)
     return app

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -38,7 +40,7 @@ async def health(http: Request):
             "max_seq_length": engine.max_model_len, "device": engine.info.device, "dtype": engine.info.dtype,
             "quantization": engine.info.quantization, "kv_cache_dtype": engine.info.kv_cache_dtype,
             "prefix_caching": engine.info.prefix_caching, "tool_call_parser": st.tool_call_parser,
-            "engine_core_pid": engine.core_pid,
+            "engine_core_pid": engine.core_pid, "api_server_pid": os.getpid(),
             **({"recurrent_state_slots": engine.info.state_slots, "recurrent_state_snapshots":
                 engine.info.state_snapshots, "recurrent_state_bytes": engine.info.state_bytes}
                if engine.info.state_slots else {}),

@@ -45,6 +45,9 @@ def test_bench_serve(server, capsys, tmp_path):
     result = json.loads((tmp_path / "r.json").read_text())
     assert result["completed"] == 6 and result["failed"] == 0 and result["output_tokens"] == 30
     assert result["ttft"]["median_ms"] > 0 and result["e2e"]["p99_ms"] >= result["e2e"]["median_ms"]
+    cpu = result["cpu_us_per_token"]  # each process's CPU (from /proc) over the streamed tokens
+    assert all(cpu[name] > 0 for name in ("api", "core", "client")), cpu
+    assert "CPU per streamed output token: API process " in out and " µs, engine core " in out
 
 
 def test_bench_serve_poisson_rate(server, capsys):

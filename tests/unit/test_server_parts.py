@@ -223,3 +223,26 @@ def test_responses_stream_fails(dying_client):
     assert [e["sequence_number"] for _, e in events] == list(range(len(events)))
     r = dying_client.post("/v1/responses", json={**body, "stream": False})
     assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+
+
+def test_no_base_http_middleware_on_any_path(tiny_checkpoint):
+    """Streams cross no ``BaseHTTPMiddleware`` (which relays each chunk through a memory stream): the API key
+    check is pure ASGI, installed only with a key, and answers 401 in the dialect's shape."""
+    from starlette.middleware.base import BaseHTTPMiddleware
+
+    from mili.server.app import ApiKeyMiddleware
+
+    engine = AsyncLLM(EngineConfig(model=str(tiny_checkpoint), dtype="float32"), core_in_thread=True)
+    try:
+        plain, keyed = build_app(engine, "tiny"), build_app(engine, "tiny", api_key="k")
+        for app in (plain, keyed):
+            assert not any(m.cls is BaseHTTPMiddleware for m in app.user_middleware)
+        assert [m.cls for m in keyed.user_middleware] == [ApiKeyMiddleware] and not plain.user_middleware
+        with TestClient(keyed) as c:
+            assert c.get("/v1/models").json()["error"]["code"] == "invalid_api_key"
+            assert c.post("/v1/messages", json={}).json()["error"]["type"] == "authentication_error"
+            assert c.get("/v1/models", headers={"Authorization": "Bearer k"}).status_code == 200
+            assert c.get("/v1/models", headers={"x-api-key": "k"}).status_code == 200
+            assert c.get("/health").status_code == 200
+    finally:
+        engine.shutdown()
