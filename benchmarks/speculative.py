@@ -234,8 +234,9 @@ def demo(args) -> None:
 
     path = str(HYBRID_CHECKPOINT_DIR)
     tok = AutoTokenizer.from_pretrained(path)
-    prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                       enable_thinking=False) for p in DEMO_PROMPTS]
+    texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True,
+                                     enable_thinking=False) for p in DEMO_PROMPTS]
+    prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     params = SamplingParams(temperature=0, max_tokens=200)
     rows, off, texts = [], None, None
     for label, spec in [("off", None), ("ngram k=3", {"method": "ngram", "num_speculative_tokens": 3})] + [
@@ -263,7 +264,7 @@ def demo(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--repeat", type=int, default=2)
