@@ -237,11 +237,9 @@ def swap_linears(model: nn.Module, kind: str, kernels: bool = False, quantized: 
                     setattr(module, child_name, layer)
     if model.lm_head is not None or kind in ("fp8", "plain") or skip_head:
         return
-    embed = model.model.embed_tokens
     if kind == "int8":  # int8 halves the bytes the head reads: it gets its own (smaller) copy
-        model.lm_head = make(embed.weight)
-    elif kind == "kernel" and cpu_ops.linear_supported(embed.weight):  # the table, stored once, packed
-        model.lm_head = KernelLinear(embed.weight)
-        model.model.embed_tokens = PackedEmbedding(model.lm_head)
+        swap_lm_head(model, "int8", kernels)
+    elif kind == "kernel":  # the table, stored once, packed (where the kernel takes it)
+        swap_lm_head(model, "bf16", kernels=True)
     # Otherwise a tied head stays on the plain table: a packed copy would cost another vocab x hidden
     # matrix of memory (311 MB for Qwen3-0.6B) for ~4 ms per decode step.

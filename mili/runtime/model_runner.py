@@ -412,7 +412,6 @@ class ModelRunner:
     def prepare(self, scheduled) -> tuple[ForwardBatch, list[tuple]]:
         """Batch tensors for a list of ``ScheduledSeq`` (decodes first), built once per step; and the
         prompt positions each sequence scores in it (prompt logprobs): [(sequence, positions)]."""
-        page_size = self.config.page_size
         input_ids, positions, query_lens, context_lens, logits_indices = [], [], [], [], []
         prompt_rows, scoring = [], []
         num_decodes = 0
@@ -430,44 +429,40 @@ class ModelRunner:
             if unscored:
                 prompt_rows += range(first_row + unscored.start - start, first_row + unscored.stop - start)
                 scoring.append((seq, unscored))
-        max_pages = max(len(s.seq.page_table) for s in scheduled)
-        table = [s.seq.page_table + [0] * (max_pages - len(s.seq.page_table)) for s in scheduled]
         dev = self.device
+        batch = self._forward_batch(
+            [s.seq.page_table for s in scheduled], positions, query_lens, context_lens,
+            torch.tensor(input_ids, dtype=torch.long, device=dev), num_decodes=num_decodes,
+            logits_indices=torch.tensor(logits_indices + prompt_rows, dtype=torch.long, device=dev),
+            num_prompt_rows=len(prompt_rows),
+            state_slots=[s.seq.state_slot for s in scheduled] if self.hybrid else None)
+        return batch, scoring
+
+    def _forward_batch(self, page_tables: list[list[int]], positions: list[int], query_lens: list[int],
+                       context_lens: list[int], input_ids: torch.Tensor, **fields) -> ForwardBatch:
+        """A ForwardBatch over sequences' ``page_tables`` (padded to one width), each token's KV slot from its
+        position, and the lengths the Triton kernels read from device tensors; ``fields``: the rest."""
+        page_size, dev = self.config.page_size, self.device
+        max_pages = max(len(t) for t in page_tables)
+        page_table = torch.tensor([t + [0] * (max_pages - len(t)) for t in page_tables], dtype=torch.long)
         pos = torch.tensor(positions, dtype=torch.long)
-        page_table = torch.tensor(table, dtype=torch.long)
-        seq_of_token = torch.repeat_interleave(torch.arange(len(scheduled)), torch.tensor(query_lens))
+        seq_of_token = torch.repeat_interleave(torch.arange(len(page_tables)), torch.tensor(query_lens))
         slots = page_table[seq_of_token, pos // page_size] * page_size + pos % page_size
         kernel_lens = {}
-        if self.attention_backend == "triton":  # the kernels read lengths from device tensors
+        if self.attention_backend == "triton":
             starts = [0, *itertools.accumulate(query_lens[:-1])]
             kernel_lens = {name: torch.tensor(values, dtype=torch.int32, device=dev) for name, values in
                            (("context_lens_t", context_lens), ("query_lens_t", query_lens), ("query_start_t", starts))}
-        batch = ForwardBatch(
-            input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
-            positions=pos.to(dev), slot_mapping=slots.to(dev), page_table=page_table.to(dev),
-            query_lens=query_lens, context_lens=context_lens, num_decodes=num_decodes,
-            logits_indices=torch.tensor(logits_indices + prompt_rows, dtype=torch.long, device=dev),
-            num_prompt_rows=len(prompt_rows), **kernel_lens,
-            state_slots=[s.seq.state_slot for s in scheduled] if self.hybrid else None)
-        return batch, scoring
+        return ForwardBatch(input_ids=input_ids, positions=pos.to(dev), slot_mapping=slots.to(dev),
+                            page_table=page_table.to(dev), query_lens=query_lens, context_lens=context_lens,
+                            **kernel_lens, **fields)
 
     def _one_token_batch(self, page_tables: list[list[int]], positions: list[int],
                          input_ids: torch.Tensor) -> ForwardBatch:
         """A batch of one new token per sequence, at ``positions`` over ``page_tables`` (the MTP drafts')."""
-        page_size, dev = self.config.page_size, self.device
-        max_pages = max(len(t) for t in page_tables)
-        table = torch.tensor([t + [0] * (max_pages - len(t)) for t in page_tables], dtype=torch.long)
-        pos = torch.tensor(positions, dtype=torch.long)
-        slots = table[torch.arange(len(positions)), pos // page_size] * page_size + pos % page_size
-        n, context_lens = len(positions), [p + 1 for p in positions]
-        kernel_lens = {}
-        if self.attention_backend == "triton":
-            kernel_lens = {name: torch.tensor(values, dtype=torch.int32, device=dev) for name, values in
-                           (("context_lens_t", context_lens), ("query_lens_t", [1] * n),
-                            ("query_start_t", list(range(n))))}
-        return ForwardBatch(input_ids=input_ids, positions=pos.to(dev), slot_mapping=slots.to(dev),
-                            page_table=table.to(dev), query_lens=[1] * n, context_lens=context_lens, num_decodes=n,
-                            logits_indices=torch.arange(n, device=dev), **kernel_lens)
+        n = len(positions)
+        return self._forward_batch(page_tables, positions, [1] * n, [p + 1 for p in positions], input_ids,
+                                   num_decodes=n, logits_indices=torch.arange(n, device=self.device))
 
     @torch.inference_mode()
     def forward_logits(self, scheduled) -> tuple[torch.Tensor, list[tuple]]:
