@@ -45,7 +45,7 @@ class AsyncLLM:
         self.config = config
         self.inputs = InputProcessor(config)  # fails fast on a bad checkpoint, before the core starts
         self.outputs = OutputProcessor(self.inputs.tokenizer)
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._streams: dict[str, _Collector] = {}  # each request's outputs waiting for its consumer
         self._unscheduled: set[str] = set()  # added, no output yet: the queue the server limits
         self.error: EngineDeadError | None = None
         self.on_step: Callable[[StepMessage, list[RequestOutput]], None] | None = None  # metrics
@@ -129,18 +129,19 @@ class AsyncLLM:
         if failed:  # their output could not be processed here: the core stops computing them
             self._to_core.send(encode(Abort([request_id for request_id, _ in failed])))
             msg.failures = [*msg.failures, *failed]
+        streams, unscheduled = self._streams, self._unscheduled
         for out in outputs:
-            self._unscheduled.discard(out.request_id)
-            q = self._queues.get(out.request_id)
-            if q is not None:
-                q.put_nowait(out)
+            unscheduled.discard(out.request_id)
+            c = streams.get(out.request_id)
+            if c is not None:
+                c.put(out)
         for errors, kind in ((msg.errors, InvalidRequest), (msg.failures, RequestFailed)):
             for request_id, message in errors:  # refused when added (400), or failed while running (500)
                 self.outputs.remove(request_id)
-                self._unscheduled.discard(request_id)
-                q = self._queues.get(request_id)
-                if q is not None:
-                    q.put_nowait(kind(message))
+                unscheduled.discard(request_id)
+                c = streams.get(request_id)
+                if c is not None:
+                    c.put(kind(message))
         if self.on_step is not None:
             self.on_step(msg, outputs)
 
@@ -149,8 +150,8 @@ class AsyncLLM:
             return
         log.error("the engine core stopped: %s", reason)
         self.error = EngineDeadError(f"the engine stopped: {reason}")
-        for q in self._queues.values():
-            q.put_nowait(self.error)
+        for c in self._streams.values():
+            c.put(self.error)
         self.outputs.requests.clear()
         self._unscheduled.clear()
         if self.on_dead is not None:
@@ -168,23 +169,24 @@ class AsyncLLM:
         """Validate and send one request (raises InvalidRequest etc.); read it with ``stream``."""
         if self.error is not None:
             raise self.error
-        if request_id in self.outputs.requests or request_id in self._queues:
+        if request_id in self.outputs.requests or request_id in self._streams:
             raise InvalidRequest(f"request id {request_id!r} is already in use", param="request_id")
         add = self.inputs.make_request(prompt, params, request_id)
         self.outputs.add(add, prompt if isinstance(prompt, str) else None)
-        self._queues[request_id] = asyncio.Queue()
+        self._streams[request_id] = _Collector()
         self._unscheduled.add(request_id)
         self._to_core.send(encode(add))
 
     async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
         """Outputs of a request added with add_request; aborts it if the consumer stops early."""
-        q = self._queues[request_id]
+        collector = self._streams[request_id]
         finished = False
         try:
             while True:
-                item = await q.get()
-                while not q.empty() and not isinstance(item, BaseException):  # behind: one merged output
-                    item = _merge(item, q.get_nowait())
+                item = collector.item
+                if item is None:
+                    item = await collector.wait()
+                collector.item = None
                 if isinstance(item, BaseException):
                     finished = True  # nothing left to abort
                     raise item
@@ -193,7 +195,7 @@ class AsyncLLM:
                 if finished:
                     return
         finally:
-            self._queues.pop(request_id, None)
+            self._streams.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
 
@@ -204,7 +206,7 @@ class AsyncLLM:
             yield out
 
     def abort(self, request_id: str) -> None:
-        self._queues.pop(request_id, None)
+        self._streams.pop(request_id, None)
         self._unscheduled.discard(request_id)
         if request_id in self.outputs.requests:
             self.outputs.remove(request_id)
@@ -241,12 +243,42 @@ class AsyncLLM:
         return getattr(self._worker, "exitcode", None)
 
 
-def _merge(earlier: RequestOutput, later: RequestOutput | BaseException) -> RequestOutput | BaseException:
+class _Collector:
+    """One request's outputs on their way to its consumer (vLLM's RequestOutputCollector): at most one unread
+    item, a later output merged into it (``_merge``) and an error taking its place, and a future that wakes
+    the consumer when it waits. Putting costs no event-loop call unless the consumer waits; a consumer that
+    falls behind reads one merged output for several steps."""
+
+    __slots__ = ("item", "waiter")
+
+    def __init__(self):
+        self.item: RequestOutput | BaseException | None = None
+        self.waiter: asyncio.Future | None = None
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        earlier = self.item
+        if earlier is None or isinstance(item, BaseException):
+            self.item = item  # an error takes the place of what is unread
+        elif not isinstance(earlier, BaseException):  # (an unread error stays: nothing follows it)
+            self.item = _merge(earlier, item)
+        waiter = self.waiter
+        if waiter is not None:
+            self.waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def wait(self) -> RequestOutput | BaseException:
+        """The next item, once there is one."""
+        while self.item is None:
+            self.waiter = asyncio.get_running_loop().create_future()
+            await self.waiter
+        return self.item
+
+
+def _merge(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
     """Two queued outputs of one request as one: the later (its token and logprob lists are the live ones,
     so they hold both steps), with the text deltas of both. A consumer that falls behind under load
     then sends one event for several steps instead of one per step (vLLM's output collector does this)."""
-    if isinstance(later, BaseException):
-        return later
     deltas = {o.index: o.delta for o in earlier.outputs}
     for o in later.outputs:
         o.delta = deltas.get(o.index, "") + o.delta

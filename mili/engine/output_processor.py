@@ -58,13 +58,19 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return len(self.seqs) == self.params.n and all(s.finish_reason is not None for s in self.seqs.values())
+        if len(self.seqs) != self.params.n:
+            return False
+        for s in self.seqs.values():  # (a loop, not all(genexpr): this runs per request per step)
+            if s.finish_reason is None:
+                return False
+        return True
 
     def output(self) -> RequestOutput:
+        seqs = self.seqs.values() if len(self.seqs) == 1 else sorted(self.seqs.values(), key=lambda s: s.index)
         outputs = [CompletionOutput(s.index, None, s.token_ids, s.finish_reason, s.stop_reason, s.logprobs,
                                     s.cumulative_logprob if s.logprobs is not None else None,
                                     s.stream.take_delta(), stream=s.stream)
-                   for s in sorted(self.seqs.values(), key=lambda s: s.index)]
+                   for s in seqs]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, self.finished,
                              self.num_cached_tokens, self.times, self.prompt_logprobs)
 
@@ -89,8 +95,8 @@ class OutputProcessor:
         now = time.monotonic()
         for d in deltas:
             req = self.requests.get(d.request_id)
-            if req is None or any(d.request_id == f for f, _ in failed):  # aborted, or finished here while the
-                continue                                                   # core was a step behind; or failed
+            if req is None or failed and any(d.request_id == f for f, _ in failed):  # aborted, or finished here
+                continue                                  # while the core was a step behind; or failed
             try:
                 self._apply(req, d, stopped, touched)
             except Exception as e:  # (its detokenization, its logprobs): that request alone ends

@@ -90,10 +90,12 @@ class Metrics:
                          "engine_tokens_generated": stats.num_generated_tokens}
 
     def _count(self, outputs, now: float) -> None:
+        generated = 0
+        seen = self._seen
         for out in outputs:
             times = out.metrics
             n_tokens = sum(len(o.token_ids) for o in out.outputs)
-            counted, last = self._seen.get(out.request_id, (0, None))
+            counted, last = seen.get(out.request_id, (0, None))
             if last is None:  # first output: the prompt was processed and the first token came
                 self.prompt_tokens.inc(len(out.prompt_token_ids))
                 self.prefix_queries.inc(len(out.prompt_token_ids))
@@ -102,10 +104,10 @@ class Metrics:
                 self.queue_time.observe((times["first_scheduled_time"] or now) - times["arrival_time"])
             elif n_tokens > counted:
                 self.itl.observe((now - last) / (n_tokens - counted))
-            self.generation_tokens.inc(n_tokens - counted)
-            self._seen[out.request_id] = (n_tokens, now)
+            generated += n_tokens - counted
+            seen[out.request_id] = (n_tokens, now)
             if out.finished:
-                self._seen.pop(out.request_id, None)
+                del seen[out.request_id]
                 reason = out.outputs[0].finish_reason or "abort"
                 self.success.labels(finished_reason=reason).inc()
                 self.e2e.observe(now - times['arrival_time'])
@@ -113,6 +115,7 @@ class Metrics:
                          out.request_id, len(out.prompt_token_ids), n_tokens,
                          (times['first_token_time'] or now) - times['arrival_time'], now - times['arrival_time'],
                          reason)
+        self.generation_tokens.inc(generated)  # once a step, not once a request
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

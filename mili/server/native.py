@@ -54,7 +54,7 @@ async def health(http: Request):
 @router.get("/status/{request_id}")
 async def status(request_id: str, http: Request):
     entry = state_of(http).statuses.get(request_id)
-    return {"request_id": request_id, **(entry or {"status": "not_found"})}
+    return {"request_id": request_id, **(entry.as_dict() if entry is not None else {"status": "not_found"})}
 
 
 @router.post("/generate", responses={**error_responses(400, 500, 503), **streamed()})

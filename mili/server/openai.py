@@ -11,7 +11,7 @@ from fastapi.responses import StreamingResponse
 from mili.outputs import CompletionOutput, RequestOutput
 from mili.server.state import merge, new_id, state_of, until_disconnect
 from mili.server.chat import ChatPrompt
-from mili.server.errors import APIError, error_responses, sse, sse_error, streamed
+from mili.server.errors import APIError, EventStream, error_responses, sse, sse_error, streamed
 from mili.server.protocol import ChatCompletionRequest, CompletionRequest
 from mili.tokenizer.reasoning import THINK_START, ReasoningStream, split_reasoning
 from mili.tokenizer.tool_calls import call_json, new_call_id
@@ -141,6 +141,7 @@ async def completions(body: CompletionRequest, http: Request):
     async def events():
         choices: dict[int, _Choice] = {}
         finals: dict[int, RequestOutput] = {}
+        event = EventStream(head)
         try:
             async for i, out in merge(streams):
                 finals[i] = out
@@ -156,13 +157,13 @@ async def completions(body: CompletionRequest, http: Request):
                     finish = o.finish_reason if not c.done else None
                     c.done |= o.finished
                     if text or finish or (lps and lps["tokens"]):
-                        yield sse({**head, "choices": [{"index": i * n + o.index, "text": text, "logprobs": lps,
-                                                        "finish_reason": finish}]})
+                        yield event([{"index": i * n + o.index, "text": text, "logprobs": lps,
+                                      "finish_reason": finish}])
             if body.stream_options and body.stream_options.include_usage:
                 yield sse({**head, "choices": [], "usage": _usage(list(finals.values()))})
         except Exception as e:  # after the stream has started: a final error chunk
             yield sse_error(e)
-        yield "data: [DONE]\n\n"
+        yield b"data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -218,6 +219,7 @@ async def chat_completions(body: ChatCompletionRequest, http: Request):
     async def events():
         choices: dict[int, _Choice] = {}
         final = None
+        event = EventStream(chunk_head)
         try:
             async for _, out in merge(streams):
                 final = out
@@ -225,8 +227,8 @@ async def chat_completions(body: ChatCompletionRequest, http: Request):
                     c = choices.setdefault(o.index, _Choice(prompt))
                     if not c.started:
                         c.started = True
-                        yield sse({**chunk_head, "choices": [{"index": o.index, "delta": {"role": "assistant",
-                                   "content": ""}, "logprobs": None, "finish_reason": None}]})
+                        yield event([{"index": o.index, "delta": {"role": "assistant", "content": ""},
+                                      "logprobs": None, "finish_reason": None}])
                     if c.done:
                         continue
                     reasoning, content = c.reasoning.feed(o.delta, final=o.finished)
@@ -247,12 +249,11 @@ async def chat_completions(body: ChatCompletionRequest, http: Request):
                     if finish == "stop" and c.tools is not None and c.tools.num_calls:
                         finish = "tool_calls"
                     if delta or o.finished or (lps and lps["content"]):
-                        yield sse({**chunk_head, "choices": [{"index": o.index, "delta": delta, "logprobs": lps,
-                                                              "finish_reason": finish}]})
+                        yield event([{"index": o.index, "delta": delta, "logprobs": lps, "finish_reason": finish}])
             if body.stream_options and body.stream_options.include_usage and final is not None:
                 yield sse({**chunk_head, "choices": [], "usage": _usage([final])})
         except Exception as e:
             yield sse_error(e)
-        yield "data: [DONE]\n\n"
+        yield b"data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream")

@@ -44,7 +44,7 @@ class ServerState:
         self.metrics.update_gauges(engine.info.stats)  # the first snapshot for /health
         engine.on_step = lambda msg, outputs: self.metrics.on_step(msg, outputs, engine.live_request_ids())
         self.created = int(time.time())
-        self.statuses: OrderedDict[str, dict] = OrderedDict()
+        self.statuses: OrderedDict[str, _Status] = OrderedDict()
 
     # -- requests ------------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -80,23 +80,33 @@ class ServerState:
         return streams
 
     async def _tracked(self, rid: str, params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """The request's stream, recording its progress for /status."""
-        self.statuses[rid] = {"status": "processing", "tokens_generated": 0, "tokens_remaining": params.max_tokens}
-        self.statuses.move_to_end(rid)
+        """The request's stream, keeping its latest output for /status (read there, not built per step)."""
+        status = self.statuses[rid] = _Status(params.max_tokens)
         while len(self.statuses) > _RECENT:
             self.statuses.popitem(last=False)
-        out = None
         try:
             async for out in self.engine.stream(rid):
-                generated = max(len(o.token_ids) for o in out.outputs) if out.outputs else 0
-                self.statuses[rid] = {"status": "completed" if out.finished else "processing",
-                                      "tokens_generated": generated,
-                                      "tokens_remaining": 0 if out.finished else
-                                      (params.max_tokens - generated if params.max_tokens else None)}
+                status.out = out
                 yield out
         finally:
-            if out is None or not out.finished:
-                self.statuses[rid] = {**self.statuses.get(rid, {}), "status": "aborted"}
+            status.aborted = status.out is None or not status.out.finished
+
+
+class _Status:
+    """One request's progress, as /status reports it."""
+
+    __slots__ = ("max_tokens", "out", "aborted")
+
+    def __init__(self, max_tokens: int | None):
+        self.max_tokens, self.out, self.aborted = max_tokens, None, False
+
+    def as_dict(self) -> dict:
+        out = self.out
+        generated = max((len(o.token_ids) for o in out.outputs), default=0) if out is not None else 0
+        finished = out is not None and out.finished
+        remaining = 0 if finished else self.max_tokens - generated if self.max_tokens else None
+        return {"status": "aborted" if self.aborted else "completed" if finished else "processing",
+                "tokens_generated": generated, "tokens_remaining": remaining}
 
 
 def state_of(http: Request) -> ServerState:

@@ -82,12 +82,14 @@ def test_error_after_stream_started_is_a_final_sse_chunk(client, monkeypatch):
 
 
 def test_sse_events_never_contain_a_line_break_a_line_reader_would_split_on():
-    from mili.server.errors import sse
+    from mili.server.errors import EventStream, sse
 
     text = "a\u2028b\x85c\u2029d\r\ne\x0bf\x1cg"
-    event = sse({"text": text})
-    assert event.endswith("\n\n") and len(event[:-2].splitlines()) == 1
-    assert json.loads(event[6:])["text"] == text
+    for event in (sse({"text": text}), EventStream({"id": "x\u2028"}, "text")(text)):
+        event = event.decode()  # (what a client's line reader sees)
+        assert event.endswith("\n\n") and len(event[:-2].splitlines()) == 1
+        assert json.loads(event[6:])["text"] == text
+    assert json.loads(EventStream({"id": "x\u2028"}, "text")(text)[6:]) == {"id": "x\u2028", "text": text}
 
 
 # -- the dialects' shared pieces ----------------------------------------------------------------------
