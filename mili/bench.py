@@ -261,6 +261,12 @@ def throughput(args) -> None:
               f"{decode_tokens / decode_seconds:.1f} tok/s of decode in aggregate (llama-batched-bench's S_TG)")
 
 
+def processes_cpu_seconds(pids: list) -> float | None:
+    """The sum of ``process_cpu_seconds`` over ``pids`` (None if any is not here)."""
+    seconds = [process_cpu_seconds(pid) for pid in pids]
+    return None if not seconds or None in seconds else sum(seconds)
+
+
 def process_cpu_seconds(pid: int | None) -> float | None:
     """CPU seconds of process ``pid``'s live threads (the nanosecond run times in /proc/PID/task/*/schedstat),
     or None where there is no such process here (a server on another machine) or no /proc."""
@@ -387,11 +393,13 @@ def serve(args) -> None:
     print(f"mili bench serve: {args.url} model {model}; {args.num_prompts} prompts, random dataset "
           f"{args.random_input_len} in / {args.random_output_len} out, request rate {args.request_rate} req/s "
           f"(Poisson), max concurrency {args.max_concurrency or 'none'}, streamed")
-    pids = {"api": health.get("api_server_pid"), "core": health.get("engine_core_pid")}
-    before = {name: process_cpu_seconds(pid) for name, pid in pids.items()}
+    # (the API processes: one, or --api-server-count of them, summed)
+    pids = {"api": health.get("api_server_pids") or [health.get("api_server_pid")],
+            "core": [health.get("engine_core_pid")]}
+    before = {name: processes_cpu_seconds(p) for name, p in pids.items()}
     result = asyncio.run(run_serve_load(args.url, model, prompts, out_lens, args.request_rate,
                                         args.max_concurrency, args.seed))
-    after = {name: process_cpu_seconds(pid) for name, pid in pids.items()}
+    after = {name: processes_cpu_seconds(p) for name, p in pids.items()}
     tokens = max(result["output_tokens"], 1)
     result["cpu_us_per_token"] = {  # (None where the server runs on another machine: no /proc entry here)
         **{name: 1e6 * (after[name] - before[name]) / tokens if None not in (before[name], after[name]) else None

@@ -18,6 +18,7 @@ class AddRequest(msgspec.Struct, array_like=True, tag=True):
     params: SamplingParams  # eos_token_ids filled in by the API side
     max_total_tokens: int  # prompt + generated may not exceed this
     arrival_time: float
+    client: int = 0  # the API process that sent it (mili serve --api-server-count): its outputs go back there
 
 
 class Abort(msgspec.Struct, array_like=True, tag=True):
