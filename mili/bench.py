@@ -378,7 +378,8 @@ def print_serve_result(result: dict) -> None:
         cpu = result["cpu_us_per_token"]
         print("CPU per streamed output token: " + ", ".join(
             f"{label} {cpu[name]:.0f} µs" if cpu[name] is not None else f"{label} (not on this machine)"
-            for name, label in (("api", "API process"), ("core", "engine core"), ("client", "load generator"))))
+            for name, label in (("api", "API process" + ("es" if result.get("api_server_count", 1) > 1 else "")),
+                                ("core", "engine core"), ("client", "load generator"))))
     for e in result["errors"]:
         print(f"error: {e}")
 
@@ -401,6 +402,7 @@ def serve(args) -> None:
                                         args.max_concurrency, args.seed))
     after = {name: processes_cpu_seconds(p) for name, p in pids.items()}
     tokens = max(result["output_tokens"], 1)
+    result["api_server_count"] = len(pids["api"])
     result["cpu_us_per_token"] = {  # (None where the server runs on another machine: no /proc entry here)
         **{name: 1e6 * (after[name] - before[name]) / tokens if None not in (before[name], after[name]) else None
            for name in pids}, "client": 1e6 * result["client_cpu_s"] / tokens}

@@ -115,14 +115,31 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from mili.config import EngineConfig
     from mili.engine.client import AsyncLLM
+    from mili.errors import InvalidRequest
 
+    if args.api_server_count < 1:
+        raise InvalidRequest(f"--api-server-count must be at least 1, not {args.api_server_count}",
+                             param="api_server_count")
     if args.api_server_count > 1:  # one engine core, several API processes on one port
         from mili.server.api_servers import serve_api_servers
 
-        return serve_api_servers(args)
+        return serve_api_servers(args, EngineConfig(**engine_kwargs(args)), _api_server_main)
     # the engine core loads the model in its own process; a checkpoint it cannot run fails here
     engine = AsyncLLM(EngineConfig(**engine_kwargs(args)))
     return serve_http(args, engine)
+
+
+def _api_server_main(args, config, servers, sock, link) -> None:
+    """One of --api-server-count processes: its AsyncLLM on the shared core, its app, uvicorn on the shared
+    listening socket (mili.server.api_servers)."""
+    import math
+
+    from mili.server.api_servers import connect_api_server
+
+    engine = connect_api_server(config, servers, link)
+    # each process's share of the bound
+    args.max_queued_requests = math.ceil(args.max_queued_requests / servers.count)
+    sys.exit(serve_http(args, engine, sockets=[sock], api_servers=servers))
 
 
 def serve_http(args: argparse.Namespace, engine, sockets=None, api_servers=None) -> int:
@@ -142,10 +159,10 @@ def serve_http(args: argparse.Namespace, engine, sockets=None, api_servers=None)
                     sampling_defaults=args.sampling_defaults, tool_call_parser=args.tool_call_parser,
                     api_servers=api_servers)
     if api_servers is None or api_servers.index == 0:
-        logging.getLogger("mili").info("serving %s as %r on http://%s:%d (chat page: http://%s:%d/ui; tool calls: %s%s)",
-                                       engine.model_path, name, args.host, args.port, args.host, args.port,
-                                       app.state.mili.tool_call_parser,
-                                       f"; {api_servers.count} API processes" if api_servers else "")
+        logging.getLogger("mili").info(
+            "serving %s as %r on http://%s:%d (chat page: http://%s:%d/ui; tool calls: %s%s)", engine.model_path,
+            name, args.host, args.port, args.host, args.port, app.state.mili.tool_call_parser,
+            f"; {api_servers.count} API processes" if api_servers else "")
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout, access_log=False)
     server = uvicorn.Server(config)

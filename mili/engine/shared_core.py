@@ -6,9 +6,9 @@ Dead, and sends Shutdown once every API process has drained); each API process b
 one prefix cache, and sends each request's outputs back to the process that added it
 (``AddRequest.client``), its gauges to all::
 
-    API process 0 ─┐ AddRequest/Abort/FinishSeqs                ┌─► API process 0: its deltas, the stats
-    API process 1 ─┼──────────────► engine core (one batch) ─────┼─► API process 1: its deltas, the stats
-    mili serve ────┘ Shutdown                                    └─► mili serve: Ready, Dead
+    API process 0 ─┐ AddRequest, Abort, FinishSeqs         ┌─► API process 0: its deltas, the stats
+    API process 1 ─┼───────────► engine core (one batch) ──┼─► API process 1: its deltas, the stats
+    mili serve ────┘ Shutdown                              └─► mili serve: Ready, Dead
 """
 
 from __future__ import annotations

@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import multiprocessing
 import os
 import shutil
@@ -42,10 +41,11 @@ _PIDS_FILE = "api_server_pids.json"
 
 
 class ApiServers:
-    """What one API process knows of the others: its index, their number, the run folder they share."""
+    """What one API process knows of the others: its index, their number, the run folder they share, and
+    the barrier they all pass once connected to the core (so none serves before all can)."""
 
-    def __init__(self, index: int, count: int, run_dir: str):
-        self.index, self.count, self.run_dir = index, count, run_dir
+    def __init__(self, index: int, count: int, run_dir: str, barrier=None):
+        self.index, self.count, self.run_dir, self.barrier = index, count, run_dir, barrier
 
     def pids(self) -> list[int]:
         """Every API process's pid (the supervisor writes them once they are started)."""
@@ -100,34 +100,37 @@ class ApiServers:
         return None
 
 
-def api_server_main(args, index: int, count: int, sock: socket.socket, link, run_dir: str) -> None:
-    """One API process: its AsyncLLM connected to the shared core, its app, uvicorn on the shared socket."""
-    logging.basicConfig(level=logging.INFO, format=f"%(levelname)s %(name)s [api {index}]: %(message)s")
+def connect_api_server(config, servers: ApiServers, link):
+    """In an API process: its AsyncLLM connected to the shared core, once every API process has one; exits
+    2 (the error printed) if it cannot start, 1 if another could not."""
+    import threading
+
+    logging.basicConfig(level=logging.INFO, format=f"%(levelname)s %(name)s [api {servers.index}]: %(message)s")
     from mili.process import die_with_parent
 
     die_with_parent()
     os.setpgid(0, 0)  # a terminal's Ctrl-C reaches the supervisor only, which asks each process to drain once
-    from mili.cli import engine_kwargs, serve_http
-    from mili.config import EngineConfig
     from mili.engine.client import AsyncLLM
     from mili.errors import MiliError
 
     try:
-        engine = AsyncLLM(EngineConfig(**engine_kwargs(args)), link=link)
+        engine = AsyncLLM(config, link=link)
     except MiliError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    servers = ApiServers(index, count, run_dir)
-    args.max_queued_requests = math.ceil(args.max_queued_requests / count)  # each process's share of the bound
-    sys.exit(serve_http(args, engine, sockets=[sock], api_servers=servers))
+    try:
+        servers.barrier.wait(120)
+    except threading.BrokenBarrierError:
+        sys.exit(1)  # another did not start (the supervisor says why)
+    return engine
 
 
-def serve_api_servers(args) -> int:
-    """The supervisor: the core, the listening socket, N API processes; returns the server's exit code."""
+def serve_api_servers(args, config, api_server_main) -> int:
+    """The supervisor: the core, the listening socket, ``args.api_server_count`` processes running
+    ``api_server_main(args, config, servers, sock, link)`` (``mili.cli``'s, which connects through
+    ``connect_api_server``); returns the server's exit code."""
     import uvicorn
 
-    from mili.cli import engine_kwargs
-    from mili.config import EngineConfig
     from mili.engine.shared_core import SharedCore
 
     count = args.api_server_count
@@ -138,11 +141,13 @@ def serve_api_servers(args) -> int:
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     core = None
     try:
-        core = SharedCore(EngineConfig(**engine_kwargs(args)), count)  # a checkpoint it cannot run fails here
+        core = SharedCore(config, count)  # a checkpoint it cannot run fails here
         sock = uvicorn.Config(None, host=args.host, port=args.port).bind_socket()
         ctx = multiprocessing.get_context("spawn")
+        barrier = ctx.Barrier(count)
         procs = [ctx.Process(target=api_server_main, name=f"mili-api-server-{i}",
-                             args=(args, i, count, sock, core.link(i), run_dir)) for i in range(count)]
+                             args=(args, config, ApiServers(i, count, run_dir, barrier), sock, core.link(i)))
+                 for i in range(count)]
         for p in procs:
             p.start()
         sock.close()  # (the API processes hold it)
@@ -151,14 +156,14 @@ def serve_api_servers(args) -> int:
         os.replace(os.path.join(run_dir, _PIDS_FILE + ".tmp"), os.path.join(run_dir, _PIDS_FILE))
         log.info("%d API processes (pids %s) share the engine core (pid %d)", count,
                  ", ".join(str(p.pid) for p in procs), core.process.pid)
-        return _supervise(core, procs, args.shutdown_timeout)
+        return _supervise(core, procs, barrier, args.shutdown_timeout)
     finally:
         if core is not None:
             core.shutdown()
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
-def _supervise(core, procs: list, shutdown_timeout: float) -> int:
+def _supervise(core, procs: list, barrier, shutdown_timeout: float) -> int:
     stopping = []  # a signal came: the API processes drain
 
     def on_signal(signum, _frame) -> None:
@@ -176,6 +181,7 @@ def _supervise(core, procs: list, shutdown_timeout: float) -> int:
         reason = core.dead_reason()
         if reason is not None:  # every API process fails its streams and exits non-zero by itself
             log.error("the engine core stopped (%s): the API processes fail their streams and exit", reason)
+            barrier.abort()  # (any still starting stops waiting for the others)
             deadline = time.monotonic() + _CORE_DEATH_WAIT_S
             for p in procs:
                 p.join(max(0.0, deadline - time.monotonic()))
@@ -188,11 +194,14 @@ def _supervise(core, procs: list, shutdown_timeout: float) -> int:
             p = gone[0]
             log.error("API process %s (pid %d) exited with code %s: the server stops", p.name, p.pid, p.exitcode)
             code = p.exitcode if p.exitcode and p.exitcode > 0 else 1
+            barrier.abort()  # (the others, if still starting, stop waiting for it)
             on_signal(signal.SIGTERM, None)
         elif not stopping and any(not p.is_alive() for p in procs):  # one exited 0 on its own: as a signal
+            barrier.abort()
             on_signal(signal.SIGTERM, None)
     for p in procs:
         p.join(shutdown_timeout + 5)
-        if p.exitcode != 0 and code == 0:
+        # (one the SIGTERM found still starting, before uvicorn's handler, had nothing to drain)
+        if p.exitcode not in (0, -signal.SIGTERM) and code == 0:
             code = 1
     return code

@@ -66,7 +66,8 @@ def _stream(client: httpx.Client, body: dict, sink: list, started: threading.Eve
 def _start_streams(clients: list[httpx.Client], body: dict):
     sinks = [[] for _ in clients]
     events = [threading.Event() for _ in clients]
-    threads = [threading.Thread(target=_stream, args=(c, body, sink, ev)) for c, sink, ev in zip(clients, sinks, events)]
+    threads = [threading.Thread(target=_stream, args=(c, body, sink, ev))
+               for c, sink, ev in zip(clients, sinks, events)]
     for t in threads:
         t.start()
     assert all(ev.wait(60) for ev in events)
@@ -91,8 +92,9 @@ def test_requests_through_both_run_in_one_batch_and_metrics_count_all(two):
     by_pid = _clients_per_process(two.url, 3)
     clients = [c for cs in by_pid.values() for c in cs]
     success = 'mili:request_success_total{finished_reason="length"}'
-    before = {name: _metric(two.url, name) for name in (success, "mili:generation_tokens_total",
-                                                        "mili:prompt_tokens_total", "mili:e2e_request_latency_seconds_count")}
+    names = (success, "mili:generation_tokens_total", "mili:prompt_tokens_total",
+             "mili:e2e_request_latency_seconds_count")
+    before = {name: _metric(two.url, name) for name in names}
     body = {"prompt": [5, 6, 7, 8], "max_tokens": 400, "ignore_eos": True}
     sinks, threads = _start_streams(clients, body)
     # the core runs all six, from both processes, in one batch: its gauge (the same through either process)
