@@ -378,7 +378,8 @@ def print_serve_result(result: dict) -> None:
         cpu = result["cpu_us_per_token"]
         print("CPU per streamed output token: " + ", ".join(
             f"{label} {cpu[name]:.0f} µs" if cpu[name] is not None else f"{label} (not on this machine)"
-            for name, label in (("api", "API process" + ("es" if result.get("api_server_count", 1) > 1 else "")),
+            for name, label in (("api", "API process" + (f" (sum of {result['api_server_count']})"
+                                                         if result.get("api_server_count", 1) > 1 else "")),
                                 ("core", "engine core"), ("client", "load generator"))))
     for e in result["errors"]:
         print(f"error: {e}")

@@ -22,7 +22,7 @@ import torch
 from mili.cache.hybrid_radix_cache import HybridRadixCache
 from mili.cache.radix_cache import NoPrefixCache, RadixCache
 from mili.config import EngineConfig, ModelConfig
-from mili.engine.messages import (Abort, AddRequest, Dead, FinishSeqs, Ready, SeqDelta, Shutdown,
+from mili.engine.messages import (Abort, AddRequest, ClientGone, Dead, FinishSeqs, Ready, SeqDelta, Shutdown,
                                   SpecDecodeCounts, Stats, StepMessage, encode, input_decoder)
 from mili.engine.request import Request, Sequence, SeqStatus
 from mili.engine.scheduler import Scheduler
@@ -347,16 +347,27 @@ class _Outputs:
         self.sockets, self.control = sockets, control
         self.single = sockets[0] if len(sockets) == 1 else None
         self.owner: dict[str, int] = {}  # request id -> its API process (several only)
+        self.gone: set[int] = set()  # API processes that exited: nothing more is sent to them
 
     def send_all(self, msg, flags: int = 0) -> None:
         """Ready and Dead: every API process (and the control socket) hears them."""
         data = encode(msg)
-        for sock in self.sockets + ([self.control] if self.control is not None else []):
-            sock.send(data, flags)
+        for i, sock in enumerate(self.sockets + ([self.control] if self.control is not None else [])):
+            if i not in self.gone:
+                sock.send(data, flags)
 
     def add(self, add: AddRequest) -> None:
         if self.single is None:
             self.owner[add.request_id] = add.client
+
+    def client_gone(self, core: EngineCore, client: int) -> None:
+        """API process ``client`` exited: its requests are aborted, and it is sent nothing more."""
+        self.gone.add(client)
+        request_ids = [request_id for request_id, owner in self.owner.items() if owner == client]
+        if request_ids:
+            log.warning("API process %d is gone: %d of its requests aborted", client, len(request_ids))
+        core.abort_requests(request_ids)
+        self.forget(core, request_ids)
 
     def forget(self, core: EngineCore, request_ids) -> None:
         """Drop the owners of requests that left the core (aborted, stopped by the API side)."""
@@ -392,7 +403,8 @@ class _Outputs:
             for client in range(len(self.sockets)):
                 part(client)
         for client, p in parts.items():
-            self.sockets[client].send(encode(p))
+            if client not in self.gone:
+                self.sockets[client].send(encode(p))
         self.forget(core, seen)
 
 
@@ -417,6 +429,8 @@ def _loop(core: EngineCore, inputs, outputs: _Outputs, parent_pid: int | None) -
                 outputs.forget(core, [request_id for request_id, _ in msg.seqs])
             elif isinstance(msg, Shutdown):
                 return 0
+            elif isinstance(msg, ClientGone):
+                outputs.client_gone(core, msg.client)
         if core.scheduler.has_work() or core.compiling:
             idle_stats_sent = False
             deltas = core.step()  # with only grammars compiling: waits a few ms for one

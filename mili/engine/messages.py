@@ -35,7 +35,14 @@ class Shutdown(msgspec.Struct, array_like=True, tag=True):
     pass
 
 
-CoreInput = AddRequest | Abort | FinishSeqs | Shutdown
+class ClientGone(msgspec.Struct, array_like=True, tag=True):
+    """From ``mili serve`` (``--api-server-count``): API process ``client`` has exited; the core aborts its
+    requests and sends it nothing more."""
+
+    client: int
+
+
+CoreInput = AddRequest | Abort | FinishSeqs | Shutdown | ClientGone
 
 
 class SeqDelta(msgspec.Struct, array_like=True):

@@ -21,7 +21,7 @@ import zmq
 from mili.config import EngineConfig
 from mili.engine.client import CoreLink, ipc_prefix
 from mili.engine.input_processor import InputProcessor
-from mili.engine.messages import Dead, Ready, Shutdown, encode, output_decoder
+from mili.engine.messages import ClientGone, Dead, Ready, Shutdown, encode, output_decoder
 from mili.errors import EngineDeadError, ModelLoadError
 
 
@@ -66,6 +66,13 @@ class SharedCore:
     def link(self, index: int) -> CoreLink:
         """What API process ``index`` needs to connect (``AsyncLLM(config, link=...)``)."""
         return CoreLink(index, self.prefixes[index], self.process.pid)
+
+    def client_gone(self, index: int) -> None:
+        """API process ``index`` has exited: the core aborts its requests and stops sending to it."""
+        try:
+            self._control.send(encode(ClientGone(index)), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
 
     def dead_reason(self) -> str | None:
         """Why the core stopped (its last word), once it has; None while it runs."""

@@ -176,6 +176,7 @@ def _supervise(core, procs: list, barrier, shutdown_timeout: float) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
     code = 0
+    told = set()  # the API processes whose exit the core has heard of
     while any(p.is_alive() for p in procs):
         wait([p.sentinel for p in procs if p.is_alive()] + [core.process.sentinel], timeout=0.5)
         reason = core.dead_reason()
@@ -189,6 +190,10 @@ def _supervise(core, procs: list, barrier, shutdown_timeout: float) -> int:
                     p.kill()
             print(f"error: the engine stopped: {reason}", file=sys.stderr)
             return 1
+        for i, p in enumerate(procs):
+            if i not in told and not p.is_alive():
+                told.add(i)
+                core.client_gone(i)  # (its requests, if it died, end in the core too)
         gone = [p for p in procs if not p.is_alive() and p.exitcode != 0]
         if gone and not stopping:  # an API process died: the server goes down, the others draining first
             p = gone[0]

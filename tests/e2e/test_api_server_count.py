@@ -163,15 +163,17 @@ def test_api_process_killed_takes_the_server_down(random_model, tmp_path):
         core_pid = health["engine_core_pid"]
         by_pid = _clients_per_process(s.url, 1)
         (victim, (victim_client,)), (_, (other_client,)) = by_pid.items()
-        sinks, threads = _start_streams([other_client], {"prompt": "finish me", "max_tokens": 150,
-                                                         "ignore_eos": True})
+        sinks, threads = _start_streams([victim_client, other_client], {"prompt": "finish me", "max_tokens": 300,
+                                                                        "ignore_eos": True})
         os.kill(victim, signal.SIGKILL)
         for t in threads:
             t.join(60)
-        assert sinks[0][-1][1] == "data: [DONE]"  # the survivor's stream finished
-        assert json.loads(sinks[0][-2][1][6:])["choices"][0]["finish_reason"] == "length"
+        assert sinks[1][-1][1] == "data: [DONE]"  # the survivor's stream finished
+        assert json.loads(sinks[1][-2][1][6:])["choices"][0]["finish_reason"] == "length"
+        assert sinks[0][-1][1].startswith("transport error")  # (the victim's connection broke)
         assert s.proc.wait(30) != 0
         assert wait_for(lambda: _gone(core_pid), 10)
-        assert "exited with code" in s.output()
+        assert "exited with code -9: the server stops" in s.output()
+        assert "is gone: 1 of its requests aborted" in s.output()  # the core stopped computing it
     finally:
         s.stop()

@@ -72,3 +72,18 @@ def test_one_process_gets_every_message_whole():
     msg = StepMessage([_delta("a"), _delta("unknown")], 1, STATS, [("x", "bad")])
     out.send_step(msg, SimpleNamespace(requests={}))
     assert sock.sent == [output_decoder.decode(encode(msg))] and out.owner == {}
+
+
+def test_a_process_that_is_gone_loses_its_requests_and_hears_nothing_more():
+    sockets = [_Socket(), _Socket()]
+    out = _Outputs(sockets, _Socket())
+    aborted = []
+    core = SimpleNamespace(requests={"a": 1, "b": 1})
+    core.abort_requests = lambda ids: (aborted.extend(ids), [core.requests.pop(r) for r in ids])
+    out.add(_add("a", 0))
+    out.add(_add("b", 1))
+    out.client_gone(core, 0)
+    assert aborted == ["a"] and out.owner == {"b": 1}
+    out.send_step(StepMessage([_delta("b")], 0, STATS), core)
+    out.send_all(Dead("gone"))
+    assert sockets[0].sent == [] and len(sockets[1].sent) == 2
