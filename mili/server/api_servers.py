@@ -13,8 +13,9 @@ core, so requests through any of them are scheduled and batched together.
   (``api_server_pids``); ``/status/{id}`` asks the other processes for a request it did not serve (a unix
   socket each, in the run folder).
 - Deaths: if the core dies, every API process fails its open streams (EngineDeadError) and exits non-zero,
-  and so does the server. If an API process dies, the server goes down: the others drain as on SIGTERM,
-  then the core stops, and the exit code is non-zero, for a supervisor (systemd, Kubernetes) to restart it.
+  and so does the server. If an API process dies, the server goes down: the core aborts its requests
+  (``ClientGone``), the others drain as on SIGTERM, then the core stops, and the exit code is non-zero, for
+  a supervisor (systemd, Kubernetes) to restart it.
   If the supervisor itself dies, the core and the API processes follow it (PR_SET_PDEATHSIG).
 - SIGTERM/SIGINT to the supervisor: every API process drains (``--shutdown-timeout``), then the core stops;
   exit code 0.
