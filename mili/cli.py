@@ -139,7 +139,7 @@ def _api_server_main(args, config, servers, sock, link) -> None:
     engine = connect_api_server(config, servers, link)
     # each process's share of the bound
     args.max_queued_requests = math.ceil(args.max_queued_requests / servers.count)
-    sys.exit(serve_http(args, engine, sockets=[sock], api_servers=servers))
+    sys.exit(serve_http(args, engine, sockets=[servers.listener(sock)], api_servers=servers))
 
 
 def serve_http(args: argparse.Namespace, engine, sockets=None, api_servers=None) -> int:

@@ -1,9 +1,11 @@
 """``mili serve --api-server-count N``: N API processes on one port, one engine core behind them.
 
 The ``mili serve`` process (the supervisor) starts the engine core (``SharedCore``) and waits for the model,
-binds the listening socket, then spawns N API processes that share it (each accepts connections from it):
-each runs its own uvicorn, FastAPI app and ``AsyncLLM`` (tokenizer, output processor) connected to the one
-core, so requests through any of them are scheduled and batched together.
+binds the port, then spawns N API processes: each runs its own uvicorn, FastAPI app and ``AsyncLLM``
+(tokenizer, output processor) connected to the one core, so requests through any of them are scheduled and
+batched together. Each listens on the port with SO_REUSEPORT (the supervisor's bound socket keeps it from
+anyone else), so the kernel spreads new connections evenly over them; a listening socket they all shared
+would not (the process that wakes first accepts a whole burst). Without SO_REUSEPORT they share one.
 
 - ``/metrics`` answers for the whole server from any process: prometheus_client's multiprocess mode (each
   process writes its series to files in a shared folder; the one that answers sums them). The engine's
@@ -42,11 +44,18 @@ _PIDS_FILE = "api_server_pids.json"
 
 
 class ApiServers:
-    """What one API process knows of the others: its index, their number, the run folder they share, and
-    the barrier they all pass once connected to the core (so none serves before all can)."""
+    """What one API process knows of the others: its index, their number, the run folder they share, the
+    barrier they all pass once connected to the core (so none serves before all can), and the address they
+    listen on (``reuse_port``: each its own socket; else the one socket it is given)."""
 
-    def __init__(self, index: int, count: int, run_dir: str, barrier=None):
+    def __init__(self, index: int, count: int, run_dir: str, barrier=None, address: tuple | None = None,
+                 reuse_port: bool = False):
         self.index, self.count, self.run_dir, self.barrier = index, count, run_dir, barrier
+        self.address, self.reuse_port = address, reuse_port
+
+    def listener(self, shared: socket.socket | None) -> socket.socket:
+        """The socket this process accepts connections on: its own on the shared port, or ``shared``."""
+        return shared if not self.reuse_port else bind_port(*self.address, reuse_port=True, listen=True)
 
     def pids(self) -> list[int]:
         """Every API process's pid (the supervisor writes them once they are started)."""
@@ -101,6 +110,25 @@ class ApiServers:
         return None
 
 
+def bind_port(host: str, port: int, reuse_port: bool, listen: bool = False) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (IPv6 if the host has a colon), as uvicorn binds one."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        from mili.errors import InvalidRequest
+
+        raise InvalidRequest(f"cannot listen on {host}:{port}: {e.strerror}", param="port") from e
+    if listen:
+        sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
 def connect_api_server(config, servers: ApiServers, link):
     """In an API process: its AsyncLLM connected to the shared core, once every API process has one; exits
     2 (the error printed) if it cannot start, 1 if another could not."""
@@ -130,8 +158,6 @@ def serve_api_servers(args, config, api_server_main) -> int:
     """The supervisor: the core, the listening socket, ``args.api_server_count`` processes running
     ``api_server_main(args, config, servers, sock, link)`` (``mili.cli``'s, which connects through
     ``connect_api_server``); returns the server's exit code."""
-    import uvicorn
-
     from mili.engine.shared_core import SharedCore
 
     count = args.api_server_count
@@ -140,18 +166,24 @@ def serve_api_servers(args, config, api_server_main) -> int:
     os.mkdir(metrics_dir)
     # prometheus_client reads it when first imported: the API processes (spawned) inherit it
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
-    core = None
+    core = sock = None
     try:
         core = SharedCore(config, count)  # a checkpoint it cannot run fails here
-        sock = uvicorn.Config(None, host=args.host, port=args.port).bind_socket()
+        # SO_REUSEPORT: this socket (bound, not listening: no connection goes to it) holds the port, and each
+        # API process listens on its own; else the API processes share this one
+        reuse_port = hasattr(socket, "SO_REUSEPORT")
+        sock = bind_port(args.host, args.port, reuse_port)
+        address = (args.host, sock.getsockname()[1])
         ctx = multiprocessing.get_context("spawn")
         barrier = ctx.Barrier(count)
         procs = [ctx.Process(target=api_server_main, name=f"mili-api-server-{i}",
-                             args=(args, config, ApiServers(i, count, run_dir, barrier), sock, core.link(i)))
+                             args=(args, config, ApiServers(i, count, run_dir, barrier, address, reuse_port),
+                                   None if reuse_port else sock, core.link(i)))
                  for i in range(count)]
         for p in procs:
             p.start()
-        sock.close()  # (the API processes hold it)
+        if not reuse_port:
+            sock.close()  # (the API processes hold it)
         with open(os.path.join(run_dir, _PIDS_FILE + ".tmp"), "w") as f:
             json.dump([p.pid for p in procs], f)
         os.replace(os.path.join(run_dir, _PIDS_FILE + ".tmp"), os.path.join(run_dir, _PIDS_FILE))
@@ -159,6 +191,8 @@ def serve_api_servers(args, config, api_server_main) -> int:
                  ", ".join(str(p.pid) for p in procs), core.process.pid)
         return _supervise(core, procs, barrier, args.shutdown_timeout)
     finally:
+        if sock is not None:
+            sock.close()
         if core is not None:
             core.shutdown()
         shutil.rmtree(run_dir, ignore_errors=True)
