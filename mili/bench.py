@@ -261,6 +261,12 @@ def throughput(args) -> None:
               f"{decode_tokens / decode_seconds:.1f} tok/s of decode in aggregate (llama-batched-bench's S_TG)")
 
 
+def processes_cpu_seconds(pids: list) -> float | None:
+    """The sum of ``process_cpu_seconds`` over ``pids`` (None if any is not here)."""
+    seconds = [process_cpu_seconds(pid) for pid in pids]
+    return None if not seconds or None in seconds else sum(seconds)
+
+
 def process_cpu_seconds(pid: int | None) -> float | None:
     """CPU seconds of process ``pid``'s live threads (the nanosecond run times in /proc/PID/task/*/schedstat),
     or None where there is no such process here (a server on another machine) or no /proc."""
@@ -372,7 +378,9 @@ def print_serve_result(result: dict) -> None:
         cpu = result["cpu_us_per_token"]
         print("CPU per streamed output token: " + ", ".join(
             f"{label} {cpu[name]:.0f} µs" if cpu[name] is not None else f"{label} (not on this machine)"
-            for name, label in (("api", "API process"), ("core", "engine core"), ("client", "load generator"))))
+            for name, label in (("api", "API process" + (f" (sum of {result['api_server_count']})"
+                                                         if result.get("api_server_count", 1) > 1 else "")),
+                                ("core", "engine core"), ("client", "load generator"))))
     for e in result["errors"]:
         print(f"error: {e}")
 
@@ -387,12 +395,15 @@ def serve(args) -> None:
     print(f"mili bench serve: {args.url} model {model}; {args.num_prompts} prompts, random dataset "
           f"{args.random_input_len} in / {args.random_output_len} out, request rate {args.request_rate} req/s "
           f"(Poisson), max concurrency {args.max_concurrency or 'none'}, streamed")
-    pids = {"api": health.get("api_server_pid"), "core": health.get("engine_core_pid")}
-    before = {name: process_cpu_seconds(pid) for name, pid in pids.items()}
+    # (the API processes: one, or --api-server-count of them, summed)
+    pids = {"api": health.get("api_server_pids") or [health.get("api_server_pid")],
+            "core": [health.get("engine_core_pid")]}
+    before = {name: processes_cpu_seconds(p) for name, p in pids.items()}
     result = asyncio.run(run_serve_load(args.url, model, prompts, out_lens, args.request_rate,
                                         args.max_concurrency, args.seed))
-    after = {name: process_cpu_seconds(pid) for name, pid in pids.items()}
+    after = {name: processes_cpu_seconds(p) for name, p in pids.items()}
     tokens = max(result["output_tokens"], 1)
+    result["api_server_count"] = len(pids["api"])
     result["cpu_us_per_token"] = {  # (None where the server runs on another machine: no /proc entry here)
         **{name: 1e6 * (after[name] - before[name]) / tokens if None not in (before[name], after[name]) else None
            for name in pids}, "client": 1e6 * result["client_cpu_s"] / tokens}

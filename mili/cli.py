@@ -113,25 +113,56 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from mili.config import EngineConfig
+    from mili.engine.client import AsyncLLM
+    from mili.errors import InvalidRequest
+
+    if args.api_server_count < 1:
+        raise InvalidRequest(f"--api-server-count must be at least 1, not {args.api_server_count}",
+                             param="api_server_count")
+    if args.api_server_count > 1:  # one engine core, several API processes on one port
+        from mili.server.api_servers import serve_api_servers
+
+        return serve_api_servers(args, EngineConfig(**engine_kwargs(args)), _api_server_main)
+    # the engine core loads the model in its own process; a checkpoint it cannot run fails here
+    engine = AsyncLLM(EngineConfig(**engine_kwargs(args)))
+    return serve_http(args, engine)
+
+
+def _api_server_main(args, config, servers, sock, link) -> None:
+    """One of --api-server-count processes: its AsyncLLM on the shared core, its app, uvicorn on the shared
+    listening socket (mili.server.api_servers)."""
+    import math
+
+    from mili.server.api_servers import connect_api_server
+
+    engine = connect_api_server(config, servers, link)
+    # each process's share of the bound
+    args.max_queued_requests = math.ceil(args.max_queued_requests / servers.count)
+    sys.exit(serve_http(args, engine, sockets=[servers.listener(sock)], api_servers=servers))
+
+
+def serve_http(args: argparse.Namespace, engine, sockets=None, api_servers=None) -> int:
+    """Serve the HTTP APIs on ``engine`` (an AsyncLLM) until SIGTERM/SIGINT or the core's death; the exit
+    code. ``sockets``/``api_servers``: one of several API processes (mili.server.api_servers)."""
     import os
     import signal
     import threading
 
     import uvicorn
 
-    from mili.config import EngineConfig
-    from mili.engine.client import AsyncLLM
     from mili.server.app import build_app
 
-    # the engine core loads the model in its own process; a checkpoint it cannot run fails here
-    engine = AsyncLLM(EngineConfig(**engine_kwargs(args)))
     name = args.served_model_name or args.model
     api_key = args.api_key or os.environ.get("MILI_API_KEY") or None
     app = build_app(engine, name, api_key=api_key, max_queued_requests=args.max_queued_requests,
-                    sampling_defaults=args.sampling_defaults, tool_call_parser=args.tool_call_parser)
-    logging.getLogger("mili").info("serving %s as %r on http://%s:%d (chat page: http://%s:%d/ui; tool calls: %s)",
-                                   engine.model_path, name, args.host, args.port, args.host, args.port,
-                                   app.state.mili.tool_call_parser)
+                    sampling_defaults=args.sampling_defaults, tool_call_parser=args.tool_call_parser,
+                    api_servers=api_servers)
+    if api_servers is None or api_servers.index == 0:
+        logging.getLogger("mili").info(
+            "serving %s as %r on http://%s:%d (chat page: http://%s:%d/ui; tool calls: %s%s)", engine.model_path,
+            name, args.host, args.port, args.host, args.port, app.state.mili.tool_call_parser,
+            f"; {api_servers.count} API processes" if api_servers else "")
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout, access_log=False)
     server = uvicorn.Server(config)
@@ -151,7 +182,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     try:
-        server.run()
+        server.run(sockets=sockets)
     finally:
         engine.shutdown()
     if engine.error is not None:
@@ -198,6 +229,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the form of the model's tool calls: hermes (Qwen3, Qwen3-Next: JSON in <tool_call>), "
                           "qwen3_xml (Qwen3.5/3.6: <function=NAME><parameter=ARG>); auto (default): the XML form "
                           "when the chat template renders <function=, else hermes")
+    srv.add_argument("--api-server-count", type=int, default=1, metavar="N",
+                     help="API server processes on the one port (its listening socket shared), all feeding one "
+                          "engine core: one scheduler, one batch, one prefix cache. For when one process's CPU "
+                          "(tokenizing, detokenizing, JSON, SSE) limits throughput. /metrics and /health answer "
+                          "for the whole server. If the engine core dies, every API process fails its streams "
+                          "and the server exits non-zero; if an API process dies, the others drain as on SIGTERM "
+                          "and the server exits non-zero (a supervisor restarts it). Default 1: one process")
     srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     srv.add_argument("--config", default=None, metavar="FILE",
                      help="a JSON or YAML file of settings: inference.{device, dtype, max_batch_size}, "

@@ -214,6 +214,9 @@ class Server:
         self.log = open(self.log_path, "w")
         cmd = [sys.executable, "-m", "mili.cli", "serve", str(model), "--port", str(self.port),
                "--served-model-name", "test", "--dtype", "float32", "--max-model-len", "1024", *args]
+        # MILI_TEST_API_SERVER_COUNT=2: every server test runs with that many API processes
+        if os.environ.get("MILI_TEST_API_SERVER_COUNT") and "--api-server-count" not in args:
+            cmd += ["--api-server-count", os.environ["MILI_TEST_API_SERVER_COUNT"]]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
                                      env={**os.environ, "MILI_NO_PROGRESS": "1", **(env or {})})
         deadline = time.monotonic() + 120

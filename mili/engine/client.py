@@ -9,6 +9,10 @@ and turns the core's one-message-per-step deltas into per-request asyncio stream
 One event-loop wake-up per step message. If the core dies, every open stream gets an
 ``EngineDeadError`` and ``on_dead`` runs (the server exits non-zero); if this process dies, the core
 follows it (PR_SET_PDEATHSIG, and a parent check in its loop).
+
+With ``mili serve --api-server-count N`` the ``mili serve`` process starts the core (``SharedCore``) and
+N API processes each connect an ``AsyncLLM`` to it through a ``CoreLink``: each binds its own socket pair,
+and the core sends each request's outputs back to the process that added it.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import tempfile
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
+from typing import NamedTuple
 
 import zmq
 import zmq.asyncio
@@ -38,10 +43,20 @@ log = logging.getLogger("mili")
 _LIVENESS_S = 0.2  # the output loop checks that the core is alive this often when no message comes
 
 
+class CoreLink(NamedTuple):
+    """An engine core another process started and shares (``mili serve --api-server-count``): this API
+    process's index among those it serves, the prefix of its socket pair's IPC paths, the core's pid."""
+
+    index: int
+    ipc: str
+    core_pid: int
+
+
 class AsyncLLM:
-    def __init__(self, config: EngineConfig, core_in_thread: bool = False):
+    def __init__(self, config: EngineConfig, core_in_thread: bool = False, link: CoreLink | None = None):
         """Start the engine core (in a process; ``core_in_thread`` for tests) and wait until it has loaded
-        the model. Raises ModelLoadError / InvalidRequest if it cannot."""
+        the model, or with ``link`` connect to a core another process started. Raises ModelLoadError /
+        InvalidRequest if it cannot."""
         self.config = config
         self.inputs = InputProcessor(config)  # fails fast on a bad checkpoint, before the core starts
         self.outputs = OutputProcessor(self.inputs.tokenizer)
@@ -51,13 +66,17 @@ class AsyncLLM:
         self.on_step: Callable[[StepMessage, list[RequestOutput]], None] | None = None  # metrics
         self.on_dead: Callable[[], None] | None = None
         self._ctx = zmq.Context()
-        ipc = os.path.join(tempfile.gettempdir(), f"mili-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        ipc = ipc_prefix() if link is None else link.ipc
         self._to_core = self._ctx.socket(zmq.PUSH)
         self._to_core.bind(f"ipc://{ipc}-in")
         self._from_core = self._ctx.socket(zmq.PULL)
         self._from_core.bind(f"ipc://{ipc}-out")
         self.core = None  # the EngineCore itself, when it runs in a thread
-        if core_in_thread:
+        self.client_index = 0 if link is None else link.index  # (sent with each request to a shared core)
+        self._owns_core = link is None
+        if link is not None:
+            self._worker = SharedCoreProcess(link.core_pid)
+        elif core_in_thread:
             from mili.engine.core import EngineCore, run_core
 
             self.core = EngineCore(config, self.inputs.model_config, self.inputs.model_path)
@@ -70,7 +89,8 @@ class AsyncLLM:
                 target=core_process_main, name="mili-engine-core", daemon=False,
                 args=(config, self.inputs.model_config, self.inputs.model_path, f"ipc://{ipc}-in",
                       f"ipc://{ipc}-out", os.getpid(), logging.getLogger("mili").getEffectiveLevel()))
-        self._worker.start()
+        if self._owns_core:
+            self._worker.start()
         self.info = self._wait_ready()
         self.inputs.core_info = self.info
         self._task: asyncio.Task | None = None
@@ -172,6 +192,8 @@ class AsyncLLM:
         if request_id in self.outputs.requests or request_id in self._streams:
             raise InvalidRequest(f"request id {request_id!r} is already in use", param="request_id")
         add = self.inputs.make_request(prompt, params, request_id)
+        if self.client_index:
+            add.client = self.client_index
         self.outputs.add(add, prompt if isinstance(prompt, str) else None)
         self._streams[request_id] = _Collector()
         self._unscheduled.add(request_id)
@@ -220,7 +242,7 @@ class AsyncLLM:
         if self._task is not None:
             self._task.cancel()
             self._task = None
-        if self._alive():
+        if self._owns_core and self._alive():  # (a shared core is its starter's to stop)
             try:
                 self._to_core.send(encode(Shutdown()), zmq.NOBLOCK)
             except zmq.ZMQError:
@@ -273,6 +295,38 @@ class _Collector:
             self.waiter = asyncio.get_running_loop().create_future()
             await self.waiter
         return self.item
+
+
+def ipc_prefix() -> str:
+    """A fresh path prefix for a pair of IPC sockets (``-in`` and ``-out`` are appended)."""
+    return os.path.join(tempfile.gettempdir(), f"mili-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+class SharedCoreProcess:
+    """The engine core as an API process that did not start it sees it: alive or not, by its pid."""
+
+    def __init__(self, pid: int):
+        self.pid, self.exitcode = pid, None
+
+    def is_alive(self) -> bool:
+        try:
+            with open(f"/proc/{self.pid}/stat") as f:  # (a zombie not yet reaped by its parent is dead)
+                return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+        except FileNotFoundError:
+            return not os.path.isdir("/proc/self") and _pid_exists(self.pid)
+
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
+
+def _pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def _merge(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:

@@ -18,6 +18,7 @@ class AddRequest(msgspec.Struct, array_like=True, tag=True):
     params: SamplingParams  # eos_token_ids filled in by the API side
     max_total_tokens: int  # prompt + generated may not exceed this
     arrival_time: float
+    client: int = 0  # the API process that sent it (mili serve --api-server-count): its outputs go back there
 
 
 class Abort(msgspec.Struct, array_like=True, tag=True):
@@ -34,7 +35,14 @@ class Shutdown(msgspec.Struct, array_like=True, tag=True):
     pass
 
 
-CoreInput = AddRequest | Abort | FinishSeqs | Shutdown
+class ClientGone(msgspec.Struct, array_like=True, tag=True):
+    """From ``mili serve`` (``--api-server-count``): API process ``client`` has exited; the core aborts its
+    requests and sends it nothing more."""
+
+    client: int
+
+
+CoreInput = AddRequest | Abort | FinishSeqs | Shutdown | ClientGone
 
 
 class SeqDelta(msgspec.Struct, array_like=True):

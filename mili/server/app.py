@@ -4,6 +4,7 @@ down (``state``, ``chat``, ``errors``, ``protocol``), and only ``mili serve`` bu
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import logging
@@ -47,13 +48,22 @@ class ApiKeyMiddleware:
 
 def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
               max_queued_requests: int = 1024, sampling_defaults: dict | None = None,
-              tool_call_parser: str = "auto") -> FastAPI:
-    state = ServerState(engine, model_name, api_key, max_queued_requests, sampling_defaults, tool_call_parser)
+              tool_call_parser: str = "auto", api_servers=None) -> FastAPI:
+    """``api_servers`` (mili.server.api_servers.ApiServers): this is one of several API processes."""
+    state = ServerState(engine, model_name, api_key, max_queued_requests, sampling_defaults, tool_call_parser,
+                        api_servers)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         engine.start()  # read the engine core's step messages on this event loop
+        if api_servers is None:
+            yield
+            return
+        # the other API processes ask this one for the status of the requests it served
+        statuses = asyncio.get_running_loop().create_task(
+            api_servers.serve_statuses(api_servers.status_socket(), state.statuses))
         yield
+        statuses.cancel()
 
     app = FastAPI(title="MILI", version=mili.__version__, lifespan=lifespan)
     app.state.mili = state

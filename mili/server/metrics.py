@@ -1,8 +1,14 @@
-"""Prometheus metrics named like vLLM's (``mili:`` prefix), fed from the engine thread after each step."""
+"""Prometheus metrics named like vLLM's (``mili:`` prefix), fed from the engine thread after each step.
+
+With several API processes (``mili serve --api-server-count``, PROMETHEUS_MULTIPROC_DIR set) each writes its
+series to files there and ``render`` sums every process's: requests are counted by the process that served
+them, the engine's gauges (the same in every process) are reported once (``mostrecent``), and its running
+totals (preemptions, speculative decoding) are counted by one process (``count_engine_totals``)."""
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
@@ -16,12 +22,18 @@ _ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3,
 
 
 class Metrics:
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, count_engine_totals: bool = True):
         self.registry = r = CollectorRegistry()
+        self.count_engine_totals = count_engine_totals
+        self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
         labels = {"model_name": model_name}
-        self.running = Gauge("mili:num_requests_running", "Requests in the running batch", registry=r)
-        self.waiting = Gauge("mili:num_requests_waiting", "Requests waiting to be scheduled", registry=r)
-        self.kv_usage = Gauge("mili:kv_cache_usage_perc", "Fraction of KV pages in use (0-1)", registry=r)
+        once = "mostrecent"  # (several API processes: the engine's gauges, reported once, not summed)
+        self.running = Gauge("mili:num_requests_running", "Requests in the running batch", registry=r,
+                             multiprocess_mode=once)
+        self.waiting = Gauge("mili:num_requests_waiting", "Requests waiting to be scheduled", registry=r,
+                             multiprocess_mode=once)
+        self.kv_usage = Gauge("mili:kv_cache_usage_perc", "Fraction of KV pages in use (0-1)", registry=r,
+                              multiprocess_mode=once)
         self.prefix_queries = Counter("mili:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
                                       registry=r)
         self.prefix_hits = Counter("mili:prefix_cache_hits", "Prompt tokens found in the prefix cache", registry=r)
@@ -48,7 +60,7 @@ class Metrics:
                                              "Draft tokens accepted, by position in the draft", ["position"],
                                              registry=r)
         self._spec_seen = None
-        self.info = Gauge("mili:model_info", "The model served", list(labels), registry=r)
+        self.info = Gauge("mili:model_info", "The model served", list(labels), registry=r, multiprocess_mode=once)
         self.info.labels(**labels).set(1)
         self._seen: dict[str, tuple[int, float]] = {}  # request id -> (tokens counted, last token time)
         self.snapshot: dict = {}
@@ -56,7 +68,8 @@ class Metrics:
 
     def on_step(self, msg, outputs, live_request_ids) -> None:
         """Called on the event loop for every step message of the engine core (mili.engine.messages)."""
-        self.preemptions.inc(msg.num_preemptions - self._preemptions_seen)
+        if self.count_engine_totals:
+            self.preemptions.inc(msg.num_preemptions - self._preemptions_seen)
         self._preemptions_seen = msg.num_preemptions
         self.failures.inc(len(msg.failures))
         self._count(outputs, time.monotonic())
@@ -78,7 +91,7 @@ class Metrics:
 
     def update_gauges(self, stats) -> None:
         """Gauges and the /health snapshot, from the core's counters."""
-        if stats.spec is not None:
+        if stats.spec is not None and self.count_engine_totals:
             self._count_spec(stats.spec)
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
@@ -118,4 +131,10 @@ class Metrics:
         self.generation_tokens.inc(generated)  # once a step, not once a request
 
     def render(self) -> bytes:
+        if self.multiprocess:  # every API process's series
+            from prometheus_client import multiprocess
+
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)
+            return generate_latest(registry)
         return generate_latest(self.registry)

@@ -41,6 +41,8 @@ async def health(http: Request):
             "quantization": engine.info.quantization, "kv_cache_dtype": engine.info.kv_cache_dtype,
             "prefix_caching": engine.info.prefix_caching, "tool_call_parser": st.tool_call_parser,
             "engine_core_pid": engine.core_pid, "api_server_pid": os.getpid(),
+            # every API process (mili serve --api-server-count): their CPU is the server's
+            "api_server_pids": st.api_servers.pids() if st.api_servers else [os.getpid()],
             **({"recurrent_state_slots": engine.info.state_slots, "recurrent_state_snapshots":
                 engine.info.state_snapshots, "recurrent_state_bytes": engine.info.state_bytes}
                if engine.info.state_slots else {}),
@@ -53,8 +55,12 @@ async def health(http: Request):
 
 @router.get("/status/{request_id}")
 async def status(request_id: str, http: Request):
-    entry = state_of(http).statuses.get(request_id)
-    return {"request_id": request_id, **(entry.as_dict() if entry is not None else {"status": "not_found"})}
+    st = state_of(http)
+    entry = st.statuses.get(request_id)
+    entry = entry.as_dict() if entry is not None else None
+    if entry is None and st.api_servers is not None:  # served by another API process?
+        entry = await st.api_servers.find_status(request_id)
+    return {"request_id": request_id, **(entry or {"status": "not_found"})}
 
 
 @router.post("/generate", responses={**error_responses(400, 500, 503), **streamed()})

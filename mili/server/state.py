@@ -28,8 +28,9 @@ _RECENT = 1000  # requests remembered for /status
 
 class ServerState:
     def __init__(self, engine: AsyncLLM, model_name: str, api_key: str | None, max_queued_requests: int,
-                 sampling_defaults: dict | None = None, tool_call_parser: str = "auto"):
+                 sampling_defaults: dict | None = None, tool_call_parser: str = "auto", api_servers=None):
         self.engine = engine
+        self.api_servers = api_servers  # one of several API processes (mili.server.api_servers): the others
         self.tokenizer = engine.tokenizer
         # the form the model writes tool calls in: hermes (Qwen3) or qwen3_xml (Qwen3.5/3.6), from its template
         self.tool_call_parser = resolve_tool_call_parser(tool_call_parser, self.tokenizer)
@@ -40,7 +41,8 @@ class ServerState:
         # (mili serve --config), else the checkpoint's generation_config.json (OpenAI API only)
         self.sampling_defaults = dict(sampling_defaults or {})
         self.openai_defaults = {**engine.generation_defaults, **self.sampling_defaults}
-        self.metrics = Metrics(model_name)
+        # (several API processes: their series summed; the engine's running totals counted by the first only)
+        self.metrics = Metrics(model_name, count_engine_totals=api_servers is None or api_servers.index == 0)
         self.metrics.update_gauges(engine.info.stats)  # the first snapshot for /health
         engine.on_step = lambda msg, outputs: self.metrics.on_step(msg, outputs, engine.live_request_ids())
         self.created = int(time.time())

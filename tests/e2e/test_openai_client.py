@@ -19,10 +19,12 @@ def _client(s) -> OpenAI:
     return OpenAI(base_url=s.url + "/v1", api_key="x", timeout=60, max_retries=0)
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+@pytest.fixture(scope="module", params=["tp1", "tp2", "api2"])
 def server(request, random_model):
-    """The whole suite against one rank and against two (tensor parallelism over gloo on the CPU)."""
-    s = Server(random_model, *(["--tensor-parallel-size", "2"] if request.param == 2 else []))
+    """The whole suite against one rank, against two (tensor parallelism over gloo on the CPU), and through two
+    API processes (--api-server-count 2)."""
+    s = Server(random_model, *{"tp1": [], "tp2": ["--tensor-parallel-size", "2"],
+                               "api2": ["--api-server-count", "2"]}[request.param])
     yield s
     assert s.stop() == 0, s.output()
 
