@@ -21,7 +21,13 @@ SUPPORTED_ARCHITECTURES = {  # -> model_type
     # the ForConditionalGeneration ones (the language model under text_config; its vision tower is skipped)
     "Qwen3NextForCausalLM": "qwen3_next", "Qwen3_5ForCausalLM": "qwen3_5_text",
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text", "Qwen3_5ForConditionalGeneration": "qwen3_5",
-    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe"}
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
+    # Qwen3-VL: the Qwen3 decoder with M-RoPE and DeepStack, and its vision tower (model/qwen3_vl.py, vision.py)
+    "Qwen3VLForConditionalGeneration": "qwen3_vl"}
+# the hub's image-capable layouts: the language model's config under text_config, the tower's under vision_config
+_MULTIMODAL_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_vl")
+# transformers' M-RoPE sections where a config names none (Qwen3VLTextRotaryEmbedding's default)
+_DEFAULT_MROPE_SECTION = {"qwen3_vl_text": [24, 20, 20]}
 HYBRID_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")  # (the text models')
 
 
@@ -63,6 +69,9 @@ class ModelConfig:
     # the hybrids: each layer's kind (full_attention | linear_attention), and the MoE's shared expert
     layer_types: tuple[str, ...] = ()
     shared_expert_intermediate_size: int = 0
+    # image-capable checkpoints (Qwen3-VL): the vision tower's config and the image-pad token's id
+    vision_config: object = field(repr=False, default=None)
+    image_token_id: int | None = None
 
     def shard(self, rank: int, size: int) -> "ModelConfig":
         """This config as rank ``rank`` of ``size`` sees it: attention heads, MLP and expert columns split evenly
@@ -118,11 +127,12 @@ class ModelConfig:
                 f"unsupported architecture {archs or model_type!r} (model_type {model_type!r}): MILI runs "
                 + ", ".join(f"{a} (model_type {t!r})" for a, t in SUPPORTED_ARCHITECTURES.items()))
         top = hf_config
-        if model_type in ("qwen3_5", "qwen3_5_moe"):  # the hub layout: the language model's config inside
+        if model_type in _MULTIMODAL_MODEL_TYPES:  # the hub layout: the language model's config inside
             hf_config = hf_config.get_text_config()
             model_type = hf_config.model_type
             if getattr(top, "quantization_config", None) and not getattr(hf_config, "quantization_config", None):
                 hf_config.quantization_config = top.quantization_config  # (Qwen's FP8 releases keep it on top)
+        vision = _vision_fields(top, hf_config) if model_type in _DEFAULT_MROPE_SECTION else {}
         hybrid = model_type in HYBRID_MODEL_TYPES
         check_architecture_settings(hf_config, hybrid)
         moe = _moe_fields(hf_config) if model_type in ("qwen3_moe", "qwen3_next", "qwen3_5_moe_text") else {}
@@ -150,7 +160,17 @@ class ModelConfig:
             checkpoint_dtype=dtype,
             hf_config=hf_config,
             **moe,
+            **vision,
         )
+
+
+def _vision_fields(top, text_config) -> dict:
+    """A Qwen3-VL checkpoint's tower config and image token; transformers' M-RoPE sections where the text config
+    names none (it computes with them all the same)."""
+    params = getattr(text_config, "rope_parameters", None)
+    if isinstance(params, dict) and not params.get("mrope_section"):
+        text_config.rope_parameters = {**params, "mrope_section": _DEFAULT_MROPE_SECTION[text_config.model_type]}
+    return {"vision_config": top.vision_config, "image_token_id": top.image_token_id}
 
 
 def _moe_fields(hf_config) -> dict:

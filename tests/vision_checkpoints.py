@@ -43,8 +43,9 @@ def _model(kind: str):
 
 
 def build_vision_checkpoint(path: Path, kind: str, seed: int = 0, weight_scale: float = 4.0) -> Path:
-    """A random ``kind`` checkpoint (see KINDS): the language model's matrices scaled up and its norms randomised
-    so logits are not flat; the tower's norms randomised too (its LayerNorms start at exactly 1 and 0)."""
+    """A random ``kind`` checkpoint (see KINDS): the matrices scaled up (the tower's q/k/v most, so that its
+    attention is far from uniform and its rotary positions count) and the norms randomised (the tower's
+    LayerNorms start at exactly 1 and 0), so that neither the tower's output nor the logits are flat."""
     torch.manual_seed(seed)
     model = _model(kind).float().eval()
     with torch.no_grad():
@@ -54,6 +55,10 @@ def build_vision_checkpoint(path: Path, kind: str, seed: int = 0, weight_scale: 
                     p.uniform_(0.5, 1.5) if name.endswith("weight") else p.uniform_(-0.2, 0.2)
                 elif name.endswith("bias"):
                     p.uniform_(-0.1, 0.1)
+                elif name.endswith("attn.qkv.weight"):  # sharp attention: the 2-D rotary positions matter
+                    p.mul_(4 * weight_scale)
+                elif p.dim() >= 2 and "pos_embed" not in name:
+                    p.mul_(weight_scale)
                 continue
             if p.dim() >= 2 and "embed" not in name and "conv1d" not in name:
                 p.mul_(weight_scale)

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mili.kernels.reference import rotate_half
+from mili.model.batch import ImageRows
 
 
 @dataclass
@@ -124,11 +125,8 @@ class VisionTower(nn.Module):
         self.deepstack_indexes = list(getattr(cfg, "deepstack_visual_indexes", None) or [])
         self.deepstack_merger_list = nn.ModuleList(PatchMerger(cfg, dtype, postshuffle_norm=True)
                                                    for _ in self.deepstack_indexes)
-        head_dim = cfg.hidden_size // cfg.num_heads
-        theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
-        quarter = head_dim // 2  # the row and the column each rotate half the head, head_dim / 4 frequencies each
-        self.register_buffer("inv_freq", 1.0 / theta ** (torch.arange(0, quarter, 2, dtype=torch.float) / quarter),
-                             persistent=False)
+        self.head_dim = cfg.hidden_size // cfg.num_heads
+        self.rope_theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
 
     def forward(self, pixels: torch.Tensor, grid_thw: list[tuple[int, int, int]]) -> VisionOutput:
         x = self.patch_embed(pixels)
@@ -164,14 +162,17 @@ class VisionTower(nn.Module):
 
     def rotary(self, grid_thw) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 cos, sin [patches, head_dim]: the row's angles then the column's, the pair repeated (rotate-half)."""
-        device = self.inv_freq.device
+        device = self.pos_embed.weight.device
+        half = self.head_dim // 2  # the row and the column each rotate half the head: head_dim / 4 frequencies each
+        # (computed here, not a buffer: the model is built on the meta device and a buffer would come out empty)
+        inv_freq = 1.0 / self.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float, device=device) / half)
         rows_cols = []
         for t, h, w in grid_thw:
             rows = torch.arange(h, device=device)[:, None].expand(h, w)
             cols = torch.arange(w, device=device)[None, :].expand(h, w)
             rows_cols.append(self._block_order(torch.stack([rows, cols], dim=-1), t))
         pos = torch.cat(rows_cols).float()
-        angles = (pos[:, :, None] * self.inv_freq).flatten(1)  # [patches, row freqs | column freqs]
+        angles = (pos[:, :, None] * inv_freq).flatten(1)  # [patches, row freqs | column freqs]
         angles = torch.cat([angles, angles], dim=-1)
         return angles.cos(), angles.sin()
 
@@ -187,3 +188,16 @@ def _taps(size: int, side: int, device) -> tuple[torch.Tensor, torch.Tensor, tor
 def flatten_patch_weight(weight: torch.Tensor) -> torch.Tensor:
     """The checkpoint's Conv3d kernel [hidden, C, Tp, p, p] as the patch embedding's linear weight."""
     return weight.reshape(weight.shape[0], -1) if weight.dim() == 5 else weight
+
+
+def chunk_image_rows(is_image: torch.Tensor, vision: VisionOutput, start: int, end: int) -> ImageRows | None:
+    """The ImageRows of a prompt's tokens ``start`` .. ``end - 1`` (rows counted from ``start``), or None when none
+    is an image token. ``is_image``: [prompt length] bool, the image-pad tokens; ``vision``: the tower's output for
+    all the prompt's images (the k-th image token takes row k of it)."""
+    chunk = is_image[start:end]
+    if not bool(chunk.any()):
+        return None
+    first = int(is_image[:start].sum())
+    count = int(chunk.sum())
+    rows = chunk.nonzero().flatten().to(vision.embeds.device)
+    return ImageRows(rows, vision.embeds[first:first + count], [d[first:first + count] for d in vision.deepstack])

@@ -26,6 +26,7 @@ from mili.model.cpu_linear import (fp8_gemm_available, fp8_round_trip_linears, i
 from mili.model.loader import load_weights
 from mili.model.qwen3 import Qwen3ForCausalLM
 from mili.model.qwen3_5 import Qwen3_5ForCausalLM
+from mili.model.qwen3_vl import Qwen3VLForConditionalGeneration
 from mili.process import die_with_parent
 from mili.runtime import parallel
 from mili.model.batch import ForwardBatch
@@ -86,9 +87,12 @@ class ModelRunner:
         if use_mtp and (not self.hybrid or self.tp_size > 1):
             raise InvalidRequest("speculative_config: method mtp runs the hybrid models' MTP head (Qwen3.5 / 3.6, "
                                  "Qwen3-Next) without tensor parallelism", param="speculative_config")
+        if model_config.vision_config is not None and self.tp_size > 1:
+            raise InvalidRequest("tensor parallelism is not supported for Qwen3-VL yet", param="tensor_parallel_size")
         with torch.device("meta"):
             model = Qwen3_5ForCausalLM(model_config, backend, self.dtype, ops, mtp=use_mtp) if self.hybrid \
-                else Qwen3ForCausalLM(model_config, backend, self.dtype, ops)
+                else Qwen3VLForConditionalGeneration(model_config, backend, self.dtype, ops) \
+                if model_config.vision_config is not None else Qwen3ForCausalLM(model_config, backend, self.dtype, ops)
         self.model = model.to_empty(device=self.device)
         if self.hybrid:
             gated_delta_fla.use(self.model, self.gated_delta)
