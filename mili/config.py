@@ -27,7 +27,7 @@ SUPPORTED_ARCHITECTURES = {  # -> model_type
 # the hub's image-capable layouts: the language model's config under text_config, the tower's under vision_config
 _MULTIMODAL_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_vl")
 # transformers' M-RoPE sections where a config names none (Qwen3VLTextRotaryEmbedding's default)
-_DEFAULT_MROPE_SECTION = {"qwen3_vl_text": [24, 20, 20]}
+_DEFAULT_MROPE_SECTION = {"qwen3_vl_text": [24, 20, 20], "qwen3_5_text": [11, 11, 10], "qwen3_5_moe_text": [11, 11, 10]}
 HYBRID_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")  # (the text models')
 
 
@@ -69,7 +69,8 @@ class ModelConfig:
     # the hybrids: each layer's kind (full_attention | linear_attention), and the MoE's shared expert
     layer_types: tuple[str, ...] = ()
     shared_expert_intermediate_size: int = 0
-    # image-capable checkpoints (Qwen3-VL): the vision tower's config and the image-pad token's id
+    # image-capable checkpoints (Qwen3-VL, the hub's Qwen3.5 / 3.6): the vision tower's config and the image-pad
+    # token's id (None for text-only checkpoints)
     vision_config: object = field(repr=False, default=None)
     image_token_id: int | None = None
 
@@ -165,12 +166,13 @@ class ModelConfig:
 
 
 def _vision_fields(top, text_config) -> dict:
-    """A Qwen3-VL checkpoint's tower config and image token; transformers' M-RoPE sections where the text config
-    names none (it computes with them all the same)."""
+    """An image-capable checkpoint's tower config and image token (none for a text-only one); transformers' M-RoPE
+    sections where the text config names none (it computes with them all the same)."""
     params = getattr(text_config, "rope_parameters", None)
     if isinstance(params, dict) and not params.get("mrope_section"):
         text_config.rope_parameters = {**params, "mrope_section": _DEFAULT_MROPE_SECTION[text_config.model_type]}
-    return {"vision_config": top.vision_config, "image_token_id": top.image_token_id}
+    vision = getattr(top, "vision_config", None)
+    return {"vision_config": vision, "image_token_id": getattr(top, "image_token_id", None)} if vision else {}
 
 
 def _moe_fields(hf_config) -> dict:
@@ -288,6 +290,9 @@ class EngineConfig:
     # speculative decoding: None (off), a SpeculativeConfig, or its fields as a dict or JSON text (vLLM's
     # ``--speculative-config``), e.g. {"method": "ngram", "num_speculative_tokens": 3}
     speculative_config: "SpeculativeConfig | dict | str | None" = None
+    # image-capable checkpoints (Qwen3-VL, Qwen3.5 / 3.6): skip the vision tower (not loaded; text only), as vLLM's
+    # --language-model-only
+    language_model_only: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *_DTYPES):

@@ -65,9 +65,9 @@ def mrope_axes(rope_params: dict, num_freqs: int) -> torch.Tensor | None:
     if rope_params.get("mrope_interleaved", True) is not True:
         raise ModelLoadError("config.json sets mrope_interleaved false (Qwen2-VL's sectioned M-RoPE): MILI computes "
                              "Qwen3-VL's interleaved layout only")
-    if len(sections) != 3 or sum(sections) != num_freqs:
-        raise ModelLoadError(f"config.json mrope_section {sections} must be three sizes adding up to the {num_freqs} "
-                             f"rotary frequencies")
+    if len(sections) != 3:
+        raise ModelLoadError(f"config.json mrope_section {sections} must be three sizes (time, height, width)")
+    # (as transformers: sections are not checked against num_freqs; the time axis takes what the others leave)
     j = torch.arange(num_freqs)
     axes = torch.zeros(num_freqs, dtype=torch.long)
     axes[(j % 3 == 1) & (j < 3 * sections[1])] = 1

@@ -12,6 +12,7 @@ The step's image rows come in ``batch.images`` (model/batch.py ImageRows); the t
 
 Checkpoint layout (the hub's): ``model.language_model.*`` is the decoder (loaded as ``model.*``), ``model.visual.*``
 the tower (``visual.*``; the patch embedding's Conv3d kernel flattened into a linear weight), ``lm_head.weight``.
+The same tower serves the hub's Qwen3.5 / 3.6 checkpoints (model/qwen3_5.py, which has no DeepStack).
 """
 
 from __future__ import annotations
@@ -26,9 +27,11 @@ from mili.model.vision import VisionOutput, VisionTower, flatten_patch_weight
 
 
 class Qwen3VLForConditionalGeneration(Qwen3ForCausalLM):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, ops=TorchOps):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, ops=TorchOps,
+                 vision: bool = True):
+        """``vision`` False: no tower (its tensors are not loaded), text only (EngineConfig.language_model_only)."""
         super().__init__(cfg, backend, dtype, ops)
-        self.visual = VisionTower(cfg.vision_config, dtype)
+        self.visual = VisionTower(cfg.vision_config, dtype) if vision else None
 
     @torch.no_grad()
     def encode_images(self, pixel_values: torch.Tensor, grid_thw: list[tuple[int, int, int]]) -> VisionOutput:
@@ -54,7 +57,7 @@ class Qwen3VLForConditionalGeneration(Qwen3ForCausalLM):
         if name.startswith("model.language_model."):
             return "model." + name.removeprefix("model.language_model.")
         if name.startswith("model.visual."):
-            return name.removeprefix("model.")
+            return name.removeprefix("model.") if self.visual is not None else None
         return name
 
     def reorder_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:

@@ -87,11 +87,13 @@ class ModelRunner:
         if use_mtp and (not self.hybrid or self.tp_size > 1):
             raise InvalidRequest("speculative_config: method mtp runs the hybrid models' MTP head (Qwen3.5 / 3.6, "
                                  "Qwen3-Next) without tensor parallelism", param="speculative_config")
-        if model_config.vision_config is not None and self.tp_size > 1:
-            raise InvalidRequest("tensor parallelism is not supported for Qwen3-VL yet", param="tensor_parallel_size")
+        vision = model_config.vision_config is not None and not config.language_model_only
+        if vision and self.tp_size > 1:
+            log.info("tensor parallelism: the vision tower is not loaded (text only)")
+            vision = False
         with torch.device("meta"):
-            model = Qwen3_5ForCausalLM(model_config, backend, self.dtype, ops, mtp=use_mtp) if self.hybrid \
-                else Qwen3VLForConditionalGeneration(model_config, backend, self.dtype, ops) \
+            model = Qwen3_5ForCausalLM(model_config, backend, self.dtype, ops, mtp=use_mtp, vision=vision) \
+                if self.hybrid else Qwen3VLForConditionalGeneration(model_config, backend, self.dtype, ops, vision) \
                 if model_config.vision_config is not None else Qwen3ForCausalLM(model_config, backend, self.dtype, ops)
         self.model = model.to_empty(device=self.device)
         if self.hybrid:

@@ -1,6 +1,7 @@
-"""Qwen3-VL in MILI (mili/model/qwen3_vl.py) against transformers in float32, module calls (no engine): a whole
-prompt with one or two images of different sizes (every position's logprobs), and the same prompt prefilled in
-chunks that split an image, then greedy decodes at M-RoPE's shifted positions (HF generate's tokens and scores)."""
+"""Qwen3-VL (mili/model/qwen3_vl.py) and Qwen3.5 with its vision tower (mili/model/qwen3_5.py) against transformers
+in float32, module calls (no engine): a whole prompt with one or two images of different sizes (every position's
+logprobs), and the same prompt prefilled in chunks that split an image, then greedy decodes at M-RoPE's shifted
+positions (HF generate's tokens and scores)."""
 
 from __future__ import annotations
 
@@ -11,18 +12,21 @@ from mili.config import ModelConfig
 from mili.model.batch import ForwardBatch
 from mili.model.loader import load_hf_config, load_weights
 from mili.model.mrope import rope_index
+from mili.model.qwen3_5 import Qwen3_5ForCausalLM
 from mili.model.qwen3_vl import Qwen3VLForConditionalGeneration
 from mili.model.vision import chunk_image_rows
 from mili.runtime.attention.torch_backend import TorchAttentionBackend
-from vision_checkpoints import IMAGE, build_vision_checkpoint, hf_model, process_images, prompt_with_images, write_images
+from vision_checkpoints import (IMAGE, KINDS, build_vision_checkpoint, hf_model, process_images, prompt_with_images,
+                                write_images)
 
 PAGE = 8
 TEXTS = {1: [[5, 17, 301, 42], [7, 7, 90]], 2: [[5, 17], [33, 2, 8], [400, 3, 9, 11]]}
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return build_vision_checkpoint(tmp_path_factory.mktemp("vl") / "qwen3_vl", "qwen3_vl")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vl")
+    return {kind: build_vision_checkpoint(root / kind, kind) for kind in KINDS}
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +37,8 @@ def images(tmp_path_factory):
 def mili_model(path):
     cfg = ModelConfig.from_hf(load_hf_config(str(path)))
     with torch.device("meta"):
-        model = Qwen3VLForConditionalGeneration(cfg, TorchAttentionBackend(), torch.float32)
+        cls = Qwen3_5ForCausalLM if cfg.is_hybrid else Qwen3VLForConditionalGeneration
+        model = cls(cfg, TorchAttentionBackend(), torch.float32)
     model = model.to_empty(device="cpu")
     load_weights(model, str(path))
     model.init_rotary(512, torch.device("cpu"))
@@ -47,7 +52,10 @@ class Sequence:
         cfg = model.config
         self.model, self.ids = model, list(ids)
         self.kv = [(torch.zeros(16, PAGE, cfg.num_key_value_heads, cfg.head_dim),
-                    torch.zeros(16, PAGE, cfg.num_key_value_heads, cfg.head_dim)) for _ in range(cfg.num_hidden_layers)]
+                    torch.zeros(16, PAGE, cfg.num_key_value_heads, cfg.head_dim)) for _ in range(cfg.num_attention_layers)]
+        shape = getattr(model, "linear_shape", None)  # the hybrid: its recurrent states in slot 1 of 2
+        self.states = [(torch.zeros(2, *shape.conv_state_shape()), torch.zeros(2, *shape.ssm_state_shape()))
+                       for _ in range(cfg.layer_types.count("linear_attention"))]
         self.pages = torch.tensor([[3, 9, 1, 12, 5, 0, 7, 14, 2, 11, 4, 6, 8, 10, 13, 15]])
         self.positions, self.delta = rope_index(ids, grid.tolist(), IMAGE, 2)
         self.vision = model.encode_images(pixels, grid.tolist())
@@ -64,9 +72,11 @@ class Sequence:
         n = end - start
         batch = ForwardBatch(torch.tensor(self.ids[start:end]), positions,
                              self.pages[0][pos // PAGE] * PAGE + pos % PAGE, self.pages, [n], [end], int(n == 1),
-                             torch.arange(n) if all_logits else torch.tensor([n - 1]), images=images)
+                             torch.arange(n) if all_logits else torch.tensor([n - 1]), images=images,
+                             state_slots=[1])
         with torch.no_grad():
-            return self.model.compute_logits(self.model(batch, self.kv))
+            hidden = self.model(batch, self.kv, self.states) if self.states else self.model(batch, self.kv)
+            return self.model.compute_logits(hidden)
 
 
 def _inputs(images, count):
@@ -75,10 +85,12 @@ def _inputs(images, count):
     return pixels, grid, ids
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("count", [1, 2])
-def test_prompt_logprobs_match_hf(checkpoint, images, count):
+def test_prompt_logprobs_match_hf(checkpoints, images, kind, count):
+    checkpoint = checkpoints[kind]
     pixels, grid, ids = _inputs(images, count)
-    hf = hf_model(checkpoint, "qwen3_vl")
+    hf = hf_model(checkpoint, kind)
     input_ids = torch.tensor([ids])
     with torch.no_grad():
         ref = hf(input_ids=input_ids, pixel_values=pixels, image_grid_thw=grid,
@@ -88,10 +100,12 @@ def test_prompt_logprobs_match_hf(checkpoint, images, count):
     assert ref.exp().max(-1).values.min() < 0.9  # (not a near-one-hot distribution everywhere)
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("count", [1, 2])
-def test_chunked_prefill_and_decode_match_hf_generate(checkpoint, images, count):
+def test_chunked_prefill_and_decode_match_hf_generate(checkpoints, images, kind, count):
+    checkpoint = checkpoints[kind]
     pixels, grid, ids = _inputs(images, count)
-    hf = hf_model(checkpoint, "qwen3_vl")
+    hf = hf_model(checkpoint, kind)
     input_ids = torch.tensor([ids])
     steps = 6
     with torch.no_grad():
@@ -113,7 +127,7 @@ def test_chunked_prefill_and_decode_match_hf_generate(checkpoint, images, count)
     assert tokens == want_tokens
 
 
-def test_text_only_prompts_through_the_engine_match_hf(checkpoint):
+def test_text_only_prompts_through_the_engine_match_hf(checkpoints):
     """A Qwen3-VL checkpoint loads in the offline engine (tower included) and serves text: [T] positions, no
     M-RoPE cost, HF's greedy tokens and logprobs (prompts prefilled in chunks, batched)."""
     from helpers import assert_greedy_matches_hf
@@ -121,6 +135,7 @@ def test_text_only_prompts_through_the_engine_match_hf(checkpoint):
 
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 498, (n,), generator=g).tolist() for n in (3, 40, 90)]
+    checkpoint = checkpoints["qwen3_vl"]
     hf = hf_model(checkpoint, "qwen3_vl")
     reference = []
     for ids in prompts:
