@@ -105,9 +105,10 @@ class PatchEmbed(nn.Module):
         super().__init__()
         patch = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size ** 2
         self.proj = nn.Linear(patch, cfg.hidden_size, dtype=dtype)  # the checkpoint's Conv3d, flattened on load
+        self.dtype = dtype  # (kept: a kernel linear swapped in has no ``weight``)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        return self.proj(pixels.to(self.proj.weight.dtype))
+        return self.proj(pixels.to(self.dtype))
 
 
 class VisionTower(nn.Module):

@@ -31,6 +31,7 @@ from mili.process import die_with_parent
 from mili.runtime import parallel
 from mili.model.batch import ForwardBatch
 from mili.runtime.attention.torch_backend import TorchAttentionBackend
+from mili.runtime.images import RequestImages, StepImages
 from mili.runtime.recurrent_state import RecurrentStateCache
 from mili.runtime.prompt_logprobs import PromptScorer, rows_per_slice
 from mili.runtime.sampler import NO_TOKEN, Sampler, SamplerOutput, SamplingMetadata
@@ -415,15 +416,27 @@ class ModelRunner:
             return self.model(batch, self.kv_caches, self.states.caches)
         return self.model(batch, self.kv_caches)
 
+    def request_images(self, prompt: list[int], images) -> RequestImages:
+        """A request's images (an engine ``ImageInput``) as its steps take them; refused without a vision tower."""
+        if getattr(self.model, "visual", None) is None:
+            raise InvalidRequest("this model takes no images (a text-only checkpoint, language_model_only, or "
+                                 "tensor parallelism)", param="multi_modal_data")
+        return RequestImages.build(prompt, images.pixel_values, images.patch_dim, images.grid_thw, images.hashes,
+                                   self.model_config.image_token_id, self.model_config.vision_config.spatial_merge_size)
+
     def prepare(self, scheduled) -> tuple[ForwardBatch, list[tuple]]:
         """Batch tensors for a list of ``ScheduledSeq`` (decodes first), built once per step; and the
         prompt positions each sequence scores in it (prompt logprobs): [(sequence, positions)]."""
         input_ids, positions, query_lens, context_lens, logits_indices = [], [], [], [], []
         prompt_rows, scoring = [], []
         num_decodes = 0
+        # M-RoPE positions and image rows, only when a request with images is in the step
+        images = StepImages(self.model) if any(s.seq.request.images is not None for s in scheduled) else None
         for s in scheduled:
             seq, n = s.seq, s.num_new_tokens
             start, first_row = seq.num_computed_tokens, len(input_ids)
+            if images is not None:
+                images.add(seq.request.images, start, n, first_row)
             input_ids += seq.token_ids[start:start + n - len(s.draft)] + s.draft
             positions += range(start, start + n)
             query_lens.append(n)
@@ -442,6 +455,8 @@ class ModelRunner:
             logits_indices=torch.tensor(logits_indices + prompt_rows, dtype=torch.long, device=dev),
             num_prompt_rows=len(prompt_rows),
             state_slots=[s.seq.state_slot for s in scheduled] if self.hybrid else None)
+        if images is not None:  # (the slots stay the tokens' indices; the rotary takes M-RoPE's positions)
+            batch.positions, batch.images = images.batch_fields(dev)
         return batch, scoring
 
     def _forward_batch(self, page_tables: list[list[int]], positions: list[int], query_lens: list[int],
