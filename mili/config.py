@@ -23,11 +23,11 @@ SUPPORTED_ARCHITECTURES = {  # -> model_type
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text", "Qwen3_5ForConditionalGeneration": "qwen3_5",
     "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
     # Qwen3-VL: the Qwen3 decoder with M-RoPE and DeepStack, and its vision tower (model/qwen3_vl.py, vision.py)
-    "Qwen3VLForConditionalGeneration": "qwen3_vl"}
+    "Qwen3VLForConditionalGeneration": "qwen3_vl", "Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe"}
 # the hub's image-capable layouts: the language model's config under text_config, the tower's under vision_config
-_MULTIMODAL_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_vl")
+_MULTIMODAL_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_vl", "qwen3_vl_moe")
 # transformers' M-RoPE sections where a config names none (Qwen3VLTextRotaryEmbedding's default)
-_DEFAULT_MROPE_SECTION = {"qwen3_vl_text": [24, 20, 20], "qwen3_5_text": [11, 11, 10], "qwen3_5_moe_text": [11, 11, 10]}
+_DEFAULT_MROPE_SECTION = {"qwen3_vl_text": [24, 20, 20], "qwen3_vl_moe_text": [24, 20, 20], "qwen3_5_text": [11, 11, 10], "qwen3_5_moe_text": [11, 11, 10]}
 HYBRID_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")  # (the text models')
 
 
@@ -93,6 +93,8 @@ class ModelConfig:
         need(self.moe_intermediate_size % size == 0,
              f"moe_intermediate_size {self.moe_intermediate_size} does not split evenly")
         need(not getattr(self.hf_config, "attention_bias", False), "attention_bias is not supported")
+        need(getattr(self.hf_config, "model_type", None) != "qwen3_vl_moe_text",
+             "Qwen3-VL MoE is not split yet (the hub stores its experts transposed)")
         if self.is_hybrid:  # Gated DeltaNet: key heads split, each with the value heads it serves
             hk, hv = self.hf_config.linear_num_key_heads, self.hf_config.linear_num_value_heads
             need(hk % size == 0, f"{hk} linear-attention key heads do not split evenly")
@@ -136,9 +138,12 @@ class ModelConfig:
         vision = _vision_fields(top, hf_config) if model_type in _DEFAULT_MROPE_SECTION else {}
         hybrid = model_type in HYBRID_MODEL_TYPES
         check_architecture_settings(hf_config, hybrid)
-        moe = _moe_fields(hf_config) if model_type in ("qwen3_moe", "qwen3_next", "qwen3_5_moe_text") else {}
+        moe_types = ("qwen3_moe", "qwen3_next", "qwen3_5_moe_text", "qwen3_vl_moe_text")
+        moe = _moe_fields(hf_config) if model_type in moe_types else {}
         if model_type == "qwen3_5_moe_text":  # every layer has experts, and the top k are always renormalised
             moe.update(norm_topk_prob=True, sparse_layers=(True,) * hf_config.num_hidden_layers)
+        if model_type == "qwen3_vl_moe_text":  # its router always renormalises the top k (no norm_topk_prob)
+            moe.update(norm_topk_prob=True)
         if hybrid:
             moe.update(layer_types=tuple(hf_config.layer_types),
                        shared_expert_intermediate_size=getattr(hf_config, "shared_expert_intermediate_size", 0) or 0)

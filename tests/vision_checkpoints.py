@@ -25,19 +25,25 @@ HYBRID_TEXT = dict(TEXT, num_hidden_layers=4, linear_num_key_heads=2, linear_num
                    linear_value_head_dim=16, linear_conv_kernel_dim=4,
                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
                                     "mrope_section": [2, 1, 1], "mrope_interleaved": True})
-KINDS = ("qwen3_vl", "qwen3_5_vl")
+KINDS = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5_vl")
+# Qwen3-VL MoE: 4 experts of 48 (2I = 96 is not the hidden 64: the hub's transposed layout is told by its shape),
+# the middle layer dense
+MOE = dict(moe_intermediate_size=48, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[1])
 IMAGE_SIZES = [(64, 96), (96, 64)]  # (height, width)
 
 
 def _model(kind: str):
     import transformers as tf
 
-    if kind == "qwen3_vl":
+    if kind in ("qwen3_vl", "qwen3_vl_moe"):
         text = dict(TEXT, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [6, 5, 5],
                                            "mrope_interleaved": True})
+        vision = dict(VISION, deepstack_visual_indexes=[0, 1])
+        if kind == "qwen3_vl_moe":
+            return tf.Qwen3VLMoeForConditionalGeneration(tf.Qwen3VLMoeConfig(
+                text_config=dict(text, **MOE), vision_config=vision, tie_word_embeddings=False, **TOKEN_IDS))
         return tf.Qwen3VLForConditionalGeneration(tf.Qwen3VLConfig(
-            text_config=text, vision_config=dict(VISION, deepstack_visual_indexes=[0, 1]), tie_word_embeddings=False,
-            **TOKEN_IDS))
+            text_config=text, vision_config=vision, tie_word_embeddings=False, **TOKEN_IDS))
     return tf.Qwen3_5ForConditionalGeneration(tf.Qwen3_5Config(text_config=HYBRID_TEXT, vision_config=VISION,
                                                                tie_word_embeddings=False, **TOKEN_IDS))
 
@@ -69,8 +75,23 @@ def build_vision_checkpoint(path: Path, kind: str, seed: int = 0, weight_scale: 
             elif name.endswith("dt_bias"):
                 p.uniform_(-1.0, 1.0)
     model.save_pretrained(path)
+    if kind == "qwen3_vl_moe":
+        _hub_experts(path)
     return path
 
+
+def _hub_experts(path: Path) -> None:
+    """Qwen3-VL MoE's stacked experts as the hub's releases store them: gate|up [E, H, 2I], down [E, I, H]."""
+    from safetensors.torch import load_file, save_file
+
+    file = path / "model.safetensors"
+    tensors = load_file(file)
+    for name, t in tensors.items():
+        if name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
+            hidden = TEXT["hidden_size"]
+            hub = t if (t.shape[1] == hidden) == name.endswith("gate_up_proj") else t.transpose(1, 2)
+            tensors[name] = hub.contiguous()
+    save_file(tensors, file, metadata={"format": "pt"})
 
 def hf_model(path: Path, kind: str):
     import transformers as tf
@@ -78,7 +99,8 @@ def hf_model(path: Path, kind: str):
     from mili.selftest.parity import hf_torch_paths
 
     hf_torch_paths()
-    cls = tf.Qwen3VLForConditionalGeneration if kind == "qwen3_vl" else tf.Qwen3_5ForConditionalGeneration
+    cls = {"qwen3_vl": tf.Qwen3VLForConditionalGeneration, "qwen3_vl_moe": tf.Qwen3VLMoeForConditionalGeneration,
+           "qwen3_5_vl": tf.Qwen3_5ForConditionalGeneration}[kind]
     return cls.from_pretrained(path, dtype=torch.float32).eval()
 
 

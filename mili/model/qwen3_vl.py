@@ -1,4 +1,5 @@
-"""Qwen3-VL (Qwen3VLForConditionalGeneration): the Qwen3 decoder of qwen3.py with images in, in one short file.
+"""Qwen3-VL (Qwen3VLForConditionalGeneration, and the MoE Qwen3VLMoeForConditionalGeneration: qwen3.py's experts,
+the top k always renormalised): the Qwen3 decoder of qwen3.py with images in, in one short file.
 
 What differs from the text model, as transformers computes it:
 
@@ -61,4 +62,18 @@ class Qwen3VLForConditionalGeneration(Qwen3ForCausalLM):
         return name
 
     def reorder_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        return flatten_patch_weight(tensor) if name == "visual.patch_embed.proj.weight" else tensor
+        """The tower's Conv3d kernel flattened; Qwen3-VL MoE's stacked experts, which the hub stores transposed
+        (gate|up [E, H, 2I], down [E, I, H]), as MILI's [E, 2I, H] and [E, H, I]: transposed where the shape
+        asks for it, as transformers does (a checkpoint that transformers 5 wrote may hold either)."""
+        if name == "visual.patch_embed.proj.weight":
+            return flatten_patch_weight(tensor)
+        cfg = self.config
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            want = (cfg.num_experts, 2 * cfg.moe_intermediate_size, cfg.hidden_size)
+        elif name.endswith(".mlp.experts.down_proj"):
+            want = (cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        else:
+            return tensor
+        if tuple(tensor.shape) != want and tuple(tensor.shape) == (want[0], want[2], want[1]):
+            return tensor.transpose(1, 2).contiguous()
+        return tensor

@@ -44,7 +44,7 @@ def test_tower_matches_hf(checkpoints, images, kind, count):
     assert ours.tokens_per_image == [len(e) for e in ref.pooler_output]
     assert torch.allclose(ours.embeds, torch.cat(ref.pooler_output), atol=1e-5, rtol=0)
     deepstack = getattr(ref, "deepstack_features", None) or []
-    assert len(ours.deepstack) == len(deepstack) == (2 if kind == "qwen3_vl" else 0)
+    assert len(ours.deepstack) == len(deepstack) == (0 if kind == "qwen3_5_vl" else 2)
     for got, want in zip(ours.deepstack, deepstack):
         assert torch.allclose(got, torch.cat(want), atol=1e-5, rtol=0)
     assert ours.embeds.abs().max() > 1e-2  # (not a trivially small output)

@@ -149,3 +149,18 @@ def test_text_only_prompts_through_the_engine_match_hf(checkpoints):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert_greedy_matches_hf(outs, reference, 8)
     assert any(type(m).__name__ == "VisionTower" for m in llm.engine.runner.model.modules())
+
+
+def test_moe_experts_load_from_the_hubs_transposed_layout(checkpoints):
+    """Qwen3-VL MoE's releases store gate|up as [E, H, 2I] and down as [E, I, H] (the test checkpoint too): they
+    load transposed into MILI's stacked experts (the parity tests above then hold for the MoE kind)."""
+    from safetensors.torch import load_file
+
+    stored = load_file(checkpoints["qwen3_vl_moe"] / "model.safetensors")
+    gate_up = stored["model.language_model.layers.0.mlp.experts.gate_up_proj"]
+    down = stored["model.language_model.layers.0.mlp.experts.down_proj"]
+    assert tuple(gate_up.shape) == (4, 64, 96) and tuple(down.shape) == (4, 48, 64)
+    model = mili_model(checkpoints["qwen3_vl_moe"])
+    experts = model.model.layers[0].mlp.experts
+    assert torch.equal(experts.w13, gate_up.transpose(1, 2)) and torch.equal(experts.w2, down.transpose(1, 2))
+    assert not hasattr(model.model.layers[1].mlp, "experts")  # (mlp_only_layers: the middle layer is dense)
