@@ -144,3 +144,18 @@ def test_bfloat16_puts_the_tower_on_the_cpu_linears(checkpoints, images, kind):
     got = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, logprobs=20), use_tqdm=False)[0].outputs[0]
     token = want.token_ids[0]
     assert abs(got.logprobs[0][token].logprob - want.logprobs[0][token].logprob) < 0.05
+
+
+def test_images_on_the_triton_path(checkpoints, images):
+    """The Triton attention backend and kernels (TRITON_INTERPRET=1 on the CPU): the rotary kernel takes M-RoPE's
+    cos/sin as it takes plain ones; HF's greedy tokens and logprobs, an image split over chunks of 16."""
+    pytest.importorskip("triton")
+    hf = hf_model(checkpoints["qwen3_vl"], "qwen3_vl")
+    cases = [(images[:2], TEXTS[1]), ([], [[9, 8, 7, 6, 5]])]
+    refs = [_reference(hf, paths, texts)[1] for paths, texts in cases]
+    llm = LLM(str(checkpoints["qwen3_vl"]), dtype="float32", attention_backend="triton", max_num_batched_tokens=16)
+    assert llm.engine.runner.attention_backend == "triton"
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
+    outs = llm.generate([_request(paths, texts) for paths, texts in cases], params, use_tqdm=False)
+    assert_greedy_matches_hf(outs, refs, MAX_TOKENS)
+    llm.engine.check_integrity()
