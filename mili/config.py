@@ -27,7 +27,8 @@ SUPPORTED_ARCHITECTURES = {  # -> model_type
 # the hub's image-capable layouts: the language model's config under text_config, the tower's under vision_config
 _MULTIMODAL_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_vl", "qwen3_vl_moe")
 # transformers' M-RoPE sections where a config names none (Qwen3VLTextRotaryEmbedding's default)
-_DEFAULT_MROPE_SECTION = {"qwen3_vl_text": [24, 20, 20], "qwen3_vl_moe_text": [24, 20, 20], "qwen3_5_text": [11, 11, 10], "qwen3_5_moe_text": [11, 11, 10]}
+_DEFAULT_MROPE_SECTION = {"qwen3_vl_text": [24, 20, 20], "qwen3_vl_moe_text": [24, 20, 20],
+                          "qwen3_5_text": [11, 11, 10], "qwen3_5_moe_text": [11, 11, 10]}
 HYBRID_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")  # (the text models')
 
 

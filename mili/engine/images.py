@@ -57,7 +57,8 @@ class ImageInputs:
         try:
             out = self.processor([image.convert("RGB") for image in images], return_tensors="np")
         except Exception as e:  # not an image, an unreadable one
-            raise InvalidRequest(f"cannot process the images: {type(e).__name__}: {e}", param="multi_modal_data") from e
+            raise InvalidRequest(f"cannot process the images: {type(e).__name__}: {e}",
+                                 param="multi_modal_data") from e
         pixels = np.ascontiguousarray(out["pixel_values"], dtype=np.float32)
         grids = [tuple(int(x) for x in g) for g in out["image_grid_thw"]]
         merge = self.model_config.vision_config.spatial_merge_size

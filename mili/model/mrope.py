@@ -21,8 +21,8 @@ from mili.errors import ModelLoadError
 
 def rope_index(input_ids: list[int], grid_thw: list[tuple[int, int, int]], image_token_id: int,
                spatial_merge: int) -> tuple[torch.Tensor, int]:
-    """(positions [3, T] int64, delta) for a prompt whose image tokens are runs of t·h·w / merge² ``image_token_id``
-    ids, one run per ``grid_thw`` entry (the patch grid of each image, in order)."""
+    """(positions [3, T] int64, delta) for a prompt whose image tokens are runs of t·h·w / merge²
+    ``image_token_id`` ids, one run per ``grid_thw`` entry (the patch grid of each image, in order)."""
     positions = torch.empty(3, len(input_ids), dtype=torch.long)
     grids = iter(grid_thw)
     i = current = 0

@@ -53,7 +53,8 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(hidden, 3 * hidden, dtype=dtype)
         self.proj = nn.Linear(hidden, hidden, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], seq_lens: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                seq_lens: list[int]) -> torch.Tensor:
         """Full (non-causal) attention within each image's patches: ``seq_lens`` per image (frame), in order."""
         s = x.shape[0]
         q, k, v = self.qkv(x).view(s, 3, self.num_heads, self.head_dim).unbind(1)
@@ -162,7 +163,8 @@ class VisionTower(nn.Module):
         return torch.cat(out)
 
     def rotary(self, grid_thw) -> tuple[torch.Tensor, torch.Tensor]:
-        """float32 cos, sin [patches, head_dim]: the row's angles then the column's, the pair repeated (rotate-half)."""
+        """float32 cos, sin [patches, head_dim]: the row's angles then the column's, the pair repeated
+        (rotate-half)."""
         device = self.pos_embed.weight.device
         half = self.head_dim // 2  # the row and the column each rotate half the head: head_dim / 4 frequencies each
         # (computed here, not a buffer: the model is built on the meta device and a buffer would come out empty)

@@ -93,9 +93,12 @@ class ModelRunner:
             log.info("tensor parallelism: the vision tower is not loaded (text only)")
             vision = False
         with torch.device("meta"):
-            model = Qwen3_5ForCausalLM(model_config, backend, self.dtype, ops, mtp=use_mtp, vision=vision) \
-                if self.hybrid else Qwen3VLForConditionalGeneration(model_config, backend, self.dtype, ops, vision) \
-                if model_config.vision_config is not None else Qwen3ForCausalLM(model_config, backend, self.dtype, ops)
+            if self.hybrid:
+                model = Qwen3_5ForCausalLM(model_config, backend, self.dtype, ops, mtp=use_mtp, vision=vision)
+            elif model_config.vision_config is not None:  # Qwen3-VL
+                model = Qwen3VLForConditionalGeneration(model_config, backend, self.dtype, ops, vision)
+            else:
+                model = Qwen3ForCausalLM(model_config, backend, self.dtype, ops)
         self.model = model.to_empty(device=self.device)
         if self.hybrid:
             gated_delta_fla.use(self.model, self.gated_delta)
@@ -421,8 +424,9 @@ class ModelRunner:
         if getattr(self.model, "visual", None) is None:
             raise InvalidRequest("this model takes no images (a text-only checkpoint, language_model_only, or "
                                  "tensor parallelism)", param="multi_modal_data")
+        merge = self.model_config.vision_config.spatial_merge_size
         return RequestImages.build(prompt, images.pixel_values, images.patch_dim, images.grid_thw, images.hashes,
-                                   self.model_config.image_token_id, self.model_config.vision_config.spatial_merge_size)
+                                   self.model_config.image_token_id, merge)
 
     def prepare(self, scheduled) -> tuple[ForwardBatch, list[tuple]]:
         """Batch tensors for a list of ``ScheduledSeq`` (decodes first), built once per step; and the

@@ -123,7 +123,8 @@ def test_a_request_with_images_crosses_the_wire(checkpoints, images):
     llm = LLM(str(checkpoints["qwen3_vl"]), dtype="float32")
     add = llm.engine.inputs.make_request(_placeholders(TEXTS[1]), SamplingParams(max_tokens=2), "r",
                                          [Image.open(p) for p in images[:2]])
-    assert add.images.grid_thw == [[1, 4, 6], [1, 6, 4]] and len(add.prompt_token_ids) == len(_placeholders(TEXTS[1])) + 10
+    assert add.images.grid_thw == [[1, 4, 6], [1, 6, 4]]
+    assert len(add.prompt_token_ids) == len(_placeholders(TEXTS[1])) + 10  # 6 + 6 tokens for 2 placeholders
     assert input_decoder.decode(encode(add)) == add
 
 

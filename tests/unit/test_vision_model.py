@@ -51,8 +51,8 @@ class Sequence:
     def __init__(self, model, ids: list[int], pixels, grid):
         cfg = model.config
         self.model, self.ids = model, list(ids)
-        self.kv = [(torch.zeros(16, PAGE, cfg.num_key_value_heads, cfg.head_dim),
-                    torch.zeros(16, PAGE, cfg.num_key_value_heads, cfg.head_dim)) for _ in range(cfg.num_attention_layers)]
+        pages = (16, PAGE, cfg.num_key_value_heads, cfg.head_dim)
+        self.kv = [(torch.zeros(pages), torch.zeros(pages)) for _ in range(cfg.num_attention_layers)]
         shape = getattr(model, "linear_shape", None)  # the hybrid: its recurrent states in slot 1 of 2
         self.states = [(torch.zeros(2, *shape.conv_state_shape()), torch.zeros(2, *shape.ssm_state_shape()))
                        for _ in range(cfg.layer_types.count("linear_attention"))]
