@@ -1,8 +1,9 @@
 """A request's images on the core's side, and a step's share of them (M-RoPE models: Qwen3-VL, Qwen3.5 / 3.6).
 
-``RequestImages`` holds what every step of the request needs: the pixel rows (the vision tower runs over them once,
-at the first prefill chunk that reaches an image token, and its output is kept until the request ends, so a
-prompt prefilled in chunks, or computed again after a preemption, takes its rows from it), the prompt's M-RoPE
+``RequestImages`` holds what every step of the request needs: the pixel rows (the vision tower runs over them at
+the first prefill chunk that reaches an image token, and its output is kept while the prompt prefills, chunk by
+chunk; it is dropped once the prompt is computed, and made again if a preemption has the prompt recomputed),
+the prompt's M-RoPE
 positions and decode delta, which prompt tokens are image tokens, and the prompt as the prefix cache keys it
 (each image's tokens replaced by an id from its pixels' hash: two different images never share K/V).
 

@@ -107,7 +107,11 @@ def test_prefix_cache_keys_images_by_content(checkpoints, images, kind):
 
 def test_images_refused_where_they_cannot_go(checkpoints, images):
     request = _request(images[:1], TEXTS[0])
+    from mili.cli import build_parser, engine_kwargs
+
+    assert engine_kwargs(build_parser().parse_args(["serve", "--language-model-only"]))["language_model_only"]
     text_only = LLM(str(checkpoints["qwen3_vl"]), dtype="float32", language_model_only=True)
+    assert text_only.engine.runner.model.visual is None  # (its tensors skipped, not loaded)
     with pytest.raises(InvalidRequest, match="takes no images"):
         text_only.generate([request], SamplingParams(max_tokens=1), use_tqdm=False)
     llm = LLM(str(checkpoints["qwen3_vl"]), dtype="float32")
@@ -160,3 +164,28 @@ def test_images_on_the_triton_path(checkpoints, images):
     outs = llm.generate([_request(paths, texts) for paths, texts in cases], params, use_tqdm=False)
     assert_greedy_matches_hf(outs, refs, MAX_TOKENS)
     llm.engine.check_integrity()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_preempted_requests_with_images_keep_hfs_tokens(checkpoints, images, kind):
+    """A KV pool too small for all of them: requests with images are preempted and recomputed (the tower run
+    again: its output is dropped once a prompt is computed) and still write HF's tokens; no page leaks."""
+    hf = hf_model(checkpoints[kind], kind)
+    cases = [(images[i % 3:i % 3 + 1], [[5 + i, 17], [7, 90 + i, 3]]) for i in range(4)]
+    refs = [_reference(hf, paths, texts)[1] for paths, texts in cases]
+    llm = LLM(str(checkpoints[kind]), dtype="float32", max_num_batched_tokens=16, page_size=4, num_kv_pages=14,
+              enable_prefix_caching=False)
+    engine, core = llm.engine, llm.engine.core
+    model, encoded = core.runner.model, []
+    encode = model.encode_images
+    model.encode_images = lambda *args: encoded.append(1) or encode(*args)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    requests = [engine.add_request(r["prompt_token_ids"], params, images=r["multi_modal_data"]["image"])
+                for r in (_request(paths, texts) for paths, texts in cases)]
+    while core.scheduler.has_work():
+        core.step()
+        engine.check_integrity()
+    assert core.scheduler.num_preemptions > 0
+    assert all(r.images.vision is None for r in requests) and len(encoded) > len(requests)  # (some ran twice)
+    exact = sum(r.seqs[0].output_token_ids == ref for r, (ref, _) in zip(requests, refs))
+    assert exact >= len(cases) - 1
