@@ -70,6 +70,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         '(drafts looked up in the sequence itself; prompt_lookup_min/max: the n-gram sizes, default '
                         '1 to 4); disable_by_batch_size: off for a step with more running sequences (default 8). '
                         'Greedy output is unchanged; sampled output keeps its distribution')
+    p.add_argument("--language-model-only", action="store_true",
+                   help="image-capable checkpoints (Qwen3-VL, the hub's Qwen3.5 / 3.6): do not load the vision "
+                        "tower (text only, less memory)")
     p.add_argument("--schedule-policy", default="fcfs", choices=["fcfs", "lpm"],
                    help="order of waiting requests: first come first served, or longest cached prefix first "
                         "(with a starvation guard)")
@@ -87,7 +90,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 cpu_weight_prepack=args.cpu_weight_prepack,
                 attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
                 gpu_memory_utilization=args.gpu_memory_utilization,
-                tensor_parallel_size=args.tensor_parallel_size, speculative_config=args.speculative_config)
+                tensor_parallel_size=args.tensor_parallel_size, speculative_config=args.speculative_config,
+                language_model_only=args.language_model_only)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -21,7 +21,14 @@ SUPPORTED_ARCHITECTURES = {  # -> model_type
     # the ForConditionalGeneration ones (the language model under text_config; its vision tower is skipped)
     "Qwen3NextForCausalLM": "qwen3_next", "Qwen3_5ForCausalLM": "qwen3_5_text",
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text", "Qwen3_5ForConditionalGeneration": "qwen3_5",
-    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe"}
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
+    # Qwen3-VL: the Qwen3 decoder with M-RoPE and DeepStack, and its vision tower (model/qwen3_vl.py, vision.py)
+    "Qwen3VLForConditionalGeneration": "qwen3_vl", "Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe"}
+# the hub's image-capable layouts: the language model's config under text_config, the tower's under vision_config
+_MULTIMODAL_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_vl", "qwen3_vl_moe")
+# transformers' M-RoPE sections where a config names none (Qwen3VLTextRotaryEmbedding's default)
+_DEFAULT_MROPE_SECTION = {"qwen3_vl_text": [24, 20, 20], "qwen3_vl_moe_text": [24, 20, 20],
+                          "qwen3_5_text": [11, 11, 10], "qwen3_5_moe_text": [11, 11, 10]}
 HYBRID_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")  # (the text models')
 
 
@@ -63,6 +70,10 @@ class ModelConfig:
     # the hybrids: each layer's kind (full_attention | linear_attention), and the MoE's shared expert
     layer_types: tuple[str, ...] = ()
     shared_expert_intermediate_size: int = 0
+    # image-capable checkpoints (Qwen3-VL, the hub's Qwen3.5 / 3.6): the vision tower's config and the image-pad
+    # token's id (None for text-only checkpoints)
+    vision_config: object = field(repr=False, default=None)
+    image_token_id: int | None = None
 
     def shard(self, rank: int, size: int) -> "ModelConfig":
         """This config as rank ``rank`` of ``size`` sees it: attention heads, MLP and expert columns split evenly
@@ -83,6 +94,8 @@ class ModelConfig:
         need(self.moe_intermediate_size % size == 0,
              f"moe_intermediate_size {self.moe_intermediate_size} does not split evenly")
         need(not getattr(self.hf_config, "attention_bias", False), "attention_bias is not supported")
+        need(getattr(self.hf_config, "model_type", None) != "qwen3_vl_moe_text",
+             "Qwen3-VL MoE is not split yet (the hub stores its experts transposed)")
         if self.is_hybrid:  # Gated DeltaNet: key heads split, each with the value heads it serves
             hk, hv = self.hf_config.linear_num_key_heads, self.hf_config.linear_num_value_heads
             need(hk % size == 0, f"{hk} linear-attention key heads do not split evenly")
@@ -118,16 +131,20 @@ class ModelConfig:
                 f"unsupported architecture {archs or model_type!r} (model_type {model_type!r}): MILI runs "
                 + ", ".join(f"{a} (model_type {t!r})" for a, t in SUPPORTED_ARCHITECTURES.items()))
         top = hf_config
-        if model_type in ("qwen3_5", "qwen3_5_moe"):  # the hub layout: the language model's config inside
+        if model_type in _MULTIMODAL_MODEL_TYPES:  # the hub layout: the language model's config inside
             hf_config = hf_config.get_text_config()
             model_type = hf_config.model_type
             if getattr(top, "quantization_config", None) and not getattr(hf_config, "quantization_config", None):
                 hf_config.quantization_config = top.quantization_config  # (Qwen's FP8 releases keep it on top)
+        vision = _vision_fields(top, hf_config) if model_type in _DEFAULT_MROPE_SECTION else {}
         hybrid = model_type in HYBRID_MODEL_TYPES
         check_architecture_settings(hf_config, hybrid)
-        moe = _moe_fields(hf_config) if model_type in ("qwen3_moe", "qwen3_next", "qwen3_5_moe_text") else {}
+        moe_types = ("qwen3_moe", "qwen3_next", "qwen3_5_moe_text", "qwen3_vl_moe_text")
+        moe = _moe_fields(hf_config) if model_type in moe_types else {}
         if model_type == "qwen3_5_moe_text":  # every layer has experts, and the top k are always renormalised
             moe.update(norm_topk_prob=True, sparse_layers=(True,) * hf_config.num_hidden_layers)
+        if model_type == "qwen3_vl_moe_text":  # its router always renormalises the top k (no norm_topk_prob)
+            moe.update(norm_topk_prob=True)
         if hybrid:
             moe.update(layer_types=tuple(hf_config.layer_types),
                        shared_expert_intermediate_size=getattr(hf_config, "shared_expert_intermediate_size", 0) or 0)
@@ -150,7 +167,18 @@ class ModelConfig:
             checkpoint_dtype=dtype,
             hf_config=hf_config,
             **moe,
+            **vision,
         )
+
+
+def _vision_fields(top, text_config) -> dict:
+    """An image-capable checkpoint's tower config and image token (none for a text-only one); transformers' M-RoPE
+    sections where the text config names none (it computes with them all the same)."""
+    params = getattr(text_config, "rope_parameters", None)
+    if isinstance(params, dict) and not params.get("mrope_section"):
+        text_config.rope_parameters = {**params, "mrope_section": _DEFAULT_MROPE_SECTION[text_config.model_type]}
+    vision = getattr(top, "vision_config", None)
+    return {"vision_config": vision, "image_token_id": getattr(top, "image_token_id", None)} if vision else {}
 
 
 def _moe_fields(hf_config) -> dict:
@@ -268,6 +296,9 @@ class EngineConfig:
     # speculative decoding: None (off), a SpeculativeConfig, or its fields as a dict or JSON text (vLLM's
     # ``--speculative-config``), e.g. {"method": "ngram", "num_speculative_tokens": 3}
     speculative_config: "SpeculativeConfig | dict | str | None" = None
+    # image-capable checkpoints (Qwen3-VL, Qwen3.5 / 3.6): skip the vision tower (not loaded; text only), as vLLM's
+    # --language-model-only
+    language_model_only: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *_DTYPES):

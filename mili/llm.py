@@ -39,7 +39,9 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for one prompt or a list; outputs come back in input order.
 
-        A prompt is a string or ``{"prompt_token_ids": [...]}`` (or ``{"prompt": "..."}``).
+        A prompt is a string or ``{"prompt_token_ids": [...]}`` (or ``{"prompt": "..."}``), with images for a
+        Qwen3-VL / Qwen3.5 model as vLLM's: ``"multi_modal_data": {"image": a PIL image or a list of them}``, one
+        per image placeholder (one ``<|image_pad|>`` token each) in the prompt.
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -80,8 +82,8 @@ class LLM:
         engine = self.engine
         ids = []
         try:
-            for prompt, sp in zip(prompts, params):
-                ids.append(engine.add_request(prompt, sp).request_id)
+            for (prompt, images), sp in zip(prompts, params):
+                ids.append(engine.add_request(prompt, sp, images=images).request_id)
         except Exception:
             for rid in ids:
                 engine.abort_request(rid)
@@ -109,11 +111,20 @@ def _after(params: SamplingParams | None, token_id: int | None) -> SamplingParam
     return dataclasses.replace(params, structured_outputs=dataclasses.replace(so, start_after_token_id=token_id))
 
 
-def _prompt_input(prompt: PromptType) -> str | list[int]:
+def _prompt_input(prompt: PromptType) -> tuple[str | list[int], list | None]:
+    """(the prompt, its images or None)."""
     if isinstance(prompt, str):
-        return prompt
+        return prompt, None
+    images = None
+    if isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
+        data = prompt["multi_modal_data"]
+        if not isinstance(data, dict) or set(data) - {"image"}:
+            raise InvalidRequest("multi_modal_data takes images only: {'image': an image or a list of them}",
+                                 param="multi_modal_data")
+        images = data.get("image")
+        images = list(images) if isinstance(images, (list, tuple)) else [images] if images is not None else None
     if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-        return list(prompt["prompt_token_ids"])
+        return list(prompt["prompt_token_ids"]), images
     if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
-        return prompt["prompt"]
+        return prompt["prompt"], images
     raise InvalidRequest("a prompt is a string or a dict with 'prompt_token_ids' or 'prompt'", param="prompts")

@@ -95,6 +95,8 @@ class EngineCore:
                                  f"model (raise num_state_slots)", param="n")
         request = Request(add.request_id, None, list(add.prompt_token_ids), params, add.max_total_tokens,
                           arrival_time=add.arrival_time)
+        if add.images is not None:
+            request.images = self.runner.request_images(add.prompt_token_ids, add.images)
         for i in range(params.n):
             generator = None
             if params.seed is not None:  # sequence i of a seeded request draws from its own stream

@@ -7,6 +7,7 @@ import dataclasses
 import time
 
 from mili.config import EngineConfig, ModelConfig
+from mili.engine.images import ImageInputs
 from mili.engine.messages import AddRequest, Ready
 from mili.errors import ContextLengthExceeded, InvalidRequest
 from mili.model.loader import load_generation_defaults, load_hf_config, resolve_model_path
@@ -28,13 +29,17 @@ class InputProcessor:
         self.eos_token_ids = load_eos_token_ids(self.model_path, self.tokenizer, hf_config)
         self.generation_defaults = load_generation_defaults(self.model_path)  # used by the server
         self.core_info: Ready | None = None  # the loaded core's limits (max_model_len after the KV pool)
+        tower = self.model_config.vision_config is not None and not config.language_model_only
+        self.images = ImageInputs(self.model_path, self.model_config, tower and config.tensor_parallel_size == 1)
 
     @property
     def max_model_len(self) -> int:
         return self.core_info.max_model_len
 
-    def make_request(self, prompt: str | list[int], params: SamplingParams, request_id: str) -> AddRequest:
-        """Encode and validate one request; raises InvalidRequest / ContextLengthExceeded."""
+    def make_request(self, prompt: str | list[int], params: SamplingParams, request_id: str,
+                     images: list | None = None) -> AddRequest:
+        """Encode and validate one request; raises InvalidRequest / ContextLengthExceeded. ``images``: PIL images,
+        one per image placeholder in the prompt (engine/images.py)."""
         token_ids = encode_prompt(self.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
         vocab = self.model_config.vocab_size
         if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in token_ids):
@@ -51,9 +56,12 @@ class InputProcessor:
                                  f"(raise num_state_slots)", param="n")
         if params.structured_outputs is not None:
             check_structured(params.structured_outputs, "structured_outputs")
+        image_input = None
+        if images:
+            token_ids, image_input = self.images.prepare(token_ids, images)
         max_total = self._check_length(len(token_ids), params.max_tokens)
         params = dataclasses.replace(params, eos_token_ids=list(self.eos_token_ids))
-        return AddRequest(request_id, token_ids, params, max_total, time.monotonic())
+        return AddRequest(request_id, token_ids, params, max_total, time.monotonic(), image_input)
 
     def _check_length(self, prompt_len: int, max_tokens: int | None) -> int:
         limit = self.max_model_len

@@ -12,13 +12,23 @@ import msgspec
 from mili.sampling_params import SamplingParams
 
 
+class ImageInput(msgspec.Struct, array_like=True):
+    """A request's images as the image processor made them (engine/images.py): one float32 row per patch."""
+
+    pixel_values: bytes  # float32 [patches, patch_dim], row-major
+    patch_dim: int
+    grid_thw: list[list[int]]  # each image's patch grid (t, h, w)
+    hashes: list[int]  # each image's pixels hashed (the prefix cache keys its tokens by them)
+
+
 class AddRequest(msgspec.Struct, array_like=True, tag=True):
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int]  # with each image's tokens expanded (one per merged patch block)
     params: SamplingParams  # eos_token_ids filled in by the API side
     max_total_tokens: int  # prompt + generated may not exceed this
     arrival_time: float
     client: int = 0  # the API process that sent it (mili serve --api-server-count): its outputs go back there
+    images: ImageInput | None = None
 
 
 class Abort(msgspec.Struct, array_like=True, tag=True):

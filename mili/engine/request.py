@@ -18,6 +18,7 @@ import torch
 from mili.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from mili.runtime.images import RequestImages
     from mili.structured import SeqGrammar
 
 
@@ -67,6 +68,13 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status == SeqStatus.FINISHED
 
+    def cache_key(self, end: int) -> list[int]:
+        """Its first ``end`` tokens as the prefix cache keys them: an image's tokens by the image's content."""
+        images = self.request.images
+        if images is None:
+            return self.token_ids[:end]
+        return images.cache_ids[:end] + self.token_ids[len(images.cache_ids):end]
+
 
 @dataclass(eq=False)
 class Request:
@@ -83,6 +91,8 @@ class Request:
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
     # prompt logprobs: positions 0 .. num_scored - 1 have scored the prompt token after them (and were sent)
     num_scored: int = 0
+    # M-RoPE models: the prompt's images (pixels, positions, the tower's output once computed), or None
+    images: "RequestImages | None" = None
 
     @property
     def is_finished(self) -> bool:

@@ -188,7 +188,7 @@ class Scheduler:
         end = seq.num_tokens - 1
         if seq.request.scoring_prompt:
             end = min(end, seq.request.num_scored)
-        return seq.token_ids[:end]
+        return seq.cache_key(end)
 
     def _start_from_cache(self, seq: Sequence):
         """A sequence with no pages takes the longest cached prefix it may (see ``_matchable``); hybrids: the
@@ -273,7 +273,9 @@ class Scheduler:
             if self.snapshots is not None:
                 self.snapshots.after_step(seq)
             if before < seq.prompt_len <= seq.num_computed_tokens:
-                self.cache.insert(seq.token_ids[:seq.num_computed_tokens], seq.page_table)
+                self.cache.insert(seq.cache_key(seq.num_computed_tokens), seq.page_table)
+                if seq.request.images is not None:  # the tower's output is in the K/V now (made again if preempted)
+                    seq.request.images.vision = None
 
     def _preempt(self, seq: Sequence) -> None:
         self._release(seq)
@@ -284,7 +286,7 @@ class Scheduler:
     def _release(self, seq: Sequence) -> None:
         """Put the sequence's computed full pages in the cache, then drop its own references."""
         if seq.page_table:
-            self.cache.insert(seq.token_ids[:seq.num_computed_tokens], seq.page_table)
+            self.cache.insert(seq.cache_key(seq.num_computed_tokens), seq.page_table)
         if self.snapshots is not None:  # (before its pages go: the tree takes them with its state)
             self.snapshots.release(seq)
         if seq.page_table:

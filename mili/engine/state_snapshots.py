@@ -49,7 +49,7 @@ class StateSnapshots:
         if pos == 0 or pos % self.page_size:
             return
         if pos in (seq.branch_pos, self.prompt_boundary(seq)):  # into the tree now: sharers hit meanwhile
-            self.cache.keep_state(seq.token_ids[:pos], seq.page_table, seq.state_slot)
+            self.cache.keep_state(seq.cache_key(pos), seq.page_table, seq.state_slot)
         elif pos > self.prompt_boundary(seq) and self.cache.hold_state(seq, seq.state_slot):
             seq.snapshot_pos = pos  # its own, overwritten at its next boundary
 
@@ -58,11 +58,11 @@ class StateSnapshots:
         its end when that is page-aligned, else the snapshot of its latest page boundary."""
         pos = seq.num_computed_tokens
         if seq.page_table and seq.snapshot is not None and seq.snapshot_pos == pos:
-            self.cache.adopt_state(seq.token_ids[:pos], seq.page_table, seq)
+            self.cache.adopt_state(seq.cache_key(pos), seq.page_table, seq)
         elif seq.page_table and seq.state_slot is not None and pos and pos % self.page_size == 0:
-            self.cache.keep_state(seq.token_ids[:pos], seq.page_table, seq.state_slot)
+            self.cache.keep_state(seq.cache_key(pos), seq.page_table, seq.state_slot)
         elif seq.page_table and seq.snapshot is not None:
-            self.cache.adopt_state(seq.token_ids[:seq.snapshot_pos], seq.page_table, seq)
+            self.cache.adopt_state(seq.cache_key(seq.snapshot_pos), seq.page_table, seq)
         self.cache.snapshots.free(seq)
 
     def check_integrity(self, running: list[Sequence], waiting) -> None:

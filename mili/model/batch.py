@@ -9,6 +9,17 @@ import torch
 
 
 @dataclass
+class ImageRows:
+    """The image tokens among a step's rows (M-RoPE models): their embeddings from the vision tower, which
+    replace the image-pad token's, and per DeepStack layer the features added to the hidden states there after
+    that decoder layer (Qwen3-VL's first ``len(deepstack)`` layers; none for Qwen3.5)."""
+
+    rows: torch.Tensor  # [N] rows of the step's T tokens
+    embeds: torch.Tensor  # [N, hidden]
+    deepstack: list[torch.Tensor]  # each [N, hidden]
+
+
+@dataclass
 class ForwardBatch:
     """One forward pass over a mixed batch: decodes first (one query token each), then prefill chunks.
 
@@ -18,7 +29,7 @@ class ForwardBatch:
     """
 
     input_ids: torch.Tensor  # [T] token ids of the new tokens, all sequences concatenated
-    positions: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T], or [3, T] (time, height, width) for an M-RoPE model's batch with images
     slot_mapping: torch.Tensor  # [T] flat slot (page * page_size + offset) where each new K/V goes
     page_table: torch.Tensor  # [B, max_pages] page ids per sequence (padded with 0)
     query_lens: list[int]  # [B]
@@ -35,6 +46,8 @@ class ForwardBatch:
     num_prompt_rows: int = 0
     # hybrid models: each sequence's recurrent-state slot in the runner's state pool ([B], None otherwise)
     state_slots: list[int] | None = None
+    # M-RoPE models: the step's image tokens and what replaces their embeddings (None: no image token this step)
+    images: ImageRows | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -11,6 +11,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from mili.errors import ModelLoadError
 from mili.kernels.reference import TorchOps
 from mili.model.checks import STATIC_ROPE_TYPES, rope_parameters
+from mili.model.mrope import mrope_axes
 
 
 class RMSNorm(nn.Module):
@@ -43,7 +44,9 @@ def rope_inverse_frequencies(hf_config) -> tuple[torch.Tensor, float]:
 
 
 class RotaryEmbedding(nn.Module):
-    """A cos/sin table over every position, indexed by the batch's explicit positions."""
+    """A cos/sin table over every position, indexed by the batch's explicit positions: [T], or for an M-RoPE model
+    (``mrope_section`` in its rope parameters) [3, T] (time, height, width: each column of the table then takes
+    its axis's position, see model/mrope.py). A batch without images passes [T] positions either way."""
 
     def __init__(self, hf_config, max_positions: int, device: torch.device):
         super().__init__()
@@ -53,10 +56,18 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", (emb.cos() * scale).to(device), persistent=False)
         self.register_buffer("sin", (emb.sin() * scale).to(device), persistent=False)
+        axes = mrope_axes(rope_parameters(hf_config), len(inv_freq))
+        # [1, 2D]: the position row (0 time, 1 height, 2 width) each column of cos/sin reads
+        self.mrope_axes = None if axes is None else torch.cat([axes, axes])[None].to(device)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """float32 cos and sin [T, head_dim] for a step's positions: once per step, not per layer."""
-        return self.cos[positions], self.sin[positions]
+        """float32 cos and sin [T, rotary dim] for a step's positions: once per step, not per layer."""
+        if positions.dim() == 1:
+            return self.cos[positions], self.sin[positions]
+        if self.mrope_axes is None:
+            raise ValueError("positions of shape [3, T] for a model without M-RoPE")
+        index = self.mrope_axes.expand(positions.shape[1], -1)[None]  # [1, T, 2D]
+        return self.cos[positions].gather(0, index)[0], self.sin[positions].gather(0, index)[0]
 
 
 class ZeroCentredRMSNorm(nn.Module):

@@ -355,7 +355,7 @@ def _check_checkpoint(model: Qwen3ForCausalLM, files: list[str], params: dict,
         if _target(model, _param_name(model, dequant.weight_name(name) if dequant else name), params) is None:
             unexpected.append(name)
     check_tensors(found, unexpected)
-    visual = sum(n.startswith("model.visual.") for n in dtypes)
+    visual = sum(n.startswith("model.visual.") and _skipped(model, n) for n in dtypes)
     if visual:
         log.info("skipping the vision tower's %d tensors (model.visual.*): MILI serves text only", visual)
     return dequant

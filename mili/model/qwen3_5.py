@@ -1,5 +1,5 @@
 """The hybrid Qwen generation: Qwen3-Next (Qwen3NextForCausalLM) and Qwen3.5 / 3.6 (Qwen3_5ForCausalLM,
-Qwen3_5MoeForCausalLM and the hub's ...ForConditionalGeneration checkpoints, vision tower skipped), in one
+Qwen3_5MoeForCausalLM and the hub's ...ForConditionalGeneration checkpoints with their vision tower), in one
 readable file beside qwen3.py, whose MLP, experts and fused linears it reuses.
 
 Three layers in four are Gated DeltaNet linear attention (``linear_attn``: a per-sequence recurrent state,
@@ -12,8 +12,10 @@ the linear attention (plain weight). Numerics follow HF transformers; as in qwen
 Checkpoint layouts: Qwen3.5's separate ``in_proj_qkv``/``in_proj_z``/``in_proj_b``/``in_proj_a`` load into
 the fused ``in_proj_qkvz`` / ``in_proj_ba`` (shards q|k|v, z and b, a); Qwen3-Next's fused projections are
 interleaved per key head ([q k v z] of each key head's group, [b a] likewise) and are reordered on load
-(``reorder_checkpoint_tensor``). ``model.visual.*`` tensors are not loaded; nor are ``mtp.*`` (the MTP head)
-unless speculative decoding asks for it (``mtp=True``: ``MultiTokenPredictor``, below).
+(``reorder_checkpoint_tensor``). ``model.visual.*`` is the vision tower (model/vision.py: Qwen3-VL's without
+DeepStack; skipped with ``vision=False``): images replace their tokens' embeddings, positions are then M-RoPE
+(model/mrope.py). ``mtp.*`` (the MTP head) loads only when speculative decoding asks for it (``mtp=True``:
+``MultiTokenPredictor``, below).
 
 Tensor parallelism (as qwen3.py's): each rank holds an even share of the linear attention's key heads and the
 value heads they serve (value heads are grouped consecutively per key head), of the attention heads (each
@@ -39,6 +41,7 @@ from mili.model.layers import GatedRMSNorm, RotaryEmbedding, ZeroCentredRMSNorm
 from mili.model.fused import STACKED_PARAMS, FusedLinear
 from mili.distributed import gather_logits, vocab_shard
 from mili.model.qwen3 import Qwen3MLP, Qwen3MoeBlock, VocabParallelEmbedding, _reduce
+from mili.model.vision import VisionOutput, VisionTower, flatten_patch_weight
 from mili.model.batch import AttentionBackend, ForwardBatch
 
 # a prefill chunk this short runs on the CPU kernel's recurrence, token by token, rather than as a chunk of 64
@@ -337,10 +340,12 @@ class Qwen3_5ForCausalLM(nn.Module):
     stacked_params = HYBRID_STACKED_PARAMS
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, ops=TorchOps,
-                 mtp: bool = False):
+                 mtp: bool = False, vision: bool = True):
         """``mtp``: build (and load) the MTP head too; the forward then keeps every row's final-normed hidden
-        state in ``hidden_states`` for it."""
+        state in ``hidden_states`` for it. ``vision``: the checkpoint's vision tower (``model.visual.*``, where it
+        has one: the hub's Qwen3.5 / 3.6) is built and loaded, and images replace their tokens' embeddings."""
         super().__init__()
+        self.visual = VisionTower(cfg.vision_config, dtype) if vision and cfg.vision_config is not None else None
         self.config = cfg
         self.model = HybridModel(cfg, backend, dtype)
         self.lm_head = (None if cfg.tie_word_embeddings else nn.Linear(
@@ -360,6 +365,8 @@ class Qwen3_5ForCausalLM(nn.Module):
         full-attention layer; ``state_caches``: one (conv states, SSM states) pair per linear-attention layer;
         ``rb``: where the states are (CUDA graphs pass their static slot buffers), else built from ``batch``."""
         h, residual = self.model.embed_tokens(batch.input_ids), None
+        if batch.images is not None:  # (no DeepStack in this generation)
+            h = h.index_copy(0, batch.images.rows, batch.images.embeds.to(h.dtype))
         cos_sin = self.rotary.lookup(batch.positions)
         rb = RecurrentBatch.of(batch) if rb is None else rb
         kv, states = iter(kv_caches), iter(state_caches)
@@ -394,11 +401,18 @@ class Qwen3_5ForCausalLM(nn.Module):
             logits = self.lm_head(hidden)
         return gather_logits(logits, self.config.vocab_size, self.config.tp_size)
 
+    @torch.no_grad()
+    def encode_images(self, pixel_values: torch.Tensor, grid_thw: list[tuple[int, int, int]]) -> VisionOutput:
+        """The vision tower over the image processor's output for one or more images (their tokens in order)."""
+        return self.visual(pixel_values.to(self.visual.pos_embed.weight.device), grid_thw)
+
     # -- checkpoint layouts (the loader asks) ----------------------------------------------------------------
     def checkpoint_name(self, name: str) -> str | None:
         """The parameter name a checkpoint tensor loads as, or None for tensors not loaded: the MTP head
-        (``mtp.*``) unless the model has one, and the vision tower (``model.visual.*``)."""
-        if name.startswith("model.visual.") or (name.startswith("mtp.") and self.mtp is None):
+        (``mtp.*``) unless the model has one, and the vision tower (``model.visual.*``) unless it has one."""
+        if name.startswith("model.visual."):
+            return name.removeprefix("model.") if self.visual is not None else None
+        if name.startswith("mtp.") and self.mtp is None:
             return None
         if name.startswith("model.language_model."):
             return "model." + name.removeprefix("model.language_model.")
@@ -408,6 +422,8 @@ class Qwen3_5ForCausalLM(nn.Module):
         """Qwen3-Next's fused projections, interleaved per key head, in the order q|k|v|z and b|a (with tensor
         parallelism the loader has read this rank's key-head groups, contiguous in that layout, and this
         reorders them: ``linear_shape`` is the rank's)."""
+        if name == "visual.patch_embed.proj.weight":
+            return flatten_patch_weight(tensor)
         s = self.linear_shape
         rep = s.num_v_heads // s.num_k_heads
         if name.endswith(".in_proj_qkvz.weight") and tensor.shape[0] == s.conv_dim + s.value_dim:

@@ -99,9 +99,10 @@ class CpuDecodeRunner:
         slots = batch.slot_mapping.contiguous()
         if t == batch.num_seqs:
             table, lens = decode_metadata(batch.page_table, batch.context_lens, t)
-        else:  # a row per token, attending up to its own position (every row's K/V is stored first)
+        else:  # a row per token, attending up to its own index (every row's K/V is stored first; the index, not
+            # the position: M-RoPE's positions past an image are not the indices)
             table = batch.page_table.repeat_interleave(torch.tensor(batch.query_lens), dim=0).to(torch.int64)
-            lens = batch.positions.to(torch.int64) + 1
+            lens = torch.cat([torch.arange(c - q + 1, c + 1) for q, c in zip(batch.query_lens, batch.context_lens)])
         threads = torch.get_num_threads()
         for i, (desc, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             self.lib.mili_decode_layer(ctypes.byref(desc), h.data_ptr(), residual.data_ptr(), int(i == 0),

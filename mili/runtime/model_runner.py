@@ -26,10 +26,12 @@ from mili.model.cpu_linear import (fp8_gemm_available, fp8_round_trip_linears, i
 from mili.model.loader import load_weights
 from mili.model.qwen3 import Qwen3ForCausalLM
 from mili.model.qwen3_5 import Qwen3_5ForCausalLM
+from mili.model.qwen3_vl import Qwen3VLForConditionalGeneration
 from mili.process import die_with_parent
 from mili.runtime import parallel
 from mili.model.batch import ForwardBatch
 from mili.runtime.attention.torch_backend import TorchAttentionBackend
+from mili.runtime.images import RequestImages, StepImages
 from mili.runtime.recurrent_state import RecurrentStateCache
 from mili.runtime.prompt_logprobs import PromptScorer, rows_per_slice
 from mili.runtime.sampler import NO_TOKEN, Sampler, SamplerOutput, SamplingMetadata
@@ -86,9 +88,17 @@ class ModelRunner:
         if use_mtp and (not self.hybrid or self.tp_size > 1):
             raise InvalidRequest("speculative_config: method mtp runs the hybrid models' MTP head (Qwen3.5 / 3.6, "
                                  "Qwen3-Next) without tensor parallelism", param="speculative_config")
+        vision = model_config.vision_config is not None and not config.language_model_only
+        if vision and self.tp_size > 1:
+            log.info("tensor parallelism: the vision tower is not loaded (text only)")
+            vision = False
         with torch.device("meta"):
-            model = Qwen3_5ForCausalLM(model_config, backend, self.dtype, ops, mtp=use_mtp) if self.hybrid \
-                else Qwen3ForCausalLM(model_config, backend, self.dtype, ops)
+            if self.hybrid:
+                model = Qwen3_5ForCausalLM(model_config, backend, self.dtype, ops, mtp=use_mtp, vision=vision)
+            elif model_config.vision_config is not None:  # Qwen3-VL
+                model = Qwen3VLForConditionalGeneration(model_config, backend, self.dtype, ops, vision)
+            else:
+                model = Qwen3ForCausalLM(model_config, backend, self.dtype, ops)
         self.model = model.to_empty(device=self.device)
         if self.hybrid:
             gated_delta_fla.use(self.model, self.gated_delta)
@@ -409,15 +419,28 @@ class ModelRunner:
             return self.model(batch, self.kv_caches, self.states.caches)
         return self.model(batch, self.kv_caches)
 
+    def request_images(self, prompt: list[int], images) -> RequestImages:
+        """A request's images (an engine ``ImageInput``) as its steps take them; refused without a vision tower."""
+        if getattr(self.model, "visual", None) is None:
+            raise InvalidRequest("this model takes no images (a text-only checkpoint, language_model_only, or "
+                                 "tensor parallelism)", param="multi_modal_data")
+        merge = self.model_config.vision_config.spatial_merge_size
+        return RequestImages.build(prompt, images.pixel_values, images.patch_dim, images.grid_thw, images.hashes,
+                                   self.model_config.image_token_id, merge)
+
     def prepare(self, scheduled) -> tuple[ForwardBatch, list[tuple]]:
         """Batch tensors for a list of ``ScheduledSeq`` (decodes first), built once per step; and the
         prompt positions each sequence scores in it (prompt logprobs): [(sequence, positions)]."""
         input_ids, positions, query_lens, context_lens, logits_indices = [], [], [], [], []
         prompt_rows, scoring = [], []
         num_decodes = 0
+        # M-RoPE positions and image rows, only when a request with images is in the step
+        images = StepImages(self.model) if any(s.seq.request.images is not None for s in scheduled) else None
         for s in scheduled:
             seq, n = s.seq, s.num_new_tokens
             start, first_row = seq.num_computed_tokens, len(input_ids)
+            if images is not None:
+                images.add(seq.request.images, start, n, first_row)
             input_ids += seq.token_ids[start:start + n - len(s.draft)] + s.draft
             positions += range(start, start + n)
             query_lens.append(n)
@@ -436,6 +459,8 @@ class ModelRunner:
             logits_indices=torch.tensor(logits_indices + prompt_rows, dtype=torch.long, device=dev),
             num_prompt_rows=len(prompt_rows),
             state_slots=[s.seq.state_slot for s in scheduled] if self.hybrid else None)
+        if images is not None:  # (the slots stay the tokens' indices; the rotary takes M-RoPE's positions)
+            batch.positions, batch.images = images.batch_fields(dev)
         return batch, scoring
 
     def _forward_batch(self, page_tables: list[list[int]], positions: list[int], query_lens: list[int],

@@ -1,6 +1,7 @@
 """The hybrids' checkpoint layouts at their released sizes: every tensor transformers' own model has (built on
 the meta device from the published configs in tests/data/qwen3.5) maps onto a MILI parameter of the same
-shape, and together they fill every MILI parameter; what MILI cannot run is refused by name."""
+shape, and together they fill every MILI parameter (the vision tower's too, where the release has one); what MILI
+cannot run is refused by name."""
 
 from __future__ import annotations
 
@@ -39,10 +40,12 @@ def test_released_layouts_map_onto_the_model(release, tmp_path):
             unmapped.append(name)
             continue
         keys, dest = target
+        tensor = model.reorder_checkpoint_tensor(loader._param_name(model, name), tensor)  # (the tower's Conv3d)
         assert dest.shape == tensor.shape, name
         loaded.update(keys)
     assert not unmapped
     assert not loader._expected_keys(model, params) - loaded
+    assert (model.visual is not None) == (getattr(hf_config, "vision_config", None) is not None)
     assert all(n.startswith("model.visual.") or n == "lm_head.weight" for n in skipped)
 
 
