@@ -61,7 +61,7 @@ class InputProcessor:
             token_ids, image_input = self.images.prepare(token_ids, images)
         max_total = self._check_length(len(token_ids), params.max_tokens)
         params = dataclasses.replace(params, eos_token_ids=list(self.eos_token_ids))
-        return AddRequest(request_id, token_ids, params, max_total, time.monotonic(), image_input)
+        return AddRequest(request_id, token_ids, params, max_total, time.monotonic(), images=image_input)
 
     def _check_length(self, prompt_len: int, max_tokens: int | None) -> int:
         limit = self.max_model_len

@@ -20,7 +20,7 @@ class _Socket:
 
 
 def _add(request_id: str, client: int) -> AddRequest:
-    return AddRequest(request_id, [1, 2], SamplingParams(max_tokens=4), 8, 0.0, client)
+    return AddRequest(request_id, [1, 2], SamplingParams(max_tokens=4), 8, 0.0, client=client)
 
 
 def _delta(request_id: str) -> SeqDelta:
