@@ -73,6 +73,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--language-model-only", action="store_true",
                    help="image-capable checkpoints (Qwen3-VL, the hub's Qwen3.5 / 3.6): do not load the vision "
                         "tower (text only, less memory)")
+    p.add_argument("--limit-mm-per-prompt", default=None, metavar="JSON",
+                   help='the most images one prompt may carry, as vLLM spells it: \'{"image": 4}\' (the default); '
+                        "a prompt with more is a 400, and the vision encoder's memory is budgeted for that many")
     p.add_argument("--schedule-policy", default="fcfs", choices=["fcfs", "lpm"],
                    help="order of waiting requests: first come first served, or longest cached prefix first "
                         "(with a starvation guard)")
@@ -91,7 +94,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
                 gpu_memory_utilization=args.gpu_memory_utilization,
                 tensor_parallel_size=args.tensor_parallel_size, speculative_config=args.speculative_config,
-                language_model_only=args.language_model_only)
+                language_model_only=args.language_model_only, limit_mm_per_prompt=args.limit_mm_per_prompt)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

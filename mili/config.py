@@ -263,6 +263,35 @@ class SpeculativeConfig:
         return cls(**value)
 
 
+DEFAULT_MM_LIMITS = {"image": 4}
+
+
+def parse_mm_limits(value) -> dict[str, int]:
+    """``--limit-mm-per-prompt``: None (the default, 4 images), a mapping or its JSON text; "image" (and "video",
+    accepted and kept for vLLM's spelling) each a non-negative count."""
+    if value is None:
+        return dict(DEFAULT_MM_LIMITS)
+    if isinstance(value, str):
+        import json
+
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise InvalidRequest(f"limit_mm_per_prompt is not valid JSON: {e}", param="limit_mm_per_prompt") from e
+    if not isinstance(value, dict):
+        raise InvalidRequest(f"limit_mm_per_prompt must be an object such as {{\"image\": 4}}, got "
+                             f"{type(value).__name__}", param="limit_mm_per_prompt")
+    unknown = sorted(set(value) - {"image", "video"})
+    if unknown:
+        raise InvalidRequest(f"limit_mm_per_prompt: unknown modality {', '.join(unknown)} (known: image, video)",
+                             param="limit_mm_per_prompt")
+    for name, count in value.items():
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise InvalidRequest(f"limit_mm_per_prompt: {name} must be a non-negative integer, got {count!r}",
+                                 param="limit_mm_per_prompt")
+    return {**DEFAULT_MM_LIMITS, **value}
+
+
 @dataclass
 class EngineConfig:
     model: str
@@ -299,8 +328,12 @@ class EngineConfig:
     # image-capable checkpoints (Qwen3-VL, Qwen3.5 / 3.6): skip the vision tower (not loaded; text only), as vLLM's
     # --language-model-only
     language_model_only: bool = False
+    # the most images one prompt may carry, as vLLM's --limit-mm-per-prompt ({"image": 4}, or its JSON text);
+    # the vision encoder's memory is budgeted for that many at start-up
+    limit_mm_per_prompt: "dict | str | None" = None
 
     def __post_init__(self) -> None:
+        self.limit_mm_per_prompt = parse_mm_limits(self.limit_mm_per_prompt)
         if self.dtype not in ("auto", *_DTYPES):
             raise InvalidRequest(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}",
                                  param="dtype")

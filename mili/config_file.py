@@ -128,9 +128,10 @@ def _convert(path: str, key: str, action: argparse.Action, value):
         if action.dest == "gpu_memory_utilization" and not 0 < value <= 1:
             raise bad("in (0, 1]")
         return value
-    if action.dest == "speculative_config":  # a mapping (or its JSON): EngineConfig checks its fields
+    if action.dest in ("speculative_config", "limit_mm_per_prompt"):  # a mapping (or its JSON): EngineConfig checks it
         if not isinstance(value, (dict, str)):
-            raise bad("a mapping (method, num_speculative_tokens, ...)")
+            raise bad("a mapping (method, num_speculative_tokens, ...)" if action.dest == "speculative_config"
+                      else 'a mapping ({"image": 4})')
         return value if isinstance(value, str) else json.dumps(value)
     if not isinstance(value, str):
         raise bad("a string")
