@@ -7,6 +7,8 @@ Offline: ``LLM.generate`` on every request at once. Served: ``mili serve`` (the 
 process) with the same engine settings, and ``mili bench serve``'s load generator sending the same
 token-id prompts all at once, streamed. Both greedy with ignore_eos, so both produce exactly
 ``num_prompts x output_len`` tokens. The two run one after the other (never competing for the cores).
+The served run prints each process's CPU per streamed token (API, engine core, load generator), as
+``mili bench serve`` does.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import httpx
 from common import machine, print_table, qwen3_checkpoint
 
 from mili import LLM, SamplingParams
-from mili.bench import print_serve_result, run_serve_load, serve_dataset
+from mili.bench import measure_serve_load, print_serve_result, run_serve_load, serve_dataset
 
 
 def main() -> None:
@@ -69,7 +71,7 @@ def main() -> None:
             time.sleep(0.5)
         name = httpx.get(url + "/v1/models").json()["data"][0]["id"]
         asyncio.run(run_serve_load(url, name, prompts[:4], out_lens[:4]))  # warm-up
-        served = asyncio.run(run_serve_load(url, name, prompts, out_lens))
+        served = measure_serve_load(httpx.get(url + "/health").json(), url, name, prompts, out_lens)
     finally:
         server.terminate()
         server.wait(60)

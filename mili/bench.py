@@ -385,6 +385,22 @@ def print_serve_result(result: dict) -> None:
         print(f"error: {e}")
 
 
+def measure_serve_load(health: dict, url: str, model: str, prompts: list, out_lens: list, *load) -> dict:
+    """``run_serve_load`` with each process's CPU per streamed output token read from /proc around it: the API
+    processes (one, or --api-server-count of them, summed), the engine core and this load generator."""
+    pids = {"api": health.get("api_server_pids") or [health.get("api_server_pid")],
+            "core": [health.get("engine_core_pid")]}
+    before = {name: processes_cpu_seconds(p) for name, p in pids.items()}
+    result = asyncio.run(run_serve_load(url, model, prompts, out_lens, *load))
+    after = {name: processes_cpu_seconds(p) for name, p in pids.items()}
+    tokens = max(result["output_tokens"], 1)
+    result["api_server_count"] = len(pids["api"])
+    result["cpu_us_per_token"] = {  # (None where the server runs on another machine: no /proc entry here)
+        **{name: 1e6 * (after[name] - before[name]) / tokens if None not in (before[name], after[name]) else None
+           for name in pids}, "client": 1e6 * result["client_cpu_s"] / tokens}
+    return result
+
+
 def serve(args) -> None:
     import httpx
 
@@ -395,18 +411,8 @@ def serve(args) -> None:
     print(f"mili bench serve: {args.url} model {model}; {args.num_prompts} prompts, random dataset "
           f"{args.random_input_len} in / {args.random_output_len} out, request rate {args.request_rate} req/s "
           f"(Poisson), max concurrency {args.max_concurrency or 'none'}, streamed")
-    # (the API processes: one, or --api-server-count of them, summed)
-    pids = {"api": health.get("api_server_pids") or [health.get("api_server_pid")],
-            "core": [health.get("engine_core_pid")]}
-    before = {name: processes_cpu_seconds(p) for name, p in pids.items()}
-    result = asyncio.run(run_serve_load(args.url, model, prompts, out_lens, args.request_rate,
-                                        args.max_concurrency, args.seed))
-    after = {name: processes_cpu_seconds(p) for name, p in pids.items()}
-    tokens = max(result["output_tokens"], 1)
-    result["api_server_count"] = len(pids["api"])
-    result["cpu_us_per_token"] = {  # (None where the server runs on another machine: no /proc entry here)
-        **{name: 1e6 * (after[name] - before[name]) / tokens if None not in (before[name], after[name]) else None
-           for name in pids}, "client": 1e6 * result["client_cpu_s"] / tokens}
+    result = measure_serve_load(health, args.url, model, prompts, out_lens, args.request_rate,
+                                args.max_concurrency, args.seed)
     print_serve_result(result)
     if args.save_result:
         with open(args.save_result, "w") as f:

@@ -158,6 +158,9 @@ def serve_http(args: argparse.Namespace, engine, sockets=None, api_servers=None)
 
     import uvicorn
 
+    # --log-level is MILI's too (the per-request lines are INFO), not only uvicorn's
+    logging.getLogger("mili").setLevel(args.log_level.upper())
+
     from mili.server.app import build_app
 
     name = args.served_model_name or args.model
@@ -243,7 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "for the whole server. If the engine core dies, every API process fails its streams "
                           "and the server exits non-zero; if an API process dies, the others drain as on SIGTERM "
                           "and the server exits non-zero (a supervisor restarts it). Default 1: one process")
-    srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                     help="the server's logging (MILI's and uvicorn's): warning silences the line per request")
     srv.add_argument("--config", default=None, metavar="FILE",
                      help="a JSON or YAML file of settings: inference.{device, dtype, max_batch_size}, "
                           "kv_cache.{page_size, num_pages}, sampling.{temperature, top_p, top_k} (request "

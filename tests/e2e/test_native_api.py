@@ -224,3 +224,19 @@ def test_example_config_in_the_repo_is_valid():
     values, sampling = read_config_file(str(Path(__file__).parents[2] / "examples" / "mili.yaml"),
                                         parser.serve_parser)
     assert values["num_kv_pages"] == 2048 and values["max_num_seqs"] == 64 and sampling["top_k"] == 50
+
+
+def test_log_level_warning_silences_the_request_lines(server, random_model, tmp_path):
+    """--log-level is MILI's as well as uvicorn's: at the default (info) each request leaves a line, at warning
+    none does."""
+    def one_request(s: Server) -> None:
+        assert httpx.post(s.url + "/generate", json={"prompt": "Hi", "max_tokens": 2}).status_code == 200
+
+    one_request(server)
+    assert "completion tokens, ttft" in server.output()
+    quiet = Server(random_model, "--log-level", "warning", log_dir=tmp_path)
+    try:
+        one_request(quiet)
+    finally:
+        assert quiet.stop() == 0, quiet.output()
+    assert "completion tokens, ttft" not in quiet.output()
