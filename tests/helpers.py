@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -381,3 +382,38 @@ def assert_greedy_matches_hf(outs, reference, max_tokens: int, logprobs: bool = 
                 ours = out.outputs[0].logprobs[j][got[j]].logprob
                 assert ours == pytest.approx(ref_logprobs[j, got[j]].item(), rel=1e-4, abs=1e-5)
     assert exact >= len(outs) - 1, f"only {exact}/{len(outs)} prompts matched exactly"
+
+
+def process_gone(pid: int) -> bool:
+    """The process has exited (a zombie not yet reaped counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+def _stream_into(client: httpx.Client, body: dict, sink: list, started: threading.Event) -> None:
+    try:
+        with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    sink.append((time.monotonic(), line))
+                    started.set()
+    except httpx.HTTPError as e:
+        sink.append((time.monotonic(), f"transport error: {e}"))
+    started.set()
+
+
+def start_streams(clients: list[httpx.Client], body: dict, wait_s: float = 60):
+    """One streamed /v1/completions ``body`` per client (``base_url`` set), each in a thread, returned once each
+    has its first event: (a list per stream of (arrival time, "data: ..." line or "transport error: ..."), the
+    threads)."""
+    sinks = [[] for _ in clients]
+    events = [threading.Event() for _ in clients]
+    threads = [threading.Thread(target=_stream_into, args=(c, body, sink, ev))
+               for c, sink, ev in zip(clients, sinks, events)]
+    for t in threads:
+        t.start()
+    assert all(ev.wait(wait_s) for ev in events)
+    return sinks, threads

@@ -91,7 +91,7 @@ class AsyncLLM:
                       f"ipc://{ipc}-out", os.getpid(), logging.getLogger("mili").getEffectiveLevel()))
         if self._owns_core:
             self._worker.start()
-        self.info = self._wait_ready()
+        self.info = wait_ready(self._from_core, self._worker)
         self.inputs.core_info = self.info
         self._task: asyncio.Task | None = None
 
@@ -104,19 +104,6 @@ class AsyncLLM:
 
     def _alive(self) -> bool:
         return self._worker.is_alive()
-
-    def _wait_ready(self) -> Ready:
-        while True:
-            if self._from_core.poll(200):
-                msg = output_decoder.decode(self._from_core.recv())
-                if isinstance(msg, Ready):
-                    return msg
-                if isinstance(msg, Dead):
-                    self._worker.join(10)
-                    raise (ModelLoadError(msg.reason) if msg.load_error else
-                           EngineDeadError(f"the engine core failed while loading: {msg.reason}"))
-            elif not self._alive():
-                raise EngineDeadError(f"the engine core exited while loading the model (exit code {self.exitcode})")
 
     # -- the output loop (on the event loop) ---------------------------------------------------
     def start(self) -> None:
@@ -295,6 +282,23 @@ class _Collector:
             self.waiter = asyncio.get_running_loop().create_future()
             await self.waiter
         return self.item
+
+
+def wait_ready(sock: zmq.Socket, worker) -> Ready:
+    """The core's ``Ready`` from ``sock`` once it has loaded the model. Its ``Dead`` raises ModelLoadError (the
+    checkpoint) or EngineDeadError, as does ``worker`` (its process or thread) exiting without a word."""
+    while True:
+        if sock.poll(200):
+            msg = output_decoder.decode(sock.recv())
+            if isinstance(msg, Ready):
+                return msg
+            if isinstance(msg, Dead):
+                worker.join(10)
+                raise (ModelLoadError(msg.reason) if msg.load_error else
+                       EngineDeadError(f"the engine core failed while loading: {msg.reason}"))
+        elif not worker.is_alive():
+            raise EngineDeadError(f"the engine core exited while loading the model (exit code "
+                                  f"{getattr(worker, 'exitcode', None)})")
 
 
 def ipc_prefix() -> str:

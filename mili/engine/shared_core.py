@@ -19,10 +19,9 @@ import multiprocessing
 import zmq
 
 from mili.config import EngineConfig
-from mili.engine.client import CoreLink, ipc_prefix
+from mili.engine.client import CoreLink, ipc_prefix, wait_ready
 from mili.engine.input_processor import InputProcessor
-from mili.engine.messages import ClientGone, Dead, Ready, Shutdown, encode, output_decoder
-from mili.errors import EngineDeadError, ModelLoadError
+from mili.engine.messages import ClientGone, Dead, Shutdown, encode, output_decoder
 
 
 class SharedCore:
@@ -47,21 +46,7 @@ class SharedCore:
                   logging.getLogger("mili").getEffectiveLevel(), f"ipc://{base}-control-out"))
         self.process.start()
         self.model_path = inputs.model_path
-        self.info = self._wait_ready()
-
-    def _wait_ready(self) -> Ready:
-        while True:
-            if self._events.poll(200):
-                msg = output_decoder.decode(self._events.recv())
-                if isinstance(msg, Ready):
-                    return msg
-                if isinstance(msg, Dead):
-                    self.process.join(10)
-                    raise (ModelLoadError(msg.reason) if msg.load_error else
-                           EngineDeadError(f"the engine core failed while loading: {msg.reason}"))
-            elif not self.process.is_alive():
-                raise EngineDeadError(f"the engine core exited while loading the model (exit code "
-                                      f"{self.process.exitcode})")
+        self.info = wait_ready(self._events, self.process)
 
     def link(self, index: int) -> CoreLink:
         """What API process ``index`` needs to connect (``AsyncLLM(config, link=...)``)."""

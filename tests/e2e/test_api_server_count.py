@@ -7,21 +7,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
 import time
 
 import httpx
 import pytest
 
-from helpers import Server, metric, wait_for
-
-
-def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
+from helpers import Server, metric, process_gone, start_streams, wait_for
 
 
 def _clients_per_process(url: str, per_process: int) -> dict[int, list[httpx.Client]]:
@@ -51,29 +42,6 @@ def _metric(url: str, name: str) -> float:
         return 0.0
 
 
-def _stream(client: httpx.Client, body: dict, sink: list, started: threading.Event) -> None:
-    try:
-        with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    sink.append((time.monotonic(), line))
-                    started.set()
-    except httpx.HTTPError as e:
-        sink.append((time.monotonic(), f"transport error: {e}"))
-    started.set()
-
-
-def _start_streams(clients: list[httpx.Client], body: dict):
-    sinks = [[] for _ in clients]
-    events = [threading.Event() for _ in clients]
-    threads = [threading.Thread(target=_stream, args=(c, body, sink, ev))
-               for c, sink, ev in zip(clients, sinks, events)]
-    for t in threads:
-        t.start()
-    assert all(ev.wait(60) for ev in events)
-    return sinks, threads
-
-
 @pytest.fixture(scope="module")
 def two(random_model):
     s = Server(random_model, "--api-server-count", "2")
@@ -96,7 +64,7 @@ def test_requests_through_both_run_in_one_batch_and_metrics_count_all(two):
              "mili:e2e_request_latency_seconds_count")
     before = {name: _metric(two.url, name) for name in names}
     body = {"prompt": [5, 6, 7, 8], "max_tokens": 400, "ignore_eos": True}
-    sinks, threads = _start_streams(clients, body)
+    sinks, threads = start_streams(clients, body)
     # the core runs all six, from both processes, in one batch: its gauge (the same through either process)
     assert wait_for(lambda: httpx.get(two.url + "/health").json()["num_requests_running"] == 6, 30)
     for t in threads:
@@ -135,7 +103,7 @@ def test_core_killed_fails_the_streams_of_both_processes(random_model, tmp_path)
         health = httpx.get(s.url + "/health").json()
         core_pid, api_pids = health["engine_core_pid"], health["api_server_pids"]
         by_pid = _clients_per_process(s.url, 1)
-        sinks, threads = _start_streams([c for cs in by_pid.values() for c in cs],
+        sinks, threads = start_streams([c for cs in by_pid.values() for c in cs],
                                         {"prompt": "a long story", "max_tokens": 900, "ignore_eos": True})
         time.sleep(0.2)
         os.kill(core_pid, signal.SIGKILL)
@@ -149,7 +117,7 @@ def test_core_killed_fails_the_streams_of_both_processes(random_model, tmp_path)
             assert sink[-2][0] - killed < 2.0
         s.proc.wait(20 - (time.monotonic() - killed))  # the server exits, non-zero
         assert s.proc.returncode != 0
-        assert all(wait_for(lambda: _gone(pid), 5) for pid in api_pids)
+        assert all(wait_for(lambda: process_gone(pid), 5) for pid in api_pids)
     finally:
         s.stop()
 
@@ -157,13 +125,14 @@ def test_core_killed_fails_the_streams_of_both_processes(random_model, tmp_path)
 def test_api_process_killed_takes_the_server_down(random_model, tmp_path):
     """The choice written down (README, mili serve --help): the other API process drains its requests, then
     the core stops, and the server exits non-zero for its supervisor to restart it."""
-    s = Server(random_model, "--api-server-count", "2", log_dir=tmp_path)
+    # (the survivor drains its 300 tokens within the grace period even on a loaded machine)
+    s = Server(random_model, "--api-server-count", "2", "--shutdown-timeout", "60", log_dir=tmp_path)
     try:
         health = httpx.get(s.url + "/health").json()
         core_pid = health["engine_core_pid"]
         by_pid = _clients_per_process(s.url, 1)
         (victim, (victim_client,)), (_, (other_client,)) = by_pid.items()
-        sinks, threads = _start_streams([victim_client, other_client], {"prompt": "finish me", "max_tokens": 300,
+        sinks, threads = start_streams([victim_client, other_client], {"prompt": "finish me", "max_tokens": 300,
                                                                         "ignore_eos": True})
         os.kill(victim, signal.SIGKILL)
         for t in threads:
@@ -172,7 +141,7 @@ def test_api_process_killed_takes_the_server_down(random_model, tmp_path):
         assert json.loads(sinks[1][-2][1][6:])["choices"][0]["finish_reason"] == "length"
         assert sinks[0][-1][1].startswith("transport error")  # (the victim's connection broke)
         assert s.proc.wait(30) != 0
-        assert wait_for(lambda: _gone(core_pid), 10)
+        assert wait_for(lambda: process_gone(core_pid), 10)
         assert "exited with code -9: the server stops" in s.output()
         assert "is gone: 1 of its requests aborted" in s.output()  # the core stopped computing it
     finally:

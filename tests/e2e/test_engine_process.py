@@ -5,34 +5,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
 import time
 
 import httpx
 import pytest
 
-from helpers import Server, wait_for
-
-
-def _gone(pid: int) -> bool:
-    """The process has exited (a zombie not yet reaped counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
-
-
-def _stream_lines(url: str, body: dict, sink: list, started: threading.Event) -> None:
-    try:
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    sink.append((time.monotonic(), line))
-                    started.set()
-    except httpx.HTTPError as e:
-        sink.append((time.monotonic(), f"transport error: {e}"))
-    started.set()
+from helpers import Server, process_gone, start_streams, wait_for
 
 
 def test_core_killed_mid_stream(random_model, tmp_path):
@@ -40,14 +18,8 @@ def test_core_killed_mid_stream(random_model, tmp_path):
     try:
         core_pid = httpx.get(s.url + "/health").json()["engine_core_pid"]
         assert core_pid and core_pid != s.proc.pid
-        sinks = [[] for _ in range(3)]
-        events = [threading.Event() for _ in sinks]
-        body = {"prompt": "a long story", "max_tokens": 900, "ignore_eos": True, "stream": True}
-        threads = [threading.Thread(target=_stream_lines, args=(s.url, body, sink, ev)) for sink, ev in
-                   zip(sinks, events)]
-        for t in threads:
-            t.start()
-        assert all(ev.wait(30) for ev in events)
+        body = {"prompt": "a long story", "max_tokens": 900, "ignore_eos": True}
+        sinks, threads = start_streams([httpx.Client(base_url=s.url, timeout=60) for _ in range(3)], body, 30)
         time.sleep(0.2)
         os.kill(core_pid, signal.SIGKILL)
         killed = time.monotonic()
@@ -75,23 +47,20 @@ def test_api_process_killed_core_follows(random_model, tmp_path):
     core_pid = httpx.get(s.url + "/health").json()["engine_core_pid"]
     s.proc.send_signal(signal.SIGKILL)
     s.proc.wait(10)
-    assert wait_for(lambda: _gone(core_pid), 10), "the engine core outlived the API process"
+    assert wait_for(lambda: process_gone(core_pid), 10), "the engine core outlived the API process"
 
 
 def test_sigterm_drains_and_both_exit_zero(random_model, tmp_path):
     s = Server(random_model, log_dir=tmp_path)
     core_pid = httpx.get(s.url + "/health").json()["engine_core_pid"]
-    sink, started = [], threading.Event()
-    body = {"prompt": "finish me", "max_tokens": 150, "ignore_eos": True, "stream": True}
-    t = threading.Thread(target=_stream_lines, args=(s.url, body, sink, started))
-    t.start()
-    assert started.wait(30)
+    body = {"prompt": "finish me", "max_tokens": 150, "ignore_eos": True}
+    ([sink], [t]) = start_streams([httpx.Client(base_url=s.url, timeout=60)], body, 30)
     s.proc.send_signal(signal.SIGTERM)
     t.join(60)
     assert sink[-1][1] == "data: [DONE]"
     assert json.loads(sink[-2][1][6:])["choices"][0]["finish_reason"] == "length"
     assert s.proc.wait(30) == 0, s.output()
-    assert wait_for(lambda: _gone(core_pid), 10)
+    assert wait_for(lambda: process_gone(core_pid), 10)
 
 
 @pytest.mark.parametrize("stream", [False, True])
