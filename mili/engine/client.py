@@ -25,7 +25,7 @@ import tempfile
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import zmq
 import zmq.asyncio
@@ -139,14 +139,14 @@ class AsyncLLM:
         streams, unscheduled = self._streams, self._unscheduled
         for out in outputs:
             unscheduled.discard(out.request_id)
-            c = streams.get(out.request_id)
+            c = streams.pop(out.request_id, None) if out.finished else streams.get(out.request_id)
             if c is not None:
                 c.put(out)
         for errors, kind in ((msg.errors, InvalidRequest), (msg.failures, RequestFailed)):
             for request_id, message in errors:  # refused when added (400), or failed while running (500)
                 self.outputs.remove(request_id)
                 unscheduled.discard(request_id)
-                c = streams.get(request_id)
+                c = streams.pop(request_id, None)
                 if c is not None:
                     c.put(kind(message))
         if self.on_step is not None:
@@ -157,8 +157,9 @@ class AsyncLLM:
             return
         log.error("the engine core stopped: %s", reason)
         self.error = EngineDeadError(f"the engine stopped: {reason}")
-        for c in self._streams.values():
+        for c in list(self._streams.values()):
             c.put(self.error)
+        self._streams.clear()
         self.outputs.requests.clear()
         self._unscheduled.clear()
         if self.on_dead is not None:
@@ -172,8 +173,10 @@ class AsyncLLM:
     def live_request_ids(self):
         return self.outputs.requests.keys()
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
-        """Validate and send one request (raises InvalidRequest etc.); read it with ``stream``."""
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    sink: OutputSink | None = None) -> None:
+        """Validate and send one request (raises InvalidRequest etc.); read it with ``stream``, or have each
+        step's output (and an error, in its place) handed to ``sink.put`` by the output loop as it comes."""
         if self.error is not None:
             raise self.error
         if request_id in self.outputs.requests or request_id in self._streams:
@@ -182,13 +185,15 @@ class AsyncLLM:
         if self.client_index:
             add.client = self.client_index
         self.outputs.add(add, prompt if isinstance(prompt, str) else None)
-        self._streams[request_id] = _Collector()
+        self._streams[request_id] = _Collector() if sink is None else sink
         self._unscheduled.add(request_id)
         self._to_core.send(encode(add))
 
-    async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
-        """Outputs of a request added with add_request; aborts it if the consumer stops early."""
-        collector = self._streams[request_id]
+    def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
+        """Outputs of a request just added with add_request (no sink); aborts it if the consumer stops early."""
+        return self._read(request_id, self._streams[request_id])
+
+    async def _read(self, request_id: str, collector: _Collector) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while True:
@@ -250,6 +255,14 @@ class AsyncLLM:
     @property
     def exitcode(self) -> int | None:
         return getattr(self._worker, "exitcode", None)
+
+
+class OutputSink(Protocol):
+    """Where the output loop hands a request's outputs: each step's, then its last (finished) one, or an error
+    in place of the rest (EngineDeadError, InvalidRequest, RequestFailed). Called on the event loop, within the
+    step's handling: it must not block."""
+
+    def put(self, item: RequestOutput | BaseException) -> None: ...
 
 
 class _Collector:

@@ -163,7 +163,7 @@ class EventStream:
         return self._prefix + json_bytes(value) + b"}\n\n"
 
 
-def sse_error(e: BaseException) -> str:
+def sse_error(e: BaseException) -> bytes:
     """An error after a stream has started: one final SSE chunk."""
     err = to_api_error(e)
     return sse(error_body(err.message, err.type, err.param, err.code))

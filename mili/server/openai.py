@@ -6,7 +6,6 @@ import time
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
 
 from mili.outputs import CompletionOutput, RequestOutput
 from mili.server.state import merge, new_id, state_of, until_disconnect
@@ -17,6 +16,7 @@ from mili.tokenizer.reasoning import THINK_START, ReasoningStream, split_reasoni
 from mili.tokenizer.tool_calls import call_json, new_call_id
 
 router = APIRouter()
+DONE = b"data: [DONE]\n\n"  # the end of an OpenAI stream
 GENERATION_ERRORS = error_responses(400, 404, 500, 503)
 
 
@@ -109,7 +109,6 @@ async def completions(body: CompletionRequest, http: Request):
     prompts = body.prompts()
     params = body.sampling_params(body.max_tokens, body.logprobs, st.openai_defaults)
     rid, created, n = new_id("cmpl"), int(time.time()), params.n
-    streams = await st.start(prompts, [params] * len(prompts), rid)
     head = {"id": rid, "object": "text_completion", "created": created, "model": st.model_name}
     nlp = body.logprobs or 0
 
@@ -128,7 +127,7 @@ async def completions(body: CompletionRequest, http: Request):
         return _completion_logprobs(ids, entries, nlp, offset, st.tokenizer.decode)
 
     if not body.stream:
-        finals = await until_disconnect(http, _collect(streams))
+        finals = await until_disconnect(http, _collect(await st.start(prompts, [params] * len(prompts), rid)))
         choices = []
         for i, f in enumerate(finals):
             for o in f.outputs:
@@ -138,34 +137,49 @@ async def completions(body: CompletionRequest, http: Request):
                     choices[-1]["prompt_logprobs"] = _prompt_logprobs(f)
         return {**head, "choices": choices, "usage": _usage(finals)}
 
-    async def events():
-        choices: dict[int, _Choice] = {}
-        finals: dict[int, RequestOutput] = {}
-        event = EventStream(head)
-        try:
-            async for i, out in merge(streams):
-                finals[i] = out
-                for o in out.outputs:
-                    c = choices.setdefault(i * n + o.index, _Choice())
-                    echo = body.echo and not c.started  # the prompt (its logprobs are complete by now)
-                    text = (echo_text(out) if echo else "") + o.delta
-                    c.started = True
-                    lps = logprobs(out, o, c.logprobs_sent, c.text_sent, echo)
-                    c.logprobs_sent = len(o.token_ids)
-                    if lps and lps["tokens"]:  # offsets continue from the last token sent
-                        c.text_sent = lps["text_offset"][-1] + len(lps["tokens"][-1] or "")
-                    finish = o.finish_reason if not c.done else None
-                    c.done |= o.finished
-                    if text or finish or (lps and lps["tokens"]):
-                        yield event([{"index": i * n + o.index, "text": text, "logprobs": lps,
-                                      "finish_reason": finish}])
-            if body.stream_options and body.stream_options.include_usage:
-                yield sse({**head, "choices": [], "usage": _usage(list(finals.values()))})
-        except Exception as e:  # after the stream has started: a final error chunk
-            yield sse_error(e)
-        yield b"data: [DONE]\n\n"
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    events = _CompletionEvents(head, n, body.echo, echo_text, logprobs, include_usage)
+    return st.start_stream(prompts, [params] * len(prompts), rid, events)
 
-    return StreamingResponse(events(), media_type="text/event-stream")
+
+class _CompletionEvents:
+    """A streamed /v1/completions' chunks (server/step_stream.py's Events): one per choice that has news."""
+
+    def __init__(self, head: dict, n: int, echo: bool, echo_text, logprobs, include_usage: bool):
+        self.head, self.n, self.echo, self.echo_text, self.logprobs = head, n, echo, echo_text, logprobs
+        self.include_usage = include_usage
+        self.event = EventStream(head)
+        self.choices: dict[int, _Choice] = {}
+        self.finals: dict[int, RequestOutput] = {}
+
+    def feed(self, i: int, out: RequestOutput) -> bytes:
+        self.finals[i] = out
+        data = b""
+        for o in out.outputs:
+            index = i * self.n + o.index
+            c = self.choices.get(index)
+            if c is None:
+                c = self.choices[index] = _Choice()
+            echo = self.echo and not c.started  # the prompt (its logprobs are complete by now)
+            text = (self.echo_text(out) if echo else "") + o.delta
+            c.started = True
+            lps = self.logprobs(out, o, c.logprobs_sent, c.text_sent, echo)
+            c.logprobs_sent = len(o.token_ids)
+            if lps and lps["tokens"]:  # offsets continue from the last token sent
+                c.text_sent = lps["text_offset"][-1] + len(lps["tokens"][-1] or "")
+            finish = o.finish_reason if not c.done else None
+            c.done |= o.finished
+            if text or finish or (lps and lps["tokens"]):
+                data += self.event([{"index": index, "text": text, "logprobs": lps, "finish_reason": finish}])
+        return data
+
+    def end(self) -> bytes:
+        if not self.include_usage:
+            return DONE
+        return sse({**self.head, "choices": [], "usage": _usage(list(self.finals.values()))}) + DONE
+
+    def fail(self, error: BaseException) -> bytes:
+        return sse_error(error) + DONE
 
 
 # -- /v1/chat/completions ----------------------------------------------------------------------
@@ -193,12 +207,11 @@ async def chat_completions(body: ChatCompletionRequest, http: Request):
                        param="max_tokens")
     params = prompt.params(st.tokenizer, body, max_tokens, body.logprobs_n(), st.openai_defaults)
     rid, created = new_id("chatcmpl"), int(time.time())
-    streams = await st.start([prompt.token_ids], [params], rid)
     head = {"id": rid, "object": "chat.completion", "created": created, "model": st.model_name}
     nlp = body.top_logprobs or 0
 
     if not body.stream:
-        (final,) = await until_disconnect(http, _collect(streams))
+        (final,) = await until_disconnect(http, _collect(await st.start([prompt.token_ids], [params], rid)))
         choices = []
         for o in final.outputs:
             reasoning, content = split_reasoning(THINK_START * opened + o.text) if thinking else (None, o.text)
@@ -214,46 +227,59 @@ async def chat_completions(body: ChatCompletionRequest, http: Request):
         extra = {"prompt_logprobs": _prompt_logprobs(final)} if final.prompt_logprobs is not None else {}
         return {**head, "choices": choices, "usage": _usage([final]), **extra}
 
-    chunk_head = {**head, "object": "chat.completion.chunk"}
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    events = _ChatEvents({**head, "object": "chat.completion.chunk"}, prompt, nlp, include_usage)
+    return st.start_stream([prompt.token_ids], [params], rid, events)
 
-    async def events():
-        choices: dict[int, _Choice] = {}
-        final = None
-        event = EventStream(chunk_head)
-        try:
-            async for _, out in merge(streams):
-                final = out
-                for o in out.outputs:
-                    c = choices.setdefault(o.index, _Choice(prompt))
-                    if not c.started:
-                        c.started = True
-                        yield event([{"index": o.index, "delta": {"role": "assistant", "content": ""},
-                                      "logprobs": None, "finish_reason": None}])
-                    if c.done:
-                        continue
-                    reasoning, content = c.reasoning.feed(o.delta, final=o.finished)
-                    calls = []
-                    if c.tools is not None:
-                        content, calls = c.tools.feed(content, final=o.finished)
-                    lps = _chat_logprobs(o, c.logprobs_sent, nlp)
-                    c.logprobs_sent = len(o.token_ids)
-                    delta = {}
-                    if reasoning:
-                        delta["reasoning_content"] = delta["reasoning"] = reasoning
-                    if content:
-                        delta["content"] = content
-                    if calls:
-                        delta["tool_calls"] = calls
-                    c.done = o.finished
-                    finish = o.finish_reason
-                    if finish == "stop" and c.tools is not None and c.tools.num_calls:
-                        finish = "tool_calls"
-                    if delta or o.finished or (lps and lps["content"]):
-                        yield event([{"index": o.index, "delta": delta, "logprobs": lps, "finish_reason": finish}])
-            if body.stream_options and body.stream_options.include_usage and final is not None:
-                yield sse({**chunk_head, "choices": [], "usage": _usage([final])})
-        except Exception as e:
-            yield sse_error(e)
-        yield b"data: [DONE]\n\n"
 
-    return StreamingResponse(events(), media_type="text/event-stream")
+class _ChatEvents:
+    """A streamed chat completion's chunks (server/step_stream.py's Events): the role first, then reasoning,
+    content and tool calls as the parsers release them."""
+
+    def __init__(self, chunk_head: dict, prompt: ChatPrompt, nlp: int, include_usage: bool):
+        self.chunk_head, self.prompt, self.nlp, self.include_usage = chunk_head, prompt, nlp, include_usage
+        self.event = EventStream(chunk_head)
+        self.choices: dict[int, _Choice] = {}
+        self.final: RequestOutput | None = None
+
+    def feed(self, _: int, out: RequestOutput) -> bytes:
+        self.final = out
+        data = b""
+        for o in out.outputs:
+            c = self.choices.get(o.index)
+            if c is None:
+                c = self.choices[o.index] = _Choice(self.prompt)
+            if not c.started:
+                c.started = True
+                data += self.event([{"index": o.index, "delta": {"role": "assistant", "content": ""},
+                                     "logprobs": None, "finish_reason": None}])
+            if c.done:
+                continue
+            reasoning, content = c.reasoning.feed(o.delta, final=o.finished)
+            calls = []
+            if c.tools is not None:
+                content, calls = c.tools.feed(content, final=o.finished)
+            lps = _chat_logprobs(o, c.logprobs_sent, self.nlp)
+            c.logprobs_sent = len(o.token_ids)
+            delta = {}
+            if reasoning:
+                delta["reasoning_content"] = delta["reasoning"] = reasoning
+            if content:
+                delta["content"] = content
+            if calls:
+                delta["tool_calls"] = calls
+            c.done = o.finished
+            finish = o.finish_reason
+            if finish == "stop" and c.tools is not None and c.tools.num_calls:
+                finish = "tool_calls"
+            if delta or o.finished or (lps and lps["content"]):
+                data += self.event([{"index": o.index, "delta": delta, "logprobs": lps, "finish_reason": finish}])
+        return data
+
+    def end(self) -> bytes:
+        if not self.include_usage or self.final is None:
+            return DONE
+        return sse({**self.chunk_head, "choices": [], "usage": _usage([self.final])}) + DONE
+
+    def fail(self, error: BaseException) -> bytes:
+        return sse_error(error) + DONE

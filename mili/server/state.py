@@ -20,6 +20,7 @@ from mili.outputs import RequestOutput
 from mili.sampling_params import SamplingParams
 from mili.server.errors import APIError
 from mili.server.metrics import Metrics
+from mili.server.step_stream import Events, StepStream
 from mili.tokenizer.tool_parsers import resolve_tool_call_parser
 
 log = logging.getLogger("mili")
@@ -63,31 +64,65 @@ class ServerState:
     async def start(self, prompts: list[str | list[int]], params: list[SamplingParams], base_id: str,
                     ) -> list[AsyncIterator[RequestOutput]]:
         """Add one engine request per prompt (all or none) and return their output streams."""
-        self.check_queue()
-        ids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
-        added = []
-        try:
-            for rid, prompt, sp in zip(ids, prompts, params):
-                self.engine.add_request(rid, prompt, sp)
-                added.append(rid)
-        except BaseException:
-            for rid in added:
-                self.engine.abort(rid)
-            raise
-        streams = [self._tracked(rid, sp) for rid, sp in zip(ids, params)]
+        ids = self._ids(base_id, len(prompts))
+        self._add(ids, prompts, params)
+        streams = [self._tracked(rid, self.engine.stream(rid), sp) for rid, sp in zip(ids, params)]
         for rid, stream in zip(ids, streams):
             # a response whose body is never iterated (client gone before it started) still ends its
             # request: when the stream object goes, the request is aborted (a no-op once finished)
             weakref.finalize(stream, self.engine.abort, rid)
         return streams
 
-    async def _tracked(self, rid: str, params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """The request's stream, keeping its latest output for /status (read there, not built per step)."""
+    def start_stream(self, prompts: list[str | list[int]], params: list[SamplingParams], base_id: str,
+                     events: Events) -> StepStream:
+        """Add one engine request per prompt (all or none), streamed by the output loop as ``events`` makes
+        them (server/step_stream.py): the response to return."""
+        ids = self._ids(base_id, len(prompts))
+
+        def on_output(index: int, out: RequestOutput) -> None:
+            statuses[index].out = out
+
+        response = StepStream(events, ids, self._abort, on_output)
+        self._add(ids, prompts, params, response.parts())
+        statuses = [self._status(rid, sp) for rid, sp in zip(ids, params)]
+        return response
+
+    def _abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+        status = self.statuses.get(request_id)
+        if status is not None and (status.out is None or not status.out.finished):
+            status.aborted = True
+
+    @staticmethod
+    def _ids(base_id: str, count: int) -> list[str]:
+        return [base_id] if count == 1 else [f"{base_id}-{i}" for i in range(count)]
+
+    def _add(self, ids: list[str], prompts: list, params: list[SamplingParams], sinks: list | None = None
+             ) -> None:
+        self.check_queue()
+        added = []
+        try:
+            for i, (rid, prompt, sp) in enumerate(zip(ids, prompts, params)):
+                self.engine.add_request(rid, prompt, sp, sink=sinks[i] if sinks else None)
+                added.append(rid)
+        except BaseException:
+            for rid in added:
+                self.engine.abort(rid)
+            raise
+
+    def _status(self, rid: str, params: SamplingParams) -> _Status:
+        """A new request's /status entry (the latest output is kept on it, read only when asked)."""
         status = self.statuses[rid] = _Status(params.max_tokens)
         while len(self.statuses) > _RECENT:
             self.statuses.popitem(last=False)
+        return status
+
+    async def _tracked(self, rid: str, stream: AsyncIterator[RequestOutput], params: SamplingParams,
+                       ) -> AsyncIterator[RequestOutput]:
+        """The request's stream, keeping its latest output for /status (read there, not built per step)."""
+        status = self._status(rid, params)
         try:
-            async for out in self.engine.stream(rid):
+            async for out in stream:
                 status.out = out
                 yield out
         finally:
