@@ -191,6 +191,9 @@ def serve_http(args: argparse.Namespace, engine, sockets=None, api_servers=None)
     # then re-raises the signal under the handlers it found: make those no-ops so the exit code is 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
+    from mili.process import freeze_heap
+
+    freeze_heap()  # (the app, the tokenizer and torch's modules are loaded: the garbage collector skips them)
     try:
         server.run(sockets=sockets)
     finally:

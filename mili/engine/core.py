@@ -27,7 +27,7 @@ from mili.engine.messages import (Abort, AddRequest, ClientGone, Dead, FinishSeq
 from mili.engine.request import Request, Sequence, SeqStatus
 from mili.engine.scheduler import Scheduler
 from mili.errors import InvalidRequest
-from mili.process import die_with_parent
+from mili.process import die_with_parent, freeze_heap
 from mili.runtime.model_runner import ModelRunner
 from mili.runtime.sampler import NO_TOKEN
 from mili.spec.drafter import Drafter
@@ -472,6 +472,10 @@ def core_process_main(config: EngineConfig, model_config: ModelConfig, model_pat
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    code = run_core(lambda: EngineCore(config, model_config, model_path), input_address, output_address,
-                    parent_pid, control_address)
+    def load() -> EngineCore:
+        core = EngineCore(config, model_config, model_path)
+        freeze_heap()
+        return core
+
+    code = run_core(load, input_address, output_address, parent_pid, control_address)
     raise SystemExit(code)

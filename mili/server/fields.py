@@ -72,7 +72,18 @@ def integer(**constraints):
     return Annotated[int, Field(**constraints), BeforeValidator(_integral)]
 
 
-TokenId = integer(ge=0, json_schema_extra=runtime_maximum("token_id"))
+def _integral_ids(value):
+    """``_integral`` over a list of ids, after one C pass that finds none is a float (the usual case: this
+    runs per request over every prompt token, where a validator per item costs a Python call each)."""
+    if isinstance(value, list) and float in set(map(type, value)):
+        return [_integral(v) for v in value]
+    return value
+
+
+def token_ids(**constraints):
+    """A list of token ids (each an integer in [0, vocabulary), 3.0 taken as 3) with ``Field`` constraints."""
+    item = Annotated[int, Field(ge=0, json_schema_extra=runtime_maximum("token_id"))]
+    return Annotated[list[item], Field(**constraints), BeforeValidator(_integral_ids)]
 Text = Annotated[str, Field(min_length=1)]
 # 64-bit bounds as < 2**63 (the document's numbers are floats: 2**63 - 1 is not one)
 Count = integer(ge=0, lt=2**63)  # a count or an id

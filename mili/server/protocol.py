@@ -17,7 +17,7 @@ from pydantic import ConfigDict, Field, WithJsonSchema
 from mili.errors import InvalidRequest
 from mili.sampling_params import SamplingParams, StructuredOutputsParams
 from mili.server.fields import (AsSent, Count, Logprobs, MaxTokens, ModelName, OnField, OnlyFalse, Open, Seed,
-                                Strict, TemplateKwargs, Text, TokenId, TopK, integer, requires, runtime_maximum)
+                                Strict, TemplateKwargs, Text, TopK, integer, requires, runtime_maximum, token_ids)
 from mili.structured import MAX_WHITESPACE
 from mili.structured import check as check_structured
 from mili.tokenizer.tool_parsers import forced_tag
@@ -83,7 +83,7 @@ class _Sampling(Strict):
     repetition_penalty: float = Field(1.0, gt=0.0)
     min_tokens: Count = Field(0, description="at most max_tokens; not with a structured output")
     ignore_eos: bool = False
-    stop_token_ids: Annotated[list[TokenId], OnField] | None = None
+    stop_token_ids: Annotated[token_ids(), OnField] | None = None
     skip_special_tokens: bool = True
     prompt_logprobs: Logprobs | None = Field(None, description="each prompt token's logprob and the top N; "
                                                  "not with stream")
@@ -160,7 +160,7 @@ def _response_format(fmt: dict[str, Any]) -> StructuredOutputsParams:
     return StructuredOutputsParams(json=fmt["json_schema"]["schema"])
 
 
-PromptIds = Annotated[list[TokenId], Field(min_length=1)]
+PromptIds = token_ids(min_length=1)
 
 
 # rules between fields the schema can state (the code checks them too, with their own messages)
@@ -355,4 +355,4 @@ class TokenizeRequest(Strict):
 
 
 class DetokenizeRequest(Strict):
-    tokens: Annotated[list[TokenId], OnField]
+    tokens: Annotated[token_ids(), OnField]
