@@ -130,8 +130,8 @@ class VisionBudget:
 
     def describe(self) -> str:
         return (f"images up to {self.max_image_tokens} tokens, {self.tokens_per_call} tokens a tower call, encoder "
-                f"cache {self.cache_tokens} tokens; {self.reserve_bytes / 2**20:.0f} MiB for its activations and the cache "
-                f"(taken from the KV budget on CUDA; beside the fixed pool on the CPU)")
+                f"cache {self.cache_tokens} tokens; {self.reserve_bytes / 2**20:.0f} MiB for its activations and the "
+                f"cache (taken from the KV budget on CUDA; beside the fixed pool on the CPU)")
 
 
 def processor_max_pixels(model_path: str) -> int:

@@ -157,9 +157,11 @@ class StepImages:
         pixels = torch.cat([r.images.pixels(r.index) for _, r in group])
         vision = self.model.encode_images(pixels, [r.images.grid_thw[r.index] for _, r in group])
         out, start = {}, 0
+        own = len(group) > 1  # (each image's rows copied out of a shared output: evicting one frees its memory)
         for (digest, _), n in zip(group, vision.tokens_per_image):
-            entry = EncodedImage(embeds=vision.embeds[start:start + n],
-                                 deepstack=[d[start:start + n] for d in vision.deepstack])
+            rows = [t[start:start + n] for t in [vision.embeds, *vision.deepstack]]
+            rows = [t.clone() for t in rows] if own else rows
+            entry = EncodedImage(embeds=rows[0], deepstack=rows[1:])
             self.cache.put(digest, entry)
             out[digest] = entry
             start += n
