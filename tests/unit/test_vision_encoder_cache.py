@@ -31,8 +31,12 @@ def _count_images(llm) -> list[int]:
     return encoded
 
 
-def _logprobs(out) -> list[float]:
-    return [lp[t].logprob for t, lp in zip(out.outputs[0].token_ids, out.outputs[0].logprobs)]
+def _assert_same(got, want) -> None:
+    """The same greedy tokens, their logprobs within 1e-5 (float32)."""
+    for g, w in zip(got, want, strict=True):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        logprobs = [[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in (g, w)]
+        assert max(abs(a - b) for a, b in zip(*logprobs)) < 1e-5
 
 
 @pytest.mark.parametrize("kind", ["qwen3_vl", "qwen3_5_vl"])
@@ -50,11 +54,25 @@ def test_the_tower_runs_once_per_distinct_image(checkpoints, images, kind):
     count = _count_images(llm)
     got = llm.generate(prompts, PARAMS, use_tqdm=False)
     assert sum(count) == 2
-    for g, w in zip(got, want):
-        assert g.outputs[0].token_ids == w.outputs[0].token_ids
-        assert max(abs(a - b) for a, b in zip(_logprobs(g), _logprobs(w))) < 1e-5
+    _assert_same(got, want)
     cache = llm.engine.runner.encoder_cache
     assert cache.num_hits > 0 and not cache.claims and len(cache.entries) == 2
+    llm.engine.check_integrity()
+
+
+def test_a_preempted_request_reuses_its_images(checkpoints, images):
+    """A KV pool too small for four requests over three images: preempted ones are recomputed from their prompt
+    without the tower (three images encoded in all), and each writes a lone request's tokens and logprobs."""
+    cases = [(images[i % 3:i % 3 + 1], [[5 + i, 17], [7, 90 + i, 3]]) for i in range(4)]
+    prompts = [_request(paths, texts) for paths, texts in cases]
+    alone = LLM(str(checkpoints["qwen3_vl"]), dtype="float32", enable_prefix_caching=False, encoder_cache_tokens=0)
+    want = [alone.generate([p], PARAMS, use_tqdm=False)[0] for p in prompts]
+    llm = LLM(str(checkpoints["qwen3_vl"]), dtype="float32", max_num_batched_tokens=16, page_size=4, num_kv_pages=10,
+              enable_prefix_caching=False)
+    count = _count_images(llm)
+    got = llm.generate(prompts, PARAMS, use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0 and sum(count) == 3
+    _assert_same(got, want)
     llm.engine.check_integrity()
 
 
