@@ -1,8 +1,8 @@
 """The encoder cache (runtime/encoder_cache.py) and the image limits: the vision tower runs once per distinct image
-across chunked prefill and requests that share an image after different text, with the outputs of the path that
-shares nothing (greedy tokens and logprobs within 1e-5, float32); the cache stays within its budget (evictions past
-it, no claim left once requests end); a text-only request costs no tower call and no image work in a step;
-``limit_mm_per_prompt`` refuses extra images in the core, and at 0 skips the tower."""
+across chunked prefill, requests that share an image after different text, and preemption by recompute, with the
+outputs of the path that shares nothing (greedy tokens and logprobs within 1e-5, float32); the cache stays within
+its budget (evictions past it, no claim left once requests end); a text-only request costs no tower call and no
+image work in a step; ``limit_mm_per_prompt`` refuses extra images in the core, and at 0 skips the tower."""
 
 from __future__ import annotations
 
