@@ -14,7 +14,8 @@ only by claimed ones; a claim belongs to a live request (dropped when its image 
 processor's largest image in tokens, the tokens one tower call may take (vLLM's rule: the largest of
 max_num_batched_tokens and one largest image, in whole images, at most ``limit_mm_per_prompt`` of them), the
 cache's budget, and an estimate of the bytes the tower's activations and the cache take, which the CUDA path
-takes out of the KV pool's share of the card.
+takes out of the KV pool's share of the card (the CPU's pool is a fixed size: there it is checked against the
+memory available, with a warning).
 """
 
 from __future__ import annotations
@@ -128,10 +129,31 @@ class VisionBudget:
         tower = tower_activation_bytes(vision, per_call * vision.spatial_merge_size ** 2, dtype)
         return cls(max_image, per_call, cache, tower + cache * output_bytes_per_token(vision, dtype))
 
+    def check_host_memory(self, pool_bytes: int) -> None:
+        """The CPU: warn when the KV pool and the tower's planned memory exceed the memory available now (after the
+        weights), since the pool is a fixed size there and the tower's memory comes on top of it."""
+        available = available_host_memory()
+        if available is not None and pool_bytes + self.reserve_bytes > available:
+            log.warning("the KV pool (%.0f MiB) and the vision tower's planned activations and cache (%.0f MiB) "
+                        "exceed the memory available (%.0f MiB): lower kv_cache_memory, the processor's max_pixels "
+                        "or limit_mm_per_prompt", pool_bytes / 2**20, self.reserve_bytes / 2**20, available / 2**20)
+
     def describe(self) -> str:
         return (f"images up to {self.max_image_tokens} tokens, {self.tokens_per_call} tokens a tower call, encoder "
                 f"cache {self.cache_tokens} tokens; {self.reserve_bytes / 2**20:.0f} MiB for its activations and the "
                 f"cache (taken from the KV budget on CUDA; beside the fixed pool on the CPU)")
+
+
+def available_host_memory() -> int | None:
+    """MemAvailable from /proc/meminfo, in bytes (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def processor_max_pixels(model_path: str) -> int:

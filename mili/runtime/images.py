@@ -16,6 +16,7 @@ index + delta), the text path's cost; a step with no request with images builds 
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,9 +51,7 @@ class RequestImages:
             keys[k:k + n] = [-1 - digest] * n  # (negative: never a token id)
             spans.append((k, k + n))
             k += n
-        patch_starts = [0]
-        for t, h, w in grids:
-            patch_starts.append(patch_starts[-1] + t * h * w)
+        patch_starts = list(itertools.accumulate((t * h * w for t, h, w in grids), initial=0))
         return cls(pixel_values=pixels, grid_thw=grids, hashes=list(hashes), spans=spans, patch_starts=patch_starts,
                    positions=positions, delta=delta, cache_ids=keys)
 

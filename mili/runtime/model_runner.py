@@ -355,6 +355,8 @@ class ModelRunner:
                     f"{self.max_model_len}: raise kv_cache_memory or lower max_model_len", param="max_model_len")
             log.warning("max_model_len lowered from %d to %d, what the KV cache holds", self.max_model_len, capacity)
             self.max_model_len = capacity
+        if self.vision_budget is not None and self.device.type == "cpu":  # (before the pool takes its memory)
+            self.vision_budget.check_host_memory(num_pages * bytes_per_page)
         shape_of = getattr(self.attention, "kv_cache_shape", TorchAttentionBackend.kv_cache_shape)
         shape = shape_of(num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),

@@ -19,6 +19,7 @@ from mili.config import EngineConfig
 from mili.errors import InvalidRequest
 from mili.runtime.encoder_cache import EncodedImage, EncoderCache, VisionBudget, output_bytes_per_token
 from test_vision_engine import _request, checkpoints, images  # noqa: F401 (the fixtures)
+from vision_checkpoints import TEXT
 
 PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
 
@@ -195,3 +196,18 @@ def test_the_start_up_budget_follows_the_processor_and_the_limits(tmp_path):
         config = EngineConfig(model=str(tmp_path), device="cpu", limit_mm_per_prompt={"image": limit})
         plan = VisionBudget.plan(config, model_config, str(tmp_path), torch.bfloat16, max_model_len=262144)
         assert plan.tokens_per_call == per_call and plan.cache_tokens == 2048
+
+
+def test_the_cpu_warns_when_the_pool_and_the_tower_exceed_the_memory(checkpoints, monkeypatch, caplog):
+    """The CPU's pool is a fixed size: the tower's planned memory is not taken out of it, but a start-up whose pool
+    and tower plan exceed MemAvailable says so."""
+    import logging
+
+    import mili.runtime.encoder_cache as encoder_cache
+
+    monkeypatch.setattr(encoder_cache, "available_host_memory", lambda: 1 << 20)
+    with caplog.at_level(logging.INFO, logger="mili"):
+        llm = LLM(str(checkpoints["qwen3_vl"]), dtype="float32", kv_cache_memory=4 << 20)
+    assert "exceed the memory available (1 MiB)" in caplog.text and "vision tower: images up to" in caplog.text
+    page_bytes = 2 * TEXT["num_hidden_layers"] * 16 * TEXT["num_key_value_heads"] * TEXT["head_dim"] * 4  # K and V
+    assert llm.engine.runner.pool.num_pages == (4 << 20) // page_bytes  # (the whole budget: nothing taken out)
