@@ -329,8 +329,11 @@ class EngineConfig:
     # --language-model-only
     language_model_only: bool = False
     # the most images one prompt may carry, as vLLM's --limit-mm-per-prompt ({"image": 4}, or its JSON text);
-    # the vision encoder's memory is budgeted for that many at start-up
+    # the vision encoder's memory is budgeted for that many at start-up; {"image": 0}: text only, the tower not loaded
     limit_mm_per_prompt: "dict | str | None" = None
+    # the vision tower's outputs kept by image content (image tokens; None: vLLM's size, the largest of
+    # max_num_batched_tokens and the image processor's largest image)
+    encoder_cache_tokens: int | None = None
 
     def __post_init__(self) -> None:
         self.limit_mm_per_prompt = parse_mm_limits(self.limit_mm_per_prompt)
@@ -377,11 +380,22 @@ class EngineConfig:
                                                      or self.num_state_snapshots < 0):
             raise InvalidRequest(f"num_state_snapshots must be a non-negative integer, got {self.num_state_snapshots!r}",
                                  param="num_state_snapshots")
+        if self.encoder_cache_tokens is not None and (not isinstance(self.encoder_cache_tokens, int)
+                                                      or self.encoder_cache_tokens < 0):
+            raise InvalidRequest(f"encoder_cache_tokens must be a non-negative integer, got "
+                                 f"{self.encoder_cache_tokens!r}", param="encoder_cache_tokens")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise InvalidRequest(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}",
                                  param="kv_cache_memory")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         self.torch_device = resolve_device(self.device)
+
+    def takes_images(self, model_config: ModelConfig) -> bool:
+        """Whether the vision tower is loaded and requests may carry images: an image-capable checkpoint, not
+        language_model_only, images allowed (limit_mm_per_prompt image > 0, as vLLM skips the tower at 0), one rank
+        (tensor parallelism runs text only)."""
+        return (model_config.vision_config is not None and not self.language_model_only
+                and self.limit_mm_per_prompt["image"] > 0 and self.tensor_parallel_size == 1)
 
     def resolve_attention_backend(self) -> str:
         """torch | triton: auto picks Triton on CUDA. Triton elsewhere needs TRITON_INTERPRET=1."""

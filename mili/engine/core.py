@@ -152,7 +152,7 @@ class EngineCore:
                 for seq in request.seqs:
                     if not seq.is_finished:
                         self.scheduler.finish(seq, "abort")
-                self.stats_due = True
+                self._left(request)
 
     def finish_seqs(self, seqs: list[tuple[str, int]]) -> None:
         """End sequences the output processor finished (a stop string): their pages go back."""
@@ -261,7 +261,13 @@ class EngineCore:
     def _retire_if_finished(self, request: Request) -> None:
         """A request whose sequences have all ended leaves the core (its pages are back already)."""
         if request.is_finished and self.requests.pop(request.request_id, None) is not None:
-            self.stats_due = True
+            self._left(request)
+
+    def _left(self, request: Request) -> None:
+        """A request left the core: the gauges change, and its images' claims on the encoder cache go."""
+        self.stats_due = True
+        if request.images is not None:
+            self.runner.release_images(request.images)
 
     def _append_token(self, seq: Sequence, token: int, delta: SeqDelta) -> None:
         params = seq.params
@@ -286,6 +292,9 @@ class EngineCore:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+        if self.runner.encoder_cache is not None:
+            live = {id(r.images) for r in self.requests.values()}
+            self.runner.encoder_cache.check_integrity(alive=lambda images: id(images) in live)
 
 
 def run_core(core_factory, input_address: str | list[str], output_address: str | list[str],

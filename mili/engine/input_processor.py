@@ -29,8 +29,7 @@ class InputProcessor:
         self.eos_token_ids = load_eos_token_ids(self.model_path, self.tokenizer, hf_config)
         self.generation_defaults = load_generation_defaults(self.model_path)  # used by the server
         self.core_info: Ready | None = None  # the loaded core's limits (max_model_len after the KV pool)
-        tower = self.model_config.vision_config is not None and not config.language_model_only
-        self.images = ImageInputs(self.model_path, self.model_config, tower and config.tensor_parallel_size == 1)
+        self.images = ImageInputs(self.model_path, self.model_config, config.takes_images(self.model_config))
 
     @property
     def max_model_len(self) -> int:

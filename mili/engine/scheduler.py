@@ -274,8 +274,6 @@ class Scheduler:
                 self.snapshots.after_step(seq)
             if before < seq.prompt_len <= seq.num_computed_tokens:
                 self.cache.insert(seq.cache_key(seq.num_computed_tokens), seq.page_table)
-                if seq.request.images is not None:  # the tower's output is in the K/V now (made again if preempted)
-                    seq.request.images.vision = None
 
     def _preempt(self, seq: Sequence) -> None:
         self._release(seq)

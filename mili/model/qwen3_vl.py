@@ -9,7 +9,8 @@ What differs from the text model, as transformers computes it:
   states at the image tokens.
 
 The step's image rows come in ``batch.images`` (model/batch.py ImageRows); the tower runs beforehand
-(``encode_images``), once per request, so a prompt prefilled in chunks takes each chunk's share of its rows.
+(``encode_images``), once per distinct image (runtime/encoder_cache.py), so a prompt prefilled in chunks takes each
+chunk's share of its rows.
 
 Checkpoint layout (the hub's): ``model.language_model.*`` is the decoder (loaded as ``model.*``), ``model.visual.*``
 the tower (``visual.*``; the patch embedding's Conv3d kernel flattened into a linear weight), ``lm_head.weight``.

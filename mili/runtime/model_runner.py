@@ -31,6 +31,7 @@ from mili.process import die_with_parent
 from mili.runtime import parallel
 from mili.model.batch import ForwardBatch
 from mili.runtime.attention.torch_backend import TorchAttentionBackend
+from mili.runtime.encoder_cache import EncoderCache, VisionBudget
 from mili.runtime.images import RequestImages, StepImages
 from mili.runtime.recurrent_state import RecurrentStateCache
 from mili.runtime.prompt_logprobs import PromptScorer, rows_per_slice
@@ -88,10 +89,7 @@ class ModelRunner:
         if use_mtp and (not self.hybrid or self.tp_size > 1):
             raise InvalidRequest("speculative_config: method mtp runs the hybrid models' MTP head (Qwen3.5 / 3.6, "
                                  "Qwen3-Next) without tensor parallelism", param="speculative_config")
-        vision = model_config.vision_config is not None and not config.language_model_only
-        if vision and self.tp_size > 1:
-            log.info("tensor parallelism: the vision tower is not loaded (text only)")
-            vision = False
+        vision = config.takes_images(model_config)  # (where not, the loader says it skips the tower's tensors)
         with torch.device("meta"):
             if self.hybrid:
                 model = Qwen3_5ForCausalLM(model_config, backend, self.dtype, ops, mtp=use_mtp, vision=vision)
@@ -121,6 +119,11 @@ class ModelRunner:
         log.info("weights: %s", self.weight_format)
         if self.device.type == "cpu":
             release_freed_memory()  # the plain weights a swap replaced go back to the OS
+        self.vision_budget = self.encoder_cache = None  # the tower's memory plan and its outputs by image
+        if vision:
+            self.vision_budget = VisionBudget.plan(config, model_config, path, self.dtype, self.max_model_len)
+            self.encoder_cache = EncoderCache(self.vision_budget.cache_tokens)
+            log.info("vision tower: %s", self.vision_budget.describe())
         self._allocate_kv_cache()  # may lower max_model_len to what the pool holds
         if use_mtp:  # its KV: the pool's last layer
             self.mtp = MtpDrafter(self.model, self.kv_caches[-1], self._one_token_batch)
@@ -286,6 +289,7 @@ class ModelRunner:
         # CUDA: gpu_memory_utilization of the card, less the weights and a profiled activation peak
         free, total = torch.cuda.mem_get_info(self.device)
         peak = self._profile_activation_peak(bytes_per_page)
+        peak += self.vision_budget.reserve_bytes if self.vision_budget is not None else 0  # the tower and its cache
         budget = int(total * self.config.gpu_memory_utilization) - torch.cuda.memory_allocated(self.device) - peak
         log.info("GPU memory: %.1f GiB total, %.1f GiB free after weights, activation peak %.2f GiB, KV budget "
                  "%.1f GiB", total / 2**30, free / 2**30, peak / 2**30, budget / 2**30)
@@ -351,6 +355,8 @@ class ModelRunner:
                     f"{self.max_model_len}: raise kv_cache_memory or lower max_model_len", param="max_model_len")
             log.warning("max_model_len lowered from %d to %d, what the KV cache holds", self.max_model_len, capacity)
             self.max_model_len = capacity
+        if self.vision_budget is not None and self.device.type == "cpu":  # (before the pool takes its memory)
+            self.vision_budget.check_host_memory(num_pages * bytes_per_page)
         shape_of = getattr(self.attention, "kv_cache_shape", TorchAttentionBackend.kv_cache_shape)
         shape = shape_of(num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
@@ -424,9 +430,17 @@ class ModelRunner:
         if getattr(self.model, "visual", None) is None:
             raise InvalidRequest("this model takes no images (a text-only checkpoint, language_model_only, or "
                                  "tensor parallelism)", param="multi_modal_data")
+        limit = self.config.limit_mm_per_prompt["image"]
+        if len(images.grid_thw) > limit:
+            raise InvalidRequest(f"the prompt has {len(images.grid_thw)} images; at most {limit} are allowed "
+                                 f"(limit_mm_per_prompt)", param="multi_modal_data")
         merge = self.model_config.vision_config.spatial_merge_size
         return RequestImages.build(prompt, images.pixel_values, images.patch_dim, images.grid_thw, images.hashes,
                                    self.model_config.image_token_id, merge)
+
+    def release_images(self, images: RequestImages) -> None:
+        """A request with images ended: the encoder cache's claims for its images go (the outputs may stay)."""
+        self.encoder_cache.release_all(images)
 
     def prepare(self, scheduled) -> tuple[ForwardBatch, list[tuple]]:
         """Batch tensors for a list of ``ScheduledSeq`` (decodes first), built once per step; and the
@@ -435,7 +449,8 @@ class ModelRunner:
         prompt_rows, scoring = [], []
         num_decodes = 0
         # M-RoPE positions and image rows, only when a request with images is in the step
-        images = StepImages(self.model) if any(s.seq.request.images is not None for s in scheduled) else None
+        images = StepImages(self.model, self.encoder_cache, self.vision_budget.tokens_per_call) \
+            if any(s.seq.request.images is not None for s in scheduled) else None
         for s in scheduled:
             seq, n = s.seq, s.num_new_tokens
             start, first_row = seq.num_computed_tokens, len(input_ids)
