@@ -185,13 +185,15 @@ class AsyncLLM:
     def live_request_ids(self):
         return self.outputs.requests.keys()
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
-        """Validate and send one request (raises InvalidRequest etc.); read it with ``stream``."""
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    images: list | None = None) -> None:
+        """Validate and send one request (raises InvalidRequest etc.); read it with ``stream``. ``images``: PIL
+        images, one per image placeholder in the prompt (engine/images.py)."""
         if self.error is not None:
             raise self.error
         if request_id in self.outputs.requests or request_id in self._streams:
             raise InvalidRequest(f"request id {request_id!r} is already in use", param="request_id")
-        add = self.inputs.make_request(prompt, params, request_id)
+        add = self.inputs.make_request(prompt, params, request_id, images)
         if self.client_index:
             add.client = self.client_index
         self.outputs.add(add, prompt if isinstance(prompt, str) else None)
@@ -221,9 +223,9 @@ class AsyncLLM:
             if not finished:
                 self.abort(request_id)
 
-    async def generate(self, request_id: str, prompt: str | list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        self.add_request(request_id, prompt, params)
+    async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                       images: list | None = None) -> AsyncIterator[RequestOutput]:
+        self.add_request(request_id, prompt, params, images)
         async for out in self.stream(request_id):
             yield out
 

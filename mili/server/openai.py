@@ -193,7 +193,7 @@ async def chat_completions(body: ChatCompletionRequest, http: Request):
                        param="max_tokens")
     params = prompt.params(st.tokenizer, body, max_tokens, body.logprobs_n(), st.openai_defaults)
     rid, created = new_id("chatcmpl"), int(time.time())
-    streams = await st.start([prompt.token_ids], [params], rid)
+    streams = await st.start([prompt.token_ids], [params], rid, [prompt.images])
     head = {"id": rid, "object": "chat.completion", "created": created, "model": st.model_name}
     nlp = body.top_logprobs or 0
 

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 
 from mili.engine.client import AsyncLLM
+from mili.engine.media import ImageRef, MediaPolicy, check_images
 from mili.outputs import RequestOutput
 from mili.sampling_params import SamplingParams
 from mili.server.errors import APIError
@@ -45,6 +46,7 @@ class ServerState:
         self.metrics = Metrics(model_name, count_engine_totals=api_servers is None or api_servers.index == 0)
         self.metrics.update_gauges(engine.info.stats)  # the first snapshot for /health
         engine.on_step = lambda msg, outputs: self.metrics.on_step(msg, outputs, engine.live_request_ids())
+        self.media = MediaPolicy.from_config(engine.config)  # where a chat's images may come from
         self.created = int(time.time())
         self.statuses: OrderedDict[str, _Status] = OrderedDict()
 
@@ -61,14 +63,16 @@ class ServerState:
                            None, "queue_full", headers={"Retry-After": "1"})
 
     async def start(self, prompts: list[str | list[int]], params: list[SamplingParams], base_id: str,
-                    ) -> list[AsyncIterator[RequestOutput]]:
-        """Add one engine request per prompt (all or none) and return their output streams."""
+                    images: list[list[ImageRef]] | None = None) -> list[AsyncIterator[RequestOutput]]:
+        """Add one engine request per prompt (all or none) and return their output streams. ``images``: each
+        chat prompt's image parts (token ids only), loaded here."""
         self.check_queue()
         ids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
+        loaded = [await self.load_images(p, refs) for p, refs in zip(prompts, images)] if images else None
         added = []
         try:
-            for rid, prompt, sp in zip(ids, prompts, params):
-                self.engine.add_request(rid, prompt, sp)
+            for i, (rid, prompt, sp) in enumerate(zip(ids, prompts, params)):
+                self.engine.add_request(rid, prompt, sp, loaded[i] if loaded else None)
                 added.append(rid)
         except BaseException:
             for rid in added:
@@ -80,6 +84,19 @@ class ServerState:
             # request: when the stream object goes, the request is aborted (a no-op once finished)
             weakref.finalize(stream, self.engine.abort, rid)
         return streams
+
+    async def load_images(self, token_ids: list[int], refs: list[ImageRef]) -> list | None:
+        """The PIL images a chat's image parts name, checked first (the model takes images, not too many, the
+        template placed them) and each fetched and decoded in a worker thread, off the event loop."""
+        if not refs:
+            return None
+        check_images(refs, token_ids, self.engine.inputs.images, self.engine.config.limit_mm_per_prompt["image"])
+        return [await asyncio.to_thread(self.media.load, ref) for ref in refs]
+
+    async def with_images(self, token_ids: list[int], refs: list[ImageRef]) -> list[int]:
+        """The prompt as the engine will see it: each image's placeholder expanded to its tokens (for counts)."""
+        images = await self.load_images(token_ids, refs)
+        return self.engine.inputs.images.prepare(token_ids, images)[0] if images else token_ids
 
     async def _tracked(self, rid: str, params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """The request's stream, keeping its latest output for /status (read there, not built per step)."""
