@@ -129,7 +129,7 @@ def test_local_file_under_the_allowed_folder_only(client, reference, test_images
         assert e.value.body["param"] == "messages[0].content[0]", (url, e.value.body)
 
 
-def test_anthropic_image_block(vserver, reference, test_images):
+def test_anthropic_image_block(vserver, reference, test_images, image_host):
     client = anthropic.Anthropic(base_url=vserver.url, api_key="x", max_retries=0)
     block = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                          "data": base64.b64encode(test_images[0].read_bytes()).decode()}}
@@ -137,6 +137,10 @@ def test_anthropic_image_block(vserver, reference, test_images):
         {"role": "user", "content": [block, {"type": "text", "text": QUESTION}]}])
     assert m.content[0].text == reference.outputs[0].text and m.stop_reason == "max_tokens"
     assert m.usage.input_tokens == len(reference.prompt_token_ids)
+    by_url = {"type": "image", "source": {"type": "url", "url": f"http://127.0.0.1:{image_host}/{test_images[0].name}"}}
+    m = client.messages.create(model="test", max_tokens=MAX_TOKENS, extra_body={"temperature": 0}, messages=[
+        {"role": "user", "content": [by_url, {"type": "text", "text": QUESTION}]}])
+    assert m.content[0].text == reference.outputs[0].text
     count = client.messages.count_tokens(model="test", messages=[
         {"role": "user", "content": [block, {"type": "text", "text": QUESTION}]}])
     assert count.input_tokens == len(reference.prompt_token_ids)
