@@ -195,3 +195,12 @@ def test_llm_chat_takes_image_parts(llm, reference, test_images):
         assert out.outputs[0].token_ids == reference.outputs[0].token_ids
     with pytest.raises(InvalidRequest, match=r"messages\[0\]\.content\[0\]: remote images are not allowed"):
         llm.chat(asking(image_part("http://127.0.0.1:9/x.png")), params, **kwargs)  # remote: not allowed offline
+
+
+def test_language_model_only_takes_no_images(vision_chat_model, test_images):
+    text_only = LLM(str(vision_chat_model), dtype="float32", max_model_len=1024, language_model_only=True)
+    params = SamplingParams(temperature=0, max_tokens=2)
+    with pytest.raises(InvalidRequest, match=r"messages\[0\]\.content\[1\]: this model takes no images"):
+        text_only.chat([{"role": "user", "content": [{"type": "text", "text": QUESTION},
+                                                     image_part(data_url(test_images[0]))]}], params, use_tqdm=False)
+    assert text_only.chat(asking(), params, use_tqdm=False)[0].outputs[0].token_ids  # text: served

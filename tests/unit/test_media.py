@@ -98,3 +98,34 @@ def test_local_files_only_inside_the_allowed_folder(tmp_path):
             load(policy, source)
     with pytest.raises(InvalidRequest, match="larger than"):
         load(MediaPolicy(local_root=root.resolve(), max_bytes=len(png()) - 1), str(root / "a.png"))
+
+
+def test_flags_and_config_file_keys(tmp_path):
+    """--allowed-media-domains (comma-separated; a list in the config file), --allow-remote-media and
+    --allowed-local-media-path reach EngineConfig, and MediaPolicy.from_config reads them."""
+    from mili.cli import build_parser, engine_kwargs
+    from mili.config import EngineConfig
+    from mili.config_file import ConfigFileError, read_config_file
+
+    parser = build_parser()
+    kwargs = engine_kwargs(parser.parse_args(["serve", "--allowed-media-domains", "a.example, B.example",
+                                              "--allow-remote-media", "--allowed-local-media-path", str(tmp_path)]))
+    assert (kwargs["allowed_media_domains"], kwargs["allow_remote_media"], kwargs["allowed_local_media_path"]) == (
+        "a.example, B.example", True, str(tmp_path))
+    defaults = engine_kwargs(parser.parse_args(["serve"]))
+    assert (defaults["allowed_media_domains"], defaults["allow_remote_media"],
+            defaults["allowed_local_media_path"]) == (None, False, None)
+    (tmp_path / "a.yaml").write_text("allowed_media_domains: [a.example, b.example]\n")
+    assert read_config_file(str(tmp_path / "a.yaml"), parser.serve_parser)[0] == {
+        "allowed_media_domains": "a.example,b.example"}
+    (tmp_path / "b.yaml").write_text("allowed_media_domains: [1, 2]\n")
+    with pytest.raises(ConfigFileError, match="a list of host names"):
+        read_config_file(str(tmp_path / "b.yaml"), parser.serve_parser)
+
+    config = EngineConfig(model="demo", allowed_media_domains="a.example, B.example",
+                          allowed_local_media_path=str(tmp_path))
+    policy = MediaPolicy.from_config(config)
+    assert policy.allowed_domains == {"a.example", "b.example"} and policy.local_root == tmp_path.resolve()
+    with pytest.raises(InvalidRequest, match="is not a folder"):
+        EngineConfig(model="demo", allowed_local_media_path=str(tmp_path / "none"))
+    assert not MediaPolicy().allow_remote and MediaPolicy().local_root is None  # the defaults: data: URLs only
