@@ -20,11 +20,11 @@ from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 from mili.errors import InvalidRequest
+from mili.tokenizer.tokenizer import TEMPLATE_IMAGE
 
 MAX_IMAGE_BYTES = 20 * 2**20  # an image's encoded size (a data: URL's decoded bytes, a fetched or read file)
 MAX_IMAGE_PIXELS = 40_000_000  # width × height (a 7,300 × 5,500 photo), read from the header before decoding
 FETCH_TIMEOUT = 10.0  # seconds for one remote image, connection and body
-TEMPLATE_IMAGE = {"type": "image"}  # an image part as the chat templates read it
 # an image part translated from another dialect (Anthropic's, the Responses API's) keeps the name it had there
 ORIGIN = "_param"
 

@@ -6,9 +6,10 @@ import json
 import os
 from typing import Any
 
-from mili.engine.media import TEMPLATE_IMAGE
 from mili.errors import ChatTemplateError, InvalidRequest, ModelLoadError, NotContinuable
 from mili.tokenizer.tool_parsers import messages_for_template
+
+TEMPLATE_IMAGE = {"type": "image"}  # an image part as chat templates read it (engine/media.py makes them)
 
 # apply_chat_template's own parameters: a chat_template_kwargs key with one of these names would
 # collide with (or silently change) how MILI calls it.
