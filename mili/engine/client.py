@@ -32,7 +32,7 @@ import zmq.asyncio
 
 from mili.config import EngineConfig
 from mili.engine.input_processor import InputProcessor
-from mili.engine.messages import (Abort, Dead, FinishSeqs, Ready, Shutdown, StepMessage, encode,
+from mili.engine.messages import (Abort, AddRequest, Dead, FinishSeqs, Ready, Shutdown, StepMessage, encode,
                                   output_decoder)
 from mili.engine.output_processor import OutputProcessor
 from mili.errors import EngineDeadError, InvalidRequest, ModelLoadError, RequestFailed
@@ -185,15 +185,28 @@ class AsyncLLM:
     def live_request_ids(self):
         return self.outputs.requests.keys()
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    images: list | None = None) -> None:
-        """Validate and send one request (raises InvalidRequest etc.); read it with ``stream``. ``images``: PIL
-        images, one per image placeholder in the prompt (engine/images.py)."""
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+        """Validate and send one request (raises InvalidRequest etc.); read it with ``stream``."""
+        self._check_new(request_id)
+        self._send(self.inputs.make_request(prompt, params, request_id), prompt)
+
+    async def add_request_with_images(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                                      images: list) -> None:
+        """``add_request`` for a prompt with images (PIL images, one per image placeholder: engine/images.py),
+        processed in a worker thread: resizing a large image takes long enough to stall every stream."""
+        self._check_new(request_id)
+        add = await asyncio.to_thread(self.inputs.make_request, prompt, params, request_id, images)
+        self._check_new(request_id)  # (still: the engine may have stopped meanwhile)
+        self._send(add, prompt)
+
+    def _check_new(self, request_id: str) -> None:
         if self.error is not None:
             raise self.error
         if request_id in self.outputs.requests or request_id in self._streams:
             raise InvalidRequest(f"request id {request_id!r} is already in use", param="request_id")
-        add = self.inputs.make_request(prompt, params, request_id, images)
+
+    def _send(self, add: AddRequest, prompt: str | list[int]) -> None:
+        request_id = add.request_id
         if self.client_index:
             add.client = self.client_index
         self.outputs.add(add, prompt if isinstance(prompt, str) else None)
@@ -225,7 +238,10 @@ class AsyncLLM:
 
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                        images: list | None = None) -> AsyncIterator[RequestOutput]:
-        self.add_request(request_id, prompt, params, images)
+        if images:
+            await self.add_request_with_images(request_id, prompt, params, images)
+        else:
+            self.add_request(request_id, prompt, params)
         async for out in self.stream(request_id):
             yield out
 

@@ -72,7 +72,10 @@ class ServerState:
         added = []
         try:
             for i, (rid, prompt, sp) in enumerate(zip(ids, prompts, params)):
-                self.engine.add_request(rid, prompt, sp, loaded[i] if loaded else None)
+                if loaded and loaded[i]:
+                    await self.engine.add_request_with_images(rid, prompt, sp, loaded[i])
+                else:
+                    self.engine.add_request(rid, prompt, sp)
                 added.append(rid)
         except BaseException:
             for rid in added:
@@ -96,7 +99,9 @@ class ServerState:
     async def with_images(self, token_ids: list[int], refs: list[ImageRef]) -> list[int]:
         """The prompt as the engine will see it: each image's placeholder expanded to its tokens (for counts)."""
         images = await self.load_images(token_ids, refs)
-        return self.engine.inputs.images.prepare(token_ids, images)[0] if images else token_ids
+        if not images:
+            return token_ids
+        return (await asyncio.to_thread(self.engine.inputs.images.prepare, token_ids, images))[0]
 
     async def _tracked(self, rid: str, params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """The request's stream, keeping its latest output for /status (read there, not built per step)."""
