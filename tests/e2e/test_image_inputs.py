@@ -81,10 +81,14 @@ def chat(client, messages, **kwargs):
                                           extra_body=NO_THINK, **kwargs)
 
 
-def test_data_url_reply_is_the_offline_engines(client, reference, test_images):
+def test_data_url_reply_is_the_offline_engines(client, vserver, reference, test_images):
     reply = chat(client, asking(image_part(data_url(test_images[0]))))
     assert reply.choices[0].message.content == reference.outputs[0].text
     assert reply.usage.prompt_tokens == len(reference.prompt_token_ids)  # the image's tokens counted
+    tokens = httpx.post(vserver.url + "/tokenize", json={"messages": asking(image_part(data_url(test_images[0]))),
+                                                          "chat_template_kwargs": {"enable_thinking": False}},
+                        timeout=60)
+    assert tokens.json()["tokens"] == reference.prompt_token_ids, tokens.text  # /tokenize: the same, expanded
     other = chat(client, asking(image_part(data_url(test_images[1]))))  # another image: another reply
     assert other.choices[0].message.content != reference.outputs[0].text
 
