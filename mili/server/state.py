@@ -65,7 +65,7 @@ class ServerState:
     async def start(self, prompts: list[str | list[int]], params: list[SamplingParams], base_id: str,
                     images: list[list[ImageRef]] | None = None) -> list[AsyncIterator[RequestOutput]]:
         """Add one engine request per prompt (all or none) and return their output streams. ``images``: each
-        chat prompt's image parts (token ids only), loaded here."""
+        prompt's image parts (a rendered chat's, its prompt token ids), loaded here."""
         self.check_queue()
         ids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
         loaded = [await self.load_images(p, refs) for p, refs in zip(prompts, images)] if images else None
