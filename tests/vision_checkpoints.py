@@ -3,7 +3,8 @@ vision tower), the test images (PNG files drawn here), and transformers' image p
 
 The vocabulary is 512 ids, so the image tokens are ids 498-500 (vision start, vision end, image pad) rather than
 the real tokenizer's; a prompt's image tokens are laid out as Qwen3-VL's processor lays them out: vision start,
-one image-pad per merged token, vision end."""
+one image-pad per merged token, vision end. ``build_chat_vision_checkpoint`` is the exception: a Qwen3-VL on the real
+Qwen3 vocabulary and tokenizer (its image tokens 151652-151656), for the server's chat routes."""
 
 from __future__ import annotations
 
