@@ -76,6 +76,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit-mm-per-prompt", default=None, metavar="JSON",
                    help='the most images one prompt may carry, as vLLM spells it: \'{"image": 4}\' (the default); '
                         "a prompt with more is a 400, and the vision encoder's memory is budgeted for that many")
+    p.add_argument("--allowed-media-domains", default=None, metavar="HOST,HOST",
+                   help="chat image parts may be http(s) URLs on these hosts (vLLM's flag); default: none, only "
+                        "data: URLs")
+    p.add_argument("--allow-remote-media", action="store_true",
+                   help="chat image parts may be http(s) URLs on any host (the server fetches what a client "
+                        "names: only where that is safe)")
+    p.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                   help="chat image parts may be file:// URLs (or paths) of files under DIR (vLLM's flag)")
     p.add_argument("--schedule-policy", default="fcfs", choices=["fcfs", "lpm"],
                    help="order of waiting requests: first come first served, or longest cached prefix first "
                         "(with a starvation guard)")
@@ -94,7 +102,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
                 gpu_memory_utilization=args.gpu_memory_utilization,
                 tensor_parallel_size=args.tensor_parallel_size, speculative_config=args.speculative_config,
-                language_model_only=args.language_model_only, limit_mm_per_prompt=args.limit_mm_per_prompt)
+                language_model_only=args.language_model_only, limit_mm_per_prompt=args.limit_mm_per_prompt,
+                allowed_media_domains=args.allowed_media_domains, allow_remote_media=args.allow_remote_media,
+                allowed_local_media_path=args.allowed_local_media_path)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -334,9 +334,21 @@ class EngineConfig:
     # the vision tower's outputs kept by image content (image tokens; None: vLLM's size, the largest of
     # max_num_batched_tokens and the image processor's largest image)
     encoder_cache_tokens: int | None = None
+    # where a chat's image parts may come from besides data: URLs (mili/engine/media.py), as vLLM's flags:
+    # http(s) URLs from these hosts only (a list, or its comma-separated text), or from any with
+    # allow_remote_media (off by default: the server would fetch whatever address a client names);
+    # file:// URLs and paths only under allowed_local_media_path
+    allowed_media_domains: "list[str] | str | None" = None
+    allow_remote_media: bool = False
+    allowed_local_media_path: str | None = None
 
     def __post_init__(self) -> None:
         self.limit_mm_per_prompt = parse_mm_limits(self.limit_mm_per_prompt)
+        if isinstance(self.allowed_media_domains, str):
+            self.allowed_media_domains = [d.strip().lower() for d in self.allowed_media_domains.split(",") if d.strip()]
+        if self.allowed_local_media_path is not None and not os.path.isdir(self.allowed_local_media_path):
+            raise InvalidRequest(f"allowed_local_media_path {self.allowed_local_media_path!r} is not a folder",
+                                 param="allowed_local_media_path")
         if self.dtype not in ("auto", *_DTYPES):
             raise InvalidRequest(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}",
                                  param="dtype")

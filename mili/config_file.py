@@ -133,6 +133,10 @@ def _convert(path: str, key: str, action: argparse.Action, value):
             raise bad("a mapping (method, num_speculative_tokens, ...)" if action.dest == "speculative_config"
                       else 'a mapping ({"image": 4})')
         return value if isinstance(value, str) else json.dumps(value)
+    if action.dest == "allowed_media_domains" and isinstance(value, list):  # a list of hosts, or their text
+        if not all(isinstance(host, str) for host in value):
+            raise bad("a list of host names")
+        return ",".join(value)
     if not isinstance(value, str):
         raise bad("a string")
     if action.choices is not None and value not in action.choices:

@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 
 from mili.config import EngineConfig
 from mili.engine.engine import LLMEngine
+from mili.engine.media import ImageRef, MediaPolicy, check_images, template_content
 from mili.errors import InvalidRequest
 from mili.outputs import RequestOutput
 from mili.sampling_params import SamplingParams
@@ -63,12 +64,15 @@ class LLM:
         """Generate the assistant's reply to one conversation or a list of them. ``tools`` (OpenAI's
         function shape) go to the chat template. With thinking on, a structured output constraint starts
         after ``</think>``. ``continue_final_message`` (with ``add_generation_prompt=False``, as vLLM's):
-        the reply continues the final message, an assistant's."""
+        the reply continues the final message, an assistant's. Image parts are OpenAI's ``image_url`` (a data: URL;
+        http(s) and file URLs where the engine's config allows them, as the server's) or vLLM's
+        ``{"type": "image_pil", "image_pil": a PIL image}``."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.engine.tokenizer
         kwargs = {**(chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
+        with_images = [self._template_messages(conv) for conv in conversations]
         encoded = [encode_chat(tok, conv, add_generation_prompt, kwargs, continue_final_message)
-                   for conv in conversations]
+                   for conv, _ in with_images]
         # (one template and one set of kwargs: every prompt ends alike; a continued turn is past its thinking)
         thinking = kwargs.get("enable_thinking", True) is not False and not continue_final_message
         start = constraint_start(tok, encoded[0][0], thinking) if encoded else None
@@ -76,7 +80,25 @@ class LLM:
             many = isinstance(sampling_params, (list, tuple))
             sampling_params = [_after(p, start) for p in (sampling_params if many else [sampling_params])]
             sampling_params = sampling_params if many else sampling_params[0]
-        return self.generate([{"prompt_token_ids": ids} for _, ids in encoded], sampling_params, use_tqdm)
+        prompts = [{"prompt_token_ids": ids, "multi_modal_data": {"image": self._load_images(ids, refs)}}
+                   if refs else {"prompt_token_ids": ids} for (_, ids), (_, refs) in zip(encoded, with_images)]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    @staticmethod
+    def _template_messages(conversation: list[dict]) -> tuple[list[dict], list[ImageRef]]:
+        """The conversation as the chat template reads it (engine/media.py), and its image parts in order."""
+        refs: list[ImageRef] = []
+        messages = [{**m, "content": template_content(m.get("content"), f"messages[{i}].content", refs)}
+                    if isinstance(m, dict) and isinstance(m.get("content"), list) else m
+                    for i, m in enumerate(conversation)]
+        return messages, refs
+
+    def _load_images(self, token_ids: list[int], refs: list[ImageRef]) -> list:
+        """The PIL images of one conversation, checked and loaded as the server's (``ServerState.load_images``)."""
+        engine = self.engine
+        check_images(refs, token_ids, engine.inputs.images, engine.config.limit_mm_per_prompt["image"])
+        policy = MediaPolicy.from_config(engine.config)
+        return [policy.load(ref) for ref in refs]
 
     def _run(self, prompts: list, params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine

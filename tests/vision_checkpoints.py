@@ -3,7 +3,8 @@ vision tower), the test images (PNG files drawn here), and transformers' image p
 
 The vocabulary is 512 ids, so the image tokens are ids 498-500 (vision start, vision end, image pad) rather than
 the real tokenizer's; a prompt's image tokens are laid out as Qwen3-VL's processor lays them out: vision start,
-one image-pad per merged token, vision end."""
+one image-pad per merged token, vision end. ``build_chat_vision_checkpoint`` is the exception: a Qwen3-VL on the real
+Qwen3 vocabulary and tokenizer (its image tokens 151652-151656), for the server's chat routes."""
 
 from __future__ import annotations
 
@@ -25,6 +26,11 @@ HYBRID_TEXT = dict(TEXT, num_hidden_layers=4, linear_num_key_heads=2, linear_num
                    linear_value_head_dim=16, linear_conv_kernel_dim=4,
                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
                                     "mrope_section": [2, 1, 1], "mrope_interleaved": True})
+# the real Qwen3 tokenizer's vision tokens (<|vision_start|>, <|vision_end|>, <|image_pad|>, <|video_pad|>)
+REAL_VOCAB = 151936
+REAL_TOKEN_IDS = dict(image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
+                      vision_end_token_id=151653)
+DATA = Path(__file__).resolve().parent / "data"
 KINDS = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5_vl")
 # Qwen3-VL MoE: 4 experts of 48 (2I = 96 is not the hidden 64: the hub's transposed layout is told by its shape),
 # the middle layer dense
@@ -32,9 +38,16 @@ MOE = dict(moe_intermediate_size=48, num_experts=4, num_experts_per_tok=2, decod
 IMAGE_SIZES = [(64, 96), (96, 64)]  # (height, width)
 
 
-def _model(kind: str):
+def _model(kind: str, real_vocab: bool = False):
     import transformers as tf
 
+    if real_vocab:  # the real tokenizer's ids, the embedding tied to the lm_head (one 151,936 × 64 matrix)
+        text = dict(TEXT, vocab_size=REAL_VOCAB, tie_word_embeddings=True,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [6, 5, 5],
+                                     "mrope_interleaved": True})
+        return tf.Qwen3VLForConditionalGeneration(tf.Qwen3VLConfig(
+            text_config=text, vision_config=dict(VISION, deepstack_visual_indexes=[0, 1]), tie_word_embeddings=True,
+            **REAL_TOKEN_IDS))
     if kind in ("qwen3_vl", "qwen3_vl_moe"):
         text = dict(TEXT, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [6, 5, 5],
                                            "mrope_interleaved": True})
@@ -48,12 +61,14 @@ def _model(kind: str):
                                                                tie_word_embeddings=False, **TOKEN_IDS))
 
 
-def build_vision_checkpoint(path: Path, kind: str, seed: int = 0, weight_scale: float = 4.0) -> Path:
+def build_vision_checkpoint(path: Path, kind: str, seed: int = 0, weight_scale: float = 4.0,
+                            real_vocab: bool = False) -> Path:
     """A random ``kind`` checkpoint (see KINDS): the matrices scaled up (the tower's q/k/v most, so that its
     attention is far from uniform and its rotary positions count) and the norms randomised (the tower's
-    LayerNorms start at exactly 1 and 0), so that neither the tower's output nor the logits are flat."""
+    LayerNorms start at exactly 1 and 0), so that neither the tower's output nor the logits are flat.
+    ``real_vocab`` (Qwen3-VL dense only): on the real Qwen3 vocabulary, for ``build_chat_vision_checkpoint``."""
     torch.manual_seed(seed)
-    model = _model(kind).float().eval()
+    model = _model(kind, real_vocab).float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "visual" in name:
@@ -77,6 +92,23 @@ def build_vision_checkpoint(path: Path, kind: str, seed: int = 0, weight_scale: 
     model.save_pretrained(path)
     if kind == "qwen3_vl_moe":
         _hub_experts(path)
+    return path
+
+
+def build_chat_vision_checkpoint(path: Path) -> Path:
+    """A tiny random Qwen3-VL (dense) a server can chat with: the real Qwen3 tokenizer (whose vocabulary holds the
+    vision tokens), Qwen3.5's released chat template (it renders an image part as
+    ``<|vision_start|><|image_pad|><|vision_end|>``), Qwen3's eos ids, and the image processor's config."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    build_vision_checkpoint(path, "qwen3_vl", real_vocab=True)
+    tokenizer = AutoTokenizer.from_pretrained(DATA / "qwen3-tokenizer")
+    tokenizer.chat_template = (DATA / "qwen3.5" / "qwen3.5_chat_template.jinja").read_text()
+    tokenizer.save_pretrained(path)
+    shutil.copy(DATA / "qwen3-tokenizer" / "generation_config.json", path / "generation_config.json")
+    image_processor().save_pretrained(path)
     return path
 
 

@@ -32,7 +32,7 @@ import zmq.asyncio
 
 from mili.config import EngineConfig
 from mili.engine.input_processor import InputProcessor
-from mili.engine.messages import (Abort, Dead, FinishSeqs, Ready, Shutdown, StepMessage, encode,
+from mili.engine.messages import (Abort, AddRequest, Dead, FinishSeqs, Ready, Shutdown, StepMessage, encode,
                                   output_decoder)
 from mili.engine.output_processor import OutputProcessor
 from mili.errors import EngineDeadError, InvalidRequest, ModelLoadError, RequestFailed
@@ -177,11 +177,26 @@ class AsyncLLM:
                     sink: OutputSink | None = None) -> None:
         """Validate and send one request (raises InvalidRequest etc.); read it with ``stream``, or have each
         step's output (and an error, in its place) handed to ``sink.put`` by the output loop as it comes."""
+        self._check_new(request_id)
+        self._send(self.inputs.make_request(prompt, params, request_id), prompt, sink)
+
+    async def add_request_with_images(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                                      images: list, sink: OutputSink | None = None) -> None:
+        """``add_request`` for a prompt with images (PIL images, one per image placeholder: engine/images.py),
+        processed in a worker thread: resizing a large image takes long enough to stall every stream."""
+        self._check_new(request_id)
+        add = await asyncio.to_thread(self.inputs.make_request, prompt, params, request_id, images)
+        self._check_new(request_id)  # (still: the engine may have stopped meanwhile)
+        self._send(add, prompt, sink)
+
+    def _check_new(self, request_id: str) -> None:
         if self.error is not None:
             raise self.error
         if request_id in self.outputs.requests or request_id in self._streams:
             raise InvalidRequest(f"request id {request_id!r} is already in use", param="request_id")
-        add = self.inputs.make_request(prompt, params, request_id)
+
+    def _send(self, add: AddRequest, prompt: str | list[int], sink: OutputSink | None) -> None:
+        request_id = add.request_id
         if self.client_index:
             add.client = self.client_index
         self.outputs.add(add, prompt if isinstance(prompt, str) else None)
@@ -213,9 +228,12 @@ class AsyncLLM:
             if not finished:
                 self.abort(request_id)
 
-    async def generate(self, request_id: str, prompt: str | list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        self.add_request(request_id, prompt, params)
+    async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                       images: list | None = None) -> AsyncIterator[RequestOutput]:
+        if images:
+            await self.add_request_with_images(request_id, prompt, params, images)
+        else:
+            self.add_request(request_id, prompt, params)
         async for out in self.stream(request_id):
             yield out
 

@@ -44,10 +44,14 @@ class ImageInputs:
             self._processor = processor
         return self._processor
 
+    @property
+    def takes_images(self) -> bool:
+        return self.enabled and self.model_config.image_token_id is not None
+
     def prepare(self, token_ids: list[int], images: list) -> tuple[list[int], ImageInput]:
         """(the prompt with each image's placeholder expanded, the images for the core); ``images``: PIL images."""
         image_token = self.model_config.image_token_id
-        if not self.enabled or image_token is None:
+        if not self.takes_images:
             raise InvalidRequest("this model takes no images (a text-only checkpoint, or language_model_only)",
                                  param="multi_modal_data")
         places = [i for i, t in enumerate(token_ids) if t == image_token]

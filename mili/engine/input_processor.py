@@ -8,6 +8,7 @@ import time
 
 from mili.config import EngineConfig, ModelConfig
 from mili.engine.images import ImageInputs
+from mili.engine.media import check_count
 from mili.engine.messages import AddRequest, Ready
 from mili.errors import ContextLengthExceeded, InvalidRequest
 from mili.model.loader import load_generation_defaults, load_hf_config, resolve_model_path
@@ -58,6 +59,7 @@ class InputProcessor:
             check_structured(params.structured_outputs, "structured_outputs")
         image_input = None
         if images:
+            check_count(len(images), self.config.limit_mm_per_prompt["image"], "multi_modal_data")
             token_ids, image_input = self.images.prepare(token_ids, images)
         max_total = self._check_length(len(token_ids), params.max_tokens)
         params = dataclasses.replace(params, eos_token_ids=list(self.eos_token_ids))

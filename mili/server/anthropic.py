@@ -18,6 +18,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from pydantic import ConfigDict, Field
 
+from mili.engine.media import content_parts, image_url_part
 from mili.errors import InvalidRequest
 from mili.outputs import CompletionOutput
 from mili.server.state import final_output, new_id, state_of, until_disconnect
@@ -65,14 +66,36 @@ class RedactedThinkingBlock(_Block):
     data: str
 
 
-UserBlock = Annotated[TextBlock | ToolResultBlock, Field(discriminator="type")]
+class Base64Source(Strict):
+    type: Literal["base64"]
+    media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"]
+    data: str
+
+
+class UrlSource(Strict):
+    type: Literal["url"]
+    url: str
+
+
+class ImageBlock(_Block):
+    type: Literal["image"]
+    source: Annotated[Base64Source | UrlSource, Field(discriminator="type")]
+
+    def part(self, param: str) -> dict:
+        """The OpenAI image part it is: a data: URL, or the URL (fetched under the server's remote-media rules)."""
+        src = self.source
+        return image_url_part(src.url if src.type == "url" else f"data:{src.media_type};base64,{src.data}", param)
+
+
+UserBlock = Annotated[TextBlock | ImageBlock | ToolResultBlock, Field(discriminator="type")]
 AssistantBlock = Annotated[TextBlock | ToolUseBlock | ThinkingBlock | RedactedThinkingBlock,
                            Field(discriminator="type")]
 
 
 class UserMessage(Strict):
     role: Literal["user"]
-    content: Annotated[str | Annotated[list[UserBlock], Field(min_length=1)], only_types("text", "tool_result")]
+    content: Annotated[str | Annotated[list[UserBlock], Field(min_length=1)],
+                       only_types("text", "image", "tool_result")]
 
 
 class AssistantMessage(Strict):
@@ -161,17 +184,19 @@ class CountTokensRequest(Strict):
 
     def _messages(self) -> list[dict]:
         out = [{"role": "system", "content": _text(self.system)}] if self.system else []
-        for m in self.messages:
+        for i, m in enumerate(self.messages):
             if isinstance(m.content, str):
                 out.append({"role": m.role, "content": m.content})
                 continue
-            texts, message = [], {"role": "assistant", "content": ""}
-            for b in m.content:
+            texts, message = [], {"role": "assistant", "content": ""}  # texts: text pieces and image parts
+            for j, b in enumerate(m.content):
                 if b.type == "text":
                     texts.append(b.text)
+                elif b.type == "image":  # (user turns only)
+                    texts.append(b.part(f"messages[{i}].content[{j}]"))
                 elif b.type == "tool_result":  # (user turns only, as their type says)
                     if texts:  # text before a result: its own user turn
-                        out.append({"role": "user", "content": "\n".join(texts)})
+                        out.append({"role": "user", "content": content_parts(texts, "\n")})
                         texts = []
                     out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": _text(b.content)})
                 elif b.type == "tool_use":  # (this and thinking: assistant turns only)
@@ -181,7 +206,7 @@ class CountTokensRequest(Strict):
                     message["reasoning_content"] = b.thinking  # the template shows it where Qwen3 would
                 # (redacted thinking is dropped: Qwen3 cannot read it)
             if m.role == "user":
-                out += [{"role": "user", "content": "\n".join(texts)}] if texts else []
+                out += [{"role": "user", "content": content_parts(texts, "\n")}] if texts else []
             else:
                 out.append({**message, "content": "\n".join(texts)})
         final = out[-1]
@@ -227,7 +252,8 @@ class MessagesRequest(CountTokensRequest):
 async def count_tokens(body: CountTokensRequest, http: Request):
     st = state_of(http)
     st.check_model(body.model)
-    return {"input_tokens": len(ChatPrompt.render(st.tokenizer, body.chat(), st.tool_call_parser).token_ids)}
+    prompt = ChatPrompt.render(st.tokenizer, body.chat(), st.tool_call_parser)
+    return {"input_tokens": len(await st.with_images(prompt.token_ids, prompt.images))}
 
 
 def _tool_id(block: Block) -> str:

@@ -12,13 +12,14 @@ hermes or qwen3_xml from its template: tool_parsers.py).
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from mili.engine.media import ImageRef
 from mili.outputs import RequestOutput
 from mili.sampling_params import SamplingParams
 from mili.server.state import ServerState
-from mili.server.protocol import ChatCompletionRequest
+from mili.server.protocol import ChatCompletionRequest, template_messages
 from mili.tokenizer.reasoning import THINK_END, THINK_START, ReasoningStream, constraint_start
 from mili.tokenizer.tokenizer import encode_chat
 from mili.tokenizer.tool_parsers import extract_calls, tool_call_stream
@@ -36,20 +37,22 @@ class ChatPrompt:
     tools: bool  # tool calls are parsed out of the reply (tools given, tool_choice not none)
     tool_parser: str = "hermes"  # the form the model writes calls in (tool_parsers.py)
     tool_defs: list[dict] | None = None  # the request's tools (their schemas type XML arguments)
+    images: list[ImageRef] = field(default_factory=list)  # its image parts, in order (loaded by ServerState.start)
 
     @classmethod
     def render(cls, tokenizer, body: ChatCompletionRequest, tool_parser: str = "hermes") -> ChatPrompt:
         kwargs = body.chat_template_kwargs or {}
         tool_mode, _ = body.tool_mode()
         template_kwargs = {**kwargs, "tools": body.tools} if body.tools else kwargs
-        text, token_ids = encode_chat(tokenizer, [m.for_template() for m in body.messages],
-                                      body.add_generation_prompt, template_kwargs, body.continue_final_message)
+        messages, images = template_messages(body.messages)
+        text, token_ids = encode_chat(tokenizer, messages, body.add_generation_prompt, template_kwargs,
+                                      body.continue_final_message)
         thinking = kwargs.get("enable_thinking", True) is not False  # as Qwen3's template decides
         opened = thinking and text.rstrip().endswith(THINK_START)  # templates that open <think> themselves
         if body.continue_final_message:  # the reply continues the final turn: inside its thinking if left open
             turn = text[text.rfind(TURN_START):]
             thinking = opened = thinking and turn.rfind(THINK_START) > turn.rfind(THINK_END)
-        return cls(text, token_ids, thinking, opened, tool_mode != "none", tool_parser, body.tools)
+        return cls(text, token_ids, thinking, opened, tool_mode != "none", tool_parser, body.tools, images)
 
     def params(self, tokenizer, body: ChatCompletionRequest, max_tokens: int | None, logprobs: int | None,
                defaults: dict[str, Any]) -> SamplingParams:
@@ -72,7 +75,7 @@ async def start_chat(st: ServerState, body: ChatCompletionRequest, request_id: s
     """Render ``body`` and start its one engine request (no logprobs): its prompt and output stream."""
     prompt = ChatPrompt.render(st.tokenizer, body, st.tool_call_parser)
     params = prompt.params(st.tokenizer, body, body.max_tokens, None, st.openai_defaults)
-    (stream,) = await st.start([prompt.token_ids], [params], request_id)
+    (stream,) = await st.start([prompt.token_ids], [params], request_id, [prompt.images])
     return prompt, stream
 
 

@@ -139,7 +139,7 @@ async def completions(body: CompletionRequest, http: Request):
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     events = _CompletionEvents(head, n, body.echo, echo_text, logprobs, include_usage)
-    return st.start_stream(prompts, [params] * len(prompts), rid, events)
+    return await st.start_stream(prompts, [params] * len(prompts), rid, events)
 
 
 class _CompletionEvents:
@@ -211,7 +211,8 @@ async def chat_completions(body: ChatCompletionRequest, http: Request):
     nlp = body.top_logprobs or 0
 
     if not body.stream:
-        (final,) = await until_disconnect(http, _collect(await st.start([prompt.token_ids], [params], rid)))
+        (final,) = await until_disconnect(http, _collect(await st.start([prompt.token_ids], [params], rid,
+                                                                         [prompt.images])))
         choices = []
         for o in final.outputs:
             reasoning, content = split_reasoning(THINK_START * opened + o.text) if thinking else (None, o.text)
@@ -229,7 +230,7 @@ async def chat_completions(body: ChatCompletionRequest, http: Request):
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     events = _ChatEvents({**head, "object": "chat.completion.chunk"}, prompt, nlp, include_usage)
-    return st.start_stream([prompt.token_ids], [params], rid, events)
+    return await st.start_stream([prompt.token_ids], [params], rid, events, [prompt.images])
 
 
 class _ChatEvents:

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, WithJsonSchema
 
+from mili.engine.media import ImageRef, template_content
 from mili.errors import InvalidRequest
 from mili.sampling_params import SamplingParams, StructuredOutputsParams
 from mili.server.fields import (AsSent, Count, Logprobs, MaxTokens, ModelName, OnField, OnlyFalse, Open, Seed,
@@ -205,12 +206,18 @@ class CompletionRequest(_Sampling):
         return list(p)
 
 
-# Content parts MILI takes: text only (checked in ChatMessage.for_template, whose errors name `messages`).
-_CONTENT_SCHEMA = {"anyOf": [
-    {"type": "string"},
-    {"type": "array", "items": {"type": "object", "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
-                                "required": ["type", "text"]}},
-    {"type": "null"}]}
+# Content parts MILI takes: text, and images as URLs (checked in mili/engine/media.py, whose errors name the part)
+_TEXT_PART = {"type": "object", "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+              "required": ["type", "text"]}
+_IMAGE_PART = {"type": "object", "properties": {
+    "type": {"const": "image_url"},
+    "image_url": {"type": "object", "required": ["url"], "properties": {
+        "url": {"type": "string", "description": "a data:image/...;base64 URL; http(s):// or file:// where the "
+                                                 "server allows them"},
+        "detail": {"type": "string", "description": "ignored"}}}},
+    "required": ["type", "image_url"]}
+_CONTENT_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"anyOf": [_TEXT_PART, _IMAGE_PART]}},
+                             {"type": "null"}]}
 
 
 class ChatMessage(Open):
@@ -220,21 +227,21 @@ class ChatMessage(Open):
     content: Annotated[str | list[dict[str, Any]] | None, WithJsonSchema(_CONTENT_SCHEMA)] = None
     reasoning_content: str | None = None
 
-    def for_template(self) -> dict[str, Any]:
-        content = self.content
-        if isinstance(content, list):  # content parts: text only
-            texts = []
-            for part in content:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise InvalidRequest(f"content part of type {part.get('type')!r} is not supported "
-                                         "(text only)", param="messages")
-                texts.append(part["text"])
-            content = "".join(texts)
+    def for_template(self, param: str, images: list[ImageRef]) -> dict[str, Any]:
+        """The message as the chat template reads it; its image parts are appended to ``images``, each named by
+        ``param`` (``messages[i]``) and its place."""
+        content = template_content(self.content, f"{param}.content", images)
         message = {**(self.model_extra or {}), "role": "system" if self.role == "developer" else self.role,
                    "content": content if content is not None else ""}
         if self.reasoning_content is not None:
             message["reasoning_content"] = self.reasoning_content
         return message
+
+
+def template_messages(messages: list[ChatMessage]) -> tuple[list[dict[str, Any]], list[ImageRef]]:
+    """The messages as the chat template reads them, and their image parts in order."""
+    images: list[ImageRef] = []
+    return [m.for_template(f"messages[{i}]", images) for i, m in enumerate(messages)], images
 
 
 class FunctionDef(Open):

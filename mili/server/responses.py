@@ -19,6 +19,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from pydantic import AfterValidator, ConfigDict, Discriminator, Field, Tag, WithJsonSchema
 
+from mili.engine.media import content_parts, image_url_part
 from mili.errors import InvalidRequest
 from mili.outputs import RequestOutput
 from mili.server.state import ServerState, final_output, new_id, state_of, until_disconnect
@@ -38,10 +39,20 @@ class TextPart(Strict):
     logprobs: list[Any] | None = None
 
 
+class ImagePart(Strict):
+    type: Literal["input_image"]
+    image_url: str = Field(description="a data:image/...;base64 URL; http(s):// or file:// where the server "
+                                       "allows them (file_id is not supported: MILI stores no files)")
+    detail: Literal["low", "high", "auto"] | None = None  # accepted; the image processor decides the size
+
+
+MessagePart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
 class MessageItem(Strict):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: Annotated[str | list[TextPart], only_types("input_text", "output_text")]
+    content: Annotated[str | list[MessagePart], only_types("input_text", "output_text", "input_image")]
     id: str | None = None
     status: str | None = None
 
@@ -191,7 +202,7 @@ class ResponsesRequest(Strict):
         out = [{"role": "system", "content": self.instructions}] if self.instructions is not None else []
         items = [MessageItem(role="user", content=self.input)] if isinstance(self.input, str) else self.input
         reasoning = None  # a reasoning item's text, for the assistant turn that follows it
-        for item in items:
+        for i, item in enumerate(items):
             if item.type == "reasoning":
                 reasoning = "".join(p.text for p in item.content or item.summary)
                 continue
@@ -199,7 +210,7 @@ class ResponsesRequest(Strict):
                 out.append({"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output)})
                 continue
             if item.type == "message":
-                out.append({"role": item.role, "content": _text(item.content)})
+                out.append({"role": item.role, "content": self._content(item.content, i)})
             else:  # a function_call: one more call of the assistant turn it follows, or a turn of its own
                 if not out or out[-1]["role"] != "assistant":
                     out.append({"role": "assistant", "content": ""})
@@ -208,6 +219,14 @@ class ResponsesRequest(Strict):
             if out[-1]["role"] == "assistant" and reasoning is not None:
                 out[-1]["reasoning_content"], reasoning = reasoning, None
         return out
+
+    @staticmethod
+    def _content(content: str | list[TextPart | ImagePart], index: int) -> str | list[dict]:
+        """A message item's content as OpenAI chat content: its text, or its parts when it holds images."""
+        if isinstance(content, str):
+            return content
+        return content_parts([image_url_part(p.image_url, f"input[{index}].content[{j}]") if p.type == "input_image"
+                              else p.text for j, p in enumerate(content)], "")
 
 
 # the chat path names OpenAI chat fields: these are their Responses API names

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 
 from mili.engine.client import AsyncLLM
+from mili.engine.media import ImageRef, MediaPolicy, check_images
 from mili.outputs import RequestOutput
 from mili.sampling_params import SamplingParams
 from mili.server.errors import APIError
@@ -46,6 +47,7 @@ class ServerState:
         self.metrics = Metrics(model_name, count_engine_totals=api_servers is None or api_servers.index == 0)
         self.metrics.update_gauges(engine.info.stats)  # the first snapshot for /health
         engine.on_step = lambda msg, outputs: self.metrics.on_step(msg, outputs, engine.live_request_ids())
+        self.media = MediaPolicy.from_config(engine.config)  # where a chat's images may come from
         self.created = int(time.time())
         self.statuses: OrderedDict[str, _Status] = OrderedDict()
 
@@ -62,10 +64,11 @@ class ServerState:
                            None, "queue_full", headers={"Retry-After": "1"})
 
     async def start(self, prompts: list[str | list[int]], params: list[SamplingParams], base_id: str,
-                    ) -> list[AsyncIterator[RequestOutput]]:
-        """Add one engine request per prompt (all or none) and return their output streams."""
+                    images: list[list[ImageRef]] | None = None) -> list[AsyncIterator[RequestOutput]]:
+        """Add one engine request per prompt (all or none) and return their output streams. ``images``: each
+        prompt's image parts (a rendered chat's, its prompt token ids), loaded here."""
         ids = self._ids(base_id, len(prompts))
-        self._add(ids, prompts, params)
+        await self._add(ids, prompts, params, images)
         streams = [self._tracked(rid, self.engine.stream(rid), sp) for rid, sp in zip(ids, params)]
         for rid, stream in zip(ids, streams):
             # a response whose body is never iterated (client gone before it started) still ends its
@@ -73,8 +76,8 @@ class ServerState:
             weakref.finalize(stream, self.engine.abort, rid)
         return streams
 
-    def start_stream(self, prompts: list[str | list[int]], params: list[SamplingParams], base_id: str,
-                     events: Events) -> StepStream:
+    async def start_stream(self, prompts: list[str | list[int]], params: list[SamplingParams], base_id: str,
+                           events: Events, images: list[list[ImageRef]] | None = None) -> StepStream:
         """Add one engine request per prompt (all or none), streamed by the output loop as ``events`` makes
         them (server/step_stream.py): the response to return."""
         ids = self._ids(base_id, len(prompts))
@@ -83,7 +86,7 @@ class ServerState:
             statuses[index].out = out
 
         response = StepStream(events, ids, self._abort, on_output)
-        self._add(ids, prompts, params, response.parts())
+        await self._add(ids, prompts, params, images, response.parts())
         statuses = [self._status(rid, sp) for rid, sp in zip(ids, params)]
         return response
 
@@ -97,18 +100,38 @@ class ServerState:
     def _ids(base_id: str, count: int) -> list[str]:
         return [base_id] if count == 1 else [f"{base_id}-{i}" for i in range(count)]
 
-    def _add(self, ids: list[str], prompts: list, params: list[SamplingParams], sinks: list | None = None
-             ) -> None:
+    async def _add(self, ids: list[str], prompts: list, params: list[SamplingParams],
+                   images: list[list[ImageRef]] | None = None, sinks: list | None = None) -> None:
         self.check_queue()
+        loaded = [await self.load_images(p, refs) for p, refs in zip(prompts, images)] if images else None
         added = []
         try:
             for i, (rid, prompt, sp) in enumerate(zip(ids, prompts, params)):
-                self.engine.add_request(rid, prompt, sp, sink=sinks[i] if sinks else None)
+                sink = sinks[i] if sinks else None
+                if loaded and loaded[i]:
+                    await self.engine.add_request_with_images(rid, prompt, sp, loaded[i], sink)
+                else:
+                    self.engine.add_request(rid, prompt, sp, sink)
                 added.append(rid)
         except BaseException:
             for rid in added:
                 self.engine.abort(rid)
             raise
+
+    async def load_images(self, token_ids: list[int], refs: list[ImageRef]) -> list | None:
+        """The PIL images a chat's image parts name, checked first (the model takes images, not too many, the
+        template placed them) and each fetched and decoded in a worker thread, off the event loop."""
+        if not refs:
+            return None
+        check_images(refs, token_ids, self.engine.inputs.images, self.engine.config.limit_mm_per_prompt["image"])
+        return [await asyncio.to_thread(self.media.load, ref) for ref in refs]
+
+    async def with_images(self, token_ids: list[int], refs: list[ImageRef]) -> list[int]:
+        """The prompt as the engine will see it: each image's placeholder expanded to its tokens (for counts)."""
+        images = await self.load_images(token_ids, refs)
+        if not images:
+            return token_ids
+        return (await asyncio.to_thread(self.engine.inputs.images.prepare, token_ids, images))[0]
 
     def _status(self, rid: str, params: SamplingParams) -> _Status:
         """A new request's /status entry (the latest output is kept on it, read only when asked)."""

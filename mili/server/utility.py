@@ -9,7 +9,7 @@ from fastapi.responses import FileResponse, HTMLResponse, PlainTextResponse, Res
 
 import mili
 from mili.server.errors import APIError, error_responses
-from mili.server.protocol import DetokenizeRequest, TokenizeRequest
+from mili.server.protocol import DetokenizeRequest, TokenizeRequest, template_messages
 from mili.server.state import state_of
 from mili.tokenizer.tokenizer import encode_chat, encode_prompt
 
@@ -39,8 +39,10 @@ async def tokenize(body: TokenizeRequest, http: Request):
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give exactly one of prompt or messages", param="prompt")
     if body.messages is not None:
-        _, ids = encode_chat(st.tokenizer, [m.for_template() for m in body.messages],
-                             body.add_generation_prompt, body.chat_template_kwargs, body.continue_final_message)
+        messages, images = template_messages(body.messages)
+        _, ids = encode_chat(st.tokenizer, messages, body.add_generation_prompt, body.chat_template_kwargs,
+                             body.continue_final_message)
+        ids = await st.with_images(ids, images)
     else:
         ids = encode_prompt(st.tokenizer, body.prompt, body.add_special_tokens)
     return {"tokens": ids, "count": len(ids), "max_model_len": st.engine.max_model_len}

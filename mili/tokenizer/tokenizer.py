@@ -9,6 +9,8 @@ from typing import Any
 from mili.errors import ChatTemplateError, InvalidRequest, ModelLoadError, NotContinuable
 from mili.tokenizer.tool_parsers import messages_for_template
 
+TEMPLATE_IMAGE = {"type": "image"}  # an image part as chat templates read it (engine/media.py makes them)
+
 # apply_chat_template's own parameters: a chat_template_kwargs key with one of these names would
 # collide with (or silently change) how MILI calls it.
 RESERVED_TEMPLATE_KWARGS = frozenset({
@@ -73,17 +75,15 @@ def _normalize_messages(messages: Any) -> list[dict]:
         if not isinstance(role, str) or not role:
             raise InvalidRequest(f"messages[{i}].role must be a non-empty string", param="messages")
         content = m.get("content")
-        if isinstance(content, list):  # OpenAI content parts: only text parts can be rendered
-            texts = []
+        if isinstance(content, list):  # content parts: text, and images as engine/media.py leaves them
             for part in content:
-                if (isinstance(part, dict) and part.get("type") == "text"
-                        and isinstance(part.get("text"), str)):
-                    texts.append(part["text"])
-                else:
+                if part != TEMPLATE_IMAGE and not (isinstance(part, dict) and part.get("type") == "text"
+                                                   and isinstance(part.get("text"), str)):
                     raise InvalidRequest(f"messages[{i}].content: only text content parts "
-                                         "({'type': 'text', 'text': ...}) are supported",
+                                         "({'type': 'text', 'text': ...}) and images are supported",
                                          param="messages")
-            m = {**m, "content": "".join(texts)}
+            if TEMPLATE_IMAGE not in content:
+                m = {**m, "content": "".join(part["text"] for part in content)}
         elif content is not None and not isinstance(content, str):
             raise InvalidRequest(f"messages[{i}].content must be a string or null, "
                                  f"not {type(content).__name__}", param="messages")

@@ -25,6 +25,22 @@ def caller_model(tmp_path_factory) -> tuple[Path, dict[int, int]]:
     return build_caller_checkpoint(tmp_path_factory.mktemp("e2e") / "caller")
 
 
+@pytest.fixture(scope="session")
+def vision_chat_model(tmp_path_factory) -> Path:
+    """A tiny Qwen3-VL a server can chat with about images (vision_checkpoints.build_chat_vision_checkpoint)."""
+    from vision_checkpoints import build_chat_vision_checkpoint
+
+    return build_chat_vision_checkpoint(tmp_path_factory.mktemp("e2e") / "vision")
+
+
+@pytest.fixture(scope="session")
+def test_images(tmp_path_factory) -> list[Path]:
+    """Two PNG files (64×96 and 96×64: 6 image tokens each for the tiny Qwen3-VL), alone in their folder."""
+    from vision_checkpoints import write_images
+
+    return write_images(tmp_path_factory.mktemp("images"))
+
+
 @pytest.fixture(scope="module")
 def server(random_model):
     s = Server(random_model)

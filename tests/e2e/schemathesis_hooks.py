@@ -11,6 +11,8 @@ schema-valid data still is.
 
 from __future__ import annotations
 
+import re
+
 import schemathesis
 from schemathesis.openapi.checks import RejectedPositiveData
 
@@ -51,6 +53,10 @@ ANTHROPIC_BEYOND_SCHEMA = {
     "invalid structural tag": "forced calls: each tool's input_schema must be a schema the grammar engine compiles",
 }
 
+# an image part (OpenAI's and the Responses API's param; Anthropic's message starts with it): it must decode to an
+# image within the limits, come from an allowed source, and go to a model that takes images
+IMAGE_PART = re.compile(r"(messages|input)\[\d+\]\.content\[\d+\]")
+
 
 def beyond_schema(status: int, body) -> bool:
     if status != 400 or not isinstance(body, dict) or not isinstance(body.get("error"), dict):
@@ -58,9 +64,11 @@ def beyond_schema(status: int, body) -> bool:
     error = body["error"]
     if body.get("type") == "error":  # Anthropic's shape
         message = error.get("message") or ""
-        return any(message.startswith(start) for start in ANTHROPIC_BEYOND_SCHEMA)
+        return (any(message.startswith(start) for start in ANTHROPIC_BEYOND_SCHEMA)
+                or IMAGE_PART.fullmatch(message.partition(": ")[0]) is not None)
     param, code = error.get("param"), error.get("code")
-    return (param, code) in BEYOND_SCHEMA or (param, None) in BEYOND_SCHEMA
+    return ((param, code) in BEYOND_SCHEMA or (param, None) in BEYOND_SCHEMA
+            or IMAGE_PART.fullmatch(param or "") is not None)
 
 
 @schemathesis.hook

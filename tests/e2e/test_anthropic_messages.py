@@ -237,6 +237,8 @@ def test_bad_requests_are_anthropic_400s(client, server):
         body = e.value.body
         assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error", (kwargs, body)
         assert body["error"]["message"]
+        if kwargs is bad[0]:  # the image, to a text-only model: the message names the block
+            assert body["error"]["message"].startswith("messages[0].content[0]: this model takes no images"), body
     # malformed JSON; no max_tokens (which the SDK would not send)
     no_max_tokens = json.dumps({"model": "test", "messages": USER}).encode()
     for raw in (b'{"model": "test", "messages": []', no_max_tokens):

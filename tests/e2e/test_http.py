@@ -21,6 +21,21 @@ def _error(r: httpx.Response, status: int, param: str | None = None) -> dict:
     return body["error"]
 
 
+def _png() -> str:
+    """A 32×32 PNG as a data: URL."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (32, 32), "teal").save(out, "PNG")
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+PNG = _png()
+
+
 @pytest.mark.parametrize("path,body,param", [
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "temperature": -1}, "temperature"),
@@ -38,7 +53,12 @@ def _error(r: httpx.Response, status: int, param: str | None = None) -> dict:
     ("/v1/chat/completions", {"messages": []}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "messages[0].content[0]"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [  # a text-only model: no images
+        {"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": PNG}}]}]}, "messages[0].content[1]"),
+    ("/tokenize", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": PNG}}]}]},
+     "messages[0].content[0]"),
     ("/generate", {"prompt": "hi", "max_tokens": 5000}, "max_tokens"),
     ("/generate", {"prompt": ""}, "prompt"),
 ])

@@ -238,3 +238,53 @@ def test_the_trained_demo_replies_and_ends_by_itself(browser, tmp_path):
             assert found and sum(w in words for w in found) >= 0.9 * len(found), said
     finally:
         assert s.stop() == 0, s.output()
+
+
+def test_images_attached_shown_and_sent(vision_chat_model, test_images, browser):
+    """A tiny Qwen3-VL (vision_checkpoints.py): an image chosen with the file input is shown above the message box
+    and in the conversation, sent as a data: URL image part before the text, and the streamed reply arrives; a
+    dropped and a pasted image are attached too, and removed with their ×."""
+    import base64
+
+    s = Server(vision_chat_model)
+    try:
+        open_page(browser, s.url)
+        record_requests(browser)
+        set_field(browser, "#temperature", "0")
+        set_field(browser, "#max-tokens", "8")
+        el(browser, "#thinking").click()  # off
+        png = test_images[0].read_bytes()
+        for event in ("drop", "paste"):  # a file dropped on the page, one pasted into the message box
+            browser.execute_script("""
+                const [event, b64] = arguments;
+                const bytes = Uint8Array.from(atob(b64), (c) => c.charCodeAt(0));
+                const data = new DataTransfer();
+                data.items.add(new File([bytes], "x.png", {type: "image/png"}));
+                const target = event === "drop" ? document : document.getElementById("prompt");
+                target.dispatchEvent(event === "drop" ? new DragEvent("drop", {dataTransfer: data, bubbles: true})
+                                                      : new ClipboardEvent("paste", {clipboardData: data, bubbles: true}));
+                """, event, base64.b64encode(png).decode())
+        until(browser, lambda: len(browser.find_elements("css selector", "#attachments img")) == 2)
+        for button in browser.find_elements("css selector", "#attachments button"):
+            button.click()
+        assert not browser.find_elements("css selector", "#attachments figure")
+
+        el(browser, "#image-file").send_keys(str(test_images[0]))  # (a hidden file input takes a path all the same)
+        until(browser, lambda: len(browser.find_elements("css selector", "#attachments img")) == 1)
+        send(browser, "What is in this picture?")
+        reply = finished_reply(browser)
+        stats = el(reply, ".stats").text
+        assert "8 tokens" in stats and "length" in stats and el(browser, "#error").text == "", stats
+        url = "data:image/png;base64," + base64.b64encode(png).decode()
+        shown = browser.find_elements("css selector", ".msg.user .thumbs img")
+        assert [img.get_attribute("src") for img in shown] == [url]
+        assert browser.execute_script("return arguments[0].naturalWidth", shown[0]) == 96  # the image itself
+        assert not browser.find_elements("css selector", "#attachments img")  # sent: no longer attached
+        sent = browser.execute_script("return window.sent")[0]
+        assert sent["messages"] == [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What is in this picture?"}]}]
+        whole = {**{k: v for k, v in sent.items() if k != "stream_options"}, "stream": False}
+        api = httpx.post(s.url + "/v1/chat/completions", json=whole, timeout=60).json()
+        assert el(reply, ".text").text.split() == api["choices"][0]["message"]["content"].split()  # that reply
+    finally:
+        assert s.stop() == 0, s.output()
