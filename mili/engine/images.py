@@ -52,7 +52,8 @@ class ImageInputs:
         """(the prompt with each image's placeholder expanded, the images for the core); ``images``: PIL images."""
         image_token = self.model_config.image_token_id
         if not self.takes_images:
-            raise InvalidRequest("this model takes no images (a text-only checkpoint, or language_model_only)",
+            raise InvalidRequest("this model takes no images (a text-only checkpoint, language_model_only, or "
+                                 "limit_mm_per_prompt image 0)",
                                  param="multi_modal_data")
         places = [i for i, t in enumerate(token_ids) if t == image_token]
         if len(places) != len(images):

@@ -59,7 +59,8 @@ class InputProcessor:
             check_structured(params.structured_outputs, "structured_outputs")
         image_input = None
         if images:
-            check_count(len(images), self.config.limit_mm_per_prompt["image"], "multi_modal_data")
+            if self.images.takes_images:  # (else prepare says the model takes none)
+                check_count(len(images), self.config.limit_mm_per_prompt["image"], "multi_modal_data")
             token_ids, image_input = self.images.prepare(token_ids, images)
         max_total = self._check_length(len(token_ids), params.max_tokens)
         params = dataclasses.replace(params, eos_token_ids=list(self.eos_token_ids))

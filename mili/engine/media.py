@@ -115,8 +115,8 @@ def check_images(refs: list[ImageRef], token_ids: list[int], image_inputs, limit
     if not refs:
         return
     if not image_inputs.takes_images:
-        raise part_error(refs[0].param, "this model takes no images (a text-only checkpoint, or "
-                                        "--language-model-only)")
+        raise part_error(refs[0].param, "this model takes no images (a text-only checkpoint, "
+                                        "--language-model-only, or --limit-mm-per-prompt image 0)")
     check_count(len(refs), limit, refs[min(limit, len(refs) - 1)].param)
     placeholders = token_ids.count(image_inputs.model_config.image_token_id)
     if placeholders != len(refs):
