@@ -183,7 +183,9 @@ def serve_http(args: argparse.Namespace, engine, sockets=None, api_servers=None)
             "serving %s as %r on http://%s:%d (chat page: http://%s:%d/ui; tool calls: %s%s)", engine.model_path,
             name, args.host, args.port, args.host, args.port, app.state.mili.tool_call_parser,
             f"; {api_servers.count} API processes" if api_servers else "")
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+    from mili.server.step_stream import with_raw_send
+
+    config = uvicorn.Config(with_raw_send(app), host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout, access_log=False)
     server = uvicorn.Server(config)
 

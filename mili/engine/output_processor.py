@@ -65,13 +65,13 @@ class RequestState:
                 return False
         return True
 
-    def output(self) -> RequestOutput:
+    def output(self, finished: bool) -> RequestOutput:
         seqs = self.seqs.values() if len(self.seqs) == 1 else sorted(self.seqs.values(), key=lambda s: s.index)
         outputs = [CompletionOutput(s.index, None, s.token_ids, s.finish_reason, s.stop_reason, s.logprobs,
                                     s.cumulative_logprob if s.logprobs is not None else None,
                                     s.stream.take_delta(), stream=s.stream)
                    for s in seqs]
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, self.finished,
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, finished,
                              self.num_cached_tokens, self.times, self.prompt_logprobs)
 
 
@@ -106,10 +106,11 @@ class OutputProcessor:
         outputs = []
         for req in touched.values():
             req.times["first_token_time"] = req.times["first_token_time"] or now
-            if req.finished:
+            finished = req.finished
+            if finished:
                 req.times["finished_time"] = now
                 del self.requests[req.request_id]
-            outputs.append(req.output())
+            outputs.append(req.output(finished))
         return outputs, stopped, failed
 
     def fail(self, request_id: str, message: str) -> RequestOutput | None:
@@ -122,7 +123,7 @@ class OutputProcessor:
             seq = req.seq(index)
             if seq.finish_reason is None:
                 seq.finish_reason = "error"
-        out = req.output()
+        out = req.output(req.finished)
         out.error = message
         return out
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from bisect import bisect_left
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
@@ -104,6 +105,7 @@ class Metrics:
 
     def _count(self, outputs, now: float) -> None:
         generated = 0
+        itls: list[float] = []  # one a request a step: observed together
         seen = self._seen
         for out in outputs:
             times = out.metrics
@@ -116,7 +118,7 @@ class Metrics:
                 self.ttft.observe(now - times['arrival_time'])
                 self.queue_time.observe((times["first_scheduled_time"] or now) - times["arrival_time"])
             elif n_tokens > counted:
-                self.itl.observe((now - last) / (n_tokens - counted))
+                itls.append((now - last) / (n_tokens - counted))
             generated += n_tokens - counted
             seen[out.request_id] = (n_tokens, now)
             if out.finished:
@@ -129,6 +131,7 @@ class Metrics:
                          (times['first_token_time'] or now) - times['arrival_time'], now - times['arrival_time'],
                          reason)
         self.generation_tokens.inc(generated)  # once a step, not once a request
+        observe_each(self.itl, itls)
 
     def render(self) -> bytes:
         if self.multiprocess:  # every API process's series
@@ -138,3 +141,20 @@ class Metrics:
             multiprocess.MultiProcessCollector(registry)
             return generate_latest(registry)
         return generate_latest(self.registry)
+
+
+def observe_each(histogram: Histogram, values: list[float]) -> None:
+    """``histogram.observe(v)`` for every v, as one update per bucket touched rather than a lock round and a bucket
+    scan per value (the inter-token latency has a value per streaming request per step). Relies on
+    prometheus_client's Histogram layout (``_upper_bounds``, ``_buckets``, ``_sum``), which
+    tests/unit/test_server_parts.py checks against ``observe``."""
+    if not values:
+        return
+    bounds, buckets = histogram._upper_bounds, histogram._buckets
+    counts: dict[int, int] = {}
+    for v in values:
+        i = bisect_left(bounds, v)  # the first bound >= v, as observe's scan finds it
+        counts[i] = counts.get(i, 0) + 1
+    for i, n in counts.items():
+        buckets[i].inc(n)
+    histogram._sum.inc(sum(values))

@@ -160,6 +160,12 @@ class _CompletionEvents:
             c = self.choices.get(index)
             if c is None:
                 c = self.choices[index] = _Choice()
+            if o.logprobs is None and not self.echo:  # (the usual chunk: its text, perhaps why it ended)
+                finish = o.finish_reason if not c.done else None
+                c.done |= o.finished
+                if o.delta or finish:
+                    data += self.event([{"index": index, "text": o.delta, "logprobs": None, "finish_reason": finish}])
+                continue
             echo = self.echo and not c.started  # the prompt (its logprobs are complete by now)
             text = (self.echo_text(out) if echo else "") + o.delta
             c.started = True

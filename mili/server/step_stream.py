@@ -25,6 +25,21 @@ from starlette.responses import Response
 from mili.outputs import RequestOutput
 
 _HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
+RAW_SEND = "mili.raw_send"  # the scope key of the server's own send (with_raw_send)
+
+
+def with_raw_send(app):
+    """``app`` with the server's own ``send`` kept in each HTTP request's scope, for a StepStream's events.
+    Starlette hands a route's response a ``send`` wrapped three times over (its error middleware and two
+    exception handlers: each notes that the response started, nothing more); a StepStream sends its start
+    through that, so they know, and its events past them: an eighth of the per-token work otherwise. Outermost,
+    around the whole app (uvicorn's app)."""
+    async def outermost(scope, receive, send):
+        if scope["type"] == "http":
+            scope[RAW_SEND] = send
+        await app(scope, receive, send)
+
+    return outermost
 
 
 class Events(Protocol):
@@ -160,7 +175,7 @@ class StepStream(Response):
     # -- the response's own task ----------------------------------------------------------------
     async def __call__(self, scope, receive, send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": _HEADERS})
-        self._send = send
+        self._send = scope.get(RAW_SEND, send) if scope is not None else send
         self._flush()
         try:
             while (await receive())["type"] != "http.disconnect":

@@ -248,3 +248,24 @@ def test_no_base_http_middleware_on_any_path(tiny_checkpoint):
             assert c.get("/health").status_code == 200
     finally:
         engine.shutdown()
+
+
+def test_observe_each_is_observe_per_value():
+    """metrics.observe_each (a step's inter-token latencies at once) leaves a histogram as observe() one by one
+    does: the same buckets, count and sum, including values on a bound, below the first and past the last."""
+    import random
+
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from mili.server.metrics import _ITL_BUCKETS, observe_each
+
+    rng = random.Random(0)
+    values = [rng.uniform(0, 2 * _ITL_BUCKETS[-1]) for _ in range(500)] + list(_ITL_BUCKETS) + [0.0, 1e9]
+    registries = [CollectorRegistry(), CollectorRegistry()]
+    one, each = (Histogram("itl", "x", buckets=_ITL_BUCKETS, registry=r) for r in registries)
+    for v in values:
+        one.observe(v)
+    observe_each(each, values[:250])
+    observe_each(each, values[250:])
+    observe_each(each, [])
+    assert generate_latest(registries[0]) == generate_latest(registries[1])
