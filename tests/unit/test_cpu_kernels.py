@@ -320,7 +320,7 @@ def test_apply_bitmask_matches_xgrammar(vocab):
 
 @needs_kernels
 @pytest.mark.parametrize("m", [1, 2, 5])
-@pytest.mark.parametrize("n,k,group", [(48, 256, 128), (272, 1024, 64), (16, 128, 32)])
+@pytest.mark.parametrize("n,k,group", [(48, 256, 128), (272, 1024, 64), (16, 128, 32), (32, 192, 24)])
 def test_int4_kernel_is_the_integer_product(m, n, k, group):
     """W4A8 exactly: x quantized to int8 per row and group (round half to even, times the float32
     reciprocal), integer sums of x (q - z) per group, times both scales, summed over groups in float32, one

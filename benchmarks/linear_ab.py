@@ -1,0 +1,120 @@
+"""A/B of versions of MILI's CPU kernels (kernels.c) on the linear layers of a decode step, in one process:
+every linear of a Qwen3 shape at M = 1 (distinct matrices, as a step streams them, L3 defeated), the versions
+alternating, so that a shared machine's minutes hit them alike.
+
+    python benchmarks/linear_ab.py OLD.c NEW.c [--shapes 0.6B 4B:8] [--formats int4 int8] [--repeat 10]
+
+e.g. ``git show HEAD~1:mili/kernels/cpu/kernels.c > /tmp/old.c`` against the working tree's file. Each version
+is built like the library (cc -O3 -march=native -fopenmp) under /tmp, keyed by its source. Per thread count
+(1, 2): the median and the minimum (the trials that had the cores) of a sweep's time, its GB/s of weights,
+the minimum's share of a 1 GiB copy (read + write, the best of 6, same threads) and each version's ratio to
+the first. Calls go through ctypes (~1-2 µs each, which the engine's one call per layer does not pay).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import hashlib
+import statistics
+import subprocess
+import time
+
+import torch
+from common import machine, print_table
+
+from mili.kernels.cpu import SIGNATURES
+from mili.kernels.cpu.ops import int8_column_sums, pack_int4, pack_weight
+
+# (out, in) of qkv, o, gate_up, down; decoder layers
+SHAPES = {"0.6B": ([(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)], 28),
+          "4B:8": ([(6144, 2560), (2560, 4096), (19456, 2560), (2560, 9728)], 8)}
+GROUP = 128  # AWQ's group size in Qwen's releases
+
+
+def build(source: str) -> ctypes.CDLL:
+    key = hashlib.sha256(open(source, "rb").read()).hexdigest()[:16]
+    target = f"/tmp/mili_linear_ab_{key}.so"
+    subprocess.run(["cc", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", source, "-o", target, "-lm"],
+                   check=True)
+    lib = ctypes.CDLL(target)
+    for name, argtypes in SIGNATURES.items():
+        getattr(lib, name).argtypes = argtypes
+    return lib
+
+
+def weights(shape: str, fmt: str) -> list[tuple[int, int, tuple[torch.Tensor, ...]]]:
+    """(out, in, the kernel's tensors) of every linear of the shape, random, in the packed layouts."""
+    mats, layers = SHAPES[shape]
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(layers):
+        for n, k in mats:
+            if fmt == "int4":
+                q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+                zeros = torch.randint(0, 16, (n, k // GROUP), dtype=torch.uint8, generator=g)
+                out.append((n, k, pack_int4(q, zeros, torch.rand(n, k // GROUP, generator=g) * 0.01)))
+            else:
+                packed = pack_weight(torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g))
+                out.append((n, k, (packed, torch.rand(n) * 0.01, int8_column_sums(packed))))
+    return out
+
+
+def sweep(lib, fmt: str, mats, threads: int, xs: dict, ys: dict) -> float:
+    start = time.perf_counter()
+    for n, k, (w, scales, aux) in mats:
+        x, y = xs[k].data_ptr(), ys[n].data_ptr()
+        if fmt == "int4":
+            lib.mili_linear_int4(w.data_ptr(), scales.data_ptr(), aux.data_ptr(), x, y, 1, n, k, GROUP, threads)
+        else:
+            lib.mili_linear_int8(w.data_ptr(), scales.data_ptr(), aux.data_ptr(), x, y, 1, n, k, threads)
+    return time.perf_counter() - start
+
+
+def copy_rate(threads: int) -> float:
+    torch.set_num_threads(threads)
+    src = torch.empty(1 << 30, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = 0.0
+    for _ in range(6):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = max(best, 2 * src.numel() / (time.perf_counter() - start))
+    return best
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("sources", nargs="+", help="kernels.c versions; ratios are to the first")
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--formats", nargs="+", default=["int4"], choices=["int4", "int8"])
+    p.add_argument("--repeat", type=int, default=10, help="rounds; each times 3 sweeps of every version")
+    args = p.parse_args()
+    libs = [build(s) for s in args.sources]
+    rows = []
+    for shape in args.shapes:
+        for fmt in args.formats:
+            mats = weights(shape, fmt)
+            nbytes = sum(t.numel() * t.element_size() for _, _, ts in mats for t in ts)
+            xs = {k: torch.randn(1, k).to(torch.bfloat16) for _, k, _ in mats}
+            ys = {n: torch.empty(1, n, dtype=torch.bfloat16) for n, _, _ in mats}
+            for threads in (1, 2):
+                times: list[list[float]] = [[] for _ in libs]
+                for _ in range(args.repeat):
+                    for lib, t in zip(libs, times):
+                        sweep(lib, fmt, mats, threads, xs, ys)  # warm: the previous version's lines evicted
+                        t.extend(sweep(lib, fmt, mats, threads, xs, ys) for _ in range(3))
+                copy = copy_rate(threads)
+                for source, t in zip(args.sources, times):
+                    med, low = statistics.median(t), min(t)
+                    rows.append([shape, fmt, threads, source, nbytes / 1e9, med * 1e3, low * 1e3, nbytes / low / 1e9,
+                                 f"{100 * nbytes / low / copy:.0f}% of {copy / 1e9:.1f}",
+                                 f"{statistics.median(times[0]) / med:.3f}x / {min(times[0]) / low:.3f}x"])
+    print(f"\nevery linear at M = 1, distinct matrices, {args.repeat} x 3 sweeps a version, alternating; {machine()}")
+    print_table("linear A/B", ["shape", "format", "threads", "kernels.c", "GB", "median ms", "min ms", "min GB/s",
+                               "min of copy GB/s", "vs first (median / min)"], rows, digits=3)
+
+
+if __name__ == "__main__":
+    main()
