@@ -49,7 +49,7 @@ class CompletionOutput:
                 f"finish_reason={self.finish_reason!r}, stop_reason={self.stop_reason!r})")
 
 
-@dataclass
+@dataclass(slots=True)  # (slots: one is made per request per step)
 class RequestOutput:
     request_id: str
     prompt: str | None

@@ -32,6 +32,12 @@ class _SeqState:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
 
+    def output(self) -> CompletionOutput:
+        """What the client sees of this sequence now (taking the text that became final since the last)."""
+        return CompletionOutput(self.index, None, self.token_ids, self.finish_reason, self.stop_reason, self.logprobs,
+                                self.cumulative_logprob if self.logprobs is not None else None,
+                                self.stream.take_delta(), self.stream)
+
 
 class RequestState:
     def __init__(self, add: AddRequest, prompt: str | None, tokenizer):
@@ -66,11 +72,10 @@ class RequestState:
         return True
 
     def output(self, finished: bool) -> RequestOutput:
-        seqs = self.seqs.values() if len(self.seqs) == 1 else sorted(self.seqs.values(), key=lambda s: s.index)
-        outputs = [CompletionOutput(s.index, None, s.token_ids, s.finish_reason, s.stop_reason, s.logprobs,
-                                    s.cumulative_logprob if s.logprobs is not None else None,
-                                    s.stream.take_delta(), stream=s.stream)
-                   for s in seqs]
+        if len(self.seqs) == 1:  # (n = 1: no sorting, no comprehension; this runs per request per step)
+            outputs = [next(iter(self.seqs.values())).output()]
+        else:
+            outputs = [s.output() for s in sorted(self.seqs.values(), key=lambda s: s.index)]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, finished,
                              self.num_cached_tokens, self.times, self.prompt_logprobs)
 
@@ -105,7 +110,8 @@ class OutputProcessor:
                 touched.pop(d.request_id, None)
         outputs = []
         for req in touched.values():
-            req.times["first_token_time"] = req.times["first_token_time"] or now
+            if req.times["first_token_time"] is None:
+                req.times["first_token_time"] = now
             finished = req.finished
             if finished:
                 req.times["finished_time"] = now
@@ -133,7 +139,7 @@ class OutputProcessor:
             prompt = req.prompt_token_ids
             for lp in d.prompt_logprobs:
                 req.prompt_logprobs.append(self._entry(prompt[len(req.prompt_logprobs)], lp))
-        seq = req.seq(d.index)
+        seq = req.seqs.get(d.index) or req.seq(d.index)
         if seq.finish_reason is not None or not (d.token_ids or d.finish_reason):
             return
         touched[d.request_id] = req

@@ -103,14 +103,15 @@ class Metrics:
                          "num_requests_waiting": stats.num_waiting,
                          "engine_tokens_generated": stats.num_generated_tokens}
 
-    def _count(self, outputs, now: float) -> None:
+    def _count(self, outputs, now: float) -> None:  # (per request per step)
         generated = 0
         itls: list[float] = []  # one a request a step: observed together
         seen = self._seen
         for out in outputs:
             times = out.metrics
-            n_tokens = sum(len(o.token_ids) for o in out.outputs)
-            counted, last = seen.get(out.request_id, (0, None))
+            seqs = out.outputs
+            n_tokens = len(seqs[0].token_ids) if len(seqs) == 1 else sum(len(o.token_ids) for o in seqs)
+            counted, last = seen.get(out.request_id, _FIRST)
             if last is None:  # first output: the prompt was processed and the first token came
                 self.prompt_tokens.inc(len(out.prompt_token_ids))
                 self.prefix_queries.inc(len(out.prompt_token_ids))
@@ -141,6 +142,9 @@ class Metrics:
             multiprocess.MultiProcessCollector(registry)
             return generate_latest(registry)
         return generate_latest(self.registry)
+
+
+_FIRST = (0, None)  # (tokens counted, last token time) of a request not seen yet
 
 
 def observe_each(histogram: Histogram, values: list[float]) -> None:

@@ -9,30 +9,30 @@ when no stop string cut it.
 
 from __future__ import annotations
 
+from functools import partial
+
 from tokenizers.decoders import DecodeStream
 
 
 class _Decoder:
     def __init__(self, tokenizer, skip_special_tokens: bool):
         self.tokenizer = tokenizer
-        self.backend = tokenizer.backend_tokenizer  # fast (Rust) tokenizers only, like every Qwen3's
         self.skip_special_tokens = skip_special_tokens
-        self.stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        # DecodeStream.step(tokenizer, id), bound once: fast (Rust) tokenizers only, like every Qwen3's
+        self.step = partial(DecodeStream(skip_special_tokens=skip_special_tokens).step, tokenizer.backend_tokenizer)
         self.ids: list[int] = []
-        self.emitted = 0  # characters handed out so far
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
         try:
-            piece = self.stream.step(self.backend, token_id) or ""
+            return self.step(token_id) or ""
         except Exception:  # an id past the tokenizer's vocabulary (embedding padding): no text
-            piece = ""
-        self.emitted += len(piece)
-        return piece
+            return ""
 
-    def flush(self) -> str:
-        """The text still held back (an unfinished character becomes U+FFFD, as in decode())."""
-        return self.tokenizer.decode(self.ids, skip_special_tokens=self.skip_special_tokens)[self.emitted:]
+    def flush(self, emitted: int) -> str:
+        """The text after the first ``emitted`` characters handed out, with what is still held back (an
+        unfinished character becomes U+FFFD, as in decode())."""
+        return self.tokenizer.decode(self.ids, skip_special_tokens=self.skip_special_tokens)[emitted:]
 
 
 class TextStream:
@@ -72,12 +72,16 @@ class TextStream:
 
     def take_delta(self) -> str:
         """Text not taken before; while running, minus a suffix that may start a stop string."""
-        if not self._unsent:
+        unsent = self._unsent
+        if not unsent:
             return ""
-        pending = "".join(self._unsent)
+        pending = unsent[0] if len(unsent) == 1 else "".join(unsent)
         keep = 0 if self.finished else min(self._hold, len(pending))
+        if not keep:  # (the usual case: no stop string could start here)
+            self._unsent = []
+            return pending
         out = pending[:len(pending) - keep]
-        self._unsent = [pending[len(out):]] if keep else []
+        self._unsent = [pending[len(out):]]
         return out
 
     # -- writing ----------------------------------------------------------------------------
@@ -91,14 +95,18 @@ class TextStream:
             return False
         if self.stop:
             return self._add_checked(new)
-        self._add(new)
+        self._parts.append(new)  # (_add, inline: this runs per token)
+        self._unsent.append(new)
+        self._len += len(new)
         return False
 
     def finish(self) -> None:
         """The sequence ended for another reason (EOS, length, abort): release everything held."""
         if self.finished:
             return
-        rest = self._decoder.flush()  # a dangling partial character becomes U+FFFD, as in decode()
+        # everything pushed so far was handed out (only a stop string cuts the text, and it ends the stream);
+        # a dangling partial character becomes U+FFFD, as in decode()
+        rest = self._decoder.flush(self._len)
         if rest:
             self._add(rest)
         self.finished = True

@@ -154,3 +154,64 @@ def test_an_error_ends_the_stream_with_the_error_event_and_aborts_the_rest(failu
         assert aborted == ["a", "b"]
 
     asyncio.run(main())
+
+
+def test_under_uvicorn_events_go_straight_to_the_transport_and_a_stalled_reader_loses_nothing(monkeypatch):
+    """Through a real uvicorn (httptools) and a real socket: events are written as chunks by ChunkWriter (no
+    ``send`` per event), and while the client does not read, the transport pauses and the events wait in the
+    backlog behind ``send``, then arrive whole and in order."""
+    import httpx
+    import uvicorn
+
+    from mili.server.step_stream import ChunkWriter, with_raw_send
+
+    direct = []
+    write = ChunkWriter.write
+
+    def counting(self, data):
+        took = write(self, data)
+        direct.append(took)
+        return took
+
+    monkeypatch.setattr(ChunkWriter, "write", counting)
+    big = "z" * 65536  # events large enough to fill the socket's buffers while nobody reads
+
+    async def main():
+        streams: list[StepStream] = []
+
+        async def app(scope, receive, send):
+            if scope["type"] != "http":
+                return
+            stream = StepStream(_Events(), ["a"], lambda rid: None)
+            streams.append(stream)
+            await stream(scope, receive, send)
+
+        config = uvicorn.Config(with_raw_send(app), host="127.0.0.1", port=0, http="httptools", loop="asyncio",
+                                lifespan="off", log_level="warning")
+        server = uvicorn.Server(config)
+        serving = asyncio.ensure_future(server.serve())
+        while not server.started:
+            await asyncio.sleep(0.01)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        try:
+            async with httpx.AsyncClient(timeout=30) as client:
+                async with client.stream("GET", f"http://127.0.0.1:{port}/") as r:
+                    while not streams or streams[0]._send is None:
+                        await asyncio.sleep(0.01)
+                    (part,) = streams[0].parts()
+                    for i in range(3):
+                        part.put(_out("a", f"small{i}"))
+                    assert direct == [True] * 3 and streams[0]._chunks is not None
+                    for i in range(100):  # ~6.5 MB, not read yet
+                        part.put(_out("a", f"{i}{big}"))
+                        await asyncio.sleep(0)
+                    assert False in direct  # the transport paused: those went behind send
+                    part.put(_out("a", "last", finished=True))
+                    body = b"".join([chunk async for chunk in r.aiter_bytes()])
+            expected = "".join([f"0:small{i};" for i in range(3)] + [f"0:{i}{big};" for i in range(100)])
+            assert body == (expected + "0:last;END").encode()
+        finally:
+            server.should_exit = True
+            await asyncio.wait_for(serving, 10)
+
+    asyncio.run(main())
