@@ -140,6 +140,8 @@ def json_bytes(obj) -> bytes:
     line breaks, cutting an event in two: escaped, as JSON allows. (Their UTF-8 forms cannot occur inside
     another character's, so a byte search finds exactly them.)"""
     data = _json.encode(obj)
+    if data.isascii():  # (the usual case: one C pass)
+        return data
     if b"\xc2\x85" in data or b"\xe2\x80\xa8" in data or b"\xe2\x80\xa9" in data:
         data = data.replace(b"\xc2\x85", b"\\u0085").replace(b"\xe2\x80\xa8", b"\\u2028").replace(
             b"\xe2\x80\xa9", b"\\u2029")
@@ -157,10 +159,10 @@ class EventStream:
     created time and model) encoded once, each event only its ``value``."""
 
     def __init__(self, head: dict, key: str = "choices"):
-        self._prefix = b"data: " + json_bytes(head)[:-1] + (b"," if head else b"") + json_bytes(key) + b":"
+        self.prefix = b"data: " + json_bytes(head)[:-1] + (b"," if head else b"") + json_bytes(key) + b":"
 
     def __call__(self, value) -> bytes:
-        return self._prefix + json_bytes(value) + b"}\n\n"
+        return self.prefix + json_bytes(value) + b"}\n\n"
 
 
 def sse_error(e: BaseException) -> bytes:

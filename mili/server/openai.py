@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request
 from mili.outputs import CompletionOutput, RequestOutput
 from mili.server.state import merge, new_id, state_of, until_disconnect
 from mili.server.chat import ChatPrompt
-from mili.server.errors import APIError, EventStream, error_responses, sse, sse_error, streamed
+from mili.server.errors import APIError, EventStream, error_responses, json_bytes, sse, sse_error, streamed
 from mili.server.protocol import ChatCompletionRequest, CompletionRequest
 from mili.tokenizer.reasoning import THINK_START, ReasoningStream, split_reasoning
 from mili.tokenizer.tool_calls import call_json, new_call_id
@@ -51,12 +51,27 @@ class _Choice:
     """Per-choice streaming bookkeeping: what was sent (logprob entries, text), whether it finished."""
 
     def __init__(self, prompt: ChatPrompt | None = None):
+        self.head: bytes | None = None  # a completion chunk's bytes up to its text, once made
         self.logprobs_sent = 0
         self.text_sent = 0
         self.done = False
         self.started = False
         self.reasoning = ReasoningStream(prompt is not None and prompt.thinking, prompt is not None and prompt.opened)
         self.tools = prompt.tool_stream() if prompt is not None else None
+
+
+    def text_head(self, event: EventStream, index: int) -> bytes:
+        if self.head is None:
+            self.head = event.prefix + b'[{"index":%d,"text":' % index
+        return self.head
+
+
+# the end of a plain completion chunk, after its text (as msgspec writes the rest of the choice)
+_NO_FINISH = b',"logprobs":null,"finish_reason":null}]}\n\n'
+
+
+def _finish(reason: str) -> bytes:
+    return b',"logprobs":null,"finish_reason":' + json_bytes(reason) + b"}]}\n\n"
 
 
 def _finite(logprob: float) -> float:
@@ -163,8 +178,9 @@ class _CompletionEvents:
             if o.logprobs is None and not self.echo:  # (the usual chunk: its text, perhaps why it ended)
                 finish = o.finish_reason if not c.done else None
                 c.done |= o.finished
-                if o.delta or finish:
-                    data += self.event([{"index": index, "text": o.delta, "logprobs": None, "finish_reason": finish}])
+                if o.delta or finish:  # {"index": index, "text": o.delta, "logprobs": None, "finish_reason": finish}
+                    data += b"".join((c.text_head(self.event, index), json_bytes(o.delta),
+                                      _NO_FINISH if finish is None else _finish(finish)))
                 continue
             echo = self.echo and not c.started  # the prompt (its logprobs are complete by now)
             text = (self.echo_text(out) if echo else "") + o.delta

@@ -81,13 +81,9 @@ class ServerState:
         """Add one engine request per prompt (all or none), streamed by the output loop as ``events`` makes
         them (server/step_stream.py): the response to return."""
         ids = self._ids(base_id, len(prompts))
-
-        def on_output(index: int, out: RequestOutput) -> None:
-            statuses[index].out = out
-
-        response = StepStream(events, ids, self._abort, on_output)
+        response = StepStream(events, ids, self._abort)
         await self._add(ids, prompts, params, images, response.parts())
-        statuses = [self._status(rid, sp) for rid, sp in zip(ids, params)]
+        response.track = [self._status(rid, sp) for rid, sp in zip(ids, params)]  # (before any output comes)
         return response
 
     def _abort(self, request_id: str) -> None:

@@ -117,7 +117,7 @@ async def _resume(coro: Coroutine, waiting_on) -> None:
 
 
 class _Part:
-    """One request of a StepStream, as the engine's output loop sees it (an ``OutputSink``)."""
+    """One request of a StepStream over several, as the engine's output loop sees it (an ``OutputSink``)."""
 
     __slots__ = ("stream", "index")
 
@@ -125,19 +125,19 @@ class _Part:
         self.stream, self.index = stream, index
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        self.stream.put(self.index, item)
+        self.stream.put(item, self.index)
 
 
 class StepStream(Response):
     """The SSE response of ``request_ids`` (already added to the engine with ``parts()`` as their sinks), its
-    events made by ``events``. ``abort(request_id)`` stops a request whose client has gone; ``on_output`` sees
-    each output (the server's /status)."""
+    events made by ``events``. ``abort(request_id)`` stops a request whose client has gone. ``track``, if set:
+    one object per request whose ``out`` is kept at its latest output (the server's /status)."""
 
-    def __init__(self, events: Events, request_ids: list[str], abort: Callable[[str], None],
-                 on_output: Callable[[int, RequestOutput], None] | None = None):
+    def __init__(self, events: Events, request_ids: list[str], abort: Callable[[str], None]):
         self.background = None  # (what FastAPI reads of a Response before calling it)
         self.status_code = 200
-        self.events, self.request_ids, self.abort, self.on_output = events, request_ids, abort, on_output
+        self.events, self.request_ids, self.abort = events, request_ids, abort
+        self.track: list | None = None
         self.open = len(request_ids)  # requests not finished yet
         self.ended = False  # the last bytes are written (or being written)
         self._send = None  # the ASGI send, once the response has started
@@ -145,18 +145,19 @@ class StepStream(Response):
         self._backlog: list[bytes] = []  # bytes waiting for the send before them (or for the start)
         self._writing: asyncio.Task | None = None  # a send waiting for a slow client
 
-    def parts(self) -> list[_Part]:
-        return [_Part(self, i) for i in range(len(self.request_ids))]
+    def parts(self) -> list[StepStream | _Part]:
+        """The requests' sinks, in order (one request's is the stream itself: one call less per token)."""
+        return [self] if len(self.request_ids) == 1 else [_Part(self, i) for i in range(len(self.request_ids))]
 
     # -- from the output loop ----------------------------------------------------------------------
-    def put(self, index: int, item: RequestOutput | BaseException) -> None:
+    def put(self, item: RequestOutput | BaseException, index: int = 0) -> None:
         if self.ended:
             return
         try:
             if isinstance(item, BaseException):
                 return self._end(self.events.fail(item), abort_rest=True)
-            if self.on_output is not None:
-                self.on_output(index, item)
+            if self.track is not None:
+                self.track[index].out = item
             data = self.events.feed(index, item)
             if item.finished:
                 self.open -= 1

@@ -14,27 +14,6 @@ from functools import partial
 from tokenizers.decoders import DecodeStream
 
 
-class _Decoder:
-    def __init__(self, tokenizer, skip_special_tokens: bool):
-        self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
-        # DecodeStream.step(tokenizer, id), bound once: fast (Rust) tokenizers only, like every Qwen3's
-        self.step = partial(DecodeStream(skip_special_tokens=skip_special_tokens).step, tokenizer.backend_tokenizer)
-        self.ids: list[int] = []
-
-    def push(self, token_id: int) -> str:
-        self.ids.append(token_id)
-        try:
-            return self.step(token_id) or ""
-        except Exception:  # an id past the tokenizer's vocabulary (embedding padding): no text
-            return ""
-
-    def flush(self, emitted: int) -> str:
-        """The text after the first ``emitted`` characters handed out, with what is still held back (an
-        unfinished character becomes U+FFFD, as in decode())."""
-        return self.tokenizer.decode(self.ids, skip_special_tokens=self.skip_special_tokens)[emitted:]
-
-
 class TextStream:
     """The output text of one sequence, built token by token, with stop strings and streaming.
 
@@ -53,7 +32,10 @@ class TextStream:
             stop = [stop]
         self.stop: list[str] = list(dict.fromkeys(s for s in (stop or []) if s))
         self._max_stop = max((len(s) for s in self.stop), default=0)
-        self._decoder = _Decoder(tokenizer, skip_special_tokens)
+        self._tokenizer, self._skip_special_tokens = tokenizer, skip_special_tokens
+        # DecodeStream.step(tokenizer, id), bound once: fast (Rust) tokenizers only, like every Qwen3's
+        self._step = partial(DecodeStream(skip_special_tokens=skip_special_tokens).step, tokenizer.backend_tokenizer)
+        self._ids: list[int] = []  # the output's ids (for the last decode)
         self._parts: list[str] = []  # the text, in pieces (joined lazily)
         self._len = 0
         self._tail = ""  # the text's last (longest stop - 1) characters: where a match can start
@@ -76,7 +58,7 @@ class TextStream:
         if not unsent:
             return ""
         pending = unsent[0] if len(unsent) == 1 else "".join(unsent)
-        keep = 0 if self.finished else min(self._hold, len(pending))
+        keep = 0 if self.finished or not self._hold else min(self._hold, len(pending))
         if not keep:  # (the usual case: no stop string could start here)
             self._unsent = []
             return pending
@@ -90,7 +72,12 @@ class TextStream:
         if self.finished:
             return False
         self.num_tokens += 1
-        new = self._decoder.push(int(token_id))
+        token_id = int(token_id)
+        self._ids.append(token_id)
+        try:
+            new = self._step(token_id)
+        except Exception:  # an id past the tokenizer's vocabulary (embedding padding): no text
+            return False
         if not new:
             return False
         if self.stop:
@@ -106,7 +93,7 @@ class TextStream:
             return
         # everything pushed so far was handed out (only a stop string cuts the text, and it ends the stream);
         # a dangling partial character becomes U+FFFD, as in decode()
-        rest = self._decoder.flush(self._len)
+        rest = self._tokenizer.decode(self._ids, skip_special_tokens=self._skip_special_tokens)[self._len:]
         if rest:
             self._add(rest)
         self.finished = True

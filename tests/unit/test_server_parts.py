@@ -92,6 +92,22 @@ def test_sse_events_never_contain_a_line_break_a_line_reader_would_split_on():
     assert json.loads(EventStream({"id": "x\u2028"}, "text")(text)[6:]) == {"id": "x\u2028", "text": text}
 
 
+
+@pytest.mark.parametrize("text", ["plain", "", "quote \" and \\ and \n", "日本語 \u2028 \x85 \u2029", "\x00\x1f"])
+@pytest.mark.parametrize("finish", [None, "length", "stop"])
+def test_completion_chunk_written_by_hand_is_the_encoded_chunk(text, finish):
+    """The plain /v1/completions chunk, assembled from bytes made once per choice, is byte for byte what
+    encoding the chunk's dict gives."""
+    from mili.server.errors import EventStream, json_bytes
+    from mili.server.openai import _NO_FINISH, _Choice, _finish
+
+    event = EventStream({"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m"})
+    for index in (0, 3):
+        c = _Choice()
+        by_hand = c.text_head(event, index) + json_bytes(text) + (_NO_FINISH if finish is None else _finish(finish))
+        assert c.text_head(event, index) is c.head  # made once
+        assert by_hand == event([{"index": index, "text": text, "logprobs": None, "finish_reason": finish}])
+
 # -- the dialects' shared pieces ----------------------------------------------------------------------
 REPLY = ('<think>\nLet me think.\n</think>\n\nI will check.\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n'
          '</tool_call>\n<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>\n  Done.\n')
