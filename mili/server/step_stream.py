@@ -10,8 +10,10 @@ and that chain cost more than the event itself. A ``StepStream`` is the other wa
 ``events`` is the dialect's formatter, plain synchronous code (``feed`` an output, ``end`` the stream, ``fail``
 it with an error). ``send`` is run eagerly, in place (``run_eagerly``): it writes to the socket without
 waiting unless the client reads too slowly, and only then does that stream get a task, and a backlog that
-its next writes join. The response's own task (uvicorn's, per request) only waits for the end: the last
-write, or the client going away, which aborts the requests.
+its next writes join. Under uvicorn, once the response has started, an event that needs no waiting skips
+``send`` too: ``ChunkWriter`` writes it to the transport as the chunk ``send`` would have written. The
+response's own task (uvicorn's, per request) only waits for the end: the last write, or the client going
+away, which aborts the requests.
 """
 
 from __future__ import annotations
@@ -54,11 +56,10 @@ class Events(Protocol):
 
 class ChunkWriter:
     """An event written straight to uvicorn's transport as one HTTP/1.1 chunk, exactly as uvicorn's own ``send``
-    writes a body part (``b"%x\\r\\n" % len(body) + body + b"\\r\\n"``), minus what that costs per event: the message
-    dict, the coroutine and its checks, a third of the per-token work left after the rest. Only for uvicorn's
-    httptools protocol (MILI's dependencies), with a chunked response started and the transport writable; else
-    (``write`` answers False) the event goes through ``send``, which waits for a slow reader, or returns once the
-    client has gone. ``of`` answers None for any other server, or a uvicorn whose internals differ
+    writes a body part (``b"%x\\r\\n" % len(body) + body + b"\\r\\n"``), without what that costs per event: the
+    message dict, the coroutine and uvicorn's checks. Only for uvicorn's httptools protocol (MILI's
+    dependencies), with a chunked response started and the transport writable; else (``write`` answers False)
+    the event goes through ``send``, which waits for a slow reader, or returns once the client has gone. ``of`` answers None for any other server, or a uvicorn whose internals differ
     (tests/unit/test_step_stream.py checks that MILI's uvicorn takes this path)."""
 
     __slots__ = ("cycle", "flow", "transport_write")
