@@ -15,14 +15,13 @@ import json
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
 from pydantic import ConfigDict, Field
 
 from mili.engine.media import content_parts, image_url_part
 from mili.errors import InvalidRequest
-from mili.outputs import CompletionOutput
+from mili.outputs import CompletionOutput, RequestOutput
 from mili.server.state import final_output, new_id, state_of, until_disconnect
-from mili.server.chat import Block, ChatPrompt, ReplyBlocks, start_chat
+from mili.server.chat import Block, ChatPrompt, ReplyBlocks, render_chat, start_chat
 from mili.server.errors import AnthropicError, anthropic_error, error_responses, sse, streamed, to_api_error
 from mili.server.fields import MaxTokens, ModelName, Strict, Text, TypeNeeds, integer, only_types, requires
 from mili.server.protocol import ChatCompletionRequest
@@ -309,11 +308,11 @@ async def messages(body: MessagesRequest, http: Request):
     st = state_of(http)
     st.check_model(body.model)
     mid = new_id("msg", "_")
-    prompt, stream = await start_chat(st, body.chat(), mid)
-    blocks = ReplyBlocks(prompt)
     head = {"id": mid, "type": "message", "role": "assistant", "model": st.model_name}
 
     if not body.stream:
+        prompt, stream = await start_chat(st, body.chat(), mid)
+        blocks = ReplyBlocks(prompt)
         out = await until_disconnect(http, final_output(stream))
         o = out.outputs[0]
         blocks.feed(o.text, final=True)
@@ -322,22 +321,33 @@ async def messages(body: MessagesRequest, http: Request):
                 "stop_sequence": sequence, "usage": {"input_tokens": len(out.prompt_token_ids),
                                                      "output_tokens": len(o.token_ids)}}
 
-    async def events():
-        yield sse({"type": "message_start", "message": {
-            **head, "content": [], "stop_reason": None, "stop_sequence": None,
-            "usage": {"input_tokens": len(prompt.token_ids), "output_tokens": 0}}}, "message_start")
-        yield sse({"type": "ping"}, "ping")
-        try:
-            async for out in stream:
-                o = out.outputs[0]
-                for event in blocks.feed(o.delta, final=o.finished):
-                    for line in _events(*event):
-                        yield line
-            reason, sequence = _stop_reason(o, blocks)
-            yield sse({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                       "usage": {"output_tokens": len(o.token_ids)}}, "message_delta")
-            yield sse({"type": "message_stop"}, "message_stop")
-        except Exception as e:  # after the stream has started: Anthropic's error event
-            yield sse(anthropic_error(to_api_error(e))[1], "error")
+    prompt, params = render_chat(st, body.chat())
+    opening = sse({"type": "message_start", "message": {
+        **head, "content": [], "stop_reason": None, "stop_sequence": None,
+        "usage": {"input_tokens": len(prompt.token_ids), "output_tokens": 0}}}, "message_start")
+    return await st.start_stream([prompt.token_ids], [params], mid, _MessageEvents(prompt), [prompt.images],
+                                 first=opening + sse({"type": "ping"}, "ping"))
 
-    return StreamingResponse(events(), media_type="text/event-stream")
+
+class _MessageEvents:
+    """A streamed message's events after ``message_start`` and ``ping`` (server/step_stream.py's Events): the
+    content blocks as the reply's text makes them, then ``message_delta`` and ``message_stop``; an ``error``
+    event in their place if the request fails."""
+
+    def __init__(self, prompt: ChatPrompt):
+        self.blocks = ReplyBlocks(prompt)
+        self.last: CompletionOutput | None = None
+
+    def feed(self, _: int, out: RequestOutput) -> bytes:
+        o = self.last = out.outputs[0]
+        return b"".join(line for event in self.blocks.feed(o.delta, final=o.finished) for line in _events(*event))
+
+    def end(self) -> bytes:
+        reason, sequence = _stop_reason(self.last, self.blocks)
+        return (sse({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                     "usage": {"output_tokens": len(self.last.token_ids)}}, "message_delta")
+                + sse({"type": "message_stop"}, "message_stop"))
+
+    def fail(self, error: BaseException) -> bytes:  # after the stream has started: Anthropic's error event
+        return sse(anthropic_error(to_api_error(error))[1], "error")
+

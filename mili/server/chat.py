@@ -70,11 +70,16 @@ class ChatPrompt:
         return extract_calls(self.tool_parser, content, self.tool_defs) if self.tools else (content, [])
 
 
+def render_chat(st: ServerState, body: ChatCompletionRequest) -> tuple[ChatPrompt, SamplingParams]:
+    """``body`` rendered, and its one engine request's sampling parameters (no logprobs)."""
+    prompt = ChatPrompt.render(st.tokenizer, body, st.tool_call_parser)
+    return prompt, prompt.params(st.tokenizer, body, body.max_tokens, None, st.openai_defaults)
+
+
 async def start_chat(st: ServerState, body: ChatCompletionRequest, request_id: str,
                      ) -> tuple[ChatPrompt, AsyncIterator[RequestOutput]]:
     """Render ``body`` and start its one engine request (no logprobs): its prompt and output stream."""
-    prompt = ChatPrompt.render(st.tokenizer, body, st.tool_call_parser)
-    params = prompt.params(st.tokenizer, body, body.max_tokens, None, st.openai_defaults)
+    prompt, params = render_chat(st, body)
     (stream,) = await st.start([prompt.token_ids], [params], request_id, [prompt.images])
     return prompt, stream
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 import mili
 from mili.server.state import final_output, new_id, state_of, until_disconnect
@@ -69,7 +69,6 @@ async def generate(body: GenerateRequest, http: Request):
     st = state_of(http)
     params = body.sampling_params(st.sampling_defaults)
     rid = new_id("gen")
-    (stream,) = await st.start([body.prompt], [params], rid)
 
     def reply(out) -> dict:
         o = out.outputs[0]
@@ -79,20 +78,36 @@ async def generate(body: GenerateRequest, http: Request):
                 "finish_reason": o.finish_reason}
 
     if not body.stream:
+        (stream,) = await st.start([body.prompt], [params], rid)
         return reply(await until_disconnect(http, final_output(stream)))
+    return await st.start_stream([body.prompt], [params], rid, _GenerateEvents(rid, reply))
 
-    async def events():
-        sent = 0
-        try:
-            async for out in stream:
-                o = out.outputs[0]
-                if o.delta or len(o.token_ids) > sent:
-                    yield sse({"request_id": rid, "text": o.delta, "token_ids": list(o.token_ids[sent:]),
-                               "completion_tokens": len(o.token_ids), "finished": False, "finish_reason": None})
-                    sent = len(o.token_ids)
-            yield sse({**reply(out), "finished": True})
-        except Exception as e:
-            yield sse_error(e)
-        yield "data: [DONE]\n\n"
 
-    return StreamingResponse(events(), media_type="text/event-stream")
+class _GenerateEvents:
+    """A streamed /generate's events (server/step_stream.py's Events): the new text and token ids as they come,
+    then the whole reply with ``finished: true``, then ``[DONE]``; an error event in their place if it fails."""
+
+    def __init__(self, rid: str, reply):
+        self.rid, self.reply = rid, reply
+        self.sent = 0  # token ids sent so far
+        self.last = None
+
+    def feed(self, _: int, out) -> bytes:
+        self.last = out
+        o = out.outputs[0]
+        if not (o.delta or len(o.token_ids) > self.sent):
+            return b""
+        data = sse({"request_id": self.rid, "text": o.delta, "token_ids": list(o.token_ids[self.sent:]),
+                    "completion_tokens": len(o.token_ids), "finished": False, "finish_reason": None})
+        self.sent = len(o.token_ids)
+        return data
+
+    def end(self) -> bytes:
+        return sse({**self.reply(self.last), "finished": True}) + _DONE
+
+    def fail(self, error: BaseException) -> bytes:
+        return sse_error(error) + _DONE
+
+
+_DONE = b"data: [DONE]\n\n"
+

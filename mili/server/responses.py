@@ -16,14 +16,13 @@ import time
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
 from pydantic import AfterValidator, ConfigDict, Discriminator, Field, Tag, WithJsonSchema
 
 from mili.engine.media import content_parts, image_url_part
 from mili.errors import InvalidRequest
 from mili.outputs import RequestOutput
 from mili.server.state import ServerState, final_output, new_id, state_of, until_disconnect
-from mili.server.chat import Block, ChatPrompt, ReplyBlocks, start_chat
+from mili.server.chat import Block, ChatPrompt, ReplyBlocks, render_chat, start_chat
 from mili.server.errors import error_responses, sse, streamed, to_api_error
 from mili.server.fields import MaxTokens, ModelName, Strict, Text, TypeNeeds, only_types, requires
 from mili.server.protocol import ChatCompletionRequest
@@ -314,21 +313,55 @@ async def responses(body: ResponsesRequest, http: Request):
     st = state_of(http)
     st.check_model(body.model)
     rid = new_id("resp", "_")
-    with _named_as_responses():
-        prompt, stream = await start_chat(st, body.chat(), rid)
-    reply = _Reply(st, body, prompt, rid)
-
     if not body.stream:
+        with _named_as_responses():
+            prompt, stream = await start_chat(st, body.chat(), rid)
+        reply = _Reply(st, body, prompt, rid)
         out = await until_disconnect(http, final_output(stream))
         reply.blocks.feed(out.outputs[0].text, final=True)
         return reply.final(out)
 
-    sequence = itertools.count()
+    with _named_as_responses():
+        prompt, params = render_chat(st, body.chat())
+        events = _ResponseEvents(_Reply(st, body, prompt, rid))
+        return await st.start_stream([prompt.token_ids], [params], rid, events, [prompt.images],
+                                     first=events.opening())
 
-    def event(kind: str, **fields) -> str:
-        return sse({"type": kind, "sequence_number": next(sequence), **fields}, kind)
 
-    def block_events(kind: str, block: Block, text: str, out: RequestOutput):
+class _ResponseEvents:
+    """A streamed response's events after ``response.created`` and ``response.in_progress`` (``opening``;
+    server/step_stream.py's Events): each output item's as the reply's text makes it, then
+    ``response.completed`` or ``response.incomplete``; ``response.failed`` in their place if the request fails."""
+
+    def __init__(self, reply: _Reply):
+        self.reply = reply
+        self.sequence = itertools.count()
+        self.last: RequestOutput | None = None
+
+    def event(self, kind: str, **fields) -> bytes:
+        return sse({"type": kind, "sequence_number": next(self.sequence), **fields}, kind)
+
+    def opening(self) -> bytes:
+        return (self.event("response.created", response=self.reply.snapshot("in_progress"))
+                + self.event("response.in_progress", response=self.reply.snapshot("in_progress")))
+
+    def feed(self, _: int, out: RequestOutput) -> bytes:
+        self.last = out
+        o = out.outputs[0]
+        return b"".join(line for block_event in self.reply.blocks.feed(o.delta, final=o.finished)
+                        for line in self._block_events(*block_event, out))
+
+    def end(self) -> bytes:
+        final = self.reply.final(self.last)
+        return self.event(f"response.{final['status']}", response=final)
+
+    def fail(self, error: BaseException) -> bytes:  # after the stream has started: the response failed
+        err = to_api_error(error)
+        detail = {"code": "server_error" if err.status >= 500 else "invalid_prompt", "message": err.message}
+        return self.event("response.failed", response=self.reply.snapshot("failed", error=detail))
+
+    def _block_events(self, kind: str, block: Block, text: str, out: RequestOutput):
+        rid, event = self.reply.rid, self.event
         where = {"item_id": _item(block, rid, "")["id"], "output_index": block.index}
         parts = {"content_index": 0} if block.kind != "tool_call" else {}
         name = {"reasoning": "response.reasoning_text", "text": "response.output_text",
@@ -347,22 +380,5 @@ async def responses(body: ResponsesRequest, http: Request):
             if parts:
                 yield event("response.content_part.done", **where, **parts, part=_part(block, block.text))
             yield event("response.output_item.done", output_index=block.index,
-                        item=_item(block, rid, _item_status(block, reply.blocks, out)))
+                        item=_item(block, rid, _item_status(block, self.reply.blocks, out)))
 
-    async def events():
-        yield event("response.created", response=reply.snapshot("in_progress"))
-        yield event("response.in_progress", response=reply.snapshot("in_progress"))
-        try:
-            async for out in stream:
-                o = out.outputs[0]
-                for block_event in reply.blocks.feed(o.delta, final=o.finished):
-                    for line in block_events(*block_event, out):
-                        yield line
-            final = reply.final(out)
-            yield event(f"response.{final['status']}", response=final)
-        except Exception as e:  # after the stream has started: the response failed
-            err = to_api_error(e)
-            error = {"code": "server_error" if err.status >= 500 else "invalid_prompt", "message": err.message}
-            yield event("response.failed", response=reply.snapshot("failed", error=error))
-
-    return StreamingResponse(events(), media_type="text/event-stream")

@@ -77,11 +77,12 @@ class ServerState:
         return streams
 
     async def start_stream(self, prompts: list[str | list[int]], params: list[SamplingParams], base_id: str,
-                           events: Events, images: list[list[ImageRef]] | None = None) -> StepStream:
+                           events: Events, images: list[list[ImageRef]] | None = None, first: bytes = b"",
+                           ) -> StepStream:
         """Add one engine request per prompt (all or none), streamed by the output loop as ``events`` makes
-        them (server/step_stream.py): the response to return."""
+        them, after ``first`` (server/step_stream.py): the response to return."""
         ids = self._ids(base_id, len(prompts))
-        response = StepStream(events, ids, self._abort)
+        response = StepStream(events, ids, self._abort, first)
         await self._add(ids, prompts, params, images, response.parts())
         response.track = [self._status(rid, sp) for rid, sp in zip(ids, params)]  # (before any output comes)
         return response

@@ -131,10 +131,11 @@ class _Part:
 
 class StepStream(Response):
     """The SSE response of ``request_ids`` (already added to the engine with ``parts()`` as their sinks), its
-    events made by ``events``. ``abort(request_id)`` stops a request whose client has gone. ``track``, if set:
-    one object per request whose ``out`` is kept at its latest output (the server's /status)."""
+    events made by ``events``, after ``first`` (the dialect's opening events, sent with the headers).
+    ``abort(request_id)`` stops a request whose client has gone. ``track``, if set: one object per request whose
+    ``out`` is kept at its latest output (the server's /status)."""
 
-    def __init__(self, events: Events, request_ids: list[str], abort: Callable[[str], None]):
+    def __init__(self, events: Events, request_ids: list[str], abort: Callable[[str], None], first: bytes = b""):
         self.background = None  # (what FastAPI reads of a Response before calling it)
         self.status_code = 200
         self.events, self.request_ids, self.abort = events, request_ids, abort
@@ -143,7 +144,7 @@ class StepStream(Response):
         self.ended = False  # the last bytes are written (or being written)
         self._send = None  # the ASGI send, once the response has started
         self._chunks: ChunkWriter | None = None  # its shortcut (uvicorn's), where there is one
-        self._backlog: list[bytes] = []  # bytes waiting for the send before them (or for the start)
+        self._backlog: list[bytes] = [first] if first else []  # bytes waiting for the send before them (or the start)
         self._writing: asyncio.Task | None = None  # a send waiting for a slow client
 
     def parts(self) -> list[StepStream | _Part]:
