@@ -148,6 +148,9 @@ def json_bytes(obj) -> bytes:
     return data
 
 
+DONE = b"data: [DONE]\n\n"  # the end of an OpenAI-style stream (OpenAI's dialect, the native /generate)
+
+
 def sse(obj, event: str | None = None) -> bytes:
     """One server-sent event carrying ``obj`` as JSON (named ``event``, for the APIs that name them)."""
     data = b"data: " + json_bytes(obj) + b"\n\n"

@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse
 
 import mili
 from mili.server.state import final_output, new_id, state_of, until_disconnect
-from mili.server.errors import error_responses, sse, sse_error, streamed
+from mili.server.errors import DONE, error_responses, sse, sse_error, streamed
 from mili.server.protocol import GenerateRequest
 
 router = APIRouter()
@@ -103,11 +103,7 @@ class _GenerateEvents:
         return data
 
     def end(self) -> bytes:
-        return sse({**self.reply(self.last), "finished": True}) + _DONE
+        return sse({**self.reply(self.last), "finished": True}) + DONE
 
     def fail(self, error: BaseException) -> bytes:
-        return sse_error(error) + _DONE
-
-
-_DONE = b"data: [DONE]\n\n"
-
+        return sse_error(error) + DONE

@@ -10,13 +10,12 @@ from fastapi import APIRouter, Request
 from mili.outputs import CompletionOutput, RequestOutput
 from mili.server.state import merge, new_id, state_of, until_disconnect
 from mili.server.chat import ChatPrompt
-from mili.server.errors import APIError, EventStream, error_responses, json_bytes, sse, sse_error, streamed
+from mili.server.errors import DONE, APIError, EventStream, error_responses, json_bytes, sse, sse_error, streamed
 from mili.server.protocol import ChatCompletionRequest, CompletionRequest
 from mili.tokenizer.reasoning import THINK_START, ReasoningStream, split_reasoning
 from mili.tokenizer.tool_calls import call_json, new_call_id
 
 router = APIRouter()
-DONE = b"data: [DONE]\n\n"  # the end of an OpenAI stream
 GENERATION_ERRORS = error_responses(400, 404, 500, 503)
 
 
@@ -58,7 +57,6 @@ class _Choice:
         self.started = False
         self.reasoning = ReasoningStream(prompt is not None and prompt.thinking, prompt is not None and prompt.opened)
         self.tools = prompt.tool_stream() if prompt is not None else None
-
 
     def text_head(self, event: EventStream, index: int) -> bytes:
         if self.head is None:

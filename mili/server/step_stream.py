@@ -59,8 +59,9 @@ class ChunkWriter:
     writes a body part (``b"%x\\r\\n" % len(body) + body + b"\\r\\n"``), without what that costs per event: the
     message dict, the coroutine and uvicorn's checks. Only for uvicorn's httptools protocol (MILI's
     dependencies), with a chunked response started and the transport writable; else (``write`` answers False)
-    the event goes through ``send``, which waits for a slow reader, or returns once the client has gone. ``of`` answers None for any other server, or a uvicorn whose internals differ
-    (tests/unit/test_step_stream.py checks that MILI's uvicorn takes this path)."""
+    the event goes through ``send``, which waits for a slow reader, or returns once the client has gone.
+    ``of`` answers None for any other server, or a uvicorn whose internals differ (tests/unit/test_step_stream.py
+    checks that MILI's uvicorn takes this path)."""
 
     __slots__ = ("cycle", "flow", "transport_write")
 
@@ -72,7 +73,7 @@ class ChunkWriter:
         cycle = getattr(send, "__self__", None)  # (uvicorn's send is its RequestResponseCycle's method)
         if (type(cycle).__module__ != "uvicorn.protocols.http.httptools_impl"
                 or not all(hasattr(cycle, a) for a in ("flow", "transport", "disconnected", "response_complete"))
-                or cycle.chunked_encoding is not True or not hasattr(cycle.flow, "write_paused")):
+                or getattr(cycle, "chunked_encoding", None) is not True or not hasattr(cycle.flow, "write_paused")):
             return None
         return cls(cycle)
 

@@ -60,6 +60,14 @@ class _Connection:
         return b"".join(body for body, _ in self.sent)
 
 
+def _two_requests(events: _Events | None = None):
+    """A StepStream over requests "a" and "b", their sinks, a fake connection, and the list of aborted ids."""
+    aborted: list[str] = []
+    stream = StepStream(events or _Events(), ["a", "b"], aborted.append)
+    a, b = stream.parts()
+    return stream, a, b, _Connection(), aborted
+
+
 def test_run_eagerly_runs_in_place_and_hands_a_wait_to_a_task():
     async def main():
         trace = []
@@ -91,10 +99,7 @@ def test_run_eagerly_runs_in_place_and_hands_a_wait_to_a_task():
 
 def test_slow_client_gets_every_event_in_order_and_the_end_once():
     async def main():
-        aborted = []
-        stream = StepStream(_Events(), ["a", "b"], aborted.append)
-        a, b = stream.parts()
-        conn = _Connection()
+        stream, a, b, conn, aborted = _two_requests()
         a.put(_out("a", "x"))  # before the response started: kept
         response = asyncio.ensure_future(stream(None, conn.receive, conn.send))
         await asyncio.sleep(0)
@@ -118,10 +123,7 @@ def test_slow_client_gets_every_event_in_order_and_the_end_once():
 
 def test_client_gone_aborts_the_unfinished_requests():
     async def main():
-        aborted = []
-        stream = StepStream(_Events(), ["a", "b"], aborted.append)
-        a, b = stream.parts()
-        conn = _Connection()
+        stream, a, b, conn, aborted = _two_requests()
         response = asyncio.ensure_future(stream(None, conn.receive, conn.send))
         a.put(_out("a", "x"))
         await asyncio.sleep(0)
@@ -137,10 +139,7 @@ def test_client_gone_aborts_the_unfinished_requests():
 @pytest.mark.parametrize("failure", ["engine", "formatter"])
 def test_an_error_ends_the_stream_with_the_error_event_and_aborts_the_rest(failure):
     async def main():
-        aborted = []
-        stream = StepStream(_Events(fail_on="boom"), ["a", "b"], aborted.append)
-        a, b = stream.parts()
-        conn = _Connection()
+        stream, a, b, conn, aborted = _two_requests(_Events(fail_on="boom"))
         response = asyncio.ensure_future(stream(None, conn.receive, conn.send))
         await asyncio.sleep(0)
         a.put(_out("a", "x"))
