@@ -11,6 +11,18 @@ under ``~/.cache/mili/bench`` (``MILI_BENCH_CACHE``).
 
     python benchmarks/llamacpp_compare.py [--models Qwen3-0.6B Qwen3-4B:8] [--threads 2] [--input-len 64]
                                           [--output-len 32] [--repeat 3] [--llama-cpp-python 0.3.36]
+                                          [--cpu-isa native]
+
+``--cpu-isa avx2`` measures both engines as they would run on an AVX2-only CPU (a Zen 3, say) on a newer one:
+llama.cpp built a second time (``build-avx2``) with ``GGML_NATIVE=OFF`` and only the AVX2-class flags (SSE4.2,
+AVX, AVX2, FMA, F16C, BMI2; no AVX-512, AVX-VNNI or AMX, checked on the binary: no zmm register), and MILI
+with ``MILI_CPU_ISA=avx2``. torch reads ``ATEN_CPU_CAPABILITY`` only at import and MILI its ISA from the
+environment, so set both when starting the script (it refuses otherwise)::
+
+    MILI_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 python benchmarks/llamacpp_compare.py --cpu-isa avx2
+
+``native`` (the default): llama.cpp with ``GGML_NATIVE=ON`` (``build``), MILI's best path, and
+``MILI_CPU_ISA`` must be unset. A 512-token prefill: ``--input-len 512`` (prompt + output up to 1024 tokens).
 
 Each figure is the median of ``--repeat`` runs (llama-bench's ``-r``; MILI's ``mili bench latency``
 measure). The roofline is a copy (read + write) with the same thread count over the bytes a decode step
@@ -40,6 +52,18 @@ from mili.bench import _measure_latency, memory_bandwidth, weight_bytes_per_step
 from mili.config import EngineConfig
 from mili.engine.engine import LLMEngine
 
+MAX_MODEL_LEN = 1024  # MILI's context: --input-len + --output-len must fit
+# llama.cpp's build per --cpu-isa: (build folder, the CMake flags that pick its instruction set)
+LLAMA_ISA = {
+    "native": ("build", ["-DGGML_NATIVE=ON"]),
+    "avx2": ("build-avx2", ["-DGGML_NATIVE=OFF", "-DGGML_SSE42=ON", "-DGGML_AVX=ON", "-DGGML_AVX2=ON",
+                            "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF",
+                            "-DGGML_AVX512_VBMI=OFF", "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_BF16=OFF",
+                            "-DGGML_AVX_VNNI=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF",
+                            "-DGGML_AMX_BF16=OFF"]),
+}
+CPU_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "bmi2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+             "avx512_bf16", "avx512vbmi", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
 PAIRS = [  # (label, MILI: (checkpoint kind, --quantization), llama.cpp GGUF type)
     ("bf16 / BF16", ("dense", None), "BF16"),
     ("int8 / Q8_0", ("dense", "int8"), "Q8_0"),
@@ -47,11 +71,13 @@ PAIRS = [  # (label, MILI: (checkpoint kind, --quantization), llama.cpp GGUF typ
 ]
 
 
-def llama_cpp(version: str) -> Path:
-    """llama.cpp's bin/ folder, built once from the llama-cpp-python sdist's vendored tree."""
+def llama_cpp(version: str, isa: str = "native") -> Path:
+    """llama.cpp's bin/ folder, built once from the llama-cpp-python sdist's vendored tree, for ``isa`` (a
+    key of LLAMA_ISA; each in its own build folder of the same tree)."""
     root = CACHE / "llamacpp"
     src = root / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp"
-    bin_dir = src / "build" / "bin"
+    build, isa_flags = LLAMA_ISA[isa]
+    bin_dir = src / build / "bin"
     if (bin_dir / "llama-bench").is_file() and (bin_dir / "llama-quantize").is_file():
         return bin_dir
     root.mkdir(parents=True, exist_ok=True)
@@ -62,12 +88,43 @@ def llama_cpp(version: str) -> Path:
     if not src.is_dir():
         with tarfile.open(sdist) as tar:
             tar.extractall(root, filter="data")
-    subprocess.run(["cmake", "-S", str(src), "-B", str(src / "build"), "-DCMAKE_BUILD_TYPE=Release",
-                    "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF",
+    subprocess.run(["cmake", "-S", str(src), "-B", str(src / build), "-DCMAKE_BUILD_TYPE=Release", *isa_flags,
+                    "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF",
                     "-DBUILD_SHARED_LIBS=OFF"], check=True)
-    subprocess.run(["cmake", "--build", str(src / "build"), "--target", "llama-bench", "llama-quantize", "-j",
+    subprocess.run(["cmake", "--build", str(src / build), "--target", "llama-bench", "llama-quantize", "-j",
                     str(os.cpu_count() or 2)], check=True)
+    if isa == "avx2":  # (static build: ggml's CPU backend is inside llama-bench)
+        zmm = zmm_count(bin_dir / "llama-bench")
+        if zmm:
+            sys.exit(f"{bin_dir / 'llama-bench'} has {zmm} instructions on zmm registers (AVX-512): "
+                     f"not an AVX2-only build")
     return bin_dir
+
+
+def zmm_count(binary: Path) -> int:
+    """How many instructions of ``binary`` use a zmm (AVX-512) register."""
+    out = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(binary)], check=True, capture_output=True,
+                         text=True).stdout
+    return sum("%zmm" in line for line in out.splitlines())
+
+
+def cpu_flags() -> str:
+    """The instruction-set flags of CPU_FLAGS this CPU has (/proc/cpuinfo), and those it lacks."""
+    try:
+        line = next(x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("flags"))
+    except (OSError, StopIteration):
+        return "CPU flags unknown"
+    have = set(line.partition(":")[2].split())
+    return (f"CPU flags {' '.join(f for f in CPU_FLAGS if f in have)} "
+            f"(lacks {' '.join(f for f in CPU_FLAGS if f not in have) or 'none'})")
+
+
+def cpu_model() -> str:
+    try:
+        line = next(x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("model name"))
+    except (OSError, StopIteration):
+        return "unknown CPU"
+    return line.partition(":")[2].strip()
 
 
 def gguf(checkpoint: str, kind: str, bin_dir: Path) -> Path:
@@ -101,7 +158,10 @@ def run_llama(bin_dir: Path, model: Path, args) -> tuple[float, float]:
 
 def run_mili(path: str, quantization: str | None, args) -> tuple[float, float, int]:
     """(prefill tok/s, decode tok/s, weight bytes a decode step reads)."""
-    engine = LLMEngine(EngineConfig(model=path, dtype="bfloat16", quantization=quantization, max_model_len=1024,
+    if args.cpu_isa != "native":  # (main checked the environment; this covers a caller of compare())
+        os.environ["MILI_CPU_ISA"] = args.cpu_isa
+    engine = LLMEngine(EngineConfig(model=path, dtype="bfloat16", quantization=quantization,
+                                    max_model_len=MAX_MODEL_LEN,
                                     kv_cache_memory=1 << 30, num_threads=args.threads))
     ttft, decode, _ = _measure_latency(engine, random_prompt(args.input_len, 0), args)
     step = weight_bytes_per_step(engine.runner.model)
@@ -142,6 +202,12 @@ def compare(spec: str, bin_dir: Path, args) -> None:
     print(f"\n{spec} (random weights): prompt {args.input_len}, {args.output_len} tokens, batch 1, "
           f"{args.threads} threads each, median of {args.repeat} a pass; {machine()}; llama.cpp from "
           f"llama-cpp-python {args.llama_cpp_python}; {args.threads}-thread copy {bandwidth / 1e9:.1f} GB/s")
+    build, isa_flags = LLAMA_ISA[args.cpu_isa]
+    print(f"ISA path {args.cpu_isa}: MILI with MILI_CPU_ISA={os.environ.get('MILI_CPU_ISA') or '(unset)'}, "
+          f"torch {torch.backends.cpu.get_cpu_capability()}; llama.cpp's {args.cpu_isa} build ({build}/: "
+          f"{' '.join(f.removeprefix('-D') for f in isa_flags if not f.endswith('=OFF'))}"
+          f"{', GGML_NATIVE and the other ISA options OFF' if any(f.endswith('=OFF') for f in isa_flags) else ''}); "
+          f"{cpu_model()}, {cpu_flags()}")
     print_table(f"MILI vs llama.cpp, {spec}", [
         "MILI / llama.cpp format", "MILI decode (pass 1 / 2)", "llama.cpp decode (pass 1 / 2)", "decode ratio",
         "of copy roofline (MILI / llama.cpp)", "GB a step (MILI / llama.cpp)", "prefill tok/s (MILI / llama.cpp)",
@@ -156,12 +222,27 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--llama-cpp-python", default="0.3.36", help="the sdist whose vendored llama.cpp is built")
+    p.add_argument("--cpu-isa", choices=list(LLAMA_ISA), default="native",
+                   help="native: each engine's best path; avx2: both held to AVX2 (run with MILI_CPU_ISA=avx2 "
+                        "ATEN_CPU_CAPABILITY=avx2 in the environment)")
     args = p.parse_args()
+    if args.input_len + args.output_len > MAX_MODEL_LEN:
+        p.error(f"--input-len + --output-len must be at most {MAX_MODEL_LEN}")
+    env_isa = os.environ.get("MILI_CPU_ISA", "")
+    how = (f"MILI_CPU_ISA={args.cpu_isa} ATEN_CPU_CAPABILITY={args.cpu_isa} python {' '.join(sys.argv)}"
+           if args.cpu_isa != "native" else "with MILI_CPU_ISA unset"
+           + (f", or pass --cpu-isa {env_isa}" if env_isa in LLAMA_ISA else ""))
+    if env_isa != ("" if args.cpu_isa == "native" else args.cpu_isa):
+        sys.exit(f"--cpu-isa {args.cpu_isa} but MILI_CPU_ISA={env_isa or '(unset)'} in the environment: "
+                 f"run {how}")
+    if args.cpu_isa == "avx2" and torch.backends.cpu.get_cpu_capability() not in ("AVX2", "DEFAULT"):
+        sys.exit(f"--cpu-isa avx2 but torch runs {torch.backends.cpu.get_cpu_capability()} kernels (it reads "
+                 f"ATEN_CPU_CAPABILITY at import): run {how}")
     if shutil.which("cmake") is None:
         sys.exit("needs cmake and a C++ compiler (apt-get install cmake g++)")
     if importlib.util.find_spec("sentencepiece") is None:  # llama.cpp's converter imports it for Qwen's vocab
         sys.exit("llama.cpp's convert_hf_to_gguf.py needs sentencepiece: pip install sentencepiece")
-    bin_dir = llama_cpp(args.llama_cpp_python)
+    bin_dir = llama_cpp(args.llama_cpp_python, args.cpu_isa)
     for spec in args.models:
         compare(spec, bin_dir, args)
 

@@ -2,7 +2,9 @@
 the CPU's (the Triton GEMMs' layers are in gpu_linear.py).
 
 * ``PackedLinear``: bf16 weights reordered once into oneDNN's blocked layout (what torch.compile's
-  freezing pass does), ~1.4x faster matrix-vector products than aten's linear on plain weights.
+  freezing pass does), ~1.4x faster matrix-vector products than aten's linear on plain weights. oneDNN's bf16
+  packing needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT: elsewhere (and under MILI_CPU_ISA below AVX-512) the
+  layers stay aten's (``prepack_available``, checked at load by ``kernels/cpu/checks.py``).
 * ``KernelLinear``: bf16 weights packed for MILI's own kernel (``kernels/cpu``: AMX, or AVX-512 BF16),
   which streams them near read speed where oneDNN falls well short (benchmarks/NOTES.md). A tied lm_head
   gets the packed table and the embedding reads its rows from it (``PackedEmbedding``), so the table is
@@ -13,8 +15,8 @@ the CPU's (the Triton GEMMs' layers are in gpu_linear.py).
 * ``Fp8Linear``: FP8 e4m3 weights with one scale per output channel and activations quantized per token,
   through ``torch._scaled_mm`` (GPUs with FP8, SM 89+; the CPU has it too, but ~100x slower than the int8
   kernel, so the CPU maps FP8 weights onto Int8Linear instead).
-* ``Int4Linear``: an AWQ checkpoint's int4 weights as they are stored (a scale and zero point per group of
-  input channels), on MILI's int4 kernel: a quarter of bf16's bytes.
+* ``Int4Linear``: int4 weights w = s q + b with a scale and an offset per group of input channels (an AWQ
+  checkpoint's (q - z) s as stored, b = -z s), on MILI's int4 kernel: a quarter of bf16's bytes.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mili.errors import InvalidRequest
+from mili.kernels import cpu as cpu_kernels
 from mili.kernels.cpu import ops as cpu_ops
 from mili.model import quant
 from mili.model.fused import STACKED_PARAMS, FusedExperts, RouterLinear
@@ -118,19 +121,25 @@ class Fp8Linear(_SwappedLinear):
 
 
 class Int4Linear(_SwappedLinear):
-    def __init__(self, q, zeros, scales, bias=None, shard_sizes=None):
-        """``q`` [out, in] (values 0..15), ``zeros`` and ``scales`` [out, in / group] (see mili/model/quant.py)."""
+    def __init__(self, q, scales, offsets, bias=None, shard_sizes=None):
+        """``q`` [out, in] (values 0..15), ``scales`` and ``offsets`` [out, in / group]: w = scale q + offset. They
+        are kept in float16 where that holds them exactly, else float32."""
         super().__init__(q, bias, shard_sizes)
-        self.group = q.shape[1] // zeros.shape[1]
+        self.group = q.shape[1] // scales.shape[1]
         pad = -q.shape[0] % 16  # (padded rows are all zero: their outputs are cut off)
-        q, zeros, scales = (F.pad(t, (0, 0, 0, pad)) for t in (q, zeros, scales))
-        packed, scales, zeros = cpu_ops.pack_int4(q, zeros, scales)
+        q, scales, offsets = (F.pad(t, (0, 0, 0, pad)) for t in (q, scales, offsets))
+        dtype = torch.float16 if cpu_ops.exact_in_fp16(scales, offsets) else torch.float32
+        packed, scales, offsets = cpu_ops.pack_int4(q, scales, offsets, dtype)
         self.register_buffer("qweight", packed)
         self.register_buffer("scales", scales)
-        self.register_buffer("zeros", zeros)
+        self.register_buffer("offsets", offsets)
+
+    @classmethod
+    def from_awq(cls, parts: quant.Int4Parts, bias=None, shard_sizes=None) -> Int4Linear:
+        return cls(parts.q, *cpu_ops.awq_scales_offsets(parts.zeros, parts.scales), bias, shard_sizes)
 
     def _matmul(self, x2d):
-        out = cpu_ops.linear_int4(x2d, self.qweight, self.scales, self.zeros)[:, :self.out_features]
+        out = cpu_ops.linear_int4(x2d, self.qweight, self.scales, self.offsets)[:, :self.out_features]
         return out if self.bias is None else out + self.bias
 
 
@@ -152,7 +161,8 @@ def fp8_round_trip_linears(model: nn.Module) -> None:
 
 
 def prepack_available(dtype: torch.dtype) -> bool:
-    return dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+    """oneDNN's bf16 weight packing runs here (kernels/cpu: torch's own check, MILI_CPU_ISA, a probe at load)."""
+    return dtype == torch.bfloat16 and not cpu_kernels.onednn_bf16()
 
 
 def int4_layer(parts: quant.Int4Parts, bias, shard_sizes) -> Int4Linear | None:
@@ -162,7 +172,7 @@ def int4_layer(parts: quant.Int4Parts, bias, shard_sizes) -> Int4Linear | None:
     out, k = parts.q.shape
     if not cpu_ops.int4_supported(out, k, k // parts.zeros.shape[1]):
         return None
-    return Int4Linear(*parts, bias, shard_sizes)
+    return Int4Linear.from_awq(parts, bias, shard_sizes)
 
 
 def swap_lm_head(model: nn.Module, dtype: str, kernels: bool) -> None:
@@ -202,7 +212,8 @@ def swap_linears(model: nn.Module, kind: str, kernels: bool = False, quantized: 
             return Fp8Linear(weight, bias, shard_sizes)
         if kind == "kernel" and cpu_ops.linear_supported(weight):
             return KernelLinear(weight, bias, shard_sizes)
-        return PackedLinear(weight, bias, shard_sizes)
+        # packed: oneDNN's blocked bf16 where it runs (else the layer stays aten's)
+        return PackedLinear(weight, bias, shard_sizes) if prepack_available(weight.dtype) else None
 
     def make_from_parts(name, child):
         shards = [f"{name.rsplit('.', 1)[0]}.{ckpt}.weight" for ckpt, (fused, _) in
@@ -220,10 +231,11 @@ def swap_linears(model: nn.Module, kind: str, kernels: bool = False, quantized: 
             continue
         if isinstance(module, FusedExperts):  # each expert's slices of the stacked weights, then drop those
             inter = module.inter
-            module.linears = nn.ModuleList(
-                linear for e in range(module.num_experts)
-                for linear in (make(module.w13[e], None, [inter, inter]), make(module.w2[e])))
-            module.w13 = module.w2 = None
+            linears = [linear for e in range(module.num_experts)
+                       for linear in (make(module.w13[e], None, [inter, inter]), make(module.w2[e]))]
+            if None not in linears:  # (else the experts stay stacked, on torch's path)
+                module.linears = nn.ModuleList(linears)
+                module.w13 = module.w2 = None
             continue
         for child_name, child in list(module.named_children()):
             name = f"{module_name}.{child_name}" if module_name else child_name

@@ -26,7 +26,7 @@ MAX_QUERY = 16
 
 
 class LinearDesc(ctypes.Structure):
-    _fields_ = [("w", _P), ("scales", _P), ("aux", _P), ("n", _I), ("k", _I), ("group", _I)]
+    _fields_ = [("w", _P), ("scales", _P), ("aux", _P), ("n", _I), ("k", _I), ("group", _I), ("scale_f32", _I)]
 
 
 class LayerDesc(ctypes.Structure):
@@ -41,13 +41,14 @@ def _linear_desc(layer) -> LinearDesc | None:
     if layer.bias is not None or layer.out_features % 16:
         return None
     if isinstance(layer, KernelLinear):
-        return LinearDesc(layer.packed.data_ptr(), None, None, layer.out_features, layer.in_features, 0)
+        return LinearDesc(layer.packed.data_ptr(), None, None, layer.out_features, layer.in_features, 0, 0)
     if isinstance(layer, Int8Linear) and layer.kernel:
         return LinearDesc(layer.qweight.data_ptr(), layer.scales.data_ptr(), layer.column_sums.data_ptr(),
-                          layer.out_features, layer.in_features, 0)
+                          layer.out_features, layer.in_features, 0, 0)
     if isinstance(layer, Int4Linear):
-        return LinearDesc(layer.qweight.data_ptr(), layer.scales.data_ptr(), layer.zeros.data_ptr(),
-                          layer.out_features, layer.in_features, layer.group)
+        return LinearDesc(layer.qweight.data_ptr(), layer.scales.data_ptr(), layer.offsets.data_ptr(),
+                          layer.out_features, layer.in_features, layer.group,
+                          int(layer.scales.dtype == torch.float32))
     return None
 
 

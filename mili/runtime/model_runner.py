@@ -258,15 +258,18 @@ class ModelRunner:
         return -(-self.max_model_len // self.config.page_size)
 
     def _use_cpu_kernels(self) -> bool:
-        """MILI's C kernels: on the CPU, in bf16, with the torch attention path, where they build (not yet
-        with tensor parallelism: its ranks run torch ops)."""
-        if not (self.config.cpu_kernels and self.device.type == "cpu" and self.dtype == torch.bfloat16
-                and self.attention_backend == "torch" and self.tp_size == 1):
+        """MILI's C kernels: on the CPU, in bf16, with the torch attention path, where they build and pass their
+        check at load (not yet with tensor parallelism: its ranks run torch ops). The start-up log says which
+        path each layer family takes, and why."""
+        if self.device.type != "cpu":
             return False
-        lib, why = cpu.load()
-        if lib is None:
-            log.info("CPU kernels off (%s): torch ops and oneDNN instead", why)
-        return lib is not None
+        off = ("--no-cpu-kernels" if not self.config.cpu_kernels
+               else f"the model runs {str(self.dtype).removeprefix('torch.')}; the kernels are bf16's"
+               if self.dtype != torch.bfloat16
+               else "the Triton attention back-end" if self.attention_backend != "torch"
+               else "tensor parallelism" if self.tp_size > 1 else "")
+        log.info("CPU paths: %s", cpu.describe(off))
+        return not off and cpu.available()
 
     def _backend_and_ops(self):
         if self.attention_backend == "triton":

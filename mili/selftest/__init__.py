@@ -52,7 +52,9 @@ def versions(device: torch.device) -> list[tuple[str, str, str, str]]:
             ("versions", "CPU", INFO, model), ("versions", "CPU flags", INFO, flags)]
     lib, why = cpu.load()
     rows.append(("versions", "MILI CPU kernels", INFO if lib is not None else SKIP,
-                 f"available ({cpu.isa()})" if lib is not None else f"unavailable: {why}; the torch path runs"))
+                 f"{cpu.isa()} ({cpu.why()}; runs here: {', '.join(cpu.runnable_isas())})" if lib is not None
+                 else f"unavailable: {why}; the torch path runs"))
+    rows += [("CPU paths", family, INFO, path) for family, path in cpu.paths().items()]
     if device.type == "cuda":
         from mili.kernels.triton.launch import device_spec
 

@@ -12,31 +12,37 @@ from mili.kernels.cpu import ops
 from mili.model.cpu_linear import KernelLinear, Int8Linear, PackedEmbedding, PackedLinear
 
 BF16 = torch.bfloat16
+KERNEL_ISAS = [name for name in cpu.runnable_isas() if name != "none"]
 
 
-def test_load_says_why_when_unavailable():
-    lib, why = cpu.load()
-    flags = cpu._cpu_flags()
-    if all(f in flags for f in cpu.REQUIRED_CPU_FLAGS):  # this project's machines: AVX-512 BF16
-        assert lib is not None, why
-        assert cpu.isa() == ("amx" if all(f in flags for f in cpu.AMX_CPU_FLAGS) else "avx512")
-    else:
-        assert lib is None and why and cpu.isa() == ""
+def test_every_isa_this_cpu_runs_loads_and_says_why_otherwise():
+    """Each ISA path this machine runs builds, passes its check at load and is the layer it was built for; one it
+    can't run says why by name; MILI_CPU_ISA's default choice is the best it runs."""
+    runnable = cpu.runnable_isas()
+    assert runnable[0] == "none" and cpu.best_isa() == runnable[-1]
+    for name in cpu.ORDER[cpu.arch()]:
+        lib, why = cpu.load(name)
+        if name == "none":
+            assert lib is None and why
+        elif name in runnable:
+            assert lib is not None, why
+            assert lib.mili_isa().decode() == ("avx512" if name == "amx" else name)
+        else:
+            assert lib is None and "lacks" in why and cpu.runnable(name) in why
+    if cpu.requested() is None:
+        assert cpu.current() == cpu.best_isa()
 
 
-needs_kernels = pytest.mark.skipif(not cpu.available(), reason=f"CPU kernels unavailable: {cpu.load()[1]}")
-# the linear layers' two code paths: AVX-512 everywhere the kernels load, AMX where the CPU has it too
-ISAS = ["avx512", pytest.param("amx", marks=pytest.mark.skipif(cpu.isa() != "amx", reason="no AMX here"))]
+needs_kernels = pytest.mark.skipif(not KERNEL_ISAS, reason=f"no ISA of MILI's kernels runs here: {cpu.load()[1]}")
 
 
-@pytest.fixture(params=ISAS)
+@pytest.fixture(params=KERNEL_ISAS)
 def isa(request):
-    lib = cpu.load()[0]
-    before = lib.mili_uses_amx()
-    lib.mili_use_amx(int(request.param == "amx"))
-    assert cpu.isa() == request.param
-    yield request.param
-    lib.mili_use_amx(before)
+    """Every kernel path this machine can execute (AMX, AVX-512, AVX2 with and without VNNI, NEON...): a test
+    taking it runs once per path, so the AVX2 kernels are tested on an AVX-512 machine too."""
+    with cpu.use_isa(request.param):
+        assert cpu.isa() == request.param
+        yield request.param
 
 
 @needs_kernels
@@ -57,7 +63,7 @@ def test_linear_matches_torch(isa, m, n, k):
 
 
 @needs_kernels
-def test_kernel_linear_module_with_bias_and_leading_dims():
+def test_kernel_linear_module_with_bias_and_leading_dims(isa):
     w, b = torch.randn(96, 64).to(BF16), torch.randn(96).to(BF16)
     x = torch.randn(2, 3, 64).to(BF16)
     out = KernelLinear(w, b)(x)
@@ -68,7 +74,7 @@ def test_kernel_linear_module_with_bias_and_leading_dims():
 @needs_kernels
 @pytest.mark.parametrize("rows", [1, 9, 70])
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_rms_norm(rows, with_residual):
+def test_rms_norm(isa, rows, with_residual):
     torch.manual_seed(rows)
     x, r = torch.randn(rows, 96).to(BF16), torch.randn(rows, 96).to(BF16)
     w = torch.rand(96).to(BF16) + 0.5
@@ -82,7 +88,7 @@ def test_rms_norm(rows, with_residual):
 
 @needs_kernels
 @pytest.mark.parametrize("t", [1, 20])
-def test_qk_norm_rope_in_place_on_fused_qkv(t):
+def test_qk_norm_rope_in_place_on_fused_qkv(isa, t):
     torch.manual_seed(t)
     hq, hkv, d = 4, 2, 64
     qkv = torch.randn(t, (hq + 2 * hkv) * d).to(BF16)
@@ -101,7 +107,7 @@ def test_qk_norm_rope_in_place_on_fused_qkv(t):
 
 
 @needs_kernels
-def test_silu_and_mul():
+def test_silu_and_mul(isa):
     gate_up = (torch.randn(7, 2 * 160) * 3).to(BF16)
     torch.testing.assert_close(ops.silu_and_mul(gate_up).float(), reference.silu_and_mul(gate_up).float(),
                                rtol=1e-2, atol=1e-2)
@@ -110,7 +116,7 @@ def test_silu_and_mul():
 @needs_kernels
 @pytest.mark.parametrize("hq,hkv", [(4, 2), (4, 4), (8, 1), (8, 2), (10, 2), (6, 2)])
 @pytest.mark.parametrize("d", [64, 128])
-def test_decode_attention_over_scattered_pages(hq, hkv, d):
+def test_decode_attention_over_scattered_pages(isa, hq, hkv, d):
     """Every group size's code path (1, 2, 4, 8, and 5 and 3 through the generic one), both head sizes;
     the kernel's pages are head-major, the reference's token-major: the same pool in both layouts."""
     torch.manual_seed(hq * 10 + hkv)
@@ -132,7 +138,7 @@ def test_decode_attention_over_scattered_pages(hq, hkv, d):
 
 
 @needs_kernels
-def test_store_and_gather_head_major_pages():
+def test_store_and_gather_head_major_pages(isa):
     """store_kv / gather_pages over head-major pages hold what the reference's token-major ones hold."""
     torch.manual_seed(0)
     pages, page_size, hkv, d = 6, 16, 2, 64
@@ -163,7 +169,9 @@ def test_engine_with_cpu_kernels_tracks_torch_ops(isa, checkpoints, shape):
     runner = fast.engine.runner
     assert runner.cpu_kernels and not plain.engine.runner.cpu_kernels
     assert isinstance(runner.model.model.layers[0].mlp.down_proj, KernelLinear)
-    assert isinstance(plain.engine.runner.model.model.layers[0].mlp.down_proj, PackedLinear)
+    # without the kernels: oneDNN's packing where it runs (held off below AVX-512, as on such a CPU), else aten's
+    plain_down = plain.engine.runner.model.model.layers[0].mlp.down_proj
+    assert isinstance(plain_down, PackedLinear) == (not cpu.onednn_bf16())
     if shape == "mha_tied":  # the table is stored once, packed, in the head
         assert isinstance(runner.model.model.embed_tokens, PackedEmbedding)
     a, b = (llm.generate(prompt, params, use_tqdm=False)[0].outputs[0] for llm in (fast, plain))
@@ -210,7 +218,7 @@ def test_int8_kernel_is_the_integer_product(isa, m, n, k):
 @needs_kernels
 @pytest.mark.parametrize("lq,lk", [(1, 1), (5, 5), (37, 37), (100, 100), (20, 83), (16, 300)])
 @pytest.mark.parametrize("hq,hkv,d", [(4, 2, 64), (8, 8, 32), (16, 8, 128), (10, 2, 64)])
-def test_prefill_attention_causal_over_prefix(lq, lk, hq, hkv, d):
+def test_prefill_attention_causal_over_prefix(isa, lq, lk, hq, hkv, d):
     """A prefill chunk (the last lq of lk positions) against float32 SDPA; q/k/v are views of one fused
     qkv output, as the model passes them."""
     from mili.runtime.attention.torch_backend import TorchAttentionBackend
@@ -265,7 +273,7 @@ def test_fused_decode_step_is_the_module_path_bit_for_bit(isa, fused_checkpoints
 
 @needs_kernels
 @pytest.mark.parametrize("n", [1, 15, 16, 17, 1000, 151936])
-def test_argmax_reads_bf16_rows_and_takes_the_first_of_ties(n):
+def test_argmax_reads_bf16_rows_and_takes_the_first_of_ties(isa, n):
     torch.manual_seed(n)
     x = torch.randn(5, n + 3).to(BF16)[:, :n]  # rows at a stride, as the lm_head's padded output
     x[1, n // 2] = x[1, n - 1] = 100.0  # a tie: the first index wins, as torch's
@@ -276,7 +284,7 @@ def test_argmax_reads_bf16_rows_and_takes_the_first_of_ties(n):
 
 
 @needs_kernels
-def test_sampler_takes_the_kernel_argmax_only_when_nothing_else_is_asked():
+def test_sampler_takes_the_kernel_argmax_only_when_nothing_else_is_asked(isa):
     from mili.runtime.sampler import Sampler, SamplingMetadata
 
     calls = []
@@ -296,7 +304,7 @@ def test_sampler_takes_the_kernel_argmax_only_when_nothing_else_is_asked():
 
 @needs_kernels
 @pytest.mark.parametrize("vocab", [151936, 1000, 37])
-def test_apply_bitmask_matches_xgrammar(vocab):
+def test_apply_bitmask_matches_xgrammar(isa, vocab):
     """The structured-output mask: -inf exactly where xgrammar's own apply puts it, rows not listed and
     columns past the vocabulary untouched; words of all ones, all zeros and mixed."""
     import xgrammar
@@ -321,18 +329,20 @@ def test_apply_bitmask_matches_xgrammar(vocab):
 @needs_kernels
 @pytest.mark.parametrize("m", [1, 2, 5])
 @pytest.mark.parametrize("n,k,group", [(48, 256, 128), (272, 1024, 64), (16, 128, 32), (32, 192, 24)])
-def test_int4_kernel_is_the_integer_product(m, n, k, group):
-    """W4A8 exactly: x quantized to int8 per row and group (round half to even, times the float32
-    reciprocal), integer sums of x (q - z) per group, times both scales, summed over groups in float32, one
-    bf16 rounding."""
+def test_int4_kernel_is_the_integer_product(isa, m, n, k, group):
+    """W4A8 exactly, for an AWQ layer (w = (q - z) s, as w = s q + b with b = -z s, float32): x quantized to int8
+    per row and group (round half to even, times the float32 reciprocal), integer sums of x q and of x per group,
+    times the scales and offsets, summed over groups in float32, one bf16 rounding."""
     from mili.model.cpu_linear import Int4Linear
+    from mili.model.quant import Int4Parts
 
     torch.manual_seed(m + n + group)
     q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
     zeros = torch.randint(0, 16, (n, k // group), dtype=torch.uint8)
     scales = (torch.rand(n, k // group) * 0.02 + 1e-3).half()
     x = (torch.randn(m, k) * 30).to(BF16)
-    layer = Int4Linear(q, zeros, scales)
+    layer = Int4Linear.from_awq(Int4Parts(q, zeros, scales))
+    assert layer.scales.dtype == torch.float32  # -z s is not exact in fp16
     xg = x.float().view(m, k // group, group)
     sx = xg.abs().amax(dim=2) / 127
     xq = torch.round(xg * (1 / sx)[:, :, None])
@@ -345,9 +355,34 @@ def test_int4_kernel_is_the_integer_product(m, n, k, group):
 
 
 @needs_kernels
+@pytest.mark.parametrize("m", [1, 3])
+def test_int4_scale_and_offset_blocks_map_exactly(isa, m):
+    """GGUF's int4 blocks as w = s q + b: Q4_0 (d (q - 8): s = d, b = -8 d, kept in fp16 since exact there) and
+    Q4_K's sub-blocks (d sc q - dmin m: s = d sc, b = -dmin m, float32): the kernel's product is the product
+    with the dequantized weights, to the int8 quantization of x."""
+    from mili.model.cpu_linear import Int4Linear
+
+    g = torch.Generator().manual_seed(m)
+    n, k = 64, 256
+    x = torch.randn(m, k, generator=g).to(BF16)
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    d = (torch.rand(n, k // 32, generator=g) * 0.05 + 0.01).half().float()  # Q4_0: fp16 d per 32
+    q4_0 = Int4Linear(q, d, -8 * d)
+    sc, mins = torch.randint(0, 64, (2, n, k // 32), generator=g).float()  # Q4_K: 6-bit scales and mins
+    dd, dmin = (torch.rand(2, n, 1, generator=g) * 0.01).half().float()
+    q4_k = Int4Linear(q, dd * sc, -dmin * mins)
+    assert q4_0.scales.dtype == torch.float16 and q4_k.scales.dtype == torch.float32
+    for layer, s, b in ((q4_0, d, -8 * d), (q4_k, dd * sc, -dmin * mins)):
+        dense = q.float() * s.repeat_interleave(32, 1) + b.repeat_interleave(32, 1)
+        want = x.float() @ dense.T
+        got = layer(x).float()
+        assert (got - want).norm() / want.norm() < 0.01
+
+
+@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])
 @pytest.mark.parametrize("hk,hv,dk,dv,k", [(2, 4, 16, 16, 4), (1, 3, 128, 128, 4), (2, 2, 64, 32, 2)])
-def test_gdn_decode_is_the_torch_step(dtype, hk, hv, dk, dv, k):
+def test_gdn_decode_is_the_torch_step(isa, dtype, hk, hv, dk, dv, k):
     """The Gated DeltaNet decode step in one call (conv, gates, L2 norms, delta rule) against the torch
     reference the model runs without the kernels: on scattered slots, a fresh sequence starting from zeros
     whatever its slot held, and the other slots untouched. float32 to rounding; bf16 (the conv and SiLU
@@ -378,7 +413,7 @@ def test_gdn_decode_is_the_torch_step(dtype, hk, hv, dk, dv, k):
 
 
 @needs_kernels
-def test_hybrid_engine_decodes_in_the_kernel(tmp_path, monkeypatch):
+def test_hybrid_engine_decodes_in_the_kernel(isa, tmp_path, monkeypatch):
     """A Qwen3.5 checkpoint's decode steps go through mili_gdn_decode (counted) and give the torch path's
     greedy tokens in float32, logprobs within 1e-4; in bf16 its linears are MILI's packed kernels."""
     import sys

@@ -1,20 +1,34 @@
-"""MILI's CPU kernels (``kernels.c``): matrix multiplies over packed bf16 or int8 weights (AMX tiles where
-the CPU has them, AVX-512 BF16 / VNNI otherwise, AVX-512F where it lacks BF16), fused RMSNorm, q/k-norm +
-RoPE, SwiGLU, and decode attention reading the paged pool in place.
+"""MILI's CPU kernels (``kernels.c``): matrix multiplies over packed bf16, int8 and int4 weights, fused RMSNorm,
+q/k-norm + RoPE, SwiGLU, paged decode and prefill attention, the Gated DeltaNet decode step, argmax and the
+grammar bitmask; one C source over a thin per-ISA layer (``isa_avx512.h``, ``isa_avx2.h``, ``isa_neon.h``).
 
-Why C: decoding one token must stream every weight once, and the fastest path torch offers on this
-class of CPU (oneDNN on prepacked weights) streams well below what the memory gives; the kernels here
-stream near read speed (benchmarks/NOTES.md, steps 8 and 9). The small ops cost ~30 us each through
-torch's dispatch and a few us here.
+Why C: decoding one token must stream every weight once, and the fastest path torch offers on a CPU (oneDNN on
+prepacked weights) streams well below what the memory gives; the kernels here stream near read speed
+(benchmarks/NOTES.md, steps 8 and 9). The small ops cost ~30 us each through torch's dispatch and a few us here.
+
+**The ISA.** What the CPU can run comes from CPUID (``probe.c``: the instruction sets and the OS's consent to
+their register state), not from /proc/cpuinfo, which shows the host's flags under an emulator. The kernels
+run the best of, in order:
+
+* x86-64: ``avx2`` (AVX2 + FMA + F16C), ``avx2-vnni`` (and AVX-VNNI's 256-bit ``vpdpbusd``; on a CPU with
+  AVX-512 VNNI, its EVEX form), ``avx512`` (F/BW/VL; AVX-512 BF16 and VNNI where present), ``amx`` (the
+  AVX-512 library with the linear layers on AMX tiles);
+* aarch64: ``neon`` (Advanced SIMD), ``neon-dot`` (and the ``sdot`` dot product);
+* ``none``: no kernels, torch's ops run.
+
+``MILI_CPU_ISA`` (any of those names) caps the choice, so a machine with AVX-512 runs and tests the AVX2 and
+torch-only paths too; a cap above what the CPU has is refused by name (the best it has runs instead). Each ISA
+is its own build, compiled for that ISA alone (``-mavx2 -mfma -mf16c``, never ``-march=native``), so the
+library that runs under ``MILI_CPU_ISA=avx2`` on a Zen 4 is the one a Zen 3 runs.
 
 The library is built on first use with the system C compiler (``$CC`` or ``cc``) and cached under
-``$MILI_CACHE_DIR/kernels`` (default ``~/.cache/mili``), keyed by the source, the compiler and the CPU.
-Where it can't be used (no compiler, no AVX-512, not Linux x86-64) :func:`load` says why and
-the engine runs torch ops instead.
+``$MILI_CACHE_DIR/kernels`` (default ``~/.cache/mili``), keyed by the source, the compiler and the flags. Where
+it can't be used (no compiler, no ISA it knows) :func:`load` says why and the engine runs torch ops instead.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -28,18 +42,27 @@ from pathlib import Path
 
 import torch  # noqa: F401  (loaded first: the library's libgomp must resolve to torch's)
 
-SOURCE = Path(__file__).with_name("kernels.c")
-REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl")  # AVX-512 BF16 where present, else emulated in AVX-512F
-AMX_CPU_FLAGS = ("amx_tile", "amx_bf16", "amx_int8")  # optional: the linear layers use AMX when present
+HERE = Path(__file__).parent
+SOURCE = HERE / "kernels.c"
+HEADERS = sorted(HERE.glob("isa_*.h"))
 log = logging.getLogger("mili")
 
+# Each architecture's ISAs, lowest first, and the CPU features each needs (as /proc/cpuinfo names them).
+ORDER = {"x86_64": ("none", "avx2", "avx2-vnni", "avx512", "amx"), "aarch64": ("none", "neon", "neon-dot")}
+_AVX2 = ("avx2", "fma", "f16c")
+_AVX512 = _AVX2 + ("avx512f", "avx512bw", "avx512vl")
+NEEDS = {"none": (), "avx2": _AVX2, "avx2-vnni": _AVX2, "avx512": _AVX512,
+         "amx": _AVX512 + ("amx_tile", "amx_bf16", "amx_int8"), "neon": ("asimd",), "neon-dot": ("asimd", "asimddp")}
+ISAS = tuple(dict.fromkeys(isa for order in ORDER.values() for isa in order))
+
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-SIGNATURES = {  # name -> argument types (all return void but mili_amx_init)
+SIGNATURES = {  # name -> argument types (all return void but mili_amx_init, mili_uses_amx and mili_isa)
     "mili_linear": [_P, _P, _P, _I, _I, _I, ctypes.c_int],
     "mili_linear_int8": [_P, _P, _P, _P, _P, _I, _I, _I, ctypes.c_int],
-    "mili_linear_int4": [_P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int],
+    "mili_linear_int4": [_P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int, ctypes.c_int],
     "mili_use_amx": [ctypes.c_int],
     "mili_uses_amx": [],
+    "mili_isa": [],
     "mili_rms_norm": [_P, _I, _P, _P, _P, _P, _I, _I, _F, ctypes.c_int],
     "mili_qk_norm_rope": [_P, _I, _I, _I, _I, _I, _P, _P, _F, _P, _P, ctypes.c_int],
     "mili_silu_and_mul": [_P, _P, _I, _I, ctypes.c_int],
@@ -52,33 +75,47 @@ SIGNATURES = {  # name -> argument types (all return void but mili_amx_init)
     "mili_gdn_decode": [_P, _I, _P, _I, ctypes.c_int, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I,
                         ctypes.c_int],
 }
+_RETURNS_INT = ("mili_uses_amx", "mili_amx_init", "mili_isa")
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+def arch() -> str:
+    machine = platform.machine().lower()
+    return {"amd64": "x86_64", "arm64": "aarch64"}.get(machine, machine)
 
 
 def _cache_dir() -> Path:
     return Path(os.environ.get("MILI_CACHE_DIR") or Path.home() / ".cache" / "mili").expanduser() / "kernels"
 
 
-def _build(compiler: str, flags: set[str]) -> Path:
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc"))
+
+
+def _proc_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _compile(cmd_head: list[str], source: Path, extra_key: str, suffix: str) -> Path:
+    """``source`` compiled by ``cmd_head + [source, -o, out]`` into the cache (once per source, compiler and
+    flags); the path of the result."""
+    compiler = cmd_head[0]
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + " ".join(sorted(flags)).encode()).hexdigest()
-    target = _cache_dir() / f"mili_kernels_{key[:16]}.so"
+    blob = source.read_bytes() + b"".join(h.read_bytes() for h in HEADERS) + version.encode()
+    key = hashlib.sha256(blob + " ".join(cmd_head[1:]).encode() + extra_key.encode()).hexdigest()
+    target = _cache_dir() / f"{source.stem}_{key[:16]}{suffix}"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    fd, tmp = tempfile.mkstemp(suffix=suffix, dir=target.parent)
     os.close(fd)
-    cmd = [compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(SOURCE), "-o", tmp, "-lm"]
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    cmd = cmd_head + [str(source), "-o", tmp]
+    done = subprocess.run(cmd + ["-lm"], capture_output=True, text=True)
     if done.returncode != 0:
         os.unlink(tmp)
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr.strip()[-2000:]}")
@@ -87,39 +124,231 @@ def _build(compiler: str, flags: set[str]) -> Path:
 
 
 @functools.cache
-def load() -> tuple[ctypes.CDLL | None, str]:
-    """(the library, "") or (None, why it can't be used here). Built and loaded once per process."""
-    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return None, f"the CPU kernels are for Linux x86-64 (this is {platform.system()} {platform.machine()})"
-    flags = _cpu_flags()
-    missing = [f for f in REQUIRED_CPU_FLAGS if f not in flags]
-    if missing:
-        return None, f"this CPU lacks {', '.join(missing)}"
-    compiler = shutil.which(os.environ.get("CC", "cc"))
+def cpu_features() -> frozenset[str]:
+    """The features this CPU and OS run, from CPUID (``probe.c``); /proc/cpuinfo where nothing can be compiled."""
+    compiler = _compiler()
+    if compiler is not None and arch() in ORDER:
+        try:
+            probe = ctypes.CDLL(str(_compile([compiler, "-O1", "-shared", "-fPIC"], HERE / "probe.c", "", ".so")))
+            buf = ctypes.create_string_buffer(4096)
+            probe.mili_cpu_probe(buf, len(buf))
+            out = buf.value.decode()
+            return frozenset(name for name, bit in (line.split() for line in out.splitlines()) if bit == "1")
+        except (OSError, RuntimeError, subprocess.SubprocessError, ValueError) as exc:
+            log.warning("CPU probe failed (%s): reading /proc/cpuinfo", exc)
+    return frozenset(_proc_flags())
+
+
+def runnable(isa: str) -> str:
+    """"" where this CPU runs ``isa``'s kernels, else why not."""
+    order = ORDER.get(arch())
+    if order is None or isa not in order:
+        return f"{isa!r} is not an ISA of {arch()} (its kernels: {', '.join(order or ('none',))})"
+    missing = [f for f in NEEDS[isa] if f not in cpu_features()]
+    if isa == "avx2-vnni" and not ({"avx_vnni"} <= cpu_features() or {"avx512_vnni", "avx512vl"} <= cpu_features()):
+        missing.append("avx_vnni")
+    return f"this CPU lacks {', '.join(missing)}" if missing else ""
+
+
+def runnable_isas() -> list[str]:
+    """Every ISA path this machine can execute, ``none`` included, lowest first (what the tests run over)."""
+    return [isa for isa in ORDER.get(arch(), ("none",)) if not runnable(isa)]
+
+
+def best_isa() -> str:
+    return runnable_isas()[-1]
+
+
+def requested() -> str | None:
+    """``MILI_CPU_ISA`` as set (lower-cased), or None."""
+    value = os.environ.get("MILI_CPU_ISA", "").strip().lower()
+    return value or None
+
+
+@functools.cache
+def _chosen() -> tuple[str, str]:
+    """(the ISA the kernels run by default, a note on why) from the CPU and ``MILI_CPU_ISA``."""
+    best, cap = best_isa(), requested()
+    if cap is None:
+        return best, "the best this CPU runs"
+    if cap not in ISAS:
+        log.warning("MILI_CPU_ISA=%s is not one of %s: ignored", cap, ", ".join(ISAS))
+        return best, f"MILI_CPU_ISA={cap} is not an ISA: the best this CPU runs"
+    why = runnable(cap)
+    if why:
+        log.warning("MILI_CPU_ISA=%s refused (%s): %s runs", cap, why, best)
+        return best, f"MILI_CPU_ISA={cap} refused ({why})"
+    return cap, f"MILI_CPU_ISA={cap}"
+
+
+_active: list[str] = []  # use_isa's stack; empty: the default choice
+_loaded: dict[str, tuple[ctypes.CDLL | None, str]] = {}  # the current ISA's library, once set up (see load)
+
+
+def current() -> str:
+    """The ISA path the kernels take now."""
+    return _active[-1] if _active else _chosen()[0]
+
+
+@contextlib.contextmanager
+def use_isa(isa: str):
+    """Within the block, kernels (and engines built) run ``isa``'s path (tests: each path this machine runs)."""
+    why = runnable(isa)
+    if why:
+        raise ValueError(f"ISA {isa} can't run here: {why}")
+    _active.append(isa)
+    _loaded.clear()
+    try:
+        yield isa
+    finally:
+        _active.pop()
+        _loaded.clear()
+
+
+def compile_flags(isa: str, features: frozenset[str] | set[str] | None = None) -> list[str]:
+    """The compiler flags of ``isa``'s library: its instruction sets alone, so one built here is the one a CPU
+    with nothing more runs."""
+    features = cpu_features() if features is None else features
+    if isa in ("avx512", "amx"):
+        flags = ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl"]
+        flags += [f"-m{name.replace('_', '')}" for name in ("avx512dq", "avx512_bf16", "avx512_vnni") if name in features]
+        return flags
+    if isa == "avx2":
+        return ["-mavx2", "-mfma", "-mf16c"]
+    if isa == "avx2-vnni":  # AVX-VNNI's VEX vpdpbusd, or (a CPU with AVX-512 VNNI only) its EVEX form
+        return ["-mavx2", "-mfma", "-mf16c"] + (["-mavxvnni"] if "avx_vnni" in features else
+                                                 ["-mavx512vnni", "-mavx512vl"])
+    if isa == "neon":
+        return ["-march=armv8-a"]
+    if isa == "neon-dot":
+        return ["-march=armv8.2-a+dotprod"]
+    raise ValueError(f"no kernels for {isa!r}")
+
+
+def _build(isa: str, compiler: str) -> Path:
+    tune = ["-mtune=native"] if arch() == "x86_64" else []
+    cmd = [compiler, "-O3", *compile_flags(isa), *tune, "-fopenmp", "-shared", "-fPIC"]
+    return _compile(cmd, SOURCE, isa, ".so")
+
+
+@functools.cache
+def _load(isa: str) -> tuple[ctypes.CDLL | None, str]:
+    if isa == "none":
+        return None, ("held at none (MILI_CPU_ISA or a test)" if best_isa() != "none"
+                      else f"this CPU runs none of the kernels' ISAs ({', '.join(ORDER.get(arch(), ())[1:]) or arch()})")
+    why = runnable(isa)
+    if why:
+        return None, why
+    compiler = _compiler()
     if compiler is None:
         return None, "no C compiler (set $CC or install gcc)"
     try:
-        lib = ctypes.CDLL(str(_build(compiler, flags)))
+        lib = ctypes.CDLL(str(_build(isa, compiler)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        return None, f"building the CPU kernels failed: {exc}"
+        return None, f"building the CPU kernels for {isa} failed: {exc}"
     for name, argtypes in SIGNATURES.items():
         getattr(lib, name).argtypes = argtypes
-        getattr(lib, name).restype = ctypes.c_int if name == "mili_uses_amx" else None
-    # AMX where the CPU has it and Linux grants this process its tile state, else AVX-512
-    lib.mili_use_amx(int(all(f in flags for f in AMX_CPU_FLAGS) and lib.mili_amx_init() == 0))
+        getattr(lib, name).restype = ctypes.c_int if name in _RETURNS_INT else None
+    lib.mili_isa.restype = ctypes.c_char_p
+    built = lib.mili_isa().decode()
+    if built != ("avx512" if isa == "amx" else isa):  # the flags and the source's layer disagree: a bug, not a CPU
+        return None, f"the {isa} build compiled the {built} layer"
+    from mili.kernels.cpu import checks
+
+    if isa == "amx" and lib.mili_amx_init() != 0:
+        return None, "Linux did not grant this process the AMX tile state"
+    lib.mili_use_amx(int(isa == "amx"))
+    failed = checks.check_core(lib)
+    if failed:
+        log.warning("MILI's %s kernels disagree with torch on a tiny input (%s): not used", isa, failed)
+        return None, f"the {isa} kernels failed their check at load: {failed}"
+    lib.mili_int_check = checks.check_int(lib) if _int_instructions(isa) else "AVX-512 without VNNI"
+    if lib.mili_int_check and _int_instructions(isa):
+        log.warning("MILI's %s int8/int4 kernels failed their check at load (%s): not used", isa, lib.mili_int_check)
     return lib, ""
 
 
+def _int_instructions(isa: str) -> bool:
+    """The int8 and int4 kernels need a dot product of bytes: every ISA but AVX-512 without VNNI (Skylake-X)."""
+    return isa not in ("avx512", "amx") or "avx512_vnni" in cpu_features()
+
+
+def load(isa: str | None = None) -> tuple[ctypes.CDLL | None, str]:
+    """(the library of ``isa``, default :func:`current`, "") or (None, why it can't be used here). Built and
+    loaded once per process and ISA; avx512 and amx are one library, whose linear layers take AMX tiles or not
+    as the ISA in use says."""
+    if isa is None:
+        if "" not in _loaded:
+            _loaded[""] = load(current())
+        return _loaded[""]
+    lib, why = _load(isa)
+    if lib is not None and isa in ("avx512", "amx"):
+        lib.mili_use_amx(int(isa == "amx" and lib.mili_amx_init() == 0))
+    return lib, why
+
+
 def isa() -> str:
-    """What the linear layers run on: "amx", "avx512" or "" (no kernels)."""
-    if load()[0] is None:
-        return ""
-    return "amx" if load()[0].mili_uses_amx() else "avx512"
+    """The ISA the kernels run now: one of :data:`ISAS` ("none": no kernels)."""
+    return current() if load()[0] is not None else "none"
+
+
+def why() -> str:
+    """Why the kernels run the ISA they do, or why none."""
+    lib, reason = load()
+    if _active:
+        return f"{current()}, as the test asks" if lib is not None else reason
+    return _chosen()[1] if lib is not None else reason
 
 
 def int8_available() -> bool:
-    """The int8 kernel needs AMX-INT8 or AVX-512 VNNI."""
-    return isa() == "amx" or (isa() == "avx512" and "avx512_vnni" in _cpu_flags())
+    """The int8 and int4 kernels: every ISA but AVX-512 without VNNI (Skylake-X: there aten's weight-only int8
+    runs, and AWQ layers are dequantized), where they passed their check at load."""
+    lib = load()[0]
+    return lib is not None and not lib.mili_int_check
+
+
+HELD_OFF_ONEDNN = ("none", "avx2", "avx2-vnni", "neon", "neon-dot")
+
+
+def onednn_bf16() -> str:
+    """"" where oneDNN's bf16 weight packing runs here, else why not (checks.onednn_bf16): held off too when
+    MILI_CPU_ISA or a test holds the kernels below AVX-512, as on a CPU without it."""
+    from mili.kernels.cpu import checks
+
+    held = current() in HELD_OFF_ONEDNN and (requested() is not None or bool(_active))
+    return checks.onednn_bf16(held)
+
+
+FAMILIES = ("bf16 linears", "int8 / int4 linears", "norms, RoPE, SwiGLU", "attention", "Gated DeltaNet decode",
+            "argmax, grammar bitmask")
+
+
+def paths(off: str = "") -> dict[str, str]:
+    """Each layer family's CPU path and why (the start-up log, ``mili selftest``). ``off``: why the engine does not
+    take MILI's kernels though they load (told not to, another dtype), else ""."""
+    lib, why_not = load()
+    kernels = lib is not None and not off
+    why_not = why_not or off
+    onednn = onednn_bf16()
+    aten = "aten" + (" on oneDNN-packed weights" if not onednn else f" (no oneDNN bf16 packing: {onednn})")
+    if not kernels:
+        return {"bf16 linears": aten, "int8 / int4 linears": "aten weight-only int8; AWQ dequantized to bf16",
+                "norms, RoPE, SwiGLU": f"torch (MILI kernels off: {why_not})", "attention": "torch (SDPA over gathered pages)",
+                "Gated DeltaNet decode": "torch", "argmax, grammar bitmask": "torch, xgrammar"}
+    name = f"MILI kernel ({current()})"
+    amx = " on AMX tiles" if current() == "amx" else ""
+    int_path = (f"{name}{amx}" if not lib.mili_int_check
+                else f"aten weight-only int8; AWQ dequantized ({lib.mili_int_check})")
+    return {"bf16 linears": name + amx, "int8 / int4 linears": int_path, "norms, RoPE, SwiGLU": name,
+            "attention": name + ", paged in place", "Gated DeltaNet decode": name, "argmax, grammar bitmask": name}
+
+
+def describe(off: str = "") -> str:
+    """One line: the ISA, why, and each family's path (``off``: as :func:`paths`)."""
+    flags = " ".join(sorted(cpu_features() & {f for needs in NEEDS.values() for f in needs} | (
+        cpu_features() & {"avx512_vnni", "avx512_bf16", "avx_vnni", "avx512dq", "i8mm", "bf16"})))
+    head = f"CPU ISA {isa()} ({why()}; CPU: {flags or 'no SIMD flags known'})"
+    return head + "; " + "; ".join(f"{family}: {path}" for family, path in paths(off).items())
 
 
 def available() -> bool:

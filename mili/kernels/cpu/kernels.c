@@ -1,57 +1,36 @@
-/* MILI's CPU kernels for bf16 on x86-64 with AVX-512 (BF16 instructions on Zen 4, Cooper Lake, Sapphire Rapids
- * and later; emulated in AVX-512F on Skylake-X to Ice Lake, below);
- * the linear layers use AMX where the CPU has it (Sapphire Rapids and later).
+/* MILI's CPU kernels: one source over a thin per-ISA layer.
  *
- * Built on first use by mili/kernels/cpu/__init__.py (cc -O3 -march=native -fopenmp) and called through
- * ctypes. The library links libgomp by its soname, so it shares the OpenMP runtime torch already loaded
- * (one thread pool). Every function takes the thread count to use.
+ * Built on first use by mili/kernels/cpu/__init__.py, once per ISA, with that ISA's flags alone
+ * (AVX-512: -mavx512f -mavx512bw -mavx512vl [-mavx512bf16 -mavx512vnni]; AVX2: -mavx2 -mfma -mf16c
+ * [-mavxvnni]; aarch64: -march=armv8-a or armv8.2-a+dotprod), and called through ctypes. The library links
+ * libgomp by its soname, so it shares the OpenMP runtime torch already loaded (one thread pool). Every
+ * function takes the thread count to use.
  *
- * Layouts: bf16 values are uint16_t. A linear layer's weight [N, K] is packed once as
- * [N/16][K/2][16][2]: for each block of 16 output rows, K/2 rows of 64 bytes, each holding 16 pairs of
- * consecutive k. That is exactly AMX's "B" tile layout (16 pair-rows x 16 columns x 2), so a block's
- * weights stream from memory in one sequential run, 1 KB per tile load.
+ * The per-ISA layer (isa_avx512.h, isa_avx2.h, isa_neon.h) gives every kernel the same vocabulary:
+ *  - vf / vi: 16 float32 / int32 lanes (one zmm, two ymm, four NEON q registers), with loads, stores,
+ *    arithmetic, reductions, bf16 and fp16 conversions (bf16 rounded to nearest even, as torch rounds);
+ *  - the linear layers' operands over one 64-byte row of a packed weight block: dot_bf16 (16 columns x a pair
+ *    of k), dot_int8 (x 4 k), dot_int4 (x 4 k of nibbles), and the tile shapes (MR_MAX rows x NB_MAX blocks
+ *    of sums) that fit that ISA's registers;
+ *  - optional specializations (ISA_HAS_PV_SLICE, ISA_HAS_ARGMAX, ISA_HAS_AMX) where AVX-512 does better than
+ *    the generic code below.
+ * Everything else is written once, here.
+ *
+ * Layouts: bf16 values are uint16_t. A linear layer's weight [N, K] is packed once as [N/16][K/2][16][2]:
+ * for each block of 16 output rows, K/2 rows of 64 bytes, each holding 16 pairs of consecutive k (int8:
+ * [N/16][K/4][16][4]). That is exactly AMX's "B" tile layout (16 pair-rows x 16 columns x 2), so a block's
+ * weights stream from memory in one sequential run, and the same bytes serve every ISA.
  */
-#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/syscall.h>
 #include <unistd.h>
+#if defined(__x86_64__)
+#include <sys/syscall.h>
+#endif
 
 typedef uint16_t bf16;
-
-/* The three AVX-512 BF16 instructions the kernels use, as AVX-512F where the CPU lacks that extension
- * (Skylake-X, Cascade Lake, Ice Lake, Tiger Lake: -march=native leaves __AVX512BF16__ undefined there).
- * A bf16 is the top half of a float32, so widening is a shift; the dot product of a pair is two FMAs
- * (the odd element first, as vdpbf16ps adds them); narrowing rounds to nearest even, NaNs kept quiet.
- * The loads stay bf16, so the bytes each kernel streams, what bounds decode, are the same. */
-#ifdef __AVX512BF16__
-static inline __m512 dot_bf16_pairs(__m512 acc, __m512i a, __m512i b) {
-  return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
-}
-static inline __m256i narrow_bf16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
-static inline __m512 widen_bf16(__m256i v) { return _mm512_cvtpbh_ps((__m256bh)v); }
-#else
-static inline __m512 dot_bf16_pairs(__m512 acc, __m512i a, __m512i b) {
-  const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
-  acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(a, high)),
-                        _mm512_castsi512_ps(_mm512_and_si512(b, high)), acc);
-  return _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(a, 16)),
-                         _mm512_castsi512_ps(_mm512_slli_epi32(b, 16)), acc);
-}
-static inline __m256i narrow_bf16(__m512 v) {
-  const __m512i x = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_add_epi32(x, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
-  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
-                            _mm512_or_si512(x, _mm512_set1_epi32(0x400000)));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
-}
-static inline __m512 widen_bf16(__m256i v) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-}
-#endif
 
 static inline float bf16_to_float(bf16 v) {
   uint32_t u = (uint32_t)v << 16;
@@ -60,13 +39,99 @@ static inline float bf16_to_float(bf16 v) {
   return f;
 }
 
-/* Linux hands AMX tile state to a process only when asked (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
- * Returns 0 when granted; the linear layers then run on AMX, else on AVX-512 (mili_use_amx). */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include "isa_avx512.h"
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include "isa_avx2.h"
+#elif defined(__aarch64__)
+#include "isa_neon.h"
+#else
+#error "MILI's CPU kernels need AVX2 + FMA + F16C, AVX-512 (F/BW/VL) or aarch64 (mili/kernels/cpu picks the flags)"
+#endif
+
+#define NB_CAP (NB_MAX > NB_ONE ? NB_MAX : NB_ONE)
+#define I4_NB_CAP (I4_NB > I4_NB_ONE ? I4_NB : I4_NB_ONE)
+#define PF_DIST 1024 /* bytes ahead in each weight stream (few rows: the weights come from memory) */
+
+const char *mili_isa(void) { return ISA_NAME; }
+
+/* -- generic helpers over the ISA layer ------------------------------------------------------------------ */
+static inline float round_to_bf16(float f) { /* nearest even, as torch rounds */
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  if ((u & 0x7f800000u) != 0x7f800000u) u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+/* The first n (< 16 allowed) values; the other lanes `fill` (loads) or untouched (stores). */
+static inline vf vf_load_n(const float *p, int64_t n, float fill) {
+  if (n >= 16) return vf_load(p);
+  float t[16];
+  for (int i = 0; i < 16; i++) t[i] = i < n ? p[i] : fill;
+  return vf_load(t);
+}
+static inline void vf_store_n(float *p, vf v, int64_t n) {
+  if (n >= 16) {
+    vf_store(p, v);
+    return;
+  }
+  float t[16];
+  vf_store(t, v);
+  memcpy(p, t, sizeof(float) * n);
+}
+static inline vf vf_load_bf16_n(const bf16 *p, int64_t n) {
+  if (n >= 16) return vf_load_bf16(p);
+  bf16 t[16] = {0};
+  memcpy(t, p, sizeof(bf16) * n);
+  return vf_load_bf16(t);
+}
+static inline void vf_store_bf16_n(bf16 *p, vf v, int64_t n) {
+  if (n >= 16) {
+    vf_store_bf16(p, v);
+    return;
+  }
+  bf16 t[16];
+  vf_store_bf16(t, v);
+  memcpy(p, t, sizeof(bf16) * n);
+}
+static inline vf vf_round_bf16(vf v) { /* rounded to bf16 and back */
+  bf16 t[16];
+  vf_store_bf16(t, v);
+  return vf_load_bf16(t);
+}
+
+/* exp(x): x = n ln2 + r, 2^n exactly, e^r by its Taylor series to r^6 (|r| <= ln2/2: relative error ~1e-7);
+ * x is clamped to [-87, 88.7] (below, ~0; above, ~3e38). */
+static inline vf vf_exp(vf x) {
+  x = vf_min(vf_max(x, vf_set1(-87.0f)), vf_set1(88.7f));
+  const vf n = vf_round(vf_mul(x, vf_set1(1.44269504f)));
+  vf r = vf_fnmadd(n, vf_set1(0.693145752f), x);
+  r = vf_fnmadd(n, vf_set1(1.42860677e-6f), r);
+  vf p = vf_set1(1.0f / 720);
+  p = vf_fmadd(p, r, vf_set1(1.0f / 120));
+  p = vf_fmadd(p, r, vf_set1(1.0f / 24));
+  p = vf_fmadd(p, r, vf_set1(1.0f / 6));
+  p = vf_fmadd(p, r, vf_set1(0.5f));
+  p = vf_fmadd(p, r, vf_set1(1.0f));
+  p = vf_fmadd(p, r, vf_set1(1.0f));
+  return vf_scale2(p, n);
+}
+
+/* -- AMX (Sapphire Rapids and later) ----------------------------------------------------------------------
+ * Linux hands AMX tile state to a process only when asked (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
+ * mili_amx_init returns 0 when granted; the linear layers then run on AMX (mili_use_amx), else on the ISA's
+ * micro-kernel. Builds without AMX answer -1. */
 static int use_amx = 0;
+#if defined(__x86_64__) && defined(ISA_HAS_AMX)
 int mili_amx_init(void) { return (int)syscall(SYS_arch_prctl, 0x1023, 18); }
+#else
+int mili_amx_init(void) { return -1; }
+#endif
 void mili_use_amx(int on) { use_amx = on; }
 int mili_uses_amx(void) { return use_amx; }
 
+#ifdef ISA_HAS_AMX
 #define AMX __attribute__((target("amx-tile,amx-bf16,amx-int8")))
 
 typedef struct {
@@ -91,13 +156,12 @@ AMX static void configure_tiles(int rows) {
  * int32 times the row's and the column's scales (int8 inputs). */
 static inline void store_tile(int rows, const void *c, bf16 *y, int64_t N, const float *sx, const float *sw) {
   for (int r = 0; r < rows; r++) {
-    __m512 v;
+    vf v;
     if (sx) /* int8: scale by the activation row's and the weight columns' scales */
-      v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512((const int32_t *)c + r * 16)),
-                        _mm512_mul_ps(_mm512_set1_ps(sx[r]), _mm512_loadu_ps(sw)));
+      v = vf_mul(vi_to_vf(vi_load((const int32_t *)c + r * 16)), vf_mul(vf_set1(sx[r]), vf_load(sw)));
     else
-      v = _mm512_loadu_ps((const float *)c + r * 16);
-    _mm256_storeu_si256((__m256i *)(y + r * N), narrow_bf16(v));
+      v = vf_load((const float *)c + r * 16);
+    vf_store_bf16(y + r * N, v);
   }
 }
 
@@ -166,163 +230,188 @@ AMX static void amx_matmul(const uint8_t *w, const uint8_t *x, bf16 *y, int64_t 
     _tile_release();
   }
 }
+#endif /* ISA_HAS_AMX */
 
-/* The same product without AMX, on AVX-512 (Zen 4, Cooper Lake, ...), over the same packed layout: one
- * 64-byte row of a block holds the 16 columns' weights for 2 consecutive k (bf16) or 4 (int8), which is
- * exactly the operand vdpbf16ps / vpdpbusd pair with one broadcast 32-bit word of x. A micro-kernel
- * keeps MR rows x NB blocks of sums in registers over the whole of K, so each weight vector loaded serves
- * MR rows and each x word NB blocks. int8: x holds q + 128 (unsigned), so sums carry 128 * colsum(W),
- * taken off with `colsum` before scaling. */
-#define MR_MAX 6
-#define NB_MAX 4
-/* vpdpbusd is AVX-512 VNNI: enabled for these functions only, so a CPU with AVX-512 BF16 but without
- * VNNI still builds the library (its int8 layers then use aten's kernel: kernels.int8_available). */
-#define VNNI __attribute__((target("avx512vnni")))
-#define PF_DIST 1024 /* bytes ahead in each weight stream (M <= MR_MAX: the weights come from memory) */
-VNNI static inline __attribute__((always_inline)) void avx_micro(const uint8_t *w, int64_t wblock,
-                                                             const uint8_t *x, int64_t ldx, bf16 *y, float *yf,
-                                                             int64_t N,
-                                                             int64_t kwords, const int MR, const int NB,
-                                                             const int int8, const float *sx, const float *sw,
-                                                             const int32_t *colsum, int prefetch) {
-  __m512 acc[MR_MAX][NB_MAX];
+/* -- the linear layers' micro-kernel ---------------------------------------------------------------------
+ * One 64-byte row of a block holds the 16 columns' weights for 2 consecutive k (bf16) or 4 (int8): the
+ * operand of the ISA's dot product against one 32-bit word of x. The micro-kernel keeps MR rows x NB blocks
+ * of sums in registers over the whole of K, so each weight row loaded serves MR rows and each x word NB
+ * blocks. int8: x holds q + INT8_X_OFFSET (128 where the dot product takes x unsigned: the sums then carry
+ * 128 * colsum(W), taken off with `colsum` before scaling). */
+INT8_TARGET static inline __attribute__((always_inline)) void micro(
+    const uint8_t *w, int64_t wblock, const uint8_t *x, int64_t ldx, bf16 *y, float *yf, int64_t N, int64_t kwords,
+    const int MR, const int NB, const int int8, const float *sx, const float *sw, const int32_t *colsum, int pf) {
+  if (int8) {
+    vi acc[MR_MAX][NB_CAP];
+    for (int i = 0; i < MR; i++)
+      for (int j = 0; j < NB; j++) acc[i][j] = vi_zero();
+    for (int64_t p = 0; p < kwords; p++) {
+      wrow8 wv[NB_CAP];
+      for (int j = 0; j < NB; j++) {
+        const uint8_t *wp = w + j * wblock + p * 64;
+        if (pf) prefetch(wp + PF_DIST, 0);
+        wv[j] = w_int8(wp);
+      }
+      for (int i = 0; i < MR; i++) {
+        const xq4 xb = x_int8((const int8_t *)(x + i * ldx + p * 4));
+        for (int j = 0; j < NB; j++) acc[i][j] = dot_int8(acc[i][j], xb, wv[j]);
+      }
+    }
+    for (int i = 0; i < MR; i++)
+      for (int j = 0; j < NB; j++) {
+        vi v = acc[i][j];
+        if (INT8_X_OFFSET) v = vi_sub(v, vi_shl(vi_load(colsum + j * 16), 7));
+        vf_store_bf16(y + i * N + j * 16, vf_mul(vi_to_vf(v), vf_mul(vf_set1(sx[i]), vf_load(sw + j * 16))));
+      }
+    return;
+  }
+  vf acc[MR_MAX][NB_CAP];
   for (int i = 0; i < MR; i++)
-    for (int j = 0; j < NB; j++) acc[i][j] = _mm512_setzero_ps();
+    for (int j = 0; j < NB; j++) acc[i][j] = vf_zero();
   for (int64_t p = 0; p < kwords; p++) {
-    __m512i wv[NB_MAX];
+    wrow wv[NB_CAP];
     for (int j = 0; j < NB; j++) {
       const uint8_t *wp = w + j * wblock + p * 64;
-      if (prefetch) _mm_prefetch((const char *)wp + PF_DIST, _MM_HINT_T0);
-      wv[j] = _mm512_loadu_si512(wp);
+      if (pf) prefetch(wp + PF_DIST, 0);
+      wv[j] = w_bf16(wp);
     }
     for (int i = 0; i < MR; i++) {
-      int32_t word;
-      memcpy(&word, x + i * ldx + p * 4, 4);
-      const __m512i xb = _mm512_set1_epi32(word);
-      for (int j = 0; j < NB; j++)
-        acc[i][j] = int8 ? (__m512)_mm512_dpbusd_epi32((__m512i)acc[i][j], xb, wv[j])
-                         : dot_bf16_pairs(acc[i][j], xb, wv[j]);
+      const xpair xb = x_bf16((const bf16 *)(x + i * ldx + p * 4));
+      for (int j = 0; j < NB; j++) acc[i][j] = dot_bf16(acc[i][j], xb, wv[j]);
     }
   }
   for (int i = 0; i < MR; i++)
     for (int j = 0; j < NB; j++) {
-      __m512 v = acc[i][j];
-      if (int8) {
-        const __m512i c = _mm512_slli_epi32(_mm512_loadu_si512(colsum + j * 16), 7);
-        v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32((__m512i)v, c)),
-                          _mm512_mul_ps(_mm512_set1_ps(sx[i]), _mm512_loadu_ps(sw + j * 16)));
-      }
-      if (yf) _mm512_storeu_ps(yf + i * N + j * 16, v);
-      else _mm256_storeu_si256((__m256i *)(y + i * N + j * 16), narrow_bf16(v));
+      if (yf) vf_store(yf + i * N + j * 16, acc[i][j]);
+      else vf_store_bf16(y + i * N + j * 16, acc[i][j]);
     }
 }
 
-/* Instantiates avx_micro for every (rows, blocks) with constants, so its arrays live in registers. */
-#define MICRO_NB(MR, NB) avx_micro(w, wblock, x, ldx, y, yf, N, kwords, MR, NB, int8, sx, sw, colsum, prefetch)
-#define MICRO_MR(MR)                  \
-  switch (nb) {                       \
-    case 1: MICRO_NB(MR, 1); break;   \
-    case 2: MICRO_NB(MR, 2); break;   \
-    case 3: MICRO_NB(MR, 3); break;   \
-    default: MICRO_NB(MR, 4); break;  \
+/* Instantiates micro for every (rows, blocks) the ISA's tiles allow, with constants, so its arrays live in
+ * registers. */
+#define MICRO(MR, NB) micro(w, wblock, x, ldx, y, yf, N, kwords, MR, NB, int8, sx, sw, colsum, pf)
+#define MICRO_NB(MR)                                \
+  switch (nb) {                                     \
+    case 1: MICRO(MR, 1); break;                    \
+    case 2: if (NB_CAP >= 2) MICRO(MR, 2); break;   \
+    case 3: if (NB_CAP >= 3) MICRO(MR, 3); break;   \
+    default: if (NB_CAP >= 4) MICRO(MR, 4); break;  \
   }
-VNNI static void avx_micro_any(const uint8_t *w, int64_t wblock, const uint8_t *x, int64_t ldx, bf16 *y, float *yf, int64_t N,
-                          int64_t kwords, int mr, int nb, int int8, const float *sx, const float *sw,
-                          const int32_t *colsum, int prefetch) {
+INT8_TARGET static void micro_any(const uint8_t *w, int64_t wblock, const uint8_t *x, int64_t ldx, bf16 *y, float *yf,
+                                  int64_t N, int64_t kwords, int mr, int nb, int int8, const float *sx, const float *sw,
+                                  const int32_t *colsum, int pf) {
   switch (mr) {
-    case 1: MICRO_MR(1); break;
-    case 2: MICRO_MR(2); break;
-    case 3: MICRO_MR(3); break;
-    case 4: MICRO_MR(4); break;
-    case 5: MICRO_MR(5); break;
-    default: MICRO_MR(6); break;
+    case 1: MICRO_NB(1); break;
+#if MR_MAX >= 2
+    case 2: MICRO_NB(2); break;
+#endif
+#if MR_MAX >= 3
+    case 3: MICRO_NB(3); break;
+#endif
+#if MR_MAX >= 4
+    case 4: MICRO_NB(4); break;
+#endif
+#if MR_MAX >= 5
+    case 5: MICRO_NB(5); break;
+#endif
+#if MR_MAX >= 6
+    case 6: MICRO_NB(6); break;
+#endif
   }
 }
 
-/* All M rows of the nb column blocks from block nb0 on, MR_MAX rows at a time: y (bf16) or yf (float32)
- * [M, .] with row stride ldy; sx, sw, colsum: int8's scales and column sums (else NULL). */
-VNNI static void avx_blocks(const uint8_t *w, int64_t wblock, int64_t nb0, int nb, const uint8_t *x, int64_t ldx,
-                            int64_t M, int64_t kwords, bf16 *y, float *yf, int64_t ldy, int int8, const float *sx,
-                            const float *sw, const int32_t *colsum, int prefetch) {
+/* All M rows of the nb column blocks from block nb0 on, MR_MAX rows at a time (a single row: nb up to NB_ONE,
+ * else NB_MAX): y (bf16) or yf (float32) [M, .] with row stride ldy; sx, sw, colsum: int8's scales and
+ * column sums (else NULL). */
+static void blocks(const uint8_t *w, int64_t wblock, int64_t nb0, int nb, const uint8_t *x, int64_t ldx, int64_t M,
+                   int64_t kwords, bf16 *y, float *yf, int64_t ldy, int int8, const float *sx, const float *sw,
+                   const int32_t *colsum, int pf) {
   for (int64_t m0 = 0; m0 < M; m0 += MR_MAX) {
     const int mr = M - m0 < MR_MAX ? (int)(M - m0) : MR_MAX;
-    avx_micro_any(w + nb0 * wblock, wblock, x + m0 * ldx, ldx, y ? y + m0 * ldy + nb0 * 16 : NULL,
-                  yf ? yf + m0 * ldy + nb0 * 16 : NULL, ldy, kwords, mr, nb, int8, sx ? sx + m0 : NULL,
-                  sw ? sw + nb0 * 16 : NULL, colsum ? colsum + nb0 * 16 : NULL, prefetch);
+    for (int b = 0; b < nb;) { /* (M > 1 takes NB_MAX blocks at a time; a single row up to NB_ONE) */
+      const int cap = mr == 1 ? NB_ONE : NB_MAX, n = nb - b < cap ? nb - b : cap;
+      micro_any(w + (nb0 + b) * wblock, wblock, x + m0 * ldx, ldx, y ? y + m0 * ldy + (nb0 + b) * 16 : NULL,
+                yf ? yf + m0 * ldy + (nb0 + b) * 16 : NULL, ldy, kwords, mr, n, int8, sx ? sx + m0 : NULL,
+                sw ? sw + (nb0 + b) * 16 : NULL, colsum ? colsum + (nb0 + b) * 16 : NULL, pf);
+      b += n;
+    }
   }
 }
 
-/* Each thread takes a contiguous run of NB_MAX-block column groups (its share of the weights, streamed
- * once when M <= MR_MAX) and all rows, MR_MAX at a time, while the group's weights sit in its L2. */
-VNNI static void avx_matmul(const uint8_t *w, const uint8_t *x, bf16 *y, int64_t M, int64_t N, int64_t K, int xsize,
-                            const float *sx, const float *sw, const int32_t *colsum, int nthreads) {
-  const int64_t nblocks = N / 16, ngroups = (nblocks + NB_MAX - 1) / NB_MAX, ldx = K * xsize;
+/* Each thread takes a contiguous run of column groups (NB_CAP blocks: its share of the weights, streamed once
+ * when M <= MR_MAX) and all rows, MR_MAX at a time, while the group's weights sit in its L2. */
+static void vec_matmul(const uint8_t *w, const uint8_t *x, bf16 *y, int64_t M, int64_t N, int64_t K, int xsize,
+                       const float *sx, const float *sw, const int32_t *colsum, int nthreads) {
+  const int64_t nblocks = N / 16, per = M == 1 ? NB_ONE : NB_CAP, ngroups = (nblocks + per - 1) / per,
+                ldx = K * xsize;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (ngroups > 1)
   for (int64_t g = 0; g < ngroups; g++) {
-    const int64_t nb0 = g * NB_MAX;
-    avx_blocks(w, 16 * ldx, nb0, nblocks - nb0 < NB_MAX ? (int)(nblocks - nb0) : NB_MAX, x, ldx, M, K * xsize / 4,
-               y, NULL, N, xsize == 1, sx, sw, colsum, M <= MR_MAX);
+    const int64_t nb0 = g * per;
+    blocks(w, 16 * ldx, nb0, nblocks - nb0 < per ? (int)(nblocks - nb0) : (int)per, x, ldx, M, K * xsize / 4, y,
+           NULL, N, xsize == 1, sx, sw, colsum, M <= MR_MAX);
   }
 }
 
 /* One thread's bf16 product: [M, nblocks x 16] (row stride ldy; bf16 into y, or float32 into yf) = x[M, 2 kwords]
  * (row stride ldx bytes) @ W^T, W packed as 16-column blocks of kwords 64-byte rows, wblock bytes apart. */
-VNNI static void avx_gemm_serial(const uint8_t *w, int64_t wblock, int64_t nblocks, const uint8_t *x, int64_t ldx,
-                                 int64_t M, int64_t kwords, bf16 *y, float *yf, int64_t ldy) {
-  for (int64_t nb0 = 0; nb0 < nblocks; nb0 += NB_MAX)
-    avx_blocks(w, wblock, nb0, nblocks - nb0 < NB_MAX ? (int)(nblocks - nb0) : NB_MAX, x, ldx, M, kwords, y, yf, ldy,
-               0, NULL, NULL, NULL, 0);
+static void gemm_serial(const uint8_t *w, int64_t wblock, int64_t nblocks, const uint8_t *x, int64_t ldx, int64_t M,
+                        int64_t kwords, bf16 *y, float *yf, int64_t ldy) {
+  blocks(w, wblock, 0, (int)nblocks, x, ldx, M, kwords, y, yf, ldy, 0, NULL, NULL, NULL, 0);
 }
 
 /* bf16: y[M, N] = x[M, K] @ W^T, W packed [N/16][K/2][16][2]. K % 32 == 0, N % 16 == 0. */
 void mili_linear(const bf16 *w, const bf16 *x, bf16 *y, int64_t M, int64_t N, int64_t K, int nthreads) {
-  if (!use_amx) {
-    avx_matmul((const uint8_t *)w, (const uint8_t *)x, y, M, N, K, 2, NULL, NULL, NULL, nthreads);
+#ifdef ISA_HAS_AMX
+  if (use_amx) {
+    const uint8_t *xs = (const uint8_t *)x;
+    uint8_t *whole = NULL; /* x in whole 16-row chunks (zero padded) when M > 16 is not a multiple of 16 */
+    if (M > 16 && M % 16) {
+      const int64_t mp = (M + 15) / 16 * 16;
+      whole = calloc(mp * K, sizeof(bf16));
+      memcpy(whole, x, M * K * sizeof(bf16));
+      xs = whole;
+    }
+    amx_matmul((const uint8_t *)w, xs, y, M, N, K, 2, NULL, NULL, nthreads);
+    free(whole);
     return;
   }
-  const uint8_t *xs = (const uint8_t *)x;
-  uint8_t *whole = NULL; /* x in whole 16-row chunks (zero padded) when M > 16 is not a multiple of 16 */
-  if (M > 16 && M % 16) {
-    const int64_t mp = (M + 15) / 16 * 16;
-    whole = calloc(mp * K, sizeof(bf16));
-    memcpy(whole, x, M * K * sizeof(bf16));
-    xs = whole;
-  }
-  amx_matmul((const uint8_t *)w, xs, y, M, N, K, 2, NULL, NULL, nthreads);
-  free(whole);
+#endif
+  vec_matmul((const uint8_t *)w, (const uint8_t *)x, y, M, N, K, 2, NULL, NULL, NULL, nthreads);
 }
 
 /* n bf16 values to int8 with one symmetric scale, returned (amax / 127; q = x / scale rounded to nearest
  * even, as lrintf does in the default rounding mode): stores q + offset (128: unsigned, for vpdpbusd's first
- * operand) and the sum of q (without the offset) in *sum. Masked tails, so any n. Vectorized because the
- * scalar loop it replaced (lrintf is a libm call under -O3) cost ~4.3 ns a value against ~0.4 here, run by
- * one thread while the others waited: ~0.8 ms of a 0.6B decode step (200k values over its 112 linears). */
+ * operand) and the sum of q (without the offset) in *sum. Any n. Vectorized because the scalar loop it
+ * replaced (lrintf is a libm call under -O3) cost ~4.3 ns a value against ~0.4 here, run by one thread while
+ * the others waited: ~0.8 ms of a 0.6B decode step (200k values over its 112 linears). */
 static inline float quantize_int8(const bf16 *x, int64_t n, int8_t *q, int offset, int32_t *sum) {
-  __m512 amax = _mm512_setzero_ps();
+  vf amax = vf_zero();
+  for (int64_t k = 0; k < n; k += 16) amax = vf_max(amax, vf_abs(vf_load_bf16_n(x + k, n - k)));
+  const float a = vf_reduce_max(amax), scale = a > 0.f ? a / 127.f : 1.f;
+  const vf inv = vf_set1(1.f / scale);
+  vi s = vi_zero();
   for (int64_t k = 0; k < n; k += 16) {
-    const __mmask16 m = n - k >= 16 ? 0xFFFF : (__mmask16)((1u << (n - k)) - 1);
-    amax = _mm512_max_ps(amax, _mm512_abs_ps(widen_bf16(_mm256_maskz_loadu_epi16(m, x + k))));
+    const vi r = vf_to_vi(vf_mul(vf_load_bf16_n(x + k, n - k), inv)); /* (the tail's zeros give 0) */
+    s = vi_add(s, r);
+    if (n - k >= 16) {
+      vi_store_i8(q + k, vi_add(r, vi_set1(offset)));
+    } else {
+      int8_t t[16];
+      vi_store_i8(t, vi_add(r, vi_set1(offset)));
+      memcpy(q + k, t, n - k);
+    }
   }
-  const float a = _mm512_reduce_max_ps(amax), scale = a > 0.f ? a / 127.f : 1.f;
-  const __m512 inv = _mm512_set1_ps(1.f / scale);
-  __m512i s = _mm512_setzero_si512();
-  for (int64_t k = 0; k < n; k += 16) {
-    const __mmask16 m = n - k >= 16 ? 0xFFFF : (__mmask16)((1u << (n - k)) - 1);
-    const __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(widen_bf16(_mm256_maskz_loadu_epi16(m, x + k)), inv));
-    s = _mm512_add_epi32(s, r);
-    _mm512_mask_cvtepi32_storeu_epi8(q + k, m, _mm512_add_epi32(r, _mm512_set1_epi32(offset)));
-  }
-  *sum = _mm512_reduce_add_epi32(s);
+  *sum = vi_reduce_add(s);
   return scale;
 }
 
-/* int8 weights with one float scale per output row (sw[N]) and their column sums (colsum[N], for the
- * AVX-512 path), W packed [N/16][K/4][16][4]; x is quantized here to int8 with one scale per row
- * (symmetric, round to nearest). K % 64 == 0. */
+/* int8 weights with one float scale per output row (sw[N]) and their column sums (colsum[N], for the ISAs
+ * whose dot product takes x unsigned), W packed [N/16][K/4][16][4]; x is quantized here to int8 with one
+ * scale per row (symmetric, round to nearest). K % 64 == 0. */
 void mili_linear_int8(const int8_t *w, const float *sw, const int32_t *colsum, const bf16 *x, bf16 *y, int64_t M,
                       int64_t N, int64_t K, int nthreads) {
   const int64_t mp = M <= 16 ? M : (M + 15) / 16 * 16;
-  const int offset = use_amx ? 0 : 128; /* AVX-512's vpdpbusd takes x unsigned */
+  const int offset = use_amx ? 0 : INT8_X_OFFSET;
   int8_t *xq = calloc(mp * K, 1);
   float *sx = calloc(mp, sizeof(float));
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (M * K >= 65536)
@@ -330,99 +419,98 @@ void mili_linear_int8(const int8_t *w, const float *sw, const int32_t *colsum, c
     int32_t unused;
     sx[m] = quantize_int8(x + m * K, K, xq + m * K, offset, &unused);
   }
+#ifdef ISA_HAS_AMX
   if (use_amx)
     amx_matmul((const uint8_t *)w, (const uint8_t *)xq, y, M, N, K, 1, sx, sw, nthreads);
   else
-    avx_matmul((const uint8_t *)w, (const uint8_t *)xq, y, M, N, K, 1, sx, sw, colsum, nthreads);
+#endif
+    vec_matmul((const uint8_t *)w, (const uint8_t *)xq, y, M, N, K, 1, sx, sw, colsum, nthreads);
   free(xq);
   free(sx);
 }
 
-/* -- int4 weights (AWQ: 4-bit, a scale and zero point per group of input channels) --------------------------
- * W[n, k] = (q - z[n, g]) * s[n, g], g = k / group. q packed [N/16][K/8][64 bytes]: byte 4c + j of a row holds
- * column c's q at k0 + j in its low nibble and at k0 + 4 + j in its high one, so masking and shifting a
- * 64-byte load gives two of the int8 kernel's [16 columns][4 k] operands. Scales (fp16) and zero points
- * (uint8) are [N/16][G][16]. x is quantized to int8 per row and group (sx, and each group's sum xsum, which
- * takes the zero points off: sum_k x (q - z) = sum_k x q - z sum_k x); vpdpbusd takes q unsigned, x signed. */
-#define I4_MR 2
-VNNI static inline __attribute__((always_inline)) void int4_micro(
-    const uint8_t *w, int64_t wblock, const uint16_t *ws, const uint8_t *wz, int64_t G, int64_t k8_per_group,
+/* -- int4 weights: w = s q + b, a scale and an offset per group of input channels ----------------------------
+ * q in 0..15. AWQ's (q - z) s is s q + (-z s); GGUF's Q4_0 d (q - 8) is d q + (-8 d); its Q4_K sub-blocks
+ * d sc q - dmin m are (d sc) q + (-dmin m): each maps onto this exactly with float32 scales and offsets (fp16
+ * where those are exact). q packed [N/16][K/8][64 bytes]: byte 4c + j of a row holds column c's q at k0 + j in
+ * its low nibble and at k0 + 4 + j in its high one, so masking and shifting a 64-byte load gives two of the
+ * int8 kernel's [16 columns][4 k] operands. Scales and offsets (fp16, or float32 with scale_f32) are
+ * [N/16][G][16]. x is quantized to int8 per row and group (sx), and each group's sum of q (xsum) carries the
+ * offsets: sum_k x w = sx (s sum_k xq q + b sum_k xq). */
+static inline __attribute__((always_inline)) vf load_scales(const void *p, int64_t at, int f32) {
+  return f32 ? vf_load((const float *)p + at) : vf_load_f16((const uint16_t *)p + at);
+}
+
+INT8_TARGET static inline __attribute__((always_inline)) void int4_micro(
+    const uint8_t *w, int64_t wblock, const void *ws, const void *wb, int f32, int64_t G, int64_t k8_per_group,
     const int8_t *xq, int64_t K, const float *sx, const int32_t *xsum, bf16 *y, int64_t ldy, const int MR,
-    const int NB, int prefetch) {
-  const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8((char)0xF0);
-  __m512 f[I4_MR][NB_MAX];
+    const int NB, int pf) {
+  vf f[I4_MR][I4_NB_CAP];
   for (int i = 0; i < MR; i++)
-    for (int j = 0; j < NB; j++) f[i][j] = _mm512_setzero_ps();
+    for (int j = 0; j < NB; j++) f[i][j] = vf_zero();
   for (int64_t g = 0; g < G; g++) {
-    /* One row (decode): the high nibbles are used in place (16 q: masked, not shifted, one instruction less
-     * a load) and summed apart, 16 times too large, which also gives each sum two independent vpdpbusd
-     * chains instead of one chain of two. Two rows keep one sum each: twice the sums would not fit the
-     * registers (measured slower at M = 64). */
-    const int apart = MR == 1;
-    __m512i acc[I4_MR][NB_MAX], acc16[I4_MR][NB_MAX];
+    /* One row (decode): the high nibbles' products are summed apart, which gives each sum two independent
+     * dot-product chains instead of one chain of two; where the ISA allows (INT4_APART: vpdpbusd), they are
+     * used in place (masked, not shifted: one instruction less a load), so that sum is 16 times too large.
+     * Two rows keep one sum each: twice the sums would not fit the registers (measured slower at M = 64). */
+    const int apart = MR == 1, in_place = apart && INT4_APART;
+    vi acc[I4_MR][I4_NB_CAP], acc16[I4_MR][I4_NB_CAP];
     for (int i = 0; i < MR; i++)
-      for (int j = 0; j < NB; j++) acc[i][j] = acc16[i][j] = _mm512_setzero_si512();
+      for (int j = 0; j < NB; j++) acc[i][j] = acc16[i][j] = vi_zero();
     for (int64_t p = g * k8_per_group; p < (g + 1) * k8_per_group; p++) {
-      __m512i lo[NB_MAX], hi[NB_MAX];
+      wrow8 lo[I4_NB_CAP], hi[I4_NB_CAP];
       for (int j = 0; j < NB; j++) {
         const uint8_t *wp = w + j * wblock + p * 64;
-        if (prefetch) _mm_prefetch((const char *)wp + PF_DIST, _MM_HINT_T0);
-        const __m512i v = _mm512_loadu_si512(wp);
-        lo[j] = _mm512_and_si512(v, low);
-        hi[j] = apart ? _mm512_and_si512(v, high) : _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        if (pf) prefetch(wp + PF_DIST, 0);
+        w_int4(wp, &lo[j], &hi[j], in_place);
       }
       for (int i = 0; i < MR; i++) {
-        int32_t w0, w1;
-        memcpy(&w0, xq + i * K + p * 8, 4);
-        memcpy(&w1, xq + i * K + p * 8 + 4, 4);
-        const __m512i x0 = _mm512_set1_epi32(w0), x1 = _mm512_set1_epi32(w1);
+        const xq4 x0 = x_int8(xq + i * K + p * 8), x1 = x_int8(xq + i * K + p * 8 + 4);
         for (int j = 0; j < NB; j++) {
-          acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], lo[j], x0);
-          if (apart) acc16[i][j] = _mm512_dpbusd_epi32(acc16[i][j], hi[j], x1);
-          else acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], hi[j], x1);
+          acc[i][j] = dot_int4(acc[i][j], x0, lo[j]);
+          if (apart) acc16[i][j] = dot_int4(acc16[i][j], x1, hi[j]);
+          else acc[i][j] = dot_int4(acc[i][j], x1, hi[j]);
         }
       }
     }
     for (int j = 0; j < NB; j++) {
       const int64_t at = j * G * 16 + g * 16;
-      const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ws + at)));
-      const __m512i z = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(wz + at)));
+      const vf s = load_scales(ws, at, f32), b = load_scales(wb, at, f32);
       for (int i = 0; i < MR; i++) {
-        const __m512i sum = apart ? _mm512_add_epi32(acc[i][j], _mm512_srai_epi32(acc16[i][j], 4)) /* 16 | acc16 */
-                                  : acc[i][j];
-        const __m512i t = _mm512_sub_epi32(sum, _mm512_mullo_epi32(z, _mm512_set1_epi32(xsum[i * G + g])));
-        f[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(s, _mm512_set1_ps(sx[i * G + g])), f[i][j]);
+        const vi sum = apart ? vi_add(acc[i][j], in_place ? vi_sra(acc16[i][j], 4) : acc16[i][j]) : acc[i][j];
+        const float scale = sx[i * G + g];
+        f[i][j] = vf_fmadd(vi_to_vf(sum), vf_mul(s, vf_set1(scale)), f[i][j]);
+        f[i][j] = vf_fmadd(b, vf_set1(scale * (float)xsum[i * G + g]), f[i][j]);
       }
     }
   }
   for (int i = 0; i < MR; i++)
-    for (int j = 0; j < NB; j++)
-      _mm256_storeu_si256((__m256i *)(y + i * ldy + j * 16), narrow_bf16(f[i][j]));
+    for (int j = 0; j < NB; j++) vf_store_bf16(y + i * ldy + j * 16, f[i][j]);
 }
 
-#define I4_NB(MR, NB) \
-  int4_micro(w, wblock, ws, wz, G, k8g, xq, K, sx, xsum, y, ldy, MR, NB, prefetch)
-#define I4_MR_CASE(MR)               \
-  switch (nb) {                      \
-    case 1: I4_NB(MR, 1); break;     \
-    case 2: I4_NB(MR, 2); break;     \
-    case 3: I4_NB(MR, 3); break;     \
-    default: I4_NB(MR, 4); break;    \
+#define I4(MR, NB) int4_micro(w, wblock, ws, wb, f32, G, k8g, xq, K, sx, xsum, y, ldy, MR, NB, pf)
+#define I4_NB_CASE(MR)                                  \
+  switch (nb) {                                         \
+    case 1: I4(MR, 1); break;                           \
+    case 2: if (I4_NB_CAP >= 2) I4(MR, 2); break;       \
+    case 3: if (I4_NB_CAP >= 3) I4(MR, 3); break;       \
+    default: if (I4_NB_CAP >= 4) I4(MR, 4); break;      \
   }
-VNNI static void int4_micro_any(const uint8_t *w, int64_t wblock, const uint16_t *ws, const uint8_t *wz, int64_t G,
-                                int64_t k8g, const int8_t *xq, int64_t K, const float *sx, const int32_t *xsum,
-                                bf16 *y, int64_t ldy, int mr, int nb, int prefetch) {
+INT8_TARGET static void int4_micro_any(const uint8_t *w, int64_t wblock, const void *ws, const void *wb, int f32,
+                                       int64_t G, int64_t k8g, const int8_t *xq, int64_t K, const float *sx,
+                                       const int32_t *xsum, bf16 *y, int64_t ldy, int mr, int nb, int pf) {
   if (mr == 1) {
-    I4_MR_CASE(1);
+    I4_NB_CASE(1);
   } else {
-    I4_MR_CASE(2);
+    I4_NB_CASE(2);
   }
 }
 
 /* y[M, N] = x[M, K] @ W^T for int4 W (layout above). N % 16 == 0, K % group == 0, group % 8 == 0. */
-void mili_linear_int4(const uint8_t *w, const uint16_t *ws, const uint8_t *wz, const bf16 *x, bf16 *y, int64_t M,
-                      int64_t N, int64_t K, int64_t group, int nthreads) {
-  const int64_t G = K / group, nblocks = N / 16, ngroups = (nblocks + NB_MAX - 1) / NB_MAX, wblock = K * 8;
+void mili_linear_int4(const uint8_t *w, const void *ws, const void *wb, const bf16 *x, bf16 *y, int64_t M, int64_t N,
+                      int64_t K, int64_t group, int scale_f32, int nthreads) {
+  const int64_t G = K / group, nblocks = N / 16, per = M == 1 ? I4_NB_ONE : I4_NB_CAP,
+                ngroups = (nblocks + per - 1) / per, wblock = K * 8;
   int8_t *xq = malloc(M * K);
   float *sx = malloc(M * G * sizeof(float));
   int32_t *xsum = malloc(M * G * sizeof(int32_t));
@@ -433,12 +521,18 @@ void mili_linear_int4(const uint8_t *w, const uint16_t *ws, const uint8_t *wz, c
   }
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (ngroups > 1)
   for (int64_t c = 0; c < ngroups; c++) {
-    const int64_t nb0 = c * NB_MAX;
-    const int nb = nblocks - nb0 < NB_MAX ? (int)(nblocks - nb0) : NB_MAX;
+    const int64_t nb0 = c * per, nbs = nblocks - nb0 < per ? nblocks - nb0 : per;
     for (int64_t m0 = 0; m0 < M; m0 += I4_MR) {
       const int mr = M - m0 < I4_MR ? (int)(M - m0) : I4_MR;
-      int4_micro_any(w + nb0 * wblock, wblock, ws + nb0 * G * 16, wz + nb0 * G * 16, G, group / 8, xq + m0 * K, K,
-                     sx + m0 * G, xsum + m0 * G, y + m0 * N + nb0 * 16, N, mr, nb, M <= 8);
+      for (int64_t b = 0; b < nbs;) {
+        const int64_t cap = mr == 1 ? I4_NB_ONE : I4_NB, n = nbs - b < cap ? nbs - b : cap;
+        const int64_t at = (nb0 + b) * G * 16;
+        const void *ws_at = scale_f32 ? (const void *)((const float *)ws + at) : (const void *)((const uint16_t *)ws + at);
+        const void *wb_at = scale_f32 ? (const void *)((const float *)wb + at) : (const void *)((const uint16_t *)wb + at);
+        int4_micro_any(w + (nb0 + b) * wblock, wblock, ws_at, wb_at, scale_f32, G, group / 8, xq + m0 * K, K,
+                       sx + m0 * G, xsum + m0 * G, y + m0 * N + (nb0 + b) * 16, N, mr, (int)n, M <= 8);
+        b += n;
+      }
     }
   }
   free(xq);
@@ -446,43 +540,19 @@ void mili_linear_int4(const uint8_t *w, const uint16_t *ws, const uint8_t *wz, c
   free(xsum);
 }
 
-/* exp(x): x = n ln2 + r, 2^n exactly by scalef, e^r by its Taylor series to r^6 (|r| <= ln2/2:
- * relative error ~1e-7); below -87 it gives ~0, above ~88 infinity. */
-static inline __m512 exp_ps(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-
-static inline __m512 load_bf16x16(const bf16 *p) {
-  return widen_bf16(_mm256_loadu_si256((const __m256i *)p));
-}
-
-static inline __m256i to_bf16x16(__m512 v) { return narrow_bf16(v); } /* nearest even */
-
-static inline __m512 round_bf16(__m512 v) { return widen_bf16(to_bf16x16(v)); }
+/* -- norms, RoPE, SwiGLU --------------------------------------------------------------------------------- */
 
 /* One row of RMSNorm as torch rounds it: out = bf16(w * bf16(s / sqrt(mean(s^2) + eps))). D % 16 == 0. */
 static inline void rms_norm_row(const bf16 *s, const bf16 *w, bf16 *out, int64_t D, float eps) {
-  __m512 sq = _mm512_setzero_ps();
+  vf sq = vf_zero();
   for (int64_t i = 0; i < D; i += 16) {
-    const __m512 v = load_bf16x16(s + i);
-    sq = _mm512_fmadd_ps(v, v, sq);
+    const vf v = vf_load_bf16(s + i);
+    sq = vf_fmadd(v, v, sq);
   }
-  const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(sq) / (float)D + eps));
+  const vf inv = vf_set1(1.0f / sqrtf(vf_reduce_add(sq) / (float)D + eps));
   for (int64_t i = 0; i < D; i += 16) {
-    const __m512 normed = round_bf16(_mm512_mul_ps(load_bf16x16(s + i), inv));
-    _mm256_storeu_si256((__m256i *)(out + i), to_bf16x16(_mm512_mul_ps(load_bf16x16(w + i), normed)));
+    const vf normed = vf_round_bf16(vf_mul(vf_load_bf16(s + i), inv));
+    vf_store_bf16(out + i, vf_mul(vf_load_bf16(w + i), normed));
   }
 }
 
@@ -495,8 +565,7 @@ void mili_rms_norm(const bf16 *x, int64_t ldx, const bf16 *residual, const bf16 
     const bf16 *src = x + t * ldx;
     if (residual) {
       for (int64_t i = 0; i < D; i += 16)
-        _mm256_storeu_si256((__m256i *)(res_out + t * D + i),
-                            to_bf16x16(_mm512_add_ps(load_bf16x16(src + i), load_bf16x16(residual + t * D + i))));
+        vf_store_bf16(res_out + t * D + i, vf_add(vf_load_bf16(src + i), vf_load_bf16(residual + t * D + i)));
       src = res_out + t * D;
     }
     rms_norm_row(src, w, out + t * D, D, eps);
@@ -516,11 +585,9 @@ void mili_qk_norm_rope(bf16 *qkv, int64_t ld, int64_t T, int64_t Hq, int64_t Hkv
       bf16 *head = qkv + t * ld + h * D, normed[1024];
       rms_norm_row(head, h < Hq ? qw : kw, normed, D, eps);
       for (int64_t i = 0; i < half; i += 16) {
-        const __m512 lo = load_bf16x16(normed + i), hi = load_bf16x16(normed + half + i);
-        _mm256_storeu_si256((__m256i *)(head + i), to_bf16x16(_mm512_fnmadd_ps(
-            hi, _mm512_loadu_ps(s + i), _mm512_mul_ps(lo, _mm512_loadu_ps(c + i)))));
-        _mm256_storeu_si256((__m256i *)(head + half + i), to_bf16x16(_mm512_fmadd_ps(
-            lo, _mm512_loadu_ps(s + half + i), _mm512_mul_ps(hi, _mm512_loadu_ps(c + half + i)))));
+        const vf lo = vf_load_bf16(normed + i), hi = vf_load_bf16(normed + half + i);
+        vf_store_bf16(head + i, vf_fnmadd(hi, vf_load(s + i), vf_mul(lo, vf_load(c + i))));
+        vf_store_bf16(head + half + i, vf_fmadd(lo, vf_load(s + half + i), vf_mul(hi, vf_load(c + half + i))));
       }
     }
   }
@@ -532,97 +599,69 @@ void mili_silu_and_mul(const bf16 *gate_up, bf16 *out, int64_t T, int64_t I, int
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (T * I >= 65536)
   for (int64_t t = 0; t < T; t++)
     for (int64_t i = 0; i < I; i += 16) {
-      const __m512 g = load_bf16x16(gate_up + t * 2 * I + i), u = load_bf16x16(gate_up + t * 2 * I + I + i);
-      const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g));
-      const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
-      _mm256_storeu_si256((__m256i *)(out + t * I + i), to_bf16x16(_mm512_mul_ps(round_bf16(silu), u)));
+      const vf g = vf_load_bf16(gate_up + t * 2 * I + i), u = vf_load_bf16(gate_up + t * 2 * I + I + i);
+      const vf e = vf_exp(vf_sub(vf_zero(), g));
+      const vf silu = vf_div(g, vf_add(vf_set1(1.0f), e));
+      vf_store_bf16(out + t * I + i, vf_mul(vf_round_bf16(silu), u));
     }
 }
 
-/* dst[i] = bf16(src[i] * scale), i < n (the last partial vector masked). */
+/* -- attention ------------------------------------------------------------------------------------------- */
+
+/* dst[i] = bf16(src[i] * scale), i < n. */
 static void to_bf16_row(const float *src, float scale, int64_t n, bf16 *dst) {
-  const __m512 s = _mm512_set1_ps(scale);
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) _mm256_storeu_si256((__m256i *)(dst + i), to_bf16x16(_mm512_mul_ps(_mm512_loadu_ps(src + i), s)));
-  if (n - i) {
-    const __mmask16 m = (__mmask16)((1u << (n - i)) - 1);
-    _mm256_mask_storeu_epi16(dst + i, m, to_bf16x16(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, src + i), s)));
-  }
+  const vf s = vf_set1(scale);
+  for (int64_t i = 0; i < n; i += 16) vf_store_bf16_n(dst + i, vf_mul(vf_load_n(src + i, n - i, 0.0f), s), n - i);
 }
 
 /* Softmax numerator in place: s[i] = exp(s[i] - max); returns the sum. */
 static float exp_shifted(float *s, int64_t n) {
-  __m512 mx = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1);
-    mx = _mm512_mask_max_ps(mx, m, mx, _mm512_maskz_loadu_ps(m, s + i));
+  vf mx = vf_set1(-INFINITY), sum = vf_zero();
+  for (int64_t i = 0; i < n; i += 16) mx = vf_max(mx, vf_load_n(s + i, n - i, -INFINITY));
+  const vf top = vf_set1(vf_reduce_max(mx));
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const vf e = vf_exp(vf_sub(vf_load(s + i), top));
+    vf_store(s + i, e);
+    sum = vf_add(sum, e);
   }
-  const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1);
-    const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + i), top));
-    _mm512_mask_storeu_ps(s + i, m, e);
-    sum = _mm512_mask_add_ps(sum, m, sum, e);
+  float total = vf_reduce_add(sum);
+  if (n - i) {
+    vf_store_n(s + i, vf_exp(vf_sub(vf_load_n(s + i, n - i, 0.0f), top)), n - i);
+    for (; i < n; i++) total += s[i];
   }
-  return _mm512_reduce_add_ps(sum);
+  return total;
 }
 
 /* K/V rows are scattered over pages (one head's row, then the other heads' rows): fetch ahead. */
-static inline void prefetch_row(const bf16 *row, int64_t n, int hint) {
-  for (int64_t c = 0; c < n; c += 32)
-    if (hint == 0) _mm_prefetch((const char *)(row + c), _MM_HINT_T0);
-    else _mm_prefetch((const char *)(row + c), _MM_HINT_T1);
+static inline void prefetch_row(const bf16 *row, int64_t n, int far) {
+  for (int64_t c = 0; c < n; c += 32) prefetch(row + c, far);
 }
 
-/* o[g] = bf16(inv[g] * sum_p w[g][p] V[p]) for the G heads of a group (o[g] at o + g * D), over NC chunks
- * of 32 values of the V rows at v + offset[p]. Two positions at a time: their rows interleaved by
- * vpunpck{l,h}wd are vdpbf16ps operands against the broadcast bf16 pair (w[g][p], w[g][p + 1]) (wb[g]:
- * the weights in bf16, as 32-bit pairs), so one instruction takes 32 multiply-adds where widening V to
- * float32 took 16 and two conversions; each V row is loaded once for all G heads. Lane i of the "lo" sums
- * holds value 8 (i / 4) + i % 4 of its chunk, of the "hi" sums 4 more: the final permutes put them in
- * order. G and NC are constants at each call (the loops unroll, the 2 x NC x G sums stay in registers). */
-static inline __attribute__((always_inline)) void pv_slice(const bf16 *v, const int64_t *offset,
-                                                           const uint32_t *wb, int64_t npairs, int64_t ctx,
-                                                           const int G, const int NC, const float *inv, bf16 *o,
-                                                           int64_t D) {
-  __m512 lo[16], hi[16];
-  for (int i = 0; i < G * NC; i++) lo[i] = hi[i] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < npairs; j++) {
-    const bf16 *ra = v + offset[2 * j], *rb = 2 * j + 1 < ctx ? v + offset[2 * j + 1] : ra; /* (weight 0) */
-    if (2 * j + 8 < ctx) {
-      _mm_prefetch((const char *)(v + offset[2 * j + 8]), _MM_HINT_T0);
-      if (NC > 1) _mm_prefetch((const char *)(v + offset[2 * j + 8] + 32), _MM_HINT_T0);
-    }
-    __m512i il[4], ih[4];
-    for (int c = 0; c < NC; c++) {
-      const __m512i a = _mm512_loadu_si512(ra + 32 * c), b = _mm512_loadu_si512(rb + 32 * c);
-      il[c] = _mm512_unpacklo_epi16(a, b);
-      ih[c] = _mm512_unpackhi_epi16(a, b);
-    }
-    for (int g = 0; g < G; g++) {
-      const __m512i w = _mm512_set1_epi32((int)wb[g * npairs + j]);
-      for (int c = 0; c < NC; c++) {
-        lo[g * NC + c] = dot_bf16_pairs(lo[g * NC + c], il[c], w);
-        hi[g * NC + c] = dot_bf16_pairs(hi[g * NC + c], ih[c], w);
-      }
-    }
+#ifndef ISA_HAS_PV_SLICE
+/* o[g] = bf16(inv[g] * sum_p w[g][p] V[p]) for the G heads of a group, over NC chunks of 16 values of the V
+ * rows at v + offset[p]; wr: the weights already rounded to bf16 (as torch's CPU flash attention multiplies
+ * P), as float32 [G][ctx]. One head at a time; NC is a constant at each call. */
+static inline __attribute__((always_inline)) void pv_head(const bf16 *v, const int64_t *offset, const float *wr,
+                                                          int64_t ctx, const int NC, float inv, bf16 *o) {
+  vf acc[4];
+  for (int c = 0; c < NC; c++) acc[c] = vf_zero();
+  for (int64_t p = 0; p < ctx; p++) {
+    const bf16 *row = v + offset[p];
+    if (p + 8 < ctx) prefetch(v + offset[p + 8], 0);
+    const vf wp = vf_set1(wr[p]);
+    for (int c = 0; c < NC; c++) acc[c] = vf_fmadd(vf_load_bf16(row + 16 * c), wp, acc[c]);
   }
-  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-  for (int g = 0; g < G; g++)
-    for (int c = 0; c < NC; c++) {
-      const __m512 scale = _mm512_set1_ps(inv[g]), l = lo[g * NC + c], h = hi[g * NC + c];
-      _mm256_storeu_si256((__m256i *)(o + g * D + 32 * c), to_bf16x16(_mm512_mul_ps(_mm512_permutex2var_ps(l, first, h), scale)));
-      _mm256_storeu_si256((__m256i *)(o + g * D + 32 * c + 16), to_bf16x16(_mm512_mul_ps(_mm512_permutex2var_ps(l, second, h), scale)));
-    }
+  for (int c = 0; c < NC; c++) vf_store_bf16(o + 16 * c, vf_mul(acc[c], vf_set1(inv)));
 }
+#endif
 
 /* The weighted sums of V for the G heads of a group, w [G][ctx] float32 (unnormalized; inv[g] the
- * reciprocal of each head's sum): the weights rounded to bf16 once (as torch's CPU flash attention
- * multiplies P), then slices of NC x 32 values with G x NC <= 8, or one head and 32 values at a time for
- * other group sizes. D % 32 == 0. */
+ * reciprocal of each head's sum), the weights rounded to bf16 once (as torch's CPU flash attention
+ * multiplies P). D % 32 == 0. */
 static void pv_all(const bf16 *v, const int64_t *offset, const float *w, int64_t ctx, int64_t G, int64_t D,
                    const float *inv, bf16 *o) {
+#ifdef ISA_HAS_PV_SLICE /* bf16 pairs of positions, G x NC <= 8 slices of 32 values */
   const int64_t npairs = (ctx + 1) / 2;
   uint32_t *wb = malloc(sizeof(uint32_t) * G * npairs);
   for (int64_t g = 0; g < G; g++) {
@@ -647,6 +686,21 @@ static void pv_all(const bf16 *v, const int64_t *offset, const float *w, int64_t
 #undef PV
   }
   free(wb);
+#else
+  float *wr = malloc(sizeof(float) * G * ctx);
+  for (int64_t i = 0; i < G * ctx; i++) wr[i] = round_to_bf16(w[i]);
+  for (int64_t g = 0; g < G; g++)
+    for (int64_t d0 = 0; d0 < D;) {
+      if (D - d0 >= 64) {
+        pv_head(v + d0, offset, wr + g * ctx, ctx, 4, inv[g], o + g * D + d0);
+        d0 += 64;
+      } else {
+        pv_head(v + d0, offset, wr + g * ctx, ctx, 2, inv[g], o + g * D + d0);
+        d0 += 32;
+      }
+    }
+  free(wr);
+#endif
 }
 
 /* The CPU backend's pages are head-major, [pages, Hkv, page_size, D]: a (sequence, kv head) task reads
@@ -693,10 +747,9 @@ void mili_decode_attention(const bf16 *q, int64_t ldq, const bf16 *k_cache, cons
         prefetch_row(v_cache + offset[p + 8], D, 1);
       }
       for (int64_t g = 0; g < group; g++) {
-        __m512 s = _mm512_setzero_ps();
-        for (int64_t c = 0; c < D; c += 32)
-          s = dot_bf16_pairs(s, _mm512_loadu_si512(qh + g * D + c), _mm512_loadu_si512(kr + c));
-        scores[g * ctx + p] = _mm512_reduce_add_ps(s) * scale;
+        vf s = vf_zero();
+        for (int64_t c = 0; c < D; c += 32) s = dot_bf16x32(s, qh + g * D + c, kr + c);
+        scores[g * ctx + p] = vf_reduce_add(s) * scale;
       }
     }
     for (int64_t g = 0; g < group; g++) inv[g] = 1.0f / exp_shifted(scores + g * ctx, ctx);
@@ -708,11 +761,10 @@ void mili_decode_attention(const bf16 *q, int64_t ldq, const bf16 *k_cache, cons
 
 /* Causal attention of one sequence's prefill chunk: q [Lq, Hq, D] (token stride ldq) are the last Lq of the
  * Lk positions whose K/V are k, v [Lk, Hkv, D] (token strides ldk, ldv); out [Lq, Hq, D] (stride ldo).
- * Both products run on the linear layers' AVX-512 micro-kernel: each head's K is packed as a weight
- * [Lk, D] (scores = Q K^T), its V^T as a weight [D, Lk] (out = P V, P the softmax in bf16, as torch's CPU
- * flash attention also multiplies it). One task per (kv head, 16 queries): its group's G x 16 query rows
- * share every packed K and V row, and only the key blocks the causal mask leaves are computed.
- * D % 32 == 0. */
+ * Both products run on the linear layers' micro-kernel: each head's K is packed as a weight [Lk, D]
+ * (scores = Q K^T), its V^T as a weight [D, Lk] (out = P V, P the softmax in bf16, as torch's CPU flash
+ * attention also multiplies it). One task per (kv head, 16 queries): its group's G x 16 query rows share
+ * every packed K and V row, and only the key blocks the causal mask leaves are computed. D % 32 == 0. */
 void mili_prefill_attention(const bf16 *q, int64_t ldq, const bf16 *k, int64_t ldk, const bf16 *v, int64_t ldv,
                             bf16 *out, int64_t ldo, int64_t Lq, int64_t Lk, int64_t Hq, int64_t Hkv, int64_t D,
                             float scale, int nthreads) {
@@ -739,8 +791,8 @@ void mili_prefill_attention(const bf16 *q, int64_t ldq, const bf16 *k, int64_t l
       float *sc = malloc(sizeof(float) * rows * width);
       for (int64_t g = 0; g < G; g++) /* row g * n + i: query i0 + i of head h * G + g */
         for (int64_t i = 0; i < n; i++) memcpy(xq + (g * n + i) * D, q + (i0 + i) * ldq + (h * G + g) * D, D * 2);
-      avx_gemm_serial((const uint8_t *)(kp + h * Lkp * D), D * 32, width / 16, (const uint8_t *)xq, D * 2, rows,
-                      D / 2, NULL, sc, width);
+      gemm_serial((const uint8_t *)(kp + h * Lkp * D), D * 32, width / 16, (const uint8_t *)xq, D * 2, rows, D / 2,
+                  NULL, sc, width);
       for (int64_t r = 0; r < rows; r++) {
         const int64_t valid = Lk - Lq + i0 + r % n + 1;
         float *sr = sc + r * width;
@@ -751,8 +803,8 @@ void mili_prefill_attention(const bf16 *q, int64_t ldq, const bf16 *k, int64_t l
         memset(prow + valid, 0, sizeof(bf16) * (width - valid));
       }
       for (int64_t g = 0; g < G; g++)
-        avx_gemm_serial((const uint8_t *)(vp + h * D * Lkp), Lkp * 32, D / 16, (const uint8_t *)(pr + g * n * width),
-                        width * 2, n, width / 2, out + i0 * ldo + (h * G + g) * D, NULL, ldo);
+        gemm_serial((const uint8_t *)(vp + h * D * Lkp), Lkp * 32, D / 16, (const uint8_t *)(pr + g * n * width),
+                    width * 2, n, width / 2, out + i0 * ldo + (h * G + g) * D, NULL, ldo);
       free(xq);
       free(pr);
       free(sc);
@@ -768,10 +820,11 @@ void mili_prefill_attention(const bf16 *q, int64_t ldq, const bf16 *k, int64_t l
  * same order, same roundings: the result is bit for bit the module path's. */
 typedef struct {
   const void *w;       /* packed weight */
-  const void *scales;  /* int8: float per output column; int4: fp16 per column and group; bf16: NULL */
-  const void *aux;     /* int8: column sums (int32); int4: zero points (uint8) */
+  const void *scales;  /* int8: float per output column; int4: per column and group (fp16, or float32) */
+  const void *aux;     /* int8: column sums (int32); int4: offsets (as the scales) */
   int64_t n, k; /* output (a multiple of 16: no padding) and input features */
   int64_t group; /* int4: input features per scale, else 0 */
+  int64_t scale_f32; /* int4: scales and offsets in float32 (else fp16) */
 } mili_linear_desc;
 
 typedef struct {
@@ -782,7 +835,7 @@ typedef struct {
 } mili_layer_desc;
 
 static void run_linear(const mili_linear_desc *l, const bf16 *x, bf16 *y, int64_t M, int nthreads) {
-  if (l->group) mili_linear_int4(l->w, l->scales, l->aux, x, y, M, l->n, l->k, l->group, nthreads);
+  if (l->group) mili_linear_int4(l->w, l->scales, l->aux, x, y, M, l->n, l->k, l->group, (int)l->scale_f32, nthreads);
   else if (l->scales) mili_linear_int8(l->w, l->scales, l->aux, x, y, M, l->n, l->k, nthreads);
   else mili_linear(l->w, x, y, M, l->n, l->k, nthreads);
 }
@@ -816,42 +869,36 @@ void mili_decode_layer(const mili_layer_desc *L, bf16 *h, bf16 *residual, int fi
   run_linear(&L->down, act, h, T, nthreads);
 }
 
+/* -- sampling -------------------------------------------------------------------------------------------- */
+
+#ifndef ISA_HAS_ARGMAX
+/* The first index of the largest of the N bf16 values (torch's argmax: the first NaN counts as the largest).
+ * bf16 compares as its sign-magnitude bits; one pass, no conversion. */
+static inline int64_t argmax_row(const bf16 *row, int64_t N) {
+  int64_t best = 0;
+  float top = -INFINITY;
+  for (int64_t i = 0; i < N; i++) {
+    const float v = bf16_to_float(row[i]);
+    if (v != v) return i;
+    if (v > top) top = v, best = i;
+  }
+  return best;
+}
+#endif
+
 /* out[r] = the first index of the largest of the N bf16 values of row r (rows at stride ld): greedy
  * sampling straight from the lm_head's output, where torch's argmax over a float32 copy of a batch of
- * 152k-wide rows took several ms. Each lane keeps its first maximum; the lanes' maxima then the
- * smallest index among them. */
+ * 152k-wide rows took several ms. */
 void mili_argmax_rows(const bf16 *x, int64_t ld, int64_t R, int64_t N, int64_t *out, int nthreads) {
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (R > 1)
-  for (int64_t r = 0; r < R; r++) {
-    const bf16 *row = x + r * ld;
-    __m512 best = _mm512_set1_ps(-INFINITY);
-    __m512i best_i = _mm512_set1_epi32(0), idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512i step = _mm512_set1_epi32(16);
-    for (int64_t i = 0; i < N; i += 16) {
-      const __mmask16 m = N - i >= 16 ? 0xffff : (__mmask16)((1u << (N - i)) - 1);
-      const __m512 v = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), m,
-                                          widen_bf16(_mm256_maskz_loadu_epi16(m, row + i)));
-      /* greater, or NaN (torch's argmax takes the first NaN as the largest): lanes already at NaN stay */
-      const __mmask16 settled = _mm512_cmp_ps_mask(best, best, _CMP_UNORD_Q);
-      const __mmask16 gt = _mm512_mask_cmp_ps_mask((__mmask16)~settled, v, best, _CMP_NLE_UQ);
-      best = _mm512_mask_mov_ps(best, gt, v);
-      best_i = _mm512_mask_mov_epi32(best_i, gt, idx);
-      idx = _mm512_add_epi32(idx, step);
-    }
-    const __mmask16 nan = _mm512_cmp_ps_mask(best, best, _CMP_UNORD_Q);
-    const float top = _mm512_reduce_max_ps(best);
-    const __mmask16 at_top = nan ? nan : _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
-    out[r] = _mm512_mask_reduce_min_epi32(at_top, best_i);
-  }
+  for (int64_t r = 0; r < R; r++) out[r] = argmax_row(x + r * ld, N);
 }
 
 /* Structured outputs: logits[rows[j], t] = -inf for every token t whose bit is 0 in row rows[j] of an
  * xgrammar bitmask (int32 words, bit b of word w = token 32 w + b; rows at stride ldm, logits at ld,
- * V tokens). A word of all ones (the common case inside a JSON string) is skipped; the rest are two
- * masked 16-lane stores. */
+ * V tokens). A word of all ones (the common case inside a JSON string) is skipped. */
 void mili_apply_bitmask(float *logits, int64_t ld, const int32_t *bitmask, int64_t ldm, const int64_t *rows,
                         int64_t nrows, int64_t V, int nthreads) {
-  const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (nrows > 1)
   for (int64_t j = 0; j < nrows; j++) {
     float *row = logits + rows[j] * ld;
@@ -860,9 +907,7 @@ void mili_apply_bitmask(float *logits, int64_t ld, const int32_t *bitmask, int64
       uint32_t drop = ~words[w];
       const int64_t left = V - w * 32;
       if (left < 32) drop &= (uint32_t)((1ull << left) - 1);
-      if (!drop) continue;
-      _mm512_mask_storeu_ps(row + w * 32, (__mmask16)(drop & 0xffff), neg_inf);
-      _mm512_mask_storeu_ps(row + w * 32 + 16, (__mmask16)(drop >> 16), neg_inf);
+      for (; drop; drop &= drop - 1) row[w * 32 + __builtin_ctz(drop)] = -INFINITY;
     }
   }
 }
@@ -880,14 +925,6 @@ void mili_apply_bitmask(float *logits, int64_t ld, const int32_t *bitmask, int64
  * in bf16 the conv output, its SiLU and beta are rounded as torch's bf16 ops round them. Dv % 16 == 0. */
 static inline float io_load(const void *p, int64_t i, int bf16_io) {
   return bf16_io ? bf16_to_float(((const bf16 *)p)[i]) : ((const float *)p)[i];
-}
-
-static inline float round_to_bf16(float f) { /* nearest even, as torch rounds */
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  if ((u & 0x7f800000u) != 0x7f800000u) u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-  memcpy(&f, &u, 4);
-  return f;
 }
 
 void mili_gdn_decode(const void *qkv, int64_t ldq, const void *ba, int64_t ldba, int bf16_io, void *conv_states,
@@ -936,17 +973,16 @@ void mili_gdn_decode(const void *qkv, int64_t ldq, const void *ba, int64_t ldba,
       float *S = ssm_states + (slots[b] * Hv + h) * Dk * Dv, *o = out + (b * Hv + h) * Dv;
       if (fresh && fresh[b]) memset(S, 0, sizeof(float) * Dk * Dv);
       for (int64_t j = 0; j < Dv; j += 16) { /* 16 value columns at a time, both passes */
-        __m512 mem = _mm512_setzero_ps(), acc = _mm512_setzero_ps();
-        for (int64_t i = 0; i < Dk; i++) mem = _mm512_fmadd_ps(_mm512_loadu_ps(S + i * Dv + j), _mm512_set1_ps(kn[i]), mem);
-        const __m512 dec = _mm512_set1_ps(decay);
-        const __m512 delta = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(v + j), _mm512_mul_ps(mem, dec)),
-                                           _mm512_set1_ps(beta));
+        vf mem = vf_zero(), acc = vf_zero();
+        for (int64_t i = 0; i < Dk; i++) mem = vf_fmadd(vf_load(S + i * Dv + j), vf_set1(kn[i]), mem);
+        const vf dec = vf_set1(decay);
+        const vf delta = vf_mul(vf_sub(vf_load(v + j), vf_mul(mem, dec)), vf_set1(beta));
         for (int64_t i = 0; i < Dk; i++) {
-          const __m512 s = _mm512_fmadd_ps(_mm512_set1_ps(kn[i]), delta, _mm512_mul_ps(_mm512_loadu_ps(S + i * Dv + j), dec));
-          _mm512_storeu_ps(S + i * Dv + j, s);
-          acc = _mm512_fmadd_ps(s, _mm512_set1_ps(qn[i]), acc);
+          const vf s = vf_fmadd(vf_set1(kn[i]), delta, vf_mul(vf_load(S + i * Dv + j), dec));
+          vf_store(S + i * Dv + j, s);
+          acc = vf_fmadd(s, vf_set1(qn[i]), acc);
         }
-        _mm512_storeu_ps(o + j, acc);
+        vf_store(o + j, acc);
       }
     }
   free(xs);

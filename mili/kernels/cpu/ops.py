@@ -4,6 +4,8 @@ does not cover (another dtype, an odd layout) go to the torch reference, so call
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from mili.kernels import reference
@@ -12,11 +14,26 @@ from mili.kernels.cpu import load
 BF16 = torch.bfloat16
 
 
+_pinned: list = []  # library(): a library the ops run on before load() hands it out (its checks)
+
+
 def _lib():
+    if _pinned:
+        return _pinned[-1]
     lib, why = load()
     if lib is None:
         raise RuntimeError(f"MILI's CPU kernels are not available: {why}")
     return lib
+
+
+@contextlib.contextmanager
+def library(lib):
+    """Within the block, the ops run on ``lib``."""
+    _pinned.append(lib)
+    try:
+        yield lib
+    finally:
+        _pinned.pop()
 
 
 def _threads() -> int:
@@ -76,30 +93,42 @@ def linear_int8(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, col
         _threads()))
 
 
-def pack_int4(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
+def pack_int4(q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, scale_dtype: torch.dtype = torch.float32,
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """int4 weights q [N, K] (uint8 values 0..15; N % 16 == 0, K % 8 == 0) with zero points (uint8) and
-    scales [N, groups] -> the int4 kernel's layout (kernels.c): q [N/16, K/8, 64] bytes (byte 4c + j: column
-    c at k0 + j low, k0 + 4 + j high), scales (fp16) and zeros [N/16, groups, 16]."""
+    """int4 weights w = scale * q + offset: q [N, K] (uint8 values 0..15; N % 16 == 0, K % 8 == 0) with a scale
+    and an offset per output row and group of K, [N, groups] -> the int4 kernel's layout (kernels.c): q
+    [N/16, K/8, 64] bytes (byte 4c + j: column c at k0 + j low, k0 + 4 + j high), scales and offsets
+    [N/16, groups, 16] in ``scale_dtype`` (float32, or float16 where that holds them exactly)."""
     n, k = q.shape
     cols = q.view(n // 16, 16, k // 8, 2, 4).permute(0, 2, 3, 1, 4)  # [N/16, K/8, lo|hi, 16, 4]
     packed = (cols[:, :, 0] | (cols[:, :, 1] << 4)).reshape(n // 16, k // 8, 64).contiguous()
 
     def blocked(t):
-        return t.reshape(n // 16, 16, -1).transpose(1, 2).contiguous()
+        return t.to(scale_dtype).reshape(n // 16, 16, -1).transpose(1, 2).contiguous()
 
-    return packed, blocked(scales.to(torch.float16)), blocked(zeros.to(torch.uint8))
+    return packed, blocked(scales), blocked(offsets)
+
+
+def awq_scales_offsets(zeros: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """AWQ's (q - z) s as s q + b: (s, b = -z s), float32 (exact: an fp16 scale times a 4-bit zero)."""
+    s = scales.float()
+    return s, -zeros.float() * s
+
+
+def exact_in_fp16(*tensors: torch.Tensor) -> bool:
+    return all(torch.equal(t.to(torch.float16).float(), t.float()) for t in tensors)
 
 
 def int4_supported(out_features: int, in_features: int, group: int) -> bool:
     return out_features % 16 == 0 and in_features % group == 0 and group % 8 == 0
 
 
-def linear_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+def linear_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ W^T for int4 W (:func:`pack_int4`), x quantized to int8 per row and group in the kernel."""
     group = packed.shape[1] * 8 // scales.shape[1]
+    f32 = int(scales.dtype == torch.float32)
     return _packed_product(x, packed, packed.shape[0] * 16, lambda x, y, m, n, k: _lib().mili_linear_int4(
-        packed.data_ptr(), scales.data_ptr(), zeros.data_ptr(), x.data_ptr(), y.data_ptr(), m, n, k, group,
+        packed.data_ptr(), scales.data_ptr(), offsets.data_ptr(), x.data_ptr(), y.data_ptr(), m, n, k, group, f32,
         _threads()))
 
 

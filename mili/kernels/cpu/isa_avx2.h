@@ -1,0 +1,193 @@
+/* The per-ISA layer for AVX2 + FMA + F16C (Haswell and later, Zen 1 to 3, Intel's Core 12th-14th generation
+ * and Core Ultra): each 16-lane vector of kernels.c is a pair of 256-bit registers.
+ * AVX2 has no bf16 instructions: widening is a 16-bit shift, narrowing rounds to nearest even as torch does.
+ * int8 products: with AVX-VNNI (Alder Lake and later; on a CPU with AVX-512 VNNI, its EVEX form of the same
+ * 256-bit instruction) vpdpbusd, x offset by 128 as on AVX-512; without it vpmaddubsw + vpmaddwd on
+ * (|x|, sign(w, x)), llama.cpp's trick: |x| <= 127 and |w| <= 127 keep each pair's sum within int16. */
+#include <immintrin.h>
+
+#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+#define ISA_VNNI 1
+#define ISA_NAME "avx2-vnni"
+#else
+#define ISA_VNNI 0
+#define ISA_NAME "avx2"
+#endif
+#define MR_MAX 4 /* 16 ymm registers: 4 rows x 1 block of sums (8), the block's weights (4), x (2) */
+#define NB_MAX 1
+#define NB_ONE 4 /* at M = 1: four blocks' sums (8 registers), one block's weights at a time */
+#define I4_MR 2 /* int4: 2 rows x 1 block; at M = 1 2 blocks, each with two sums (8 registers) */
+#define I4_NB 1
+#define I4_NB_ONE 2
+#define INT8_X_OFFSET (ISA_VNNI ? 128 : 0)
+#define INT4_APART ISA_VNNI /* vpmaddubsw would saturate on the high nibbles in place */
+
+typedef struct { __m256 a, b; } vf;  /* lanes 0-7, 8-15 */
+typedef struct { __m256i a, b; } vi;
+
+#define VF2(expr_a, expr_b) return (vf){(expr_a), (expr_b)}
+#define VI2(expr_a, expr_b) return (vi){(expr_a), (expr_b)}
+
+static inline vf vf_zero(void) { VF2(_mm256_setzero_ps(), _mm256_setzero_ps()); }
+static inline vf vf_set1(float x) { VF2(_mm256_set1_ps(x), _mm256_set1_ps(x)); }
+static inline vf vf_load(const float *p) { VF2(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)); }
+static inline void vf_store(float *p, vf v) { _mm256_storeu_ps(p, v.a); _mm256_storeu_ps(p + 8, v.b); }
+static inline vf vf_add(vf x, vf y) { VF2(_mm256_add_ps(x.a, y.a), _mm256_add_ps(x.b, y.b)); }
+static inline vf vf_sub(vf x, vf y) { VF2(_mm256_sub_ps(x.a, y.a), _mm256_sub_ps(x.b, y.b)); }
+static inline vf vf_mul(vf x, vf y) { VF2(_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)); }
+static inline vf vf_div(vf x, vf y) { VF2(_mm256_div_ps(x.a, y.a), _mm256_div_ps(x.b, y.b)); }
+static inline vf vf_max(vf x, vf y) { VF2(_mm256_max_ps(x.a, y.a), _mm256_max_ps(x.b, y.b)); }
+static inline vf vf_min(vf x, vf y) { VF2(_mm256_min_ps(x.a, y.a), _mm256_min_ps(x.b, y.b)); }
+static inline vf vf_abs(vf x) {
+  const __m256 m = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  VF2(_mm256_and_ps(x.a, m), _mm256_and_ps(x.b, m));
+}
+static inline vf vf_fmadd(vf x, vf y, vf z) { VF2(_mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b)); }
+static inline vf vf_fnmadd(vf x, vf y, vf z) { VF2(_mm256_fnmadd_ps(x.a, y.a, z.a), _mm256_fnmadd_ps(x.b, y.b, z.b)); }
+static inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+static inline float vf_reduce_add(vf x) { return hsum8(_mm256_add_ps(x.a, x.b)); }
+static inline float vf_reduce_max(vf x) {
+  __m256 m = _mm256_max_ps(x.a, x.b);
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+static inline vf vf_round(vf x) {
+  const int mode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  VF2(_mm256_round_ps(x.a, mode), _mm256_round_ps(x.b, mode));
+}
+static inline __m256 pow2_8(__m256 n) { /* 2^n for integral n in [-126, 128] (128: infinity) */
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
+static inline vf vf_scale2(vf x, vf n) { VF2(_mm256_mul_ps(x.a, pow2_8(n.a)), _mm256_mul_ps(x.b, pow2_8(n.b))); }
+
+static inline vi vi_zero(void) { VI2(_mm256_setzero_si256(), _mm256_setzero_si256()); }
+static inline vi vi_set1(int32_t x) { VI2(_mm256_set1_epi32(x), _mm256_set1_epi32(x)); }
+static inline vi vi_load(const int32_t *p) {
+  VI2(_mm256_loadu_si256((const __m256i *)p), _mm256_loadu_si256((const __m256i *)(p + 8)));
+}
+static inline vi vi_load_u8(const uint8_t *p) {
+  VI2(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)), _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8))));
+}
+static inline vi vi_add(vi x, vi y) { VI2(_mm256_add_epi32(x.a, y.a), _mm256_add_epi32(x.b, y.b)); }
+static inline vi vi_sub(vi x, vi y) { VI2(_mm256_sub_epi32(x.a, y.a), _mm256_sub_epi32(x.b, y.b)); }
+static inline vi vi_shl(vi x, int n) { VI2(_mm256_slli_epi32(x.a, n), _mm256_slli_epi32(x.b, n)); }
+static inline vi vi_sra(vi x, int n) { VI2(_mm256_srai_epi32(x.a, n), _mm256_srai_epi32(x.b, n)); }
+static inline vf vi_to_vf(vi x) { VF2(_mm256_cvtepi32_ps(x.a), _mm256_cvtepi32_ps(x.b)); }
+static inline vi vf_to_vi(vf x) { VI2(_mm256_cvtps_epi32(x.a), _mm256_cvtps_epi32(x.b)); } /* nearest even */
+static inline int32_t vi_reduce_add(vi x) {
+  __m256i s = _mm256_add_epi32(x.a, x.b);
+  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+  return _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1)));
+}
+static inline void vi_store_i8(int8_t *p, vi x) { /* each lane's low byte */
+  const __m256i byte = _mm256_set1_epi32(0xff);
+  __m256i t = _mm256_packus_epi32(_mm256_and_si256(x.a, byte), _mm256_and_si256(x.b, byte)); /* a0-3 b0-3 | a4-7 b4-7 */
+  t = _mm256_permute4x64_epi64(t, 0xd8);                                                      /* a0-7 | b0-7 */
+  _mm_storeu_si128((__m128i *)p, _mm_packus_epi16(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1)));
+}
+
+static inline __m256 widen8(__m128i h) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); }
+static inline vf vf_load_bf16(const uint16_t *p) {
+  const __m256i v = _mm256_loadu_si256((const __m256i *)p);
+  VF2(widen8(_mm256_castsi256_si128(v)), widen8(_mm256_extracti128_si256(v, 1)));
+}
+static inline __m256i narrow8(__m256 v) { /* bf16 bits in each lane's low half, nearest even, NaN quiet */
+  const __m256i x = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_add_epi32(x, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd));
+  const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+  const __m256i q = _mm256_or_si256(x, _mm256_set1_epi32(0x400000));
+  return _mm256_srli_epi32(_mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(q), nan)), 16);
+}
+static inline void vf_store_bf16(uint16_t *p, vf v) {
+  const __m256i t = _mm256_permute4x64_epi64(_mm256_packus_epi32(narrow8(v.a), narrow8(v.b)), 0xd8);
+  _mm256_storeu_si256((__m256i *)p, t);
+}
+static inline vf vf_load_f16(const uint16_t *p) {
+  VF2(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8))));
+}
+
+/* -- the linear layers' operands: a 64-byte row of a packed block (16 columns x 2 bf16 / 4 int8 / 8 int4) -- */
+typedef struct { __m256 hi, lo; } xpair; /* x[k + 1] and x[k], broadcast */
+typedef struct { __m256 h0, l0, h1, l1; } wrow; /* columns 0-7 and 8-15: w[c][k + 1] (hi) and w[c][k] (lo) */
+static inline xpair x_bf16(const uint16_t *x) {
+  int32_t word;
+  memcpy(&word, x, 4);
+  const __m256i w = _mm256_set1_epi32(word);
+  xpair r;
+  r.hi = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32((int)0xffff0000u)));
+  r.lo = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+  return r;
+}
+static inline wrow w_bf16(const uint8_t *p) {
+  const __m256i a = _mm256_loadu_si256((const __m256i *)p), b = _mm256_loadu_si256((const __m256i *)(p + 32));
+  const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
+  wrow r;
+  r.h0 = _mm256_castsi256_ps(_mm256_and_si256(a, high));
+  r.l0 = _mm256_castsi256_ps(_mm256_slli_epi32(a, 16));
+  r.h1 = _mm256_castsi256_ps(_mm256_and_si256(b, high));
+  r.l1 = _mm256_castsi256_ps(_mm256_slli_epi32(b, 16));
+  return r;
+}
+static inline vf dot_bf16(vf acc, xpair x, wrow w) {
+  VF2(_mm256_fmadd_ps(w.l0, x.lo, _mm256_fmadd_ps(w.h0, x.hi, acc.a)),
+      _mm256_fmadd_ps(w.l1, x.lo, _mm256_fmadd_ps(w.h1, x.hi, acc.b)));
+}
+/* 32 bf16 of a against 32 of b, summed into the 16 lanes (attention's q . k) */
+static inline vf dot_bf16x32(vf acc, const uint16_t *a, const uint16_t *b) {
+  const vf a0 = vf_load_bf16(a), a1 = vf_load_bf16(a + 16), b0 = vf_load_bf16(b), b1 = vf_load_bf16(b + 16);
+  return vf_fmadd(a1, b1, vf_fmadd(a0, b0, acc));
+}
+
+typedef struct { __m256i x, ax; } xq4; /* 4 int8 of x broadcast (offset by INT8_X_OFFSET), and |x| */
+typedef struct { __m256i a, b; } wrow8;
+static inline xq4 x_int8(const int8_t *x) {
+  int32_t word;
+  memcpy(&word, x, 4);
+  xq4 r;
+  r.x = _mm256_set1_epi32(word);
+  r.ax = _mm256_abs_epi8(r.x);
+  return r;
+}
+static inline wrow8 w_int8(const uint8_t *p) {
+  wrow8 r;
+  r.a = _mm256_loadu_si256((const __m256i *)p);
+  r.b = _mm256_loadu_si256((const __m256i *)(p + 32));
+  return r;
+}
+#define INT8_TARGET
+#if ISA_VNNI
+#ifdef __AVXVNNI__
+#define DPBUSD _mm256_dpbusd_avx_epi32
+#else
+#define DPBUSD _mm256_dpbusd_epi32
+#endif
+static inline vi dot_int8(vi acc, xq4 x, wrow8 w) { VI2(DPBUSD(acc.a, x.x, w.a), DPBUSD(acc.b, x.x, w.b)); }
+static inline vi dot_int4(vi acc, xq4 x, wrow8 w) { VI2(DPBUSD(acc.a, w.a, x.x), DPBUSD(acc.b, w.b, x.x)); }
+#else
+static inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+/* x signed: |x| x sign(w, x) = x w, pairs within int16 (|x|, |w| <= 127) */
+static inline vi dot_int8(vi acc, xq4 x, wrow8 w) {
+  VI2(dot_u8s8(acc.a, x.ax, _mm256_sign_epi8(w.a, x.x)), dot_u8s8(acc.b, x.ax, _mm256_sign_epi8(w.b, x.x)));
+}
+/* nibbles (0..15) unsigned times x signed: pairs within int16 */
+static inline vi dot_int4(vi acc, xq4 x, wrow8 w) { VI2(dot_u8s8(acc.a, w.a, x.x), dot_u8s8(acc.b, w.b, x.x)); }
+#endif
+static inline void w_int4(const uint8_t *p, wrow8 *lo, wrow8 *hi, int in_place) {
+  const __m256i low = _mm256_set1_epi8(0x0F), high = _mm256_set1_epi8((char)0xF0);
+  const __m256i a = _mm256_loadu_si256((const __m256i *)p), b = _mm256_loadu_si256((const __m256i *)(p + 32));
+  lo->a = _mm256_and_si256(a, low);
+  lo->b = _mm256_and_si256(b, low);
+  hi->a = in_place ? _mm256_and_si256(a, high) : _mm256_and_si256(_mm256_srli_epi16(a, 4), low);
+  hi->b = in_place ? _mm256_and_si256(b, high) : _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
+}
+
+static inline void prefetch(const void *p, int far) { _mm_prefetch((const char *)p, far ? _MM_HINT_T1 : _MM_HINT_T0); }

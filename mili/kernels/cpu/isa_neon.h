@@ -1,0 +1,162 @@
+/* The per-ISA layer for aarch64 Advanced SIMD (every 64-bit Arm CPU: Graviton, Ampere, Grace, Apple silicon):
+ * each 16-lane vector of kernels.c is four 128-bit registers. bf16 widens by a 16-bit shift (the BF16
+ * extension's bfdot is not used); int8 products use sdot where the CPU has the dot product extension
+ * (Armv8.2 DotProd: Graviton 2 and later, Apple M1 and later), else smull + pairwise adds. x is signed in
+ * both (no offset), and int4's high nibbles are shifted down (sdot is signed x signed). */
+#include <arm_neon.h>
+
+#ifdef __ARM_FEATURE_DOTPROD
+#define ISA_NAME "neon-dot"
+#else
+#define ISA_NAME "neon"
+#endif
+#define MR_MAX 4 /* 32 registers: 4 rows x 1 block of sums (16), the block's weights (8), x (2) */
+#define NB_MAX 1
+#define NB_ONE 2
+#define I4_MR 2
+#define I4_NB 1
+#define I4_NB_ONE 1
+#define INT8_X_OFFSET 0
+#define INT4_APART 0
+
+typedef struct { float32x4_t v[4]; } vf;
+typedef struct { int32x4_t v[4]; } vi;
+
+#define VF4(expr) do { vf r_; for (int i_ = 0; i_ < 4; i_++) r_.v[i_] = (expr); return r_; } while (0)
+#define VI4(expr) do { vi r_; for (int i_ = 0; i_ < 4; i_++) r_.v[i_] = (expr); return r_; } while (0)
+
+static inline vf vf_zero(void) { VF4(vdupq_n_f32(0.0f)); }
+static inline vf vf_set1(float x) { VF4(vdupq_n_f32(x)); }
+static inline vf vf_load(const float *p) { VF4(vld1q_f32(p + 4 * i_)); }
+static inline void vf_store(float *p, vf v) { for (int i = 0; i < 4; i++) vst1q_f32(p + 4 * i, v.v[i]); }
+static inline vf vf_add(vf x, vf y) { VF4(vaddq_f32(x.v[i_], y.v[i_])); }
+static inline vf vf_sub(vf x, vf y) { VF4(vsubq_f32(x.v[i_], y.v[i_])); }
+static inline vf vf_mul(vf x, vf y) { VF4(vmulq_f32(x.v[i_], y.v[i_])); }
+static inline vf vf_div(vf x, vf y) { VF4(vdivq_f32(x.v[i_], y.v[i_])); }
+static inline vf vf_max(vf x, vf y) { VF4(vmaxq_f32(x.v[i_], y.v[i_])); }
+static inline vf vf_min(vf x, vf y) { VF4(vminq_f32(x.v[i_], y.v[i_])); }
+static inline vf vf_abs(vf x) { VF4(vabsq_f32(x.v[i_])); }
+static inline vf vf_fmadd(vf x, vf y, vf z) { VF4(vfmaq_f32(z.v[i_], x.v[i_], y.v[i_])); }  /* x y + z */
+static inline vf vf_fnmadd(vf x, vf y, vf z) { VF4(vfmsq_f32(z.v[i_], x.v[i_], y.v[i_])); } /* z - x y */
+static inline float vf_reduce_add(vf x) {
+  return vaddvq_f32(vaddq_f32(vaddq_f32(x.v[0], x.v[1]), vaddq_f32(x.v[2], x.v[3])));
+}
+static inline float vf_reduce_max(vf x) {
+  return vmaxvq_f32(vmaxq_f32(vmaxq_f32(x.v[0], x.v[1]), vmaxq_f32(x.v[2], x.v[3])));
+}
+static inline vf vf_round(vf x) { VF4(vrndnq_f32(x.v[i_])); }
+static inline float32x4_t pow2_4(float32x4_t n) { /* 2^n for integral n in [-126, 128] */
+  return vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(n), vdupq_n_s32(127)), 23));
+}
+static inline vf vf_scale2(vf x, vf n) { VF4(vmulq_f32(x.v[i_], pow2_4(n.v[i_]))); }
+
+static inline vi vi_zero(void) { VI4(vdupq_n_s32(0)); }
+static inline vi vi_set1(int32_t x) { VI4(vdupq_n_s32(x)); }
+static inline vi vi_load(const int32_t *p) { VI4(vld1q_s32(p + 4 * i_)); }
+static inline vi vi_load_u8(const uint8_t *p) {
+  const uint8x16_t b = vld1q_u8(p);
+  const uint16x8_t lo = vmovl_u8(vget_low_u8(b)), hi = vmovl_u8(vget_high_u8(b));
+  vi r;
+  r.v[0] = vreinterpretq_s32_u32(vmovl_u16(vget_low_u16(lo)));
+  r.v[1] = vreinterpretq_s32_u32(vmovl_u16(vget_high_u16(lo)));
+  r.v[2] = vreinterpretq_s32_u32(vmovl_u16(vget_low_u16(hi)));
+  r.v[3] = vreinterpretq_s32_u32(vmovl_u16(vget_high_u16(hi)));
+  return r;
+}
+static inline vi vi_add(vi x, vi y) { VI4(vaddq_s32(x.v[i_], y.v[i_])); }
+static inline vi vi_sub(vi x, vi y) { VI4(vsubq_s32(x.v[i_], y.v[i_])); }
+static inline vi vi_shl(vi x, int n) { VI4(vshlq_s32(x.v[i_], vdupq_n_s32(n))); }
+static inline vi vi_sra(vi x, int n) { VI4(vshlq_s32(x.v[i_], vdupq_n_s32(-n))); }
+static inline vf vi_to_vf(vi x) { VF4(vcvtq_f32_s32(x.v[i_])); }
+static inline vi vf_to_vi(vf x) { VI4(vcvtnq_s32_f32(x.v[i_])); } /* nearest even */
+static inline int32_t vi_reduce_add(vi x) {
+  return vaddvq_s32(vaddq_s32(vaddq_s32(x.v[0], x.v[1]), vaddq_s32(x.v[2], x.v[3])));
+}
+static inline void vi_store_i8(int8_t *p, vi x) { /* each lane's low byte */
+  const uint16x8_t lo = vcombine_u16(vmovn_u32(vreinterpretq_u32_s32(x.v[0])), vmovn_u32(vreinterpretq_u32_s32(x.v[1])));
+  const uint16x8_t hi = vcombine_u16(vmovn_u32(vreinterpretq_u32_s32(x.v[2])), vmovn_u32(vreinterpretq_u32_s32(x.v[3])));
+  vst1q_s8(p, vreinterpretq_s8_u8(vcombine_u8(vmovn_u16(lo), vmovn_u16(hi))));
+}
+
+static inline float32x4_t widen4(uint16x4_t h) { return vreinterpretq_f32_u32(vshll_n_u16(h, 16)); }
+static inline vf vf_load_bf16(const uint16_t *p) {
+  const uint16x8_t a = vld1q_u16(p), b = vld1q_u16(p + 8);
+  vf r;
+  r.v[0] = widen4(vget_low_u16(a));
+  r.v[1] = widen4(vget_high_u16(a));
+  r.v[2] = widen4(vget_low_u16(b));
+  r.v[3] = widen4(vget_high_u16(b));
+  return r;
+}
+static inline uint16x4_t narrow4(float32x4_t v) { /* nearest even, NaN quiet */
+  const uint32x4_t x = vreinterpretq_u32_f32(v);
+  const uint32x4_t odd = vandq_u32(vshrq_n_u32(x, 16), vdupq_n_u32(1));
+  const uint32x4_t r = vaddq_u32(x, vaddq_u32(vdupq_n_u32(0x7fff), odd));
+  const uint32x4_t q = vorrq_u32(x, vdupq_n_u32(0x400000));
+  return vshrn_n_u32(vbslq_u32(vceqq_f32(v, v), r, q), 16);
+}
+static inline void vf_store_bf16(uint16_t *p, vf v) {
+  vst1q_u16(p, vcombine_u16(narrow4(v.v[0]), narrow4(v.v[1])));
+  vst1q_u16(p + 8, vcombine_u16(narrow4(v.v[2]), narrow4(v.v[3])));
+}
+static inline vf vf_load_f16(const uint16_t *p) { VF4(vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p + 4 * i_)))); }
+
+/* -- the linear layers' operands: a 64-byte row of a packed block (16 columns x 2 bf16 / 4 int8 / 8 int4) -- */
+typedef struct { float32x4_t hi, lo; } xpair; /* x[k + 1] and x[k], broadcast */
+typedef struct { float32x4_t hi[4], lo[4]; } wrow;
+static inline xpair x_bf16(const uint16_t *x) {
+  xpair r;
+  r.lo = vdupq_n_f32(bf16_to_float(x[0]));
+  r.hi = vdupq_n_f32(bf16_to_float(x[1]));
+  return r;
+}
+static inline wrow w_bf16(const uint8_t *p) {
+  wrow r;
+  for (int i = 0; i < 4; i++) {
+    const uint32x4_t v = vld1q_u32((const uint32_t *)(p + 16 * i));
+    r.hi[i] = vreinterpretq_f32_u32(vandq_u32(v, vdupq_n_u32(0xffff0000u)));
+    r.lo[i] = vreinterpretq_f32_u32(vshlq_n_u32(v, 16));
+  }
+  return r;
+}
+static inline vf dot_bf16(vf acc, xpair x, wrow w) { VF4(vfmaq_f32(vfmaq_f32(acc.v[i_], w.hi[i_], x.hi), w.lo[i_], x.lo)); }
+static inline vf dot_bf16x32(vf acc, const uint16_t *a, const uint16_t *b) {
+  return vf_fmadd(vf_load_bf16(a + 16), vf_load_bf16(b + 16), vf_fmadd(vf_load_bf16(a), vf_load_bf16(b), acc));
+}
+
+typedef int8x16_t xq4; /* 4 int8 of x, repeated */
+typedef struct { int8x16_t v[4]; } wrow8; /* 4 x (4 columns x 4 k) */
+static inline xq4 x_int8(const int8_t *x) {
+  int32_t word;
+  memcpy(&word, x, 4);
+  return vreinterpretq_s8_s32(vdupq_n_s32(word));
+}
+static inline wrow8 w_int8(const uint8_t *p) {
+  wrow8 r;
+  for (int i = 0; i < 4; i++) r.v[i] = vld1q_s8((const int8_t *)p + 16 * i);
+  return r;
+}
+#define INT8_TARGET
+#ifdef __ARM_FEATURE_DOTPROD
+static inline int32x4_t dot4(int32x4_t acc, int8x16_t w, int8x16_t x) { return vdotq_s32(acc, w, x); }
+#else
+static inline int32x4_t dot4(int32x4_t acc, int8x16_t w, int8x16_t x) { /* 4 columns' 4-term dot products */
+  const int16x8_t lo = vmull_s8(vget_low_s8(w), vget_low_s8(x)), hi = vmull_high_s8(w, x);
+  return vaddq_s32(acc, vpaddq_s32(vpaddlq_s16(lo), vpaddlq_s16(hi)));
+}
+#endif
+static inline vi dot_int8(vi acc, xq4 x, wrow8 w) { VI4(dot4(acc.v[i_], w.v[i_], x)); }
+static inline vi dot_int4(vi acc, xq4 x, wrow8 w) { VI4(dot4(acc.v[i_], w.v[i_], x)); }
+static inline void w_int4(const uint8_t *p, wrow8 *lo, wrow8 *hi, int in_place) {
+  (void)in_place; /* (INT4_APART is 0: never asked) */
+  for (int i = 0; i < 4; i++) {
+    const uint8x16_t v = vld1q_u8(p + 16 * i);
+    lo->v[i] = vreinterpretq_s8_u8(vandq_u8(v, vdupq_n_u8(0x0F)));
+    hi->v[i] = vreinterpretq_s8_u8(vshrq_n_u8(v, 4));
+  }
+}
+
+static inline void prefetch(const void *p, int far) {
+  if (far) __builtin_prefetch(p, 0, 2);
+  else __builtin_prefetch(p, 0, 3);
+}
