@@ -1,11 +1,14 @@
 """A/B of versions of MILI's CPU kernels (kernels.c) on the linear layers of a decode step, in one process:
 every linear of a Qwen3 shape at M = 1 (distinct matrices, as a step streams them, L3 defeated), the versions
-alternating, so that a shared machine's minutes hit them alike.
+alternating, so that a shared machine's minutes hit them alike. A version is a source and an ISA
+(``SOURCE[@ISA]``, default the best this CPU runs), so one source's AVX2 and AVX-512 paths compare too:
 
-    python benchmarks/linear_ab.py OLD.c NEW.c [--shapes 0.6B 4B:8] [--formats int4 int8] [--repeat 10]
+    python benchmarks/linear_ab.py OLD.c NEW.c [--shapes 0.6B 4B:8] [--formats int4 int8 bf16] [--repeat 10]
+    python benchmarks/linear_ab.py mili/kernels/cpu/kernels.c@avx512 mili/kernels/cpu/kernels.c@avx2
 
-e.g. ``git show HEAD~1:mili/kernels/cpu/kernels.c > /tmp/old.c`` against the working tree's file. Each version
-is built like the library (cc -O3 -march=native -fopenmp) under /tmp, keyed by its source. Per thread count
+e.g. ``git show HEAD~1:mili/kernels/cpu/kernels.c > /tmp/old.c`` against the working tree's file (its ISA headers
+are the working tree's). Each version is built like the library (cc -O3, the ISA's flags alone, -fopenmp) under
+/tmp, keyed by its source and flags. Per thread count
 (1, 2): the median and the minimum (the trials that had the cores) of a sweep's time, its GB/s of weights,
 the minimum's share of a 1 GiB copy (read + write, the best of 6, same threads) and each version's ratio to
 the first. Calls go through ctypes (~1-2 µs each, which the engine's one call per layer does not pay).
@@ -23,7 +26,7 @@ import time
 import torch
 from common import machine, print_table
 
-from mili.kernels.cpu import SIGNATURES
+from mili.kernels.cpu import HERE, SIGNATURES, best_isa, compile_flags
 from mili.kernels.cpu.ops import int8_column_sums, pack_int4, pack_weight
 
 # (out, in) of qkv, o, gate_up, down; decoder layers
@@ -32,14 +35,17 @@ SHAPES = {"0.6B": ([(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)], 28)
 GROUP = 128  # AWQ's group size in Qwen's releases
 
 
-def build(source: str) -> ctypes.CDLL:
-    key = hashlib.sha256(open(source, "rb").read()).hexdigest()[:16]
+def build(version: str) -> ctypes.CDLL:
+    source, _, isa = version.partition("@")
+    flags = compile_flags(isa or best_isa())
+    key = hashlib.sha256(open(source, "rb").read() + " ".join(flags).encode()).hexdigest()[:16]
     target = f"/tmp/mili_linear_ab_{key}.so"
-    subprocess.run(["cc", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", source, "-o", target, "-lm"],
+    subprocess.run(["cc", "-O3", *flags, "-fopenmp", "-shared", "-fPIC", f"-I{HERE}", source, "-o", target, "-lm"],
                    check=True)
     lib = ctypes.CDLL(target)
     for name, argtypes in SIGNATURES.items():
-        getattr(lib, name).argtypes = argtypes
+        if hasattr(lib, name):  # (an older version may lack a newer function)
+            getattr(lib, name).argtypes = argtypes
     return lib
 
 
@@ -50,10 +56,12 @@ def weights(shape: str, fmt: str) -> list[tuple[int, int, tuple[torch.Tensor, ..
     out = []
     for _ in range(layers):
         for n, k in mats:
-            if fmt == "int4":
+            if fmt == "int4":  # AWQ's group, float32 scales and offsets (as an AWQ checkpoint loads)
                 q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
-                zeros = torch.randint(0, 16, (n, k // GROUP), dtype=torch.uint8, generator=g)
-                out.append((n, k, pack_int4(q, zeros, torch.rand(n, k // GROUP, generator=g) * 0.01)))
+                scales = torch.rand(n, k // GROUP, generator=g) * 0.01
+                out.append((n, k, pack_int4(q, scales, -scales * torch.randint(0, 16, scales.shape, generator=g))))
+            elif fmt == "bf16":
+                out.append((n, k, (pack_weight(torch.randn(n, k, generator=g).to(torch.bfloat16)),)))
             else:
                 packed = pack_weight(torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g))
                 out.append((n, k, (packed, torch.rand(n) * 0.01, int8_column_sums(packed))))
@@ -62,12 +70,14 @@ def weights(shape: str, fmt: str) -> list[tuple[int, int, tuple[torch.Tensor, ..
 
 def sweep(lib, fmt: str, mats, threads: int, xs: dict, ys: dict) -> float:
     start = time.perf_counter()
-    for n, k, (w, scales, aux) in mats:
-        x, y = xs[k].data_ptr(), ys[n].data_ptr()
+    for n, k, tensors in mats:
+        x, y, w = xs[k].data_ptr(), ys[n].data_ptr(), tensors[0].data_ptr()
         if fmt == "int4":
-            lib.mili_linear_int4(w.data_ptr(), scales.data_ptr(), aux.data_ptr(), x, y, 1, n, k, GROUP, threads)
+            lib.mili_linear_int4(w, tensors[1].data_ptr(), tensors[2].data_ptr(), x, y, 1, n, k, GROUP, 1, threads)
+        elif fmt == "bf16":
+            lib.mili_linear(w, x, y, 1, n, k, threads)
         else:
-            lib.mili_linear_int8(w.data_ptr(), scales.data_ptr(), aux.data_ptr(), x, y, 1, n, k, threads)
+            lib.mili_linear_int8(w, tensors[1].data_ptr(), tensors[2].data_ptr(), x, y, 1, n, k, threads)
     return time.perf_counter() - start
 
 
@@ -86,9 +96,9 @@ def copy_rate(threads: int) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("sources", nargs="+", help="kernels.c versions; ratios are to the first")
+    p.add_argument("sources", nargs="+", help="kernels.c versions (SOURCE[@ISA]); ratios are to the first")
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    p.add_argument("--formats", nargs="+", default=["int4"], choices=["int4", "int8"])
+    p.add_argument("--formats", nargs="+", default=["int4"], choices=["int4", "int8", "bf16"])
     p.add_argument("--repeat", type=int, default=10, help="rounds; each times 3 sweeps of every version")
     args = p.parse_args()
     libs = [build(s) for s in args.sources]

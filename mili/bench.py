@@ -91,7 +91,7 @@ def weight_bytes_per_step(model) -> int:
     for name, module in model.named_modules():
         if name == "model.embed_tokens":
             continue
-        for attr in ("weight", "qweight", "packed", "scales", "zeros", "weight_scale"):
+        for attr in ("weight", "qweight", "packed", "scales", "offsets", "zeros", "weight_scale"):
             t = getattr(module, attr, None)
             if isinstance(t, torch.Tensor) and t.dim() >= 2:
                 total += t.numel() * t.element_size()

@@ -114,7 +114,9 @@ static inline vf vf_load_f16(const uint16_t *p) {
 }
 
 /* -- the linear layers' operands: a 64-byte row of a packed block (16 columns x 2 bf16 / 4 int8 / 8 int4) -- */
+#define ISA_X_F32 1 /* the bf16 products read x widened to float32 once (x_f32): two broadcast loads a pair */
 typedef struct { __m256 hi, lo; } xpair; /* x[k + 1] and x[k], broadcast */
+static inline xpair x_f32(const float *x) { return (xpair){_mm256_broadcast_ss(x + 1), _mm256_broadcast_ss(x)}; }
 typedef struct { __m256 h0, l0, h1, l1; } wrow; /* columns 0-7 and 8-15: w[c][k + 1] (hi) and w[c][k] (lo) */
 static inline xpair x_bf16(const uint16_t *x) {
   int32_t word;
@@ -135,6 +137,15 @@ static inline wrow w_bf16(const uint8_t *p) {
   r.l1 = _mm256_castsi256_ps(_mm256_slli_epi32(b, 16));
   return r;
 }
+/* a weight row widened: w[c][k] into even[c], w[c][k + 1] into odd[c] (a float32 panel for many rows of x) */
+static inline void w_bf16_widen(const uint8_t *p, float *even, float *odd) {
+  const wrow w = w_bf16(p);
+  _mm256_storeu_ps(even, w.l0);
+  _mm256_storeu_ps(even + 8, w.l1);
+  _mm256_storeu_ps(odd, w.h0);
+  _mm256_storeu_ps(odd + 8, w.h1);
+}
+#define F32_MR 6 /* the float32 panel kernel's rows: 12 ymm of sums, 2 of weights, 1 broadcast */
 static inline vf dot_bf16(vf acc, xpair x, wrow w) {
   VF2(_mm256_fmadd_ps(w.l0, x.lo, _mm256_fmadd_ps(w.h0, x.hi, acc.a)),
       _mm256_fmadd_ps(w.l1, x.lo, _mm256_fmadd_ps(w.h1, x.hi, acc.b)));
@@ -170,6 +181,11 @@ static inline wrow8 w_int8(const uint8_t *p) {
 #endif
 static inline vi dot_int8(vi acc, xq4 x, wrow8 w) { VI2(DPBUSD(acc.a, x.x, w.a), DPBUSD(acc.b, x.x, w.b)); }
 static inline vi dot_int4(vi acc, xq4 x, wrow8 w) { VI2(DPBUSD(acc.a, w.a, x.x), DPBUSD(acc.b, w.b, x.x)); }
+typedef vi i4acc; /* int4's running sums between flushes: int32 (vpdpbusd accumulates in int32) */
+#define I4_STEPS (1 << 30)
+static inline i4acc i4_zero(void) { return vi_zero(); }
+static inline i4acc i4_dot(i4acc t, xq4 x0, wrow8 lo, xq4 x1, wrow8 hi) { return dot_int4(dot_int4(t, x0, lo), x1, hi); }
+static inline vi i4_flush(vi acc, i4acc t) { return vi_add(acc, t); }
 #else
 static inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
@@ -180,6 +196,21 @@ static inline vi dot_int8(vi acc, xq4 x, wrow8 w) {
 }
 /* nibbles (0..15) unsigned times x signed: pairs within int16 */
 static inline vi dot_int4(vi acc, xq4 x, wrow8 w) { VI2(dot_u8s8(acc.a, w.a, x.x), dot_u8s8(acc.b, w.b, x.x)); }
+/* int4's running sums between flushes: int16 lanes, each the sum of a pair of products per vpmaddubsw; a step
+ * (low and high nibbles) adds at most 4 x 15 x 127 = 7620 to a lane, so 4 steps stay within int16, and one
+ * vpmaddwd per 4 steps widens them (where one per product pair took half the multiply ports) */
+typedef struct { __m256i a, b; } i4acc;
+#define I4_STEPS 4
+static inline i4acc i4_zero(void) { return (i4acc){_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+static inline i4acc i4_dot(i4acc t, xq4 x0, wrow8 lo, xq4 x1, wrow8 hi) {
+  t.a = _mm256_add_epi16(t.a, _mm256_add_epi16(_mm256_maddubs_epi16(lo.a, x0.x), _mm256_maddubs_epi16(hi.a, x1.x)));
+  t.b = _mm256_add_epi16(t.b, _mm256_add_epi16(_mm256_maddubs_epi16(lo.b, x0.x), _mm256_maddubs_epi16(hi.b, x1.x)));
+  return t;
+}
+static inline vi i4_flush(vi acc, i4acc t) {
+  const __m256i one = _mm256_set1_epi16(1);
+  VI2(_mm256_add_epi32(acc.a, _mm256_madd_epi16(t.a, one)), _mm256_add_epi32(acc.b, _mm256_madd_epi16(t.b, one)));
+}
 #endif
 static inline void w_int4(const uint8_t *p, wrow8 *lo, wrow8 *hi, int in_place) {
   const __m256i low = _mm256_set1_epi8(0x0F), high = _mm256_set1_epi8((char)0xF0);

@@ -77,6 +77,7 @@ static inline vf dot_bf16_pairs(vf acc, __m512i a, __m512i b) {
 static inline vf vf_load_f16(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
 
 /* -- the linear layers' operands: a 64-byte row of a packed block (16 columns x 2 bf16 / 4 int8 / 8 int4) -- */
+#define ISA_X_F32 0 /* x stays bf16: vdpbf16ps takes its pairs as they are */
 typedef __m512i xpair; /* one x word (2 bf16), broadcast */
 typedef __m512i wrow;  /* a weight row as the dot product takes it */
 static inline xpair x_bf16(const uint16_t *x) { int32_t w; memcpy(&w, x, 4); return _mm512_set1_epi32(w); }
@@ -103,6 +104,11 @@ static inline void w_int4(const uint8_t *p, wrow8 *lo, wrow8 *hi, int in_place) 
 }
 /* acc[c] += sum_j w[c][j] x[j]: w unsigned (nibbles), x signed (no offset) */
 INT8_TARGET static inline vi dot_int4(vi acc, xq4 x, wrow8 w) { return _mm512_dpbusd_epi32(acc, w, x); }
+typedef vi i4acc; /* int4's running sums between flushes (see isa_avx2.h): int32 here, flushed once a group */
+#define I4_STEPS (1 << 30)
+static inline i4acc i4_zero(void) { return vi_zero(); }
+INT8_TARGET static inline i4acc i4_dot(i4acc t, xq4 x0, wrow8 lo, xq4 x1, wrow8 hi) { return dot_int4(dot_int4(t, x0, lo), x1, hi); }
+static inline vi i4_flush(vi acc, i4acc t) { return vi_add(acc, t); }
 
 /* -- optional specializations kernels.c takes when defined ------------------------------------------------ */
 #define ISA_HAS_PV_SLICE 1

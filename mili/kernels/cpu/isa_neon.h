@@ -102,7 +102,9 @@ static inline void vf_store_bf16(uint16_t *p, vf v) {
 static inline vf vf_load_f16(const uint16_t *p) { VF4(vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p + 4 * i_)))); }
 
 /* -- the linear layers' operands: a 64-byte row of a packed block (16 columns x 2 bf16 / 4 int8 / 8 int4) -- */
+#define ISA_X_F32 1 /* the bf16 products read x widened to float32 once (x_f32) */
 typedef struct { float32x4_t hi, lo; } xpair; /* x[k + 1] and x[k], broadcast */
+static inline xpair x_f32(const float *x) { return (xpair){vld1q_dup_f32(x + 1), vld1q_dup_f32(x)}; }
 typedef struct { float32x4_t hi[4], lo[4]; } wrow;
 static inline xpair x_bf16(const uint16_t *x) {
   xpair r;
@@ -119,6 +121,14 @@ static inline wrow w_bf16(const uint8_t *p) {
   }
   return r;
 }
+static inline void w_bf16_widen(const uint8_t *p, float *even, float *odd) {
+  const wrow w = w_bf16(p);
+  for (int i = 0; i < 4; i++) {
+    vst1q_f32(even + 4 * i, w.lo[i]);
+    vst1q_f32(odd + 4 * i, w.hi[i]);
+  }
+}
+#define F32_MR 6 /* the float32 panel kernel's rows: 24 q registers of sums, 4 of weights, 1 broadcast */
 static inline vf dot_bf16(vf acc, xpair x, wrow w) { VF4(vfmaq_f32(vfmaq_f32(acc.v[i_], w.hi[i_], x.hi), w.lo[i_], x.lo)); }
 static inline vf dot_bf16x32(vf acc, const uint16_t *a, const uint16_t *b) {
   return vf_fmadd(vf_load_bf16(a + 16), vf_load_bf16(b + 16), vf_fmadd(vf_load_bf16(a), vf_load_bf16(b), acc));
@@ -147,6 +157,11 @@ static inline int32x4_t dot4(int32x4_t acc, int8x16_t w, int8x16_t x) { /* 4 col
 #endif
 static inline vi dot_int8(vi acc, xq4 x, wrow8 w) { VI4(dot4(acc.v[i_], w.v[i_], x)); }
 static inline vi dot_int4(vi acc, xq4 x, wrow8 w) { VI4(dot4(acc.v[i_], w.v[i_], x)); }
+typedef vi i4acc; /* int4's running sums between flushes (see isa_avx2.h): int32 here, flushed once a group */
+#define I4_STEPS (1 << 30)
+static inline i4acc i4_zero(void) { return vi_zero(); }
+static inline i4acc i4_dot(i4acc t, xq4 x0, wrow8 lo, xq4 x1, wrow8 hi) { return dot_int4(dot_int4(t, x0, lo), x1, hi); }
+static inline vi i4_flush(vi acc, i4acc t) { return vi_add(acc, t); }
 static inline void w_int4(const uint8_t *p, wrow8 *lo, wrow8 *hi, int in_place) {
   (void)in_place; /* (INT4_APART is 0: never asked) */
   for (int i = 0; i < 4; i++) {

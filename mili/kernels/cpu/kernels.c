@@ -234,7 +234,8 @@ AMX static void amx_matmul(const uint8_t *w, const uint8_t *x, bf16 *y, int64_t 
 
 /* -- the linear layers' micro-kernel ---------------------------------------------------------------------
  * One 64-byte row of a block holds the 16 columns' weights for 2 consecutive k (bf16) or 4 (int8): the
- * operand of the ISA's dot product against one 32-bit word of x. The micro-kernel keeps MR rows x NB blocks
+ * operand of the ISA's dot product against one 32-bit word of x (bf16: where the ISA has no bf16 dot product,
+ * ISA_X_F32, x is widened to float32 once by x_operand and each pair read as two floats). The micro-kernel keeps MR rows x NB blocks
  * of sums in registers over the whole of K, so each weight row loaded serves MR rows and each x word NB
  * blocks. int8: x holds q + INT8_X_OFFSET (128 where the dot product takes x unsigned: the sums then carry
  * 128 * colsum(W), taken off with `colsum` before scaling). */
@@ -276,7 +277,11 @@ INT8_TARGET static inline __attribute__((always_inline)) void micro(
       wv[j] = w_bf16(wp);
     }
     for (int i = 0; i < MR; i++) {
+#if ISA_X_F32
+      const xpair xb = x_f32((const float *)(x + i * ldx + p * 8));
+#else
       const xpair xb = x_bf16((const bf16 *)(x + i * ldx + p * 4));
+#endif
       for (int j = 0; j < NB; j++) acc[i][j] = dot_bf16(acc[i][j], xb, wv[j]);
     }
   }
@@ -320,12 +325,63 @@ INT8_TARGET static void micro_any(const uint8_t *w, int64_t wblock, const uint8_
   }
 }
 
+#if ISA_X_F32
+/* Many rows of bf16 on an ISA without a bf16 dot product: a block's weights are widened once into a float32
+ * panel [K][16] and F32_MR rows at a time run the plain float32 kernel over it (per k: one weight vector, a
+ * broadcast of each row's x, F32_MR FMAs on independent sums), where the direct kernel spent an ALU op per FMA
+ * widening each weight row again for every few rows. x is float32 (x_operand). */
+#define PANEL_MIN_ROWS 8
+static inline __attribute__((always_inline)) void micro_f32(const float *panel, int64_t K, const uint8_t *x,
+                                                            int64_t ldx, bf16 *y, float *yf, int64_t ldy, const int MR) {
+  vf acc[F32_MR];
+  for (int i = 0; i < MR; i++) acc[i] = vf_zero();
+  for (int64_t k = 0; k < K; k++) {
+    const vf w = vf_load(panel + k * 16);
+    for (int i = 0; i < MR; i++) acc[i] = vf_fmadd(vf_set1(((const float *)(x + i * ldx))[k]), w, acc[i]);
+  }
+  for (int i = 0; i < MR; i++) {
+    if (yf) vf_store(yf + i * ldy, acc[i]);
+    else vf_store_bf16(y + i * ldy, acc[i]);
+  }
+}
+
+static void panel_blocks(const uint8_t *w, int64_t wblock, int64_t nb0, int nb, const uint8_t *x, int64_t ldx, int64_t M,
+                         int64_t kwords, bf16 *y, float *yf, int64_t ldy) {
+  float *panel = malloc(sizeof(float) * kwords * 32);
+  for (int b = 0; b < nb; b++) {
+    const uint8_t *wb = w + (nb0 + b) * wblock;
+    for (int64_t p = 0; p < kwords; p++) w_bf16_widen(wb + p * 64, panel + 32 * p, panel + 32 * p + 16);
+    for (int64_t m0 = 0; m0 < M; m0 += F32_MR) {
+      const int mr = M - m0 < F32_MR ? (int)(M - m0) : F32_MR;
+      const uint8_t *xm = x + m0 * ldx;
+      bf16 *ym = y ? y + m0 * ldy + (nb0 + b) * 16 : NULL;
+      float *yfm = yf ? yf + m0 * ldy + (nb0 + b) * 16 : NULL;
+      switch (mr) {
+        case 1: micro_f32(panel, 2 * kwords, xm, ldx, ym, yfm, ldy, 1); break;
+        case 2: micro_f32(panel, 2 * kwords, xm, ldx, ym, yfm, ldy, 2); break;
+        case 3: micro_f32(panel, 2 * kwords, xm, ldx, ym, yfm, ldy, 3); break;
+        case 4: micro_f32(panel, 2 * kwords, xm, ldx, ym, yfm, ldy, 4); break;
+        case 5: micro_f32(panel, 2 * kwords, xm, ldx, ym, yfm, ldy, 5); break;
+        default: micro_f32(panel, 2 * kwords, xm, ldx, ym, yfm, ldy, F32_MR); break;
+      }
+    }
+  }
+  free(panel);
+}
+#endif
+
 /* All M rows of the nb column blocks from block nb0 on, MR_MAX rows at a time (a single row: nb up to NB_ONE,
  * else NB_MAX): y (bf16) or yf (float32) [M, .] with row stride ldy; sx, sw, colsum: int8's scales and
  * column sums (else NULL). */
 static void blocks(const uint8_t *w, int64_t wblock, int64_t nb0, int nb, const uint8_t *x, int64_t ldx, int64_t M,
                    int64_t kwords, bf16 *y, float *yf, int64_t ldy, int int8, const float *sx, const float *sw,
                    const int32_t *colsum, int pf) {
+#if ISA_X_F32
+  if (!int8 && M >= PANEL_MIN_ROWS) {
+    panel_blocks(w, wblock, nb0, nb, x, ldx, M, kwords, y, yf, ldy);
+    return;
+  }
+#endif
   for (int64_t m0 = 0; m0 < M; m0 += MR_MAX) {
     const int mr = M - m0 < MR_MAX ? (int)(M - m0) : MR_MAX;
     for (int b = 0; b < nb;) { /* (M > 1 takes NB_MAX blocks at a time; a single row up to NB_ONE) */
@@ -338,25 +394,47 @@ static void blocks(const uint8_t *w, int64_t wblock, int64_t nb0, int nb, const 
   }
 }
 
+/* x [M, K] bf16 (rows ld elements apart) as the bf16 micro-kernel reads it: as it is, or (ISA_X_F32) widened to
+ * float32 into a buffer the caller frees (*tmp); *ldx: the row stride in bytes. */
+static const uint8_t *x_operand(const bf16 *x, int64_t M, int64_t K, int64_t ld, float **tmp, int64_t *ldx) {
+#if ISA_X_F32
+  float *xf = malloc(sizeof(float) * M * K);
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t k = 0; k < K; k += 16) vf_store_n(xf + m * K + k, vf_load_bf16_n(x + m * ld + k, K - k), K - k);
+  *tmp = xf;
+  *ldx = K * 4;
+  return (const uint8_t *)xf;
+#else
+  (void)M, (void)K;
+  *tmp = NULL;
+  *ldx = ld * 2;
+  return (const uint8_t *)x;
+#endif
+}
+
 /* Each thread takes a contiguous run of column groups (NB_CAP blocks: its share of the weights, streamed once
- * when M <= MR_MAX) and all rows, MR_MAX at a time, while the group's weights sit in its L2. */
-static void vec_matmul(const uint8_t *w, const uint8_t *x, bf16 *y, int64_t M, int64_t N, int64_t K, int xsize,
-                       const float *sx, const float *sw, const int32_t *colsum, int nthreads) {
-  const int64_t nblocks = N / 16, per = M == 1 ? NB_ONE : NB_CAP, ngroups = (nblocks + per - 1) / per,
-                ldx = K * xsize;
+ * when M <= MR_MAX) and all rows, MR_MAX at a time, while the group's weights sit in its L2. x rows are ldx bytes
+ * apart; a weight row (kwords of them a block) is 64 bytes; int8 (else bf16) says which product. */
+static void vec_matmul(const uint8_t *w, const uint8_t *x, int64_t ldx, bf16 *y, int64_t M, int64_t N, int64_t kwords,
+                       int int8, const float *sx, const float *sw, const int32_t *colsum, int nthreads) {
+  const int64_t nblocks = N / 16, per = M == 1 ? NB_ONE : NB_CAP, ngroups = (nblocks + per - 1) / per;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (ngroups > 1)
   for (int64_t g = 0; g < ngroups; g++) {
     const int64_t nb0 = g * per;
-    blocks(w, 16 * ldx, nb0, nblocks - nb0 < per ? (int)(nblocks - nb0) : (int)per, x, ldx, M, K * xsize / 4, y,
-           NULL, N, xsize == 1, sx, sw, colsum, M <= MR_MAX);
+    blocks(w, 64 * kwords, nb0, nblocks - nb0 < per ? (int)(nblocks - nb0) : (int)per, x, ldx, M, kwords, y, NULL, N,
+           int8, sx, sw, colsum, M <= MR_MAX);
   }
 }
 
 /* One thread's bf16 product: [M, nblocks x 16] (row stride ldy; bf16 into y, or float32 into yf) = x[M, 2 kwords]
- * (row stride ldx bytes) @ W^T, W packed as 16-column blocks of kwords 64-byte rows, wblock bytes apart. */
-static void gemm_serial(const uint8_t *w, int64_t wblock, int64_t nblocks, const uint8_t *x, int64_t ldx, int64_t M,
+ * (bf16, rows ld elements apart) @ W^T, W packed as 16-column blocks of kwords 64-byte rows, wblock bytes apart. */
+static void gemm_serial(const uint8_t *w, int64_t wblock, int64_t nblocks, const bf16 *x, int64_t ld, int64_t M,
                         int64_t kwords, bf16 *y, float *yf, int64_t ldy) {
-  blocks(w, wblock, 0, (int)nblocks, x, ldx, M, kwords, y, yf, ldy, 0, NULL, NULL, NULL, 0);
+  float *tmp;
+  int64_t ldx;
+  const uint8_t *xs = x_operand(x, M, 2 * kwords, ld, &tmp, &ldx);
+  blocks(w, wblock, 0, (int)nblocks, xs, ldx, M, kwords, y, yf, ldy, 0, NULL, NULL, NULL, 0);
+  free(tmp);
 }
 
 /* bf16: y[M, N] = x[M, K] @ W^T, W packed [N/16][K/2][16][2]. K % 32 == 0, N % 16 == 0. */
@@ -376,7 +454,11 @@ void mili_linear(const bf16 *w, const bf16 *x, bf16 *y, int64_t M, int64_t N, in
     return;
   }
 #endif
-  vec_matmul((const uint8_t *)w, (const uint8_t *)x, y, M, N, K, 2, NULL, NULL, NULL, nthreads);
+  float *tmp;
+  int64_t ldx;
+  const uint8_t *xs = x_operand(x, M, K, K, &tmp, &ldx);
+  vec_matmul((const uint8_t *)w, xs, ldx, y, M, N, K / 2, 0, NULL, NULL, NULL, nthreads);
+  free(tmp);
 }
 
 /* n bf16 values to int8 with one symmetric scale, returned (amax / 127; q = x / scale rounded to nearest
@@ -424,7 +506,7 @@ void mili_linear_int8(const int8_t *w, const float *sw, const int32_t *colsum, c
     amx_matmul((const uint8_t *)w, (const uint8_t *)xq, y, M, N, K, 1, sx, sw, nthreads);
   else
 #endif
-    vec_matmul((const uint8_t *)w, (const uint8_t *)xq, y, M, N, K, 1, sx, sw, colsum, nthreads);
+    vec_matmul((const uint8_t *)w, (const uint8_t *)xq, K, y, M, N, K / 4, 1, sx, sw, colsum, nthreads);
   free(xq);
   free(sx);
 }
@@ -449,35 +531,48 @@ INT8_TARGET static inline __attribute__((always_inline)) void int4_micro(
   for (int i = 0; i < MR; i++)
     for (int j = 0; j < NB; j++) f[i][j] = vf_zero();
   for (int64_t g = 0; g < G; g++) {
-    /* One row (decode): the high nibbles' products are summed apart, which gives each sum two independent
-     * dot-product chains instead of one chain of two; where the ISA allows (INT4_APART: vpdpbusd), they are
-     * used in place (masked, not shifted: one instruction less a load), so that sum is 16 times too large.
-     * Two rows keep one sum each: twice the sums would not fit the registers (measured slower at M = 64). */
-    const int apart = MR == 1, in_place = apart && INT4_APART;
+    /* One row (decode) where the ISA allows (INT4_APART: vpdpbusd on AVX-512), the high nibbles are used in
+     * place (masked, not shifted: one instruction less a load) and their products summed apart, 16 times too
+     * large, which also gives each sum two independent chains. Otherwise each step's products go to running
+     * sums (i4acc: int16 lanes on AVX2's vpmaddubsw, widened every I4_STEPS steps) flushed into acc. Two rows
+     * keep one sum each: twice the sums would not fit the registers (measured slower at M = 64). */
+    const int apart = MR == 1 && INT4_APART;
     vi acc[I4_MR][I4_NB_CAP], acc16[I4_MR][I4_NB_CAP];
     for (int i = 0; i < MR; i++)
       for (int j = 0; j < NB; j++) acc[i][j] = acc16[i][j] = vi_zero();
-    for (int64_t p = g * k8_per_group; p < (g + 1) * k8_per_group; p++) {
-      wrow8 lo[I4_NB_CAP], hi[I4_NB_CAP];
-      for (int j = 0; j < NB; j++) {
-        const uint8_t *wp = w + j * wblock + p * 64;
-        if (pf) prefetch(wp + PF_DIST, 0);
-        w_int4(wp, &lo[j], &hi[j], in_place);
-      }
-      for (int i = 0; i < MR; i++) {
-        const xq4 x0 = x_int8(xq + i * K + p * 8), x1 = x_int8(xq + i * K + p * 8 + 4);
+    const int64_t p_end = (g + 1) * k8_per_group;
+    for (int64_t p0 = g * k8_per_group; p0 < p_end; p0 += I4_STEPS) {
+      i4acc t[I4_MR][I4_NB_CAP];
+      for (int i = 0; i < MR; i++)
+        for (int j = 0; j < NB; j++) t[i][j] = i4_zero();
+      for (int64_t p = p0; p < p_end && p < p0 + I4_STEPS; p++) {
+        wrow8 lo[I4_NB_CAP], hi[I4_NB_CAP];
         for (int j = 0; j < NB; j++) {
-          acc[i][j] = dot_int4(acc[i][j], x0, lo[j]);
-          if (apart) acc16[i][j] = dot_int4(acc16[i][j], x1, hi[j]);
-          else acc[i][j] = dot_int4(acc[i][j], x1, hi[j]);
+          const uint8_t *wp = w + j * wblock + p * 64;
+          if (pf) prefetch(wp + PF_DIST, 0);
+          w_int4(wp, &lo[j], &hi[j], apart);
+        }
+        for (int i = 0; i < MR; i++) {
+          const xq4 x0 = x_int8(xq + i * K + p * 8), x1 = x_int8(xq + i * K + p * 8 + 4);
+          for (int j = 0; j < NB; j++) {
+            if (apart) { /* two chains: the high nibbles' products (16 x, in place) apart */
+              acc[i][j] = dot_int4(acc[i][j], x0, lo[j]);
+              acc16[i][j] = dot_int4(acc16[i][j], x1, hi[j]);
+            } else {
+              t[i][j] = i4_dot(t[i][j], x0, lo[j], x1, hi[j]);
+            }
+          }
         }
       }
+      if (!apart)
+        for (int i = 0; i < MR; i++)
+          for (int j = 0; j < NB; j++) acc[i][j] = i4_flush(acc[i][j], t[i][j]);
     }
     for (int j = 0; j < NB; j++) {
       const int64_t at = j * G * 16 + g * 16;
       const vf s = load_scales(ws, at, f32), b = load_scales(wb, at, f32);
       for (int i = 0; i < MR; i++) {
-        const vi sum = apart ? vi_add(acc[i][j], in_place ? vi_sra(acc16[i][j], 4) : acc16[i][j]) : acc[i][j];
+        const vi sum = apart ? vi_add(acc[i][j], vi_sra(acc16[i][j], 4)) : acc[i][j];
         const float scale = sx[i * G + g];
         f[i][j] = vf_fmadd(vi_to_vf(sum), vf_mul(s, vf_set1(scale)), f[i][j]);
         f[i][j] = vf_fmadd(b, vf_set1(scale * (float)xsum[i * G + g]), f[i][j]);
@@ -791,7 +886,7 @@ void mili_prefill_attention(const bf16 *q, int64_t ldq, const bf16 *k, int64_t l
       float *sc = malloc(sizeof(float) * rows * width);
       for (int64_t g = 0; g < G; g++) /* row g * n + i: query i0 + i of head h * G + g */
         for (int64_t i = 0; i < n; i++) memcpy(xq + (g * n + i) * D, q + (i0 + i) * ldq + (h * G + g) * D, D * 2);
-      gemm_serial((const uint8_t *)(kp + h * Lkp * D), D * 32, width / 16, (const uint8_t *)xq, D * 2, rows, D / 2,
+      gemm_serial((const uint8_t *)(kp + h * Lkp * D), D * 32, width / 16, xq, D, rows, D / 2,
                   NULL, sc, width);
       for (int64_t r = 0; r < rows; r++) {
         const int64_t valid = Lk - Lq + i0 + r % n + 1;
@@ -803,8 +898,8 @@ void mili_prefill_attention(const bf16 *q, int64_t ldq, const bf16 *k, int64_t l
         memset(prow + valid, 0, sizeof(bf16) * (width - valid));
       }
       for (int64_t g = 0; g < G; g++)
-        gemm_serial((const uint8_t *)(vp + h * D * Lkp), Lkp * 32, D / 16, (const uint8_t *)(pr + g * n * width),
-                    width * 2, n, width / 2, out + i0 * ldo + (h * G + g) * D, NULL, ldo);
+        gemm_serial((const uint8_t *)(vp + h * D * Lkp), Lkp * 32, D / 16, pr + g * n * width, width, n, width / 2,
+                    out + i0 * ldo + (h * G + g) * D, NULL, ldo);
       free(xq);
       free(pr);
       free(sc);
