@@ -320,7 +320,7 @@ def onednn_bf16() -> str:
 
 
 FAMILIES = ("bf16 linears", "int8 / int4 linears", "norms, RoPE, SwiGLU", "attention", "Gated DeltaNet decode",
-            "argmax, grammar bitmask")
+            "argmax, grammar bitmask", "oneDNN bf16 packing")
 
 
 def paths(off: str = "") -> dict[str, str]:
@@ -333,14 +333,15 @@ def paths(off: str = "") -> dict[str, str]:
     aten = "aten" + (" on oneDNN-packed weights" if not onednn else f" (no oneDNN bf16 packing: {onednn})")
     if not kernels:
         return {"bf16 linears": aten, "int8 / int4 linears": "aten weight-only int8; AWQ dequantized to bf16",
-                "norms, RoPE, SwiGLU": f"torch (MILI kernels off: {why_not})", "attention": "torch (SDPA over gathered pages)",
+                "norms, RoPE, SwiGLU": f"torch (MILI kernels off: {why_not})", "oneDNN bf16 packing": onednn or "runs", "attention": "torch (SDPA over gathered pages)",
                 "Gated DeltaNet decode": "torch", "argmax, grammar bitmask": "torch, xgrammar"}
     name = f"MILI kernel ({current()})"
     amx = " on AMX tiles" if current() == "amx" else ""
     int_path = (f"{name}{amx}" if not lib.mili_int_check
                 else f"aten weight-only int8; AWQ dequantized ({lib.mili_int_check})")
     return {"bf16 linears": name + amx, "int8 / int4 linears": int_path, "norms, RoPE, SwiGLU": name,
-            "attention": name + ", paged in place", "Gated DeltaNet decode": name, "argmax, grammar bitmask": name}
+            "attention": name + ", paged in place", "Gated DeltaNet decode": name, "argmax, grammar bitmask": name,
+            "oneDNN bf16 packing": f"{onednn or 'runs'} (used where the kernels are off)"}
 
 
 def describe(off: str = "") -> str:

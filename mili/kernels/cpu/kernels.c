@@ -461,7 +461,7 @@ void mili_linear(const bf16 *w, const bf16 *x, bf16 *y, int64_t M, int64_t N, in
   free(tmp);
 }
 
-/* n bf16 values to int8 with one symmetric scale, returned (amax / 127; q = x / scale rounded to nearest
+/* n bf16 values to int8 with one symmetric scale, returned (amax / 127; q = x times 1 / scale rounded to nearest
  * even, as lrintf does in the default rounding mode): stores q + offset (128: unsigned, for vpdpbusd's first
  * operand) and the sum of q (without the offset) in *sum. Any n. Vectorized because the scalar loop it
  * replaced (lrintf is a libm call under -O3) cost ~4.3 ns a value against ~0.4 here, run by one thread while

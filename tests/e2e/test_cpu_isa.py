@@ -1,0 +1,99 @@
+"""MILI on the CPUs people own: `mili generate` on the demo through every ISA path this machine executes
+(MILI_CPU_ISA caps the kernels, and below AVX-512 oneDNN's bf16 packing too), a cap the CPU can't run refused by
+name, and the same command on an emulated AVX2-only CPU (qemu-user's `-cpu Haswell`: CPUID says AVX2 without
+AVX-512, so torch's own oneDNN check and MILI's probe both see the machine a Zen 3 or a Core i7 is).
+
+qemu-user is required on x86-64: without `qemu-x86_64` the emulated test fails (CI installs it, see .ci/run),
+unless MILI_SKIP_CROSS_TESTS=1 says to skip it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+from pathlib import Path
+
+import pytest
+
+from mili.kernels import cpu
+
+ROOT = Path(__file__).resolve().parents[2]
+# The engine tests the lower paths run once more (the kernel tests take every path in-process already)
+ENGINE_TESTS = ["tests/unit/test_cpu_linear.py", "tests/unit/test_loader.py", "tests/unit/test_lm_head_dtype.py",
+                "tests/unit/test_quantized_checkpoints.py", "tests/unit/test_selftest.py",
+                "tests/unit/test_kv_cache_fp8.py", "tests/unit/test_engine.py"]
+
+PROMPT = ["generate", "--prompt", "Hello", "--max-tokens", "8"]
+
+
+def generate(env_extra: dict[str, str], prefix: list[str] | None = None, timeout: float = 300) -> tuple[str, str]:
+    """(stdout, stderr) of `python -m mili.cli generate` on the demo (its log on stderr); rc 0 asserted."""
+    env = {name: value for name, value in os.environ.items() if name != "MILI_CPU_ISA"} | env_extra
+    done = subprocess.run([*(prefix or []), sys.executable, "-m", "mili.cli", *PROMPT], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout, done.stderr
+
+
+def paths_line(log: str) -> str:
+    return next(line for line in log.splitlines() if "CPU paths:" in line)
+
+
+@pytest.fixture(scope="module")
+def default_text():
+    return generate({})[0]
+
+
+@pytest.mark.parametrize("isa", cpu.runnable_isas())
+def test_every_path_this_cpu_runs_generates_the_same_text(isa, default_text):
+    """The demo's greedy reply through each forced path is the default path's, and the log names the path; below
+    AVX-512, oneDNN's bf16 packing is held off as on such a CPU (aten's linear runs where the kernels don't)."""
+    out, log = generate({"MILI_CPU_ISA": isa})
+    line = paths_line(log)
+    assert f"CPU ISA {isa} (MILI_CPU_ISA={isa}" in line or (isa == "none" and "CPU ISA none" in line), line
+    assert out == default_text and out.strip()
+    if isa == "none":  # torch's ops, and aten's linear: oneDNN's bf16 held off as on a CPU without AVX-512
+        assert "norms, RoPE, SwiGLU: torch" in line and "bf16 linears: aten (no oneDNN bf16 packing" in line
+    else:
+        assert f"bf16 linears: MILI kernel ({isa})" in line
+
+
+def test_a_cap_the_cpu_cannot_run_is_refused_by_name():
+    """MILI_CPU_ISA asking for more than the CPU has (or for nothing MILI knows) is refused by name in the log,
+    and the best path the CPU runs serves instead: no crash."""
+    above = [isa for isa in cpu.ORDER[cpu.arch()] if isa not in cpu.runnable_isas()]
+    for asked in above[:1] + ["sse9"]:
+        out, log = generate({"MILI_CPU_ISA": asked})
+        assert out.strip()
+        assert f"MILI_CPU_ISA={asked}" in log and f"CPU ISA {cpu.best_isa()}" in paths_line(log)
+        assert ("refused" if asked != "sse9" else "is not an ISA") in log
+
+
+@pytest.mark.skipif(cpu.arch() != "x86_64", reason="emulates an x86-64 CPU")
+def test_generate_on_an_emulated_avx2_only_cpu(tmp_path, default_text):
+    """qemu-x86_64 -cpu Haswell (AVX2, FMA, F16C; no AVX-512): MILI's probe reads the emulated CPUID, builds the AVX2
+    kernels (a fresh cache: nothing built for this machine's AVX-512 is reused), torch says oneDNN has no bf16
+    there, and the demo's reply is the native one."""
+    if os.environ.get("MILI_SKIP_CROSS_TESTS") == "1":
+        pytest.skip("MILI_SKIP_CROSS_TESTS=1")
+    qemu = shutil.which("qemu-x86_64")
+    assert qemu, "qemu-x86_64 not found: apt-get install qemu-user (.ci/run does), or set MILI_SKIP_CROSS_TESTS=1"
+    out, log = generate({"MILI_CACHE_DIR": str(tmp_path)}, prefix=[qemu, "-cpu", "Haswell"], timeout=600)
+    line = paths_line(log)
+    assert "CPU ISA avx2 (the best this CPU runs; CPU: avx2 f16c fma)" in line, line
+    assert "torch says this CPU lacks it" in line and "bf16 linears: MILI kernel (avx2)" in line
+    assert out == default_text
+
+
+@pytest.mark.parametrize("isa", [isa for isa in cpu.runnable_isas() if isa != cpu.best_isa()][:2])
+def test_engine_tests_on_the_lower_paths(isa):
+    """The engine's tests (loading every checkpoint layout, bf16/int8/AWQ/FP8 linears, the lm_head's dtype, the FP8 KV
+    cache, selftest) once more as a CPU without the better ISA runs them: torch's ops alone (none, oneDNN's bf16 held
+    off) and the lowest kernel ISA (avx2 on x86-64), in a pytest of their own with MILI_CPU_ISA set."""
+    env = {**os.environ, "MILI_CPU_ISA": isa}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *ENGINE_TESTS], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout.splitlines()[-1] and "failed" not in done.stdout.splitlines()[-1]
