@@ -443,3 +443,17 @@ def test_hybrid_engine_decodes_in_the_kernel(isa, tmp_path, monkeypatch):
     out = bf16.generate(prompts, params, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 10 for o in out)
     bf16.engine.check_integrity()
+
+
+def test_macos_and_unknown_cpus_are_refused_by_name(monkeypatch):
+    """Where no kernels are built (macOS on Apple silicon, an architecture MILI has no layer for), every ISA but none
+    is refused with the reason, so the engine runs torch's ops instead of failing to build."""
+    import platform
+
+    monkeypatch.setattr(platform, "system", lambda: "Darwin")
+    monkeypatch.setattr(platform, "machine", lambda: "arm64")
+    assert cpu.arch() == "aarch64" and cpu.runnable_isas() == ["none"]
+    assert "Linux only" in cpu.runnable("neon") and "Darwin" in cpu.runnable("neon-dot")
+    monkeypatch.setattr(platform, "system", lambda: "Linux")
+    monkeypatch.setattr(platform, "machine", lambda: "riscv64")
+    assert cpu.runnable_isas() == ["none"] and "not an ISA of riscv64" in cpu.runnable("avx2")

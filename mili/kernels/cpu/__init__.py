@@ -141,6 +141,8 @@ def cpu_features() -> frozenset[str]:
 
 def runnable(isa: str) -> str:
     """"" where this CPU runs ``isa``'s kernels, else why not."""
+    if isa != "none" and platform.system() != "Linux":  # (macOS: Apple's clang has no OpenMP; not built there yet)
+        return f"MILI's CPU kernels are built on Linux only; on {platform.system()} torch's ops run"
     order = ORDER.get(arch())
     if order is None or isa not in order:
         return f"{isa!r} is not an ISA of {arch()} (its kernels: {', '.join(order or ('none',))})"
