@@ -112,7 +112,8 @@ class ModelRunner:
         if config.lm_head_dtype == "int8" and (self.device.type != "cpu" or self.triton_linears):
             raise InvalidRequest("--lm-head-dtype int8 runs on the CPU's linear layers (not on CUDA or the Triton "
                                  "layers)", param="lm_head_dtype")
-        keep = self.triton_linears or (self.cpu_kernels and getattr(self.weight_quant, "method", None) == "awq")
+        keep = self.triton_linears or (self.cpu_kernels and cpu.int8_available()  # (the int4 kernel: a byte dot product)
+                                       and getattr(self.weight_quant, "method", None) == "awq")
         quantized = load_weights(self.model, path, keep_quantized=keep)
         self.model.eval()
         self.weight_format = self._swap_linears(quantized)

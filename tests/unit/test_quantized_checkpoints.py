@@ -168,7 +168,8 @@ def _runner(llm):
     return llm.engine.core.runner
 
 
-@pytest.mark.skipif(not cpu.int8_available(), reason="MILI's int kernels need AVX-512 VNNI or AMX")
+@pytest.mark.skipif(not cpu.int8_available(), reason=f"MILI's int kernels do not run here ({cpu.isa()}; the next "
+                                                     "test covers their absence)")
 def test_awq_in_bf16_runs_on_the_int4_kernel(dense, tmp_path):
     from mili.model.cpu_linear import Int4Linear, Int8Linear, KernelLinear
 
@@ -190,6 +191,39 @@ def test_awq_in_bf16_runs_on_the_int4_kernel(dense, tmp_path):
     # and W4A8 in bf16 stays near the float32 dequantized model: the first greedy token agrees
     exact = LLM(str(path), dtype="float32").generate(PROMPTS, PARAMS, use_tqdm=False)
     assert sum(x.outputs[0].token_ids[0] == y.outputs[0].token_ids[0] for x, y in zip(a, exact)) >= 2
+
+
+def test_awq_in_bf16_without_the_int_kernels_is_dequantized(dense, tmp_path, monkeypatch):
+    """Where the int kernels do not run (AVX-512 without VNNI, as on Skylake-X, simulated here by a CPU that lacks
+    avx512_vnni; or no kernels at all) an AWQ checkpoint is dequantized to bf16 and int8 is aten's weight-only:
+    no int kernel is called, so no instruction the CPU lacks runs, and the output stays the dequantized model's."""
+    from mili.model.cpu_linear import Int4Linear, Int8Linear, KernelLinear
+
+    tensors, _ = awq_layout(load_file(dense / "model.safetensors"), 128)
+    path = write_quantized_checkpoint(dense, tmp_path / "awq", tensors, AWQ_CONFIG)
+    if "avx512" in cpu.runnable_isas():  # AVX-512 without VNNI: its own build, the int kernels refused
+        lacking = cpu.cpu_features() - {"avx512_vnni"}
+        monkeypatch.setattr(cpu, "cpu_features", lambda: lacking)
+        monkeypatch.setattr(cpu, "_active", ["avx512"])
+        cpu._load.cache_clear()
+        cpu._loaded.clear()
+        assert cpu.available() and not cpu.int8_available() and "-mavx512vnni" not in cpu.compile_flags("avx512")
+    else:  # no kernels at all
+        monkeypatch.setattr(cpu, "_active", ["none"])
+        cpu._loaded.clear()
+        assert not cpu.available()
+    try:
+        runner = _runner(LLM(str(path), dtype="bfloat16"))
+        layer = runner.model.model.layers[0]
+        assert not any(isinstance(m, Int4Linear) for m in runner.model.modules())
+        assert "dequantized" in runner.weight_format
+        int8 = _runner(LLM(str(dense), dtype="bfloat16", quantization="int8"))
+        assert isinstance(int8.model.model.layers[0].mlp.down_proj, Int8Linear)
+        assert not int8.model.model.layers[0].mlp.down_proj.kernel
+        assert isinstance(layer.mlp.down_proj, KernelLinear) == cpu.available()  # bf16: the kernel where it runs
+    finally:
+        cpu._load.cache_clear()
+        cpu._loaded.clear()
 
 
 def test_fp8_checkpoint_in_bf16_maps_onto_int8(dense, tmp_path):
