@@ -7,7 +7,9 @@ alternating, so that a shared machine's minutes hit them alike. A version is a s
     python benchmarks/linear_ab.py mili/kernels/cpu/kernels.c@avx512 mili/kernels/cpu/kernels.c@avx2
 
 e.g. ``git show HEAD~1:mili/kernels/cpu/kernels.c > /tmp/old.c`` against the working tree's file (its ISA headers
-are the working tree's). Each version is built like the library (cc -O3, the ISA's flags alone, -fopenmp) under
+are the working tree's). The calls are today's: a version from before the int4 kernel took scales and offsets
+(w = s q + b, issue 42) reads them as its zero points and takes ``scale_f32`` for its thread count, so its int4
+figures mean nothing; its bf16 and int8 ones stand. Each version is built like the library (cc -O3, the ISA's flags alone, -fopenmp) under
 /tmp, keyed by its source and flags. Per thread count
 (1, 2): the median and the minimum (the trials that had the cores) of a sweep's time, its GB/s of weights,
 the minimum's share of a 1 GiB copy (read + write, the best of 6, same threads) and each version's ratio to

@@ -264,13 +264,13 @@ class ModelRunner:
         path each layer family takes, and why."""
         if self.device.type != "cpu":
             return False
-        off = ("--no-cpu-kernels" if not self.config.cpu_kernels
-               else f"the model runs {str(self.dtype).removeprefix('torch.')}; the kernels are bf16's"
+        asked = self.config.cpu_kernels  # (--no-cpu-kernels: nothing is built or loaded)
+        off = (f"the model runs {str(self.dtype).removeprefix('torch.')}; the kernels are bf16's"
                if self.dtype != torch.bfloat16
                else "the Triton attention back-end" if self.attention_backend != "torch"
                else "tensor parallelism" if self.tp_size > 1 else "")
-        log.info("CPU paths: %s", cpu.describe(off))
-        return not off and cpu.available()
+        log.info("CPU paths: %s", cpu.describe(off, asked))
+        return asked and not off and cpu.available()
 
     def _backend_and_ops(self):
         if self.attention_backend == "triton":

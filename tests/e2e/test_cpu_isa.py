@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # The engine tests the lower paths run once more (the kernel tests take every path in-process already)
 ENGINE_TESTS = ["tests/unit/test_cpu_linear.py", "tests/unit/test_loader.py", "tests/unit/test_lm_head_dtype.py",
                 "tests/unit/test_quantized_checkpoints.py", "tests/unit/test_selftest.py",
-                "tests/unit/test_kv_cache_fp8.py", "tests/unit/test_engine.py"]
+                "tests/unit/test_kv_cache_fp8.py", "tests/unit/test_engine.py", "tests/unit/test_speculative.py"]
 
 PROMPT = ["generate", "--prompt", "Hello", "--max-tokens", "8"]
 

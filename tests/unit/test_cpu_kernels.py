@@ -457,3 +457,39 @@ def test_macos_and_unknown_cpus_are_refused_by_name(monkeypatch):
     monkeypatch.setattr(platform, "system", lambda: "Linux")
     monkeypatch.setattr(platform, "machine", lambda: "riscv64")
     assert cpu.runnable_isas() == ["none"] and "not an ISA of riscv64" in cpu.runnable("avx2")
+
+
+@needs_kernels
+@pytest.mark.parametrize("k", [64, 1024])
+def test_a_row_is_the_same_bits_whatever_rows_share_the_call(isa, k):
+    """Each row's product does not depend on how many rows are computed with it (one, a few on the direct kernel,
+    many on AVX2's and NEON's float32 panel kernel, AMX tiles): a speculative verification's rows are the decode
+    steps' bit for bit (runtime/cpu_decode.py)."""
+    torch.manual_seed(k)
+    w, x = torch.randn(48, k).to(BF16), torch.randn(40, k).to(BF16)
+    packed = ops.pack_weight(w)
+    many = ops.linear(x, packed, 48)
+    for m in (1, 3, 8, 17):
+        assert torch.equal(ops.linear(x[:m], packed, 48), many[:m])
+    assert torch.equal(ops.linear(x[5:6], packed, 48), many[5:6])
+
+
+def test_a_path_that_fails_gives_way_to_the_next_one_down(monkeypatch):
+    """Where the chosen ISA's library fails to build or to pass its check at load, the next ISA down serves (and
+    the log says why), not torch's ops at once."""
+    chosen = cpu._chosen()[0]
+    order = cpu.ORDER[cpu.arch()]
+    if chosen == "none":
+        pytest.skip("no kernel ISA runs here: nothing to fall from")
+    real = cpu._load
+    monkeypatch.setattr(cpu, "_load", lambda name: (None, "a planted failure") if name == chosen else real(name))
+    monkeypatch.setattr(cpu, "_active", [])
+    cpu._default.cache_clear()
+    cpu._loaded.clear()
+    try:
+        below = order[order.index(chosen) - 1]
+        assert cpu.current() == below and cpu.available() == (below != "none")
+        assert f"{chosen} failed (a planted failure)" in cpu.why()
+    finally:
+        cpu._default.cache_clear()
+        cpu._loaded.clear()

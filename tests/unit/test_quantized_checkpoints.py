@@ -212,13 +212,24 @@ def test_awq_in_bf16_without_the_int_kernels_is_dequantized(dense, tmp_path, mon
         monkeypatch.setattr(cpu, "_active", ["none"])
         cpu._loaded.clear()
         assert not cpu.available()
+    from mili.kernels.cpu import ops
+
+    def refused(*args, **kwargs):
+        raise AssertionError("an int kernel was called where the CPU lacks its instructions")
+
+    monkeypatch.setattr(ops, "linear_int8", refused)
+    monkeypatch.setattr(ops, "linear_int4", refused)
     try:
-        runner = _runner(LLM(str(path), dtype="bfloat16"))
+        awq = LLM(str(path), dtype="bfloat16")
+        runner = _runner(awq)
         layer = runner.model.model.layers[0]
+        awq.generate(PROMPTS, PARAMS, use_tqdm=False)
         assert not any(isinstance(m, Int4Linear) for m in runner.model.modules())
         assert "dequantized" in runner.weight_format
-        int8 = _runner(LLM(str(dense), dtype="bfloat16", quantization="int8"))
+        int8_llm = LLM(str(dense), dtype="bfloat16", quantization="int8")
+        int8 = _runner(int8_llm)
         assert isinstance(int8.model.model.layers[0].mlp.down_proj, Int8Linear)
+        int8_llm.generate(PROMPTS, PARAMS, use_tqdm=False)  # runs: aten's weight-only int8, no refused kernel
         assert not int8.model.model.layers[0].mlp.down_proj.kernel
         assert isinstance(layer.mlp.down_proj, KernelLinear) == cpu.available()  # bf16: the kernel where it runs
     finally:

@@ -141,7 +141,9 @@ def cpu_features() -> frozenset[str]:
 
 def runnable(isa: str) -> str:
     """"" where this CPU runs ``isa``'s kernels, else why not."""
-    if isa != "none" and platform.system() != "Linux":  # (macOS: Apple's clang has no OpenMP; not built there yet)
+    if isa == "none":  # (torch's ops: anywhere)
+        return ""
+    if platform.system() != "Linux":  # (macOS: Apple's clang has no OpenMP; not built there yet)
         return f"MILI's CPU kernels are built on Linux only; on {platform.system()} torch's ops run"
     order = ORDER.get(arch())
     if order is None or isa not in order:
@@ -188,8 +190,32 @@ _loaded: dict[str, tuple[ctypes.CDLL | None, str]] = {}  # the current ISA's lib
 
 
 def current() -> str:
-    """The ISA path the kernels take now."""
+    """The ISA path the kernels take now (a test's, or the default: the one asked for, or the next one down that
+    loads where it fails to build or to pass its check)."""
+    return _active[-1] if _active else _default()[0]
+
+
+def _asked() -> str:
+    """The ISA asked for (a test's, MILI_CPU_ISA, or the best this CPU runs), without building anything."""
     return _active[-1] if _active else _chosen()[0]
+
+
+@functools.cache
+def _default() -> tuple[str, ctypes.CDLL | None, str]:
+    """(ISA, library, why): the chosen ISA's library, or where it fails to build or to pass its check at load, the
+    next one down that does (none: torch's ops)."""
+    chosen, note = _chosen()
+    order = ORDER.get(arch(), ("none",))
+    failed = []
+    for name in reversed(order[:order.index(chosen) + 1] if chosen in order else ("none",)):
+        lib, why = _load(name)
+        if lib is not None or name == "none":
+            if failed:
+                log.warning("MILI's CPU kernels: %s; %s runs", "; ".join(failed), name)
+                note = f"{note}; {'; '.join(failed)}"
+            return name, lib, note if lib is not None else (f"{note}: torch's ops run" if failed else why)
+        failed.append(f"{name} failed ({why})")
+    return "none", None, note
 
 
 @contextlib.contextmanager
@@ -230,7 +256,7 @@ def compile_flags(isa: str, features: frozenset[str] | set[str] | None = None) -
 def _build(isa: str, compiler: str) -> Path:
     tune = ["-mtune=native"] if arch() == "x86_64" else []
     cmd = [compiler, "-O3", *compile_flags(isa), *tune, "-fopenmp", "-shared", "-fPIC"]
-    return _compile(cmd, SOURCE, isa, ".so")
+    return _compile(cmd, SOURCE, "avx512" if isa == "amx" else isa, ".so")
 
 
 @functools.cache
@@ -245,7 +271,16 @@ def _load(isa: str) -> tuple[ctypes.CDLL | None, str]:
     if compiler is None:
         return None, "no C compiler (set $CC or install gcc)"
     try:
-        lib = ctypes.CDLL(str(_build(isa, compiler)))
+        path = _build(isa, compiler)
+        if isa == "amx":  # the avx512 build, loaded from its own copy so that its AMX switch is its own
+            copy = path.with_name(path.stem + "_amx.so")
+            if not copy.is_file():
+                fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+                os.close(fd)
+                shutil.copyfile(path, tmp)
+                os.replace(tmp, copy)
+            path = copy
+        lib = ctypes.CDLL(str(path))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         return None, f"building the CPU kernels for {isa} failed: {exc}"
     for name, argtypes in SIGNATURES.items():
@@ -277,16 +312,12 @@ def _int_instructions(isa: str) -> bool:
 
 def load(isa: str | None = None) -> tuple[ctypes.CDLL | None, str]:
     """(the library of ``isa``, default :func:`current`, "") or (None, why it can't be used here). Built and
-    loaded once per process and ISA; avx512 and amx are one library, whose linear layers take AMX tiles or not
-    as the ISA in use says."""
+    loaded once per process and ISA (amx: the avx512 build, a copy of its own with AMX on)."""
     if isa is None:
         if "" not in _loaded:
-            _loaded[""] = load(current())
+            _loaded[""] = _load(_active[-1]) if _active else _default()[1:]
         return _loaded[""]
-    lib, why = _load(isa)
-    if lib is not None and isa in ("avx512", "amx"):
-        lib.mili_use_amx(int(isa == "amx" and lib.mili_amx_init() == 0))
-    return lib, why
+    return _load(isa)
 
 
 def isa() -> str:
@@ -299,7 +330,7 @@ def why() -> str:
     lib, reason = load()
     if _active:
         return f"{current()}, as the test asks" if lib is not None else reason
-    return _chosen()[1] if lib is not None else reason
+    return _default()[2]
 
 
 def int8_available() -> bool:
@@ -309,7 +340,7 @@ def int8_available() -> bool:
     return lib is not None and not lib.mili_int_check
 
 
-HELD_OFF_ONEDNN = ("none", "avx2", "avx2-vnni", "neon", "neon-dot")
+HELD_OFF_ONEDNN = ("none", "avx2", "avx2-vnni")  # (on a CPU with AVX-512, when asked for one of these)
 
 
 def onednn_bf16() -> str:
@@ -317,7 +348,10 @@ def onednn_bf16() -> str:
     MILI_CPU_ISA or a test holds the kernels below AVX-512, as on a CPU without it."""
     from mili.kernels.cpu import checks
 
-    held = current() in HELD_OFF_ONEDNN and (requested() is not None or bool(_active))
+    order = ORDER.get(arch(), ())
+    rank = {name: i for i, name in enumerate(order)}
+    held = ("avx512" in rank and rank.get(_asked(), 0) < rank["avx512"] <= rank[best_isa()]
+            and (requested() is not None or bool(_active)))
     return checks.onednn_bf16(held)
 
 
@@ -325,19 +359,26 @@ FAMILIES = ("bf16 linears", "int8 / int4 linears", "norms, RoPE, SwiGLU", "atten
             "argmax, grammar bitmask", "oneDNN bf16 packing")
 
 
-def paths(off: str = "") -> dict[str, str]:
-    """Each layer family's CPU path and why (the start-up log, ``mili selftest``). ``off``: why the engine does not
-    take MILI's kernels though they load (told not to, another dtype), else ""."""
-    lib, why_not = load()
+def paths(off: str = "", asked: bool = True) -> dict[str, str]:
+    """Each layer family's CPU path and why (the start-up log, ``mili selftest``). ``off``: why the engine's model
+    does not take MILI's kernels though they may load (another dtype, the Triton back-end, tensor parallelism: the
+    Gated DeltaNet step and the grammar bitmask still do, in any dtype); ``asked`` False (--no-cpu-kernels): none is
+    built or loaded."""
+    lib, why_not = load() if asked else (None, "--no-cpu-kernels")
     kernels = lib is not None and not off
-    why_not = why_not or off
+    why_not = off or why_not
     onednn = onednn_bf16()
     aten = "aten" + (" on oneDNN-packed weights" if not onednn else f" (no oneDNN bf16 packing: {onednn})")
+    if off.startswith("the model runs"):  # (float32 / float16 linears: aten's, unpacked)
+        aten = f"aten ({off.split(';')[0].removeprefix('the model runs ')})"
+    name = f"MILI kernel ({current()})" if lib is not None else ""
+    side = name or f"torch (MILI kernels off: {why_not})"
     if not kernels:
         return {"bf16 linears": aten, "int8 / int4 linears": "aten weight-only int8; AWQ dequantized to bf16",
-                "norms, RoPE, SwiGLU": f"torch (MILI kernels off: {why_not})", "oneDNN bf16 packing": onednn or "runs", "attention": "torch (SDPA over gathered pages)",
-                "Gated DeltaNet decode": "torch", "argmax, grammar bitmask": "torch, xgrammar"}
-    name = f"MILI kernel ({current()})"
+                "norms, RoPE, SwiGLU": f"torch (MILI kernels off: {why_not})",
+                "attention": "torch (SDPA over gathered pages)", "Gated DeltaNet decode": side,
+                "argmax, grammar bitmask": "torch argmax" + (f"; bitmask {side}" if lib is not None else ", xgrammar"),
+                "oneDNN bf16 packing": onednn or "runs"}
     amx = " on AMX tiles" if current() == "amx" else ""
     int_path = (f"{name}{amx}" if not lib.mili_int_check
                 else f"aten weight-only int8; AWQ dequantized ({lib.mili_int_check})")
@@ -346,12 +387,13 @@ def paths(off: str = "") -> dict[str, str]:
             "oneDNN bf16 packing": f"{onednn or 'runs'} (used where the kernels are off)"}
 
 
-def describe(off: str = "") -> str:
-    """One line: the ISA, why, and each family's path (``off``: as :func:`paths`)."""
+def describe(off: str = "", asked: bool = True) -> str:
+    """One line: the ISA, why, and each family's path (``off``, ``asked``: as :func:`paths`)."""
     flags = " ".join(sorted(cpu_features() & {f for needs in NEEDS.values() for f in needs} | (
         cpu_features() & {"avx512_vnni", "avx512_bf16", "avx_vnni", "avx512dq", "i8mm", "bf16"})))
-    head = f"CPU ISA {isa()} ({why()}; CPU: {flags or 'no SIMD flags known'})"
-    return head + "; " + "; ".join(f"{family}: {path}" for family, path in paths(off).items())
+    head = (f"CPU ISA {isa()} ({why()}; CPU: {flags or 'no SIMD flags known'})" if asked
+            else f"MILI's CPU kernels not asked for (--no-cpu-kernels; CPU: {flags or 'no SIMD flags known'})")
+    return head + "; " + "; ".join(f"{family}: {path}" for family, path in paths(off, asked).items())
 
 
 def available() -> bool:

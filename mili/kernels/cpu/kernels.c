@@ -102,9 +102,9 @@ static inline vf vf_round_bf16(vf v) { /* rounded to bf16 and back */
 }
 
 /* exp(x): x = n ln2 + r, 2^n exactly, e^r by its Taylor series to r^6 (|r| <= ln2/2: relative error ~1e-7);
- * x is clamped to [-87, 88.7] (below, ~0; above, ~3e38). */
+ * x is clamped to [-87, 88.3] (below, ~0; above, ~2e38: 2^n stays finite, n <= 127). */
 static inline vf vf_exp(vf x) {
-  x = vf_min(vf_max(x, vf_set1(-87.0f)), vf_set1(88.7f));
+  x = vf_min(vf_max(x, vf_set1(-87.0f)), vf_set1(88.3f));
   const vf n = vf_round(vf_mul(x, vf_set1(1.44269504f)));
   vf r = vf_fnmadd(n, vf_set1(0.693145752f), x);
   r = vf_fnmadd(n, vf_set1(1.42860677e-6f), r);
@@ -329,15 +329,20 @@ INT8_TARGET static void micro_any(const uint8_t *w, int64_t wblock, const uint8_
 /* Many rows of bf16 on an ISA without a bf16 dot product: a block's weights are widened once into a float32
  * panel [K][16] and F32_MR rows at a time run the plain float32 kernel over it (per k: one weight vector, a
  * broadcast of each row's x, F32_MR FMAs on independent sums), where the direct kernel spent an ALU op per FMA
- * widening each weight row again for every few rows. x is float32 (x_operand). */
+ * widening each weight row again for every few rows. x is float32 (x_operand). The sums are added in the direct
+ * kernel's order (a pair's odd k, then its even k), so a row's result does not depend on how many rows share the
+ * call (a speculative verification's rows equal the decode steps': cpu_decode.py). */
 #define PANEL_MIN_ROWS 8
-static inline __attribute__((always_inline)) void micro_f32(const float *panel, int64_t K, const uint8_t *x,
+static inline __attribute__((always_inline)) void micro_f32(const float *panel, int64_t kwords, const uint8_t *x,
                                                             int64_t ldx, bf16 *y, float *yf, int64_t ldy, const int MR) {
   vf acc[F32_MR];
   for (int i = 0; i < MR; i++) acc[i] = vf_zero();
-  for (int64_t k = 0; k < K; k++) {
-    const vf w = vf_load(panel + k * 16);
-    for (int i = 0; i < MR; i++) acc[i] = vf_fmadd(vf_set1(((const float *)(x + i * ldx))[k]), w, acc[i]);
+  for (int64_t p = 0; p < kwords; p++) { /* each pair odd k first, then even, as dot_bf16 adds them: the same bits */
+    const vf even = vf_load(panel + 32 * p), odd = vf_load(panel + 32 * p + 16);
+    for (int i = 0; i < MR; i++) {
+      const float *xr = (const float *)(x + i * ldx) + 2 * p;
+      acc[i] = vf_fmadd(vf_set1(xr[0]), even, vf_fmadd(vf_set1(xr[1]), odd, acc[i]));
+    }
   }
   for (int i = 0; i < MR; i++) {
     if (yf) vf_store(yf + i * ldy, acc[i]);
@@ -357,12 +362,12 @@ static void panel_blocks(const uint8_t *w, int64_t wblock, int64_t nb0, int nb, 
       bf16 *ym = y ? y + m0 * ldy + (nb0 + b) * 16 : NULL;
       float *yfm = yf ? yf + m0 * ldy + (nb0 + b) * 16 : NULL;
       switch (mr) {
-        case 1: micro_f32(panel, 2 * kwords, xm, ldx, ym, yfm, ldy, 1); break;
-        case 2: micro_f32(panel, 2 * kwords, xm, ldx, ym, yfm, ldy, 2); break;
-        case 3: micro_f32(panel, 2 * kwords, xm, ldx, ym, yfm, ldy, 3); break;
-        case 4: micro_f32(panel, 2 * kwords, xm, ldx, ym, yfm, ldy, 4); break;
-        case 5: micro_f32(panel, 2 * kwords, xm, ldx, ym, yfm, ldy, 5); break;
-        default: micro_f32(panel, 2 * kwords, xm, ldx, ym, yfm, ldy, F32_MR); break;
+        case 1: micro_f32(panel, kwords, xm, ldx, ym, yfm, ldy, 1); break;
+        case 2: micro_f32(panel, kwords, xm, ldx, ym, yfm, ldy, 2); break;
+        case 3: micro_f32(panel, kwords, xm, ldx, ym, yfm, ldy, 3); break;
+        case 4: micro_f32(panel, kwords, xm, ldx, ym, yfm, ldy, 4); break;
+        case 5: micro_f32(panel, kwords, xm, ldx, ym, yfm, ldy, 5); break;
+        default: micro_f32(panel, kwords, xm, ldx, ym, yfm, ldy, F32_MR); break;
       }
     }
   }

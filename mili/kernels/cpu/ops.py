@@ -126,6 +126,7 @@ def int4_supported(out_features: int, in_features: int, group: int) -> bool:
 def linear_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ W^T for int4 W (:func:`pack_int4`), x quantized to int8 per row and group in the kernel."""
     group = packed.shape[1] * 8 // scales.shape[1]
+    assert scales.dtype == offsets.dtype in (torch.float16, torch.float32), (scales.dtype, offsets.dtype)
     f32 = int(scales.dtype == torch.float32)
     return _packed_product(x, packed, packed.shape[0] * 16, lambda x, y, m, n, k: _lib().mili_linear_int4(
         packed.data_ptr(), scales.data_ptr(), offsets.data_ptr(), x.data_ptr(), y.data_ptr(), m, n, k, group, f32,
