@@ -340,9 +340,6 @@ def int8_available() -> bool:
     return lib is not None and not lib.mili_int_check
 
 
-HELD_OFF_ONEDNN = ("none", "avx2", "avx2-vnni")  # (on a CPU with AVX-512, when asked for one of these)
-
-
 def onednn_bf16() -> str:
     """"" where oneDNN's bf16 weight packing runs here, else why not (checks.onednn_bf16): held off too when
     MILI_CPU_ISA or a test holds the kernels below AVX-512, as on a CPU without it."""
@@ -353,10 +350,6 @@ def onednn_bf16() -> str:
     held = ("avx512" in rank and rank.get(_asked(), 0) < rank["avx512"] <= rank[best_isa()]
             and (requested() is not None or bool(_active)))
     return checks.onednn_bf16(held)
-
-
-FAMILIES = ("bf16 linears", "int8 / int4 linears", "norms, RoPE, SwiGLU", "attention", "Gated DeltaNet decode",
-            "argmax, grammar bitmask", "oneDNN bf16 packing")
 
 
 def paths(off: str = "", asked: bool = True) -> dict[str, str]:

@@ -118,15 +118,6 @@ static inline vf vf_load_f16(const uint16_t *p) {
 typedef struct { __m256 hi, lo; } xpair; /* x[k + 1] and x[k], broadcast */
 static inline xpair x_f32(const float *x) { return (xpair){_mm256_broadcast_ss(x + 1), _mm256_broadcast_ss(x)}; }
 typedef struct { __m256 h0, l0, h1, l1; } wrow; /* columns 0-7 and 8-15: w[c][k + 1] (hi) and w[c][k] (lo) */
-static inline xpair x_bf16(const uint16_t *x) {
-  int32_t word;
-  memcpy(&word, x, 4);
-  const __m256i w = _mm256_set1_epi32(word);
-  xpair r;
-  r.hi = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32((int)0xffff0000u)));
-  r.lo = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-  return r;
-}
 static inline wrow w_bf16(const uint8_t *p) {
   const __m256i a = _mm256_loadu_si256((const __m256i *)p), b = _mm256_loadu_si256((const __m256i *)(p + 32));
   const __m256i high = _mm256_set1_epi32((int)0xffff0000u);

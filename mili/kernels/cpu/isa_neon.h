@@ -106,12 +106,6 @@ static inline vf vf_load_f16(const uint16_t *p) { VF4(vcvt_f32_f16(vreinterpret_
 typedef struct { float32x4_t hi, lo; } xpair; /* x[k + 1] and x[k], broadcast */
 static inline xpair x_f32(const float *x) { return (xpair){vld1q_dup_f32(x + 1), vld1q_dup_f32(x)}; }
 typedef struct { float32x4_t hi[4], lo[4]; } wrow;
-static inline xpair x_bf16(const uint16_t *x) {
-  xpair r;
-  r.lo = vdupq_n_f32(bf16_to_float(x[0]));
-  r.hi = vdupq_n_f32(bf16_to_float(x[1]));
-  return r;
-}
 static inline wrow w_bf16(const uint8_t *p) {
   wrow r;
   for (int i = 0; i < 4; i++) {
