@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from mili.bench import percentile, print_table, run_batch  # noqa: F401  (shared with mili bench)
+from mili.tools.bench import percentile, print_table, run_batch  # noqa: F401  (shared with mili bench)
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data"  # the official Qwen3 shapes and the real tokenizer, in the repository

@@ -20,9 +20,9 @@ import torch
 
 from common import hybrid_checkpoint, machine, print_table, random_prompt
 
-from mili.bench import _hf_generate, _hf_model, _measure_latency, step_bytes
+from mili.tools.bench import _hf_generate, _hf_model, _measure_latency, step_bytes
 from mili.config import EngineConfig
-from mili.engine.engine import LLMEngine
+from mili.engine.llm_engine import LLMEngine
 from mili.kernels import cpu
 
 SHAPES = {"0.8B": ("Qwen3.5-0.8B", None), "4B/8": ("Qwen3.5-4B", 8)}

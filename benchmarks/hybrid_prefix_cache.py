@@ -20,7 +20,7 @@ import torch
 from common import hybrid_checkpoint, machine, percentile, print_table, random_prompt, run_batch, ttft
 
 from mili.config import EngineConfig
-from mili.engine.engine import LLMEngine
+from mili.engine.llm_engine import LLMEngine
 from mili.sampling_params import SamplingParams
 
 

@@ -48,9 +48,9 @@ import torch
 from common import CACHE, machine, print_table, qwen3_checkpoint, random_prompt
 from quant_decode import _quantized_copy
 
-from mili.bench import _measure_latency, memory_bandwidth, weight_bytes_per_step
+from mili.tools.bench import _measure_latency, memory_bandwidth, weight_bytes_per_step
 from mili.config import EngineConfig
-from mili.engine.engine import LLMEngine
+from mili.engine.llm_engine import LLMEngine
 
 MAX_MODEL_LEN = 1024  # MILI's context: --input-len + --output-len must fit
 # llama.cpp's build per --cpu-isa: (build folder, the CMake flags that pick its instruction set)

@@ -17,7 +17,7 @@ import time
 from common import machine, percentile, print_table, qwen3_checkpoint, random_prompt, run_batch, ttft
 
 from mili.config import EngineConfig
-from mili.engine.engine import LLMEngine
+from mili.engine.llm_engine import LLMEngine
 from mili.sampling_params import SamplingParams
 
 

@@ -27,9 +27,9 @@ from common import machine, print_table, qwen3_checkpoint, random_prompt
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from mili.bench import _measure_latency, weight_bytes_per_step
+from mili.tools.bench import _measure_latency, weight_bytes_per_step
 from mili.config import EngineConfig
-from mili.engine.engine import LLMEngine
+from mili.engine.llm_engine import LLMEngine
 from mili.model import quant
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

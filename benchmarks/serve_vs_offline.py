@@ -25,7 +25,7 @@ import httpx
 from common import machine, print_table, qwen3_checkpoint
 
 from mili import LLM, SamplingParams
-from mili.bench import measure_serve_load, print_serve_result, run_serve_load, serve_dataset
+from mili.tools.bench import measure_serve_load, print_serve_result, run_serve_load, serve_dataset
 
 
 def main() -> None:

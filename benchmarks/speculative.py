@@ -40,9 +40,9 @@ from safetensors.torch import load_file, save_file
 
 from common import hybrid_checkpoint, machine, print_table, qwen3_checkpoint, random_prompt, run_batch
 
-from mili.bench import memory_bandwidth, step_bytes
+from mili.tools.bench import memory_bandwidth, step_bytes
 from mili.config import DEFAULT_SPEC_DISABLE_BATCH, EngineConfig
-from mili.engine.engine import LLMEngine
+from mili.engine.llm_engine import LLMEngine
 from mili.kernels import cpu
 from mili.sampling_params import SamplingParams
 

@@ -30,7 +30,7 @@ import torch
 from common import CACHE, DATA, machine, print_table, random_prompt, ttft
 
 from mili.config import EngineConfig
-from mili.engine.engine import LLMEngine
+from mili.engine.llm_engine import LLMEngine
 from mili.sampling_params import SamplingParams
 
 # Qwen3-VL-2B-Instruct's config.json (the hub's), the text model's layer count left to --layers

@@ -131,7 +131,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from mili.config import EngineConfig
-    from mili.engine.client import AsyncLLM
+    from mili.engine.async_llm import AsyncLLM
     from mili.errors import InvalidRequest
 
     if args.api_server_count < 1:
@@ -270,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.set_defaults(func=cmd_serve, sampling_defaults={})
     parser.serve_parser = srv  # main() applies a --config file as this parser's defaults
 
-    from mili.bench import add_parser as add_bench_parser
+    from mili.tools.bench import add_parser as add_bench_parser
 
     add_bench_parser(sub)
     st = sub.add_parser("selftest", help="check that MILI is right and fast on this machine (one table; attach it "
@@ -283,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_selftest(args: argparse.Namespace) -> int:
-    from mili.selftest import main as selftest
+    from mili.tools.selftest import main as selftest
 
     logging.getLogger("mili").setLevel(logging.WARNING)  # the table is the output
     return selftest(args.device, args.quick)

@@ -424,7 +424,7 @@ class EngineConfig:
                                      param="attention_backend")
             if self.page_size < 16 or self.page_size > 64 or self.page_size & (self.page_size - 1):
                 # a key block is one page; above 64 the attention tiles outgrow sm_89's shared memory (float32)
-                # and spill (bf16): the compile check's finding (mili/kernels/triton/compile_check.py)
+                # and spill (bf16): the compile check's finding (mili/tools/triton_checks/compile_check.py)
                 raise InvalidRequest(f"the Triton backend needs page_size a power of two >= 16 and <= 64 (a key "
                                      f"block is one page), got {self.page_size}", param="page_size")
         return name

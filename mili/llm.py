@@ -8,7 +8,7 @@ from collections.abc import Sequence as Seq
 from tqdm.auto import tqdm
 
 from mili.config import EngineConfig
-from mili.engine.engine import LLMEngine
+from mili.engine.llm_engine import LLMEngine
 from mili.engine.media import ImageRef, MediaPolicy, check_images, template_content
 from mili.errors import InvalidRequest
 from mili.outputs import RequestOutput

@@ -168,7 +168,7 @@ def hf_reference(path: Path, kind: str, dtype: torch.dtype = torch.float32):
     """transformers' own model for the checkpoint (float32 unless ``dtype``), on its PyTorch path."""
     import transformers as tf
 
-    from mili.selftest.parity import hf_torch_paths
+    from mili.tools.selftest.parity import hf_torch_paths
 
     hf_torch_paths()  # (not flash-linear-attention's Triton kernels, when installed: they need a GPU)
 

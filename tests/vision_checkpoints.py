@@ -128,7 +128,7 @@ def _hub_experts(path: Path) -> None:
 def hf_model(path: Path, kind: str):
     import transformers as tf
 
-    from mili.selftest.parity import hf_torch_paths
+    from mili.tools.selftest.parity import hf_torch_paths
 
     hf_torch_paths()
     cls = {"qwen3_vl": tf.Qwen3VLForConditionalGeneration, "qwen3_vl_moe": tf.Qwen3VLMoeForConditionalGeneration,

@@ -30,8 +30,8 @@ from mili.errors import InvalidRequest
 from mili.process import die_with_parent, freeze_heap
 from mili.runtime.model_runner import ModelRunner
 from mili.runtime.sampler import NO_TOKEN
-from mili.spec.drafter import Drafter
-from mili.spec.stats import SpecDecodeStats
+from mili.speculative.drafter import Drafter
+from mili.speculative.stats import SpecDecodeStats
 from mili.structured import GrammarManager, SeqGrammar
 
 log = logging.getLogger("mili")
@@ -58,7 +58,7 @@ class EngineCore:
         else:
             log.info("prefix caching off: num_state_snapshots is 0 (a hybrid model resumes only from a snapshot)")
             self.prefix_cache = NoPrefixCache()
-        self.drafter = None  # speculative decoding (mili/spec)
+        self.drafter = None  # speculative decoding (mili/speculative)
         if config.speculative_config is not None:
             self.drafter = Drafter(config.speculative_config, max_seqs=len(states.spare_rows) if states is not None
                                    else config.max_num_seqs)

@@ -7,11 +7,11 @@ import dataclasses
 import time
 
 from mili.config import EngineConfig, ModelConfig
-from mili.engine.images import ImageInputs
+from mili.engine.image_inputs import ImageInputs
 from mili.engine.media import check_count
 from mili.engine.messages import AddRequest, Ready
 from mili.errors import ContextLengthExceeded, InvalidRequest
-from mili.model.loader import load_generation_defaults, load_hf_config, resolve_model_path
+from mili.model.checkpoint import load_generation_defaults, load_hf_config, resolve_model_path
 from mili.sampling_params import SamplingParams
 from mili.structured import check as check_structured
 from mili.tokenizer.tokenizer import encode_prompt, load_eos_token_ids, load_tokenizer
@@ -39,7 +39,7 @@ class InputProcessor:
     def make_request(self, prompt: str | list[int], params: SamplingParams, request_id: str,
                      images: list | None = None) -> AddRequest:
         """Encode and validate one request; raises InvalidRequest / ContextLengthExceeded. ``images``: PIL images,
-        one per image placeholder in the prompt (engine/images.py)."""
+        one per image placeholder in the prompt (engine/image_inputs.py)."""
         token_ids = encode_prompt(self.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
         vocab = self.model_config.vocab_size
         # (types, then bounds, each in one C pass: this runs per request, over every prompt token)

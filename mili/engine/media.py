@@ -109,7 +109,7 @@ def check_count(count: int, limit: int, param: str) -> None:
 
 
 def check_images(refs: list[ImageRef], token_ids: list[int], image_inputs, limit: int) -> None:
-    """Before any image is fetched or decoded: the model takes images (``image_inputs``: engine/images.py's
+    """Before any image is fetched or decoded: the model takes images (``image_inputs``: engine/image_inputs.py's
     ``ImageInputs``), no more than ``limit`` (``limit_mm_per_prompt["image"]``: the first past it is the
     error's part), and the chat template wrote one placeholder for each."""
     if not refs:

@@ -13,7 +13,7 @@ from mili.sampling_params import SamplingParams
 
 
 class ImageInput(msgspec.Struct, array_like=True):
-    """A request's images as the image processor made them (engine/images.py): one float32 row per patch."""
+    """A request's images as the image processor made them (engine/image_inputs.py): one float32 row per patch."""
 
     pixel_values: bytes  # float32 [patches, patch_dim], row-major
     patch_dim: int

@@ -49,7 +49,7 @@ class Sequence:
     stop_reason: int | None = None  # the stop token id that ended it (stop strings: the output processor)
     grammar: "SeqGrammar | None" = None  # structured outputs: this sequence's matcher
     # MTP speculative decoding: (first position, [rows, hidden]) the main model's final-normed hidden states
-    # it keeps for the MTP head's next pairs and drafts (mili/spec/mtp.py)
+    # it keeps for the MTP head's next pairs and drafts (mili/speculative/mtp.py)
     mtp_hidden: tuple | None = None
 
     @property

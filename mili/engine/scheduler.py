@@ -36,7 +36,7 @@ from mili.engine.request import Request, Sequence, SeqStatus
 from mili.engine.state_snapshots import StateSnapshots
 
 if TYPE_CHECKING:
-    from mili.spec.drafter import Drafter
+    from mili.speculative.drafter import Drafter
 
 LPM_MAX_QUEUE = 128  # above this many waiting, matching them all each step costs more than it saves
 

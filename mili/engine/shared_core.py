@@ -19,7 +19,7 @@ import multiprocessing
 import zmq
 
 from mili.config import EngineConfig
-from mili.engine.client import CoreLink, ipc_prefix, wait_ready
+from mili.engine.async_llm import CoreLink, ipc_prefix, wait_ready
 from mili.engine.input_processor import InputProcessor
 from mili.engine.messages import ClientGone, Dead, Shutdown, encode, output_decoder
 

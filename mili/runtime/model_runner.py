@@ -36,8 +36,8 @@ from mili.runtime.images import RequestImages, StepImages
 from mili.runtime.recurrent_state import RecurrentStateCache
 from mili.runtime.prompt_logprobs import PromptScorer, rows_per_slice
 from mili.runtime.sampler import NO_TOKEN, Sampler, SamplerOutput, SamplingMetadata
-from mili.spec.mtp import MtpDrafter
-from mili.spec.verify import SampleRow, accept_drafts
+from mili.speculative.mtp import MtpDrafter
+from mili.speculative.verify import SampleRow, accept_drafts
 
 log = logging.getLogger("mili")
 
@@ -84,7 +84,7 @@ class ModelRunner:
         backend, ops = self._backend_and_ops()
         self.attention = backend
         spec = config.speculative_config
-        self.mtp: MtpDrafter | None = None  # speculative decoding's MTP head (mili/spec/mtp.py)
+        self.mtp: MtpDrafter | None = None  # speculative decoding's MTP head (mili/speculative/mtp.py)
         use_mtp = spec is not None and spec.method == "mtp"
         if use_mtp and (not self.hybrid or self.tp_size > 1):
             raise InvalidRequest("speculative_config: method mtp runs the hybrid models' MTP head (Qwen3.5 / 3.6, "

@@ -140,7 +140,7 @@ def connect_api_server(config, servers: ApiServers, link):
 
     die_with_parent()
     os.setpgid(0, 0)  # a terminal's Ctrl-C reaches the supervisor only, which asks each process to drain once
-    from mili.engine.client import AsyncLLM
+    from mili.engine.async_llm import AsyncLLM
     from mili.errors import MiliError
 
     try:

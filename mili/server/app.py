@@ -13,7 +13,7 @@ from fastapi import FastAPI
 from starlette.datastructures import Headers
 
 import mili
-from mili.engine.client import AsyncLLM
+from mili.engine.async_llm import AsyncLLM
 from mili.server import anthropic, native, openai, responses, utility
 from mili.server.errors import APIError, error_response, install_error_handlers
 from mili.server.openapi import document

@@ -9,7 +9,8 @@ from fastapi.responses import JSONResponse
 
 import mili
 from mili.server.state import final_output, new_id, state_of, until_disconnect
-from mili.server.errors import DONE, error_responses, sse, sse_error, streamed
+from mili.server.errors import error_responses, streamed
+from mili.server.sse import DONE, sse, sse_error
 from mili.server.protocol import GenerateRequest
 
 router = APIRouter()

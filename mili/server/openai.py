@@ -10,7 +10,8 @@ from fastapi import APIRouter, Request
 from mili.outputs import CompletionOutput, RequestOutput
 from mili.server.state import merge, new_id, state_of, until_disconnect
 from mili.server.chat import ChatPrompt
-from mili.server.errors import DONE, APIError, EventStream, error_responses, json_bytes, sse, sse_error, streamed
+from mili.server.errors import APIError, error_responses, streamed
+from mili.server.sse import DONE, EventStream, json_bytes, sse, sse_error
 from mili.server.protocol import ChatCompletionRequest, CompletionRequest
 from mili.tokenizer.reasoning import THINK_START, ReasoningStream, split_reasoning
 from mili.tokenizer.tool_calls import call_json, new_call_id

@@ -23,7 +23,8 @@ from mili.errors import InvalidRequest
 from mili.outputs import RequestOutput
 from mili.server.state import ServerState, final_output, new_id, state_of, until_disconnect
 from mili.server.chat import Block, ChatPrompt, ReplyBlocks, render_chat, start_chat
-from mili.server.errors import error_responses, sse, streamed, to_api_error
+from mili.server.errors import error_responses, streamed, to_api_error
+from mili.server.sse import sse
 from mili.server.fields import MaxTokens, ModelName, Strict, Text, TypeNeeds, only_types, requires
 from mili.server.protocol import ChatCompletionRequest
 from mili.tokenizer.reasoning import think_end_token_id

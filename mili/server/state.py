@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request
 
-from mili.engine.client import AsyncLLM
+from mili.engine.async_llm import AsyncLLM
 from mili.engine.media import ImageRef, MediaPolicy, check_images
 from mili.outputs import RequestOutput
 from mili.sampling_params import SamplingParams

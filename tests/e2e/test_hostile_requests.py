@@ -56,7 +56,7 @@ def faulty(checkpoints):
     from fastapi.testclient import TestClient
 
     from mili.config import EngineConfig
-    from mili.engine.client import AsyncLLM
+    from mili.engine.async_llm import AsyncLLM
     from mili.server.app import build_app
 
     engine = AsyncLLM(EngineConfig(model=str(checkpoints["gqa4_realvocab"]), dtype="float32"), core_in_thread=True)

@@ -106,7 +106,7 @@ def test_device_spec_from_the_device_properties(monkeypatch):
 @pytest.mark.slow
 def test_selftest_cuda_kernel_checks_run_under_the_interpreter():
     from mili.kernels.triton.ops import TritonOps
-    from mili.selftest import kernels
+    from mili.tools.selftest import kernels
 
     dev = torch.device("cpu")
     rows = kernels._norm_checks(TritonOps, dev, torch.bfloat16) + kernels._attention_checks(dev, torch.bfloat16, True)

@@ -45,7 +45,7 @@ def test_env_cache_dir(monkeypatch, tmp_path, demo_path):
     monkeypatch.setenv("MILI_CACHE_DIR", str(tmp_path / "envcache"))
     path = Path(demo_random_checkpoint())
     assert path == tmp_path / "envcache" / DEMO_VERSION
-    from mili.model.loader import resolve_model_path
+    from mili.model.checkpoint import resolve_model_path
 
     assert resolve_model_path(DEMO_RANDOM_MODEL) == str(path)
     assert (path / "model.safetensors").read_bytes() == (demo_path / "model.safetensors").read_bytes()
@@ -136,7 +136,7 @@ def demo_llm():
 
 def test_trained_demo_is_package_data_with_no_build_step(trained, monkeypatch, tmp_path):
     import mili
-    from mili.model.loader import resolve_model_path
+    from mili.model.checkpoint import resolve_model_path
 
     assert trained.parent.parent == Path(mili.__file__).parent  # mili/demo/checkpoint
     monkeypatch.setenv("MILI_CACHE_DIR", str(tmp_path))

@@ -68,7 +68,7 @@ def test_package_data_config_and_tokenizer(path, monkeypatch, tmp_path):
     import mili
     from transformers import AutoConfig
 
-    from mili.model.loader import resolve_model_path
+    from mili.model.checkpoint import resolve_model_path
 
     assert path.parent == Path(mili.__file__).parent / "demo" and path.name == "checkpoint-hybrid"
     monkeypatch.setenv("MILI_CACHE_DIR", str(tmp_path))

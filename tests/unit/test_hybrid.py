@@ -15,7 +15,8 @@ from hybrid_checkpoints import build_hybrid_checkpoint, hf_reference
 from mili import LLM, SamplingParams
 from mili.config import ModelConfig
 from mili.errors import InvalidRequest, ModelLoadError
-from mili.model.loader import load_hf_config, load_weights
+from mili.model.checkpoint import load_hf_config
+from mili.model.loader import load_weights
 from mili.model.qwen3_5 import Qwen3_5ForCausalLM
 from mili.model.batch import ForwardBatch
 from mili.runtime.attention.torch_backend import TorchAttentionBackend

@@ -199,7 +199,7 @@ def test_fla_layer_matches_the_torch_layer(fla, qwen3_5):
     slot's state and a fresh one; a slow decay (A_log = -4), so the states carry. Outputs and every state row
     (the untouched ones too) agree within float32 tolerance."""
     from mili.config import ModelConfig
-    from mili.model.loader import load_hf_config
+    from mili.model.checkpoint import load_hf_config
     from mili.model.qwen3_5 import GatedDeltaNet, RecurrentBatch
 
     cfg = ModelConfig.from_hf(load_hf_config(str(qwen3_5)))
@@ -244,10 +244,10 @@ def test_hybrid_engine_on_fla_and_triton_attention(fla, qwen3_5, torch_tokens):
 def test_fla_kernels_compile_for_sm90():
     """fla's gated delta kernels as the hybrids launch them (prefill: the varlen chunk path's six kernels; decode:
     the fused recurrent kernel), recorded from fla's own wrappers with fla's hardware probe answering for an
-    H100, compiled for sm_90 (``mili/kernels/triton/fla_check.py``, in a process without TRITON_INTERPRET)."""
+    H100, compiled for sm_90 (``mili/tools/triton_checks/fla_check.py``, in a process without TRITON_INTERPRET)."""
     import importlib.util
 
-    from mili.kernels.triton import fla_check
+    from mili.tools.triton_checks import fla_check
 
     if importlib.util.find_spec("fla") is None:
         pytest.skip("fla-core is not installed (pip install fla-core)")

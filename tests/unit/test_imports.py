@@ -14,7 +14,7 @@ ROOT = Path(mili.__file__).parent
 LAYERS = ["mili.kernels", "mili.model", "mili.runtime", "mili.engine", "mili.server"]  # bottom to top
 # beside the model: the page, state and radix caches; the engine's and the model's configs (which check a
 # checkpoint's config with model/checks.py); speculative decoding's drafters and verification, beside the runner
-SAME_LEVEL = {"mili.cache": "mili.model", "mili.config": "mili.model", "mili.spec": "mili.runtime"}
+SAME_LEVEL = {"mili.cache": "mili.model", "mili.config": "mili.model", "mili.speculative": "mili.runtime"}
 
 
 def _module(path: Path) -> str:
@@ -67,9 +67,10 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-# the entry points, above every layer: the package's own names, the offline LLM, the CLI and its commands, and
+# the entry points, above every layer: the package's own names, the offline LLM, the CLI, mili/tools (bench, selftest,
+# the Triton compile checks) and
 # the demo's training script (python -m mili.demo.train)
-ENTRY_POINTS = ("mili.cli", "mili.llm", "mili.bench", "mili.selftest", "mili.demo.train")
+ENTRY_POINTS = ("mili.cli", "mili.llm", "mili.tools", "mili.demo.train")
 
 
 def _level(module: str) -> int:

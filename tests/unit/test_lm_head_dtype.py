@@ -115,7 +115,7 @@ def test_auto_bf16_and_int8_on_the_kernels():
     once) and gives an int8 body an int8 head; bf16 keeps it under an int8 body; int8 puts it on the W8A8
     kernel beside a bf16 body (the tied table kept for the lookup). The trained demo says the same "Hello"
     reply with each."""
-    from mili.bench import weight_bytes_per_step
+    from mili.tools.bench import weight_bytes_per_step
 
     def head(**kw):
         llm = LLM("demo", dtype="bfloat16", **kw)

@@ -9,7 +9,8 @@ from transformers import Qwen3ForCausalLM as HFQwen3
 from helpers import assert_greedy_matches_hf
 from mili import LLM, SamplingParams
 from mili.config import ModelConfig
-from mili.model.loader import load_hf_config, load_weights
+from mili.model.checkpoint import load_hf_config
+from mili.model.loader import load_weights
 from mili.model.qwen3 import Qwen3ForCausalLM
 from mili.model.batch import ForwardBatch
 from mili.runtime.attention.torch_backend import TorchAttentionBackend

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from mili import selftest
+from mili.tools import selftest
 from mili.cli import main
 from mili.kernels import cpu
 
@@ -26,8 +26,8 @@ def test_a_failed_check_makes_it_exit_1(monkeypatch, capsys):
     def broken(path, device, **kw):
         raise RuntimeError("deliberately broken")
 
-    monkeypatch.setattr("mili.selftest.parity.greedy_parity", broken)
-    monkeypatch.setattr("mili.selftest.speed.measure", lambda *a: [("x", "y")])
+    monkeypatch.setattr("mili.tools.selftest.parity.greedy_parity", broken)
+    monkeypatch.setattr("mili.tools.selftest.speed.measure", lambda *a: [("x", "y")])
     assert selftest.main("cpu", quick=True) == 1
     out = capsys.readouterr().out
     assert "| FAIL" in out and "deliberately broken" in out and "1 failed" not in out  # the 3 parity rows fail
@@ -39,7 +39,7 @@ def test_the_hybrid_row_sees_a_different_model(tmp_path, monkeypatch):
     passes against its own: the test above); on a device MILI does not run hybrids on it is a skip."""
     import transformers
 
-    from mili.selftest import parity
+    from mili.tools.selftest import parity
 
     other = parity.build(tmp_path / "other", "hybrid", seed=1)
     if not torch.cuda.is_available():

@@ -8,7 +8,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from mili.config import EngineConfig
-from mili.engine.client import AsyncLLM
+from mili.engine.async_llm import AsyncLLM
 from mili.server.app import build_app
 from mili.tokenizer.reasoning import ReasoningStream, split_reasoning
 
@@ -82,7 +82,7 @@ def test_error_after_stream_started_is_a_final_sse_chunk(client, monkeypatch):
 
 
 def test_sse_events_never_contain_a_line_break_a_line_reader_would_split_on():
-    from mili.server.errors import EventStream, sse
+    from mili.server.sse import EventStream, sse
 
     text = "a\u2028b\x85c\u2029d\r\ne\x0bf\x1cg"
     for event in (sse({"text": text}), EventStream({"id": "x\u2028"}, "text")(text)):
@@ -98,7 +98,7 @@ def test_sse_events_never_contain_a_line_break_a_line_reader_would_split_on():
 def test_completion_chunk_written_by_hand_is_the_encoded_chunk(text, finish):
     """The plain /v1/completions chunk, assembled from bytes made once per choice, is byte for byte what
     encoding the chunk's dict gives."""
-    from mili.server.errors import EventStream, json_bytes
+    from mili.server.sse import EventStream, json_bytes
     from mili.server.openai import _NO_FINISH, _Choice, _finish
 
     event = EventStream({"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m"})

@@ -15,7 +15,7 @@ from mili import LLM, InvalidRequest, SamplingParams, StructuredOutputsParams
 from mili.config import EngineConfig, SpeculativeConfig
 from mili.runtime.sampler import Sampler, SamplingMetadata
 from mili.sampling_params import SamplingParams as Params
-from mili.spec.ngram import NgramProposer
+from mili.speculative.ngram import NgramProposer
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
          "disable_by_batch_size": 64}

@@ -1,5 +1,5 @@
 """Every Triton kernel compiled ahead of time for real NVIDIA targets (sm_80, sm_89, sm_90) on this CPU, at the
-configurations the runner launches (``mili/kernels/triton/compile_check.py``): it compiles, fits the target's
+configurations the runner launches (``mili/tools/triton_checks/compile_check.py``): it compiles, fits the target's
 shared memory per block, and spills no more than its stated bound. The default run keeps one launch per
 kernel, phase and FP8-ness per target (about a minute on 2 cores); ``-m slow`` compiles every distinct launch
 of Qwen3 0.6B-32B and 30B-A3B in bf16, fp16 and float32, FP8 and AWQ weights, FP8 KV pages, page sizes
@@ -18,7 +18,7 @@ import torch
 pytest.importorskip("triton")
 
 from mili.errors import InvalidRequest  # noqa: E402
-from mili.kernels.triton import compile_check  # noqa: E402
+from mili.tools.triton_checks import compile_check  # noqa: E402
 from mili.kernels.triton.launch import TARGETS, DeviceSpec, check_device, gemm_config, gemm_smem_bound  # noqa: E402
 
 

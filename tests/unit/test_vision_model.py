@@ -10,7 +10,8 @@ import torch
 
 from mili.config import ModelConfig
 from mili.model.batch import ForwardBatch
-from mili.model.loader import load_hf_config, load_weights
+from mili.model.checkpoint import load_hf_config
+from mili.model.loader import load_weights
 from mili.model.mrope import rope_index
 from mili.model.qwen3_5 import Qwen3_5ForCausalLM
 from mili.model.qwen3_vl import Qwen3VLForConditionalGeneration

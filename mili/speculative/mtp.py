@@ -19,7 +19,7 @@ A step, on the runner (``ModelRunner.execute``), for the ``MtpDrafter`` here:
    num_computed - 1 (the next chunk's first pair) to N - 2 (its next drafts) — one row, or, for a hybrid
    that recomputes a chunk after a rejection, the accepted part of that chunk too.
 
-Drafts are greedy and their verification (mili/spec/__init__.py) exact, so what the head computes changes
+Drafts are greedy and their verification (mili/speculative/__init__.py) exact, so what the head computes changes
 speed, never output. Not drafted for: sequences with structured outputs (their grammar's mask is built
 while the drafts are not yet computed).
 """

@@ -66,7 +66,7 @@ def measure(path: Path, device: str, quick: bool) -> list[tuple[str, str]]:
 
 def _measure_one(path: Path, device: str, quick: bool, label: str, extra: dict, bandwidth: float | None):
     from mili import LLM
-    from mili.bench import _run, weight_bytes_per_step
+    from mili.tools.bench import _run, weight_bytes_per_step
 
     prefill_len, decode_tokens, batch = (64, 16, 8) if quick else (512, 64, 64)
     llm = LLM(str(path), dtype="bfloat16", device=device, max_num_seqs=max(batch, 8),

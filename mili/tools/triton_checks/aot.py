@@ -64,7 +64,7 @@ def _fn(kernel: str):
     fn = getattr(importlib.import_module(f"mili.kernels.triton.{module}"), name)
     if not hasattr(fn, "arg_names") or not hasattr(fn, "cache_key"):
         raise RuntimeError("AOT compilation needs real @triton.jit kernels: unset TRITON_INTERPRET "
-                           "(use mili.kernels.triton.compile_check.run, which starts a clean process)")
+                           "(use mili.tools.triton_checks.compile_check.run, which starts a clean process)")
     return fn
 
 

@@ -112,7 +112,7 @@ def step_bytes(runner, context: int) -> dict[str, int]:
 
 def _engine(args):
     from mili.config import EngineConfig
-    from mili.engine.engine import LLMEngine
+    from mili.engine.llm_engine import LLMEngine
 
     return LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                                   kv_cache_memory=args.kv_cache_memory, quantization=args.quantization,

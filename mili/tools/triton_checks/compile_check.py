@@ -2,7 +2,7 @@
 ahead of time for sm_80, sm_89 and sm_90 (``aot``); each must compile, fit its target's shared memory per
 block, fit the GEMMs' shared-memory bound the runtime choice relies on, and spill at most its stated bound.
 
-    python -m mili.kernels.triton.compile_check [--targets sm_80,sm_89,sm_90] [--full] [--jobs 2]
+    python -m mili.tools.triton_checks.compile_check [--targets sm_80,sm_89,sm_90] [--full] [--jobs 2]
 
 prints the inventory (kernel, target, config, shared memory, registers, spills) and exits 1 if anything
 fails. Without ``--full``: one launch per kernel, phase, FP8-ness and float32-ness (the riskiest) per
@@ -46,7 +46,7 @@ def broken_launch():
     memory: Triton multi-buffers the activation tile)."""
     import torch
 
-    from mili.kernels.triton.aot import Launch
+    from mili.tools.triton_checks.aot import Launch
 
     meta = dict(SCALE_N=128, SCALE_K=128, FP8_ACT=False, BLOCK_K=128, BLOCK_M=128, BLOCK_N=64, EXACT=False)
     return Launch("quant_gemm._fp8_gemm_kernel", "broken", tuple(meta.items()),
@@ -55,7 +55,7 @@ def broken_launch():
 
 
 def _compile(job):
-    from mili.kernels.triton.aot import compile_launch
+    from mili.tools.triton_checks.aot import compile_launch
 
     target, spec, launch = job
     start = time.perf_counter()
@@ -68,7 +68,7 @@ def _compile(job):
 
 
 def problems(launch, spec, shared, spills, error) -> list[str]:
-    from mili.kernels.triton.inventory import risk
+    from mili.tools.triton_checks.inventory import risk
 
     if error:
         return [f"does not compile: {error}"]
@@ -83,7 +83,7 @@ def problems(launch, spec, shared, spills, error) -> list[str]:
 
 
 def check(targets: list[str], full: bool, jobs: int, broken: bool = False) -> list[dict]:
-    from mili.kernels.triton import inventory
+    from mili.tools.triton_checks import inventory
     from mili.kernels.triton.launch import TARGETS
 
     configs = [v for k, v in json.loads(CONFIGS.read_text()).items() if not k.startswith("_")]
@@ -128,12 +128,12 @@ def run(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
     """This check in a fresh process without TRITON_INTERPRET (what a test under the interpreter calls)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # [triton-version] 3.9 warns when unset; 1 = 3.6's default
-    return subprocess.run([sys.executable, "-m", "mili.kernels.triton.compile_check", *args], env=env,
+    return subprocess.run([sys.executable, "-m", "mili.tools.triton_checks.compile_check", *args], env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mili.kernels.triton.compile_check", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m mili.tools.triton_checks.compile_check", description=__doc__.split("\n")[0])
     p.add_argument("--targets", default="sm_80,sm_89,sm_90")
     p.add_argument("--full", action="store_true", help="every distinct launch (default: one per kernel and phase)")
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))

@@ -84,7 +84,7 @@ def _run(section: str, name: str, fn) -> list[tuple[str, str, str, str]]:
 
 
 def run(device: torch.device, quick: bool) -> list[tuple[str, str, str, str]]:
-    from mili.selftest import kernels, parity, speed
+    from mili.tools.selftest import kernels, parity, speed
 
     rows = versions(device)
     dev = str(device)

@@ -2,7 +2,7 @@
 server uses. Requests in, one scheduled model step at a time, RequestOutputs out.
 
 The offline ``LLM`` drives this class; the server drives the same core in its own process through
-``mili.engine.client.AsyncLLM``. It knows nothing of HTTP.
+``mili.engine.async_llm.AsyncLLM``. It knows nothing of HTTP.
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """Drafter: what the scheduler asks for draft tokens (speculative decoding), per the engine's SpeculativeConfig.
 N-gram drafts are copied here; MTP drafts are placeholders the runner computes at the start of the step
-(mili/spec/mtp.py), for a sequence that keeps the hidden state they start from."""
+(mili/speculative/mtp.py), for a sequence that keeps the hidden state they start from."""
 
 from __future__ import annotations
 
 from mili.config import SpeculativeConfig
 from mili.errors import InvalidRequest
-from mili.spec import mtp
-from mili.spec.ngram import NgramProposer
+from mili.speculative import mtp
+from mili.speculative.ngram import NgramProposer
 
 
 class Drafter:
@@ -26,7 +26,7 @@ class Drafter:
     def check(config: SpeculativeConfig, model_path: str) -> None:
         """Refuse, before anything loads, a method this checkpoint (or MILI) cannot do."""
         if config.method == "mtp":
-            from mili.model.loader import tensor_names
+            from mili.model.checkpoint import tensor_names
 
             if not any(name.startswith("mtp.") for name in tensor_names(model_path)):
                 raise InvalidRequest(f"speculative_config: method mtp needs the checkpoint's MTP head (mtp.* "

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from mili.kernels.triton import attention, fused_moe, norm_rope, quant_gemm
-from mili.kernels.triton.aot import Launch
+from mili.tools.triton_checks.aot import Launch
 from mili.kernels.triton.launch import DeviceSpec, gemm_smem_bound
 from mili.kernels.triton.quant_gemm import fp8_activations
 

@@ -13,7 +13,7 @@ autotuned kernel that is a failure only when no config of the launch fits: Trito
 that raises OutOfResources an infinite time and picks another (the others are reported as skipped). Registers
 and spills (``ptxas -v``) are reported, not bounded (fla's kernels, fla's tuning).
 
-    python -m mili.kernels.triton.fla_check [--targets sm_90] [--all-configs] [--dtypes bf16,fp32]
+    python -m mili.tools.triton_checks.fla_check [--targets sm_90] [--all-configs] [--dtypes bf16,fp32]
 
 exits 1 when a launch fails, 2 when fla-core is not installed. Without ``--all-configs``, an autotuned
 launch's configs are compiled from the smallest tiles and fewest stages up, until one fits. Must run where
@@ -136,7 +136,7 @@ def compile_one(launch, capability) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
 
-    from mili.kernels.triton.aot import ptxas_usage
+    from mili.tools.triton_checks.aot import ptxas_usage
 
     phase, fn, signature, constexprs, attrs, options, _ = launch
     names = [p.name for p in fn.params]
@@ -196,12 +196,12 @@ def run(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
     """This check in a fresh process without TRITON_INTERPRET (what a test under the interpreter calls)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    return subprocess.run([sys.executable, "-m", "mili.kernels.triton.fla_check", *args], env=env,
+    return subprocess.run([sys.executable, "-m", "mili.tools.triton_checks.fla_check", *args], env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mili.kernels.triton.fla_check", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m mili.tools.triton_checks.fla_check", description=__doc__.split("\n")[0])
     p.add_argument("--targets", default="sm_90")
     p.add_argument("--all-configs", action="store_true", help="every autotune config (default: the riskiest)")
     p.add_argument("--dtypes", default="bf16,fp32")

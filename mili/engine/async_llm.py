@@ -182,7 +182,7 @@ class AsyncLLM:
 
     async def add_request_with_images(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                                       images: list, sink: OutputSink | None = None) -> None:
-        """``add_request`` for a prompt with images (PIL images, one per image placeholder: engine/images.py),
+        """``add_request`` for a prompt with images (PIL images, one per image placeholder: engine/image_inputs.py),
         processed in a worker thread: resizing a large image takes long enough to stall every stream."""
         self._check_new(request_id)
         add = await asyncio.to_thread(self.inputs.make_request, prompt, params, request_id, images)
