@@ -11,6 +11,8 @@ import torch
 
 from mili.errors import InvalidRequest, ModelLoadError
 from mili.model.checks import check_architecture_settings
+from mili.model.demo import DEMO_HYBRID_MODEL, DEMO_MODEL, DEMO_RANDOM_MODEL
+from mili.options import check_value, option, options
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16,
@@ -294,108 +296,116 @@ def parse_mm_limits(value) -> dict[str, int]:
 
 @dataclass
 class EngineConfig:
-    model: str
-    dtype: str = "auto"  # auto (the checkpoint's) | bfloat16 | float16 | float32
-    device: str = "auto"
-    max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
-    seed: int = 0
-    page_size: int = 16
-    kv_cache_memory: int | None = None  # bytes for the KV pool; None: a default (see kv_cache_bytes)
-    num_kv_pages: int | None = None  # the KV pool's exact page count (overrides kv_cache_memory)
-    max_num_seqs: int = 256
-    num_state_slots: int | None = None  # hybrid models: recurrent-state slots (None: from the KV budget)
-    # hybrid models: recurrent-state snapshots the prefix cache keeps (None: from the KV budget; 0: no prefix cache)
-    num_state_snapshots: int | None = None
-    max_num_batched_tokens: int = 2048
-    tokenizer: str | None = None  # default: the model folder
-    num_threads: int | None = None  # CPU threads for torch; None: torch's default
-    enable_prefix_caching: bool = True  # the radix-tree prefix cache
-    schedule_policy: str = "fcfs"  # fcfs | lpm (longest cached prefix first, with a starvation guard)
-    attention_backend: str = "auto"  # auto (triton on CUDA, torch elsewhere) | torch | triton
-    enforce_eager: bool = False  # decode module by module: no CUDA graphs, no fused CPU decode layer
-    gpu_memory_utilization: float = 0.9  # CUDA: share of the card for weights + activations + KV pool
-    quantization: str | None = None  # None | int8 (per output channel; W8A8 with the CPU kernels) | fp8
-    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8 (e4m3 pages: the Triton backend, GPUs with FP8)
-    # the lm_head's weights on the CPU: auto (int8 where the body is quantized: --quantization int8/fp8 or an
-    # int4 checkpoint; else as the body) | bf16 (the model's dtype) | int8 (per output channel)
-    lm_head_dtype: str = "auto"
-    tensor_parallel_size: int = 1  # ranks the model is split over (torch.distributed: gloo on CPU, NCCL on CUDA)
-    cpu_kernels: bool = True  # CPU bf16: MILI's C kernels (AVX-512/AMX linear, fused ops, paged attention)
-    cpu_weight_prepack: bool = True  # CPU bf16 without those kernels: weights in oneDNN's blocked layout
-    # speculative decoding: None (off), a SpeculativeConfig, or its fields as a dict or JSON text (vLLM's
-    # ``--speculative-config``), e.g. {"method": "ngram", "num_speculative_tokens": 3}
-    speculative_config: "SpeculativeConfig | dict | str | None" = None
-    # image-capable checkpoints (Qwen3-VL, Qwen3.5 / 3.6): skip the vision tower (not loaded; text only), as vLLM's
-    # --language-model-only
-    language_model_only: bool = False
-    # the most images one prompt may carry, as vLLM's --limit-mm-per-prompt ({"image": 4}, or its JSON text);
-    # the vision encoder's memory is budgeted for that many at start-up; {"image": 0}: text only, the tower not loaded
-    limit_mm_per_prompt: "dict | str | None" = None
-    # the vision tower's outputs kept by image content (image tokens; None: vLLM's size, the largest of
-    # max_num_batched_tokens and the image processor's largest image)
-    encoder_cache_tokens: int | None = None
-    # where a chat's image parts may come from besides data: URLs (mili/engine/media.py), as vLLM's flags:
-    # http(s) URLs from these hosts only (a list, or its comma-separated text), or from any with
-    # allow_remote_media (off by default: the server would fetch whatever address a client names);
-    # file:// URLs and paths only under allowed_local_media_path
-    allowed_media_domains: "list[str] | str | None" = None
-    allow_remote_media: bool = False
-    allowed_local_media_path: str | None = None
+    """What the engine is asked to run. Each field is one engine option: its ``option(...)`` metadata (mili/options.py)
+    makes the CLI flag (in this order), the config-file key, the checks below and the README's option table."""
+
+    model: str = option(
+        help=f"local checkpoint folder, hub id (e.g. Qwen/Qwen3-0.6B), '{DEMO_MODEL}' (default: a small Qwen3 trained "
+             f"on the King James Bible, shipped with MILI), '{DEMO_HYBRID_MODEL}' (its Qwen3.5 twin, also shipped) or "
+             f"'{DEMO_RANDOM_MODEL}' (a tiny random-weight model built offline)", cli_default=DEMO_MODEL)
+    tokenizer: str | None = option(None, "the tokenizer's folder or hub id (default: the model's)", cli=False)
+    # (device before dtype, page_size before num_kv_pages: the config file's sections list their keys in this order)
+    device: str = option("auto", "auto | cpu | cuda | cuda:N", section="inference.device")
+    dtype: str = option("auto", "weights and activations dtype (auto: the checkpoint's)",
+                        choices=("auto", "bfloat16", "float16", "float32"),
+                        accepts=tuple(name for name in _DTYPES if name not in ("bfloat16", "float16", "float32")),
+                        section="inference.dtype")
+    max_model_len: int | None = option(
+        None, "longest prompt + output in tokens (default: the model's, capped by the KV cache)")
+    kv_cache_memory: int | None = option(
+        None, "bytes for the paged KV cache (default 2 GiB, or env MILI_KV_CACHE_MEMORY)")
+    page_size: int = option(16, "tokens per KV page", minimum=1, section="kv_cache.page_size")
+    num_kv_pages: int | None = option(
+        None, "the KV cache's exact number of pages (overrides --kv-cache-memory)", minimum=1,
+        section="kv_cache.num_pages")
+    num_state_slots: int | None = option(
+        None, "hybrid models (Qwen3-Next, Qwen3.5): recurrent-state slots, one per running sequence (default: "
+              "max-num-seqs within a quarter of the KV budget)", minimum=1)
+    num_state_snapshots: int | None = option(
+        None, "hybrid models: recurrent-state snapshots the prefix cache keeps (default: another quarter of the KV "
+              "budget, 2 to 4 per slot; 0 turns their prefix cache off)", minimum=0)
+    max_num_seqs: int = option(256, "most sequences in one batch", minimum=1, section="inference.max_batch_size")
+    max_num_batched_tokens: int = option(2048, "token budget of one step (decodes + prefill chunks)", minimum=1)
+    seed: int = option(0, "global random seed")
+    num_threads: int | None = option(None, "CPU threads for torch")
+    attention_backend: str = option(
+        "auto", "attention and norm kernels: auto = Triton on CUDA, torch elsewhere (Triton on the CPU needs "
+                "TRITON_INTERPRET=1: slow, for testing)", choices=("auto", "torch", "triton"))
+    enforce_eager: bool = option(
+        False, "decode steps module by module: no CUDA graphs on CUDA, no fused one-call-per-layer step on the CPU")
+    gpu_memory_utilization: float = option(
+        0.9, "CUDA: share of the GPU's memory for weights, activations and the KV cache")
+    quantization: str | None = option(
+        None, "quantize an unquantized checkpoint as it loads, one scale per output channel: int8, or fp8 (e4m3; FP8 "
+              "GEMMs on CUDA SM 89+, int8 kernels on the CPU in bf16). Quantized checkpoints (FP8, AWQ) need no flag; "
+              "default: none", choices=("int8", "fp8"))
+    lm_head_dtype: str = option(
+        "auto", "the lm_head's weights on the CPU: int8 (per output channel, on MILI's int8 kernel), bf16 (the model's "
+                "dtype), or auto = int8 where the body is quantized (--quantization, an AWQ checkpoint), else as the "
+                "body", choices=("auto", "bf16", "int8"))
+    kv_cache_dtype: str = option(
+        "auto", "KV cache pages: auto = the model's dtype; fp8 = e4m3 (twice the tokens in the same memory; the Triton "
+                "attention backend on GPUs with FP8, SM 89+)", choices=("auto", "fp8"), section="kv_cache.dtype")
+    tensor_parallel_size: int = option(
+        1, "split the model over N ranks on this node (torch.distributed: NCCL on CUDA, one GPU a rank; gloo on the "
+           "CPU)", aliases=("-tp",), minimum=1)
+    cpu_kernels: bool = option(
+        True, "CPU bf16: torch ops and oneDNN instead of MILI's C kernels (AVX-512 BF16 or AMX linear layers, fused "
+              "norms, paged attention; built on first use with the system C compiler)")
+    cpu_weight_prepack: bool = option(
+        True, "CPU bf16 without MILI's kernels: plain weights instead of oneDNN's prepacked layout")
+    enable_prefix_caching: bool = option(
+        True, "turn off the radix-tree prefix cache (RadixAttention)", flag="--no-prefix-cache")
+    # None (off), a SpeculativeConfig, or its fields as a dict or JSON text; __post_init__ makes it a SpeculativeConfig
+    speculative_config: "SpeculativeConfig | dict | str | None" = option(
+        None, 'speculative decoding, as vLLM spells it: \'{"method": "ngram", "num_speculative_tokens": 3}\' (drafts '
+              "looked up in the sequence itself; prompt_lookup_min/max: the n-gram sizes, default 1 to 4); "
+              "disable_by_batch_size: off for a step with more running sequences (default 8). Greedy output is "
+              "unchanged; sampled output keeps its distribution", mapping="method, num_speculative_tokens, ...")
+    language_model_only: bool = option(
+        False, "image-capable checkpoints (Qwen3-VL, the hub's Qwen3.5 / 3.6): do not load the vision tower (text "
+               "only, less memory)")
+    # a dict or its JSON text; __post_init__ makes it the dict with every modality ({"image": 0}: the tower not loaded)
+    limit_mm_per_prompt: "dict | str | None" = option(
+        None, 'the most images one prompt may carry, as vLLM spells it: \'{"image": 4}\' (the default); a prompt with '
+              "more is a 400, and the vision encoder's memory is budgeted for that many", mapping='{"image": 4}')
+    encoder_cache_tokens: int | None = option(
+        None, "the vision tower's outputs kept by image content, in image tokens (default: vLLM's size, the largest of "
+              "max_num_batched_tokens and the image processor's largest image)", minimum=0, cli=False)
+    # where a chat's image parts may come from besides data: URLs (mili/engine/media.py), as vLLM's flags;
+    # __post_init__ makes the hosts a list
+    allowed_media_domains: "list[str] | str | None" = option(
+        None, "chat image parts may be http(s) URLs on these hosts (vLLM's flag); default: none, only data: URLs",
+        metavar="HOST,HOST", listed=True)
+    allow_remote_media: bool = option(  # (off by default: the server would fetch whatever address a client names)
+        False, "chat image parts may be http(s) URLs on any host (the server fetches what a client names: only where "
+               "that is safe)")
+    allowed_local_media_path: str | None = option(
+        None, "chat image parts may be file:// URLs (or paths) of files under DIR (vLLM's flag)", metavar="DIR")
+    schedule_policy: str = option(
+        "fcfs", "order of waiting requests: first come first served, or longest cached prefix first (with a "
+                "starvation guard)", choices=("fcfs", "lpm"))
 
     def __post_init__(self) -> None:
+        # the checks the metadata states (choices, integer minimums), then those it cannot
+        for name, (field_, opt) in options(type(self)).items():
+            wrong = check_value(name, field_, opt, getattr(self, name))
+            if wrong:
+                raise InvalidRequest(wrong, param=name)
         self.limit_mm_per_prompt = parse_mm_limits(self.limit_mm_per_prompt)
         if isinstance(self.allowed_media_domains, str):
             self.allowed_media_domains = [d.strip().lower() for d in self.allowed_media_domains.split(",") if d.strip()]
         if self.allowed_local_media_path is not None and not os.path.isdir(self.allowed_local_media_path):
             raise InvalidRequest(f"allowed_local_media_path {self.allowed_local_media_path!r} is not a folder",
                                  param="allowed_local_media_path")
-        if self.dtype not in ("auto", *_DTYPES):
-            raise InvalidRequest(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}",
-                                 param="dtype")
-        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise InvalidRequest(f"{name} must be a positive integer, got {getattr(self, name)!r}",
-                                     param=name)
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            raise InvalidRequest(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}",
-                                 param="attention_backend")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise InvalidRequest(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}",
                                  param="gpu_memory_utilization")
-        if self.quantization not in (None, "int8", "fp8"):
-            raise InvalidRequest(f"quantization must be int8, fp8 or none, got {self.quantization!r}",
-                                 param="quantization")
-        if self.kv_cache_dtype not in ("auto", "fp8"):
-            raise InvalidRequest(f"kv_cache_dtype must be auto or fp8, got {self.kv_cache_dtype!r}",
-                                 param="kv_cache_dtype")
-        if self.lm_head_dtype not in ("auto", "bf16", "int8"):
-            raise InvalidRequest(f"lm_head_dtype must be auto, bf16 or int8, got {self.lm_head_dtype!r}",
-                                 param="lm_head_dtype")
         if self.lm_head_dtype == "int8" and self.tensor_parallel_size > 1:
             raise InvalidRequest("--lm-head-dtype int8 runs on the CPU's linear layers, one rank (not with tensor "
                                  "parallelism)", param="lm_head_dtype")
-        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
-            raise InvalidRequest(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}",
-                                 param="tensor_parallel_size")
-        if self.schedule_policy not in ("fcfs", "lpm"):
-            raise InvalidRequest(f"schedule_policy must be fcfs or lpm, got {self.schedule_policy!r}",
-                                 param="schedule_policy")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise InvalidRequest(f"max_model_len must be >= 2, got {self.max_model_len}", param="max_model_len")
-        if self.num_kv_pages is not None and (not isinstance(self.num_kv_pages, int) or self.num_kv_pages < 1):
-            raise InvalidRequest(f"num_kv_pages must be a positive integer, got {self.num_kv_pages!r}",
-                                 param="num_kv_pages")
-        if self.num_state_slots is not None and (not isinstance(self.num_state_slots, int) or self.num_state_slots < 1):
-            raise InvalidRequest(f"num_state_slots must be a positive integer, got {self.num_state_slots!r}",
-                                 param="num_state_slots")
-        if self.num_state_snapshots is not None and (not isinstance(self.num_state_snapshots, int)
-                                                     or self.num_state_snapshots < 0):
-            raise InvalidRequest(f"num_state_snapshots must be a non-negative integer, got {self.num_state_snapshots!r}",
-                                 param="num_state_snapshots")
-        if self.encoder_cache_tokens is not None and (not isinstance(self.encoder_cache_tokens, int)
-                                                      or self.encoder_cache_tokens < 0):
-            raise InvalidRequest(f"encoder_cache_tokens must be a non-negative integer, got "
-                                 f"{self.encoder_cache_tokens!r}", param="encoder_cache_tokens")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise InvalidRequest(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}",
                                  param="kv_cache_memory")

@@ -1,0 +1,149 @@
+"""Engine options, each written once: an ``EngineConfig`` field whose ``option(...)`` metadata generates its CLI
+flag, its config-file key, the checks of its value and its row in the README's option table.
+
+    page_size: int = option(16, "tokens per KV page", minimum=1, section="kv_cache.page_size")
+
+The rules that turn a field into a flag: ``--field-name`` (underscores become dashes) unless ``flag`` spells it
+otherwise; a boolean that defaults to False is a switch that turns it on, one that defaults to True is a ``--no-x``
+switch that turns it off; an int or float field's text is parsed as one; the one required field (``model``) is
+the positional argument. Torch-free and argparse-only, so the CLI and the config file read it cheaply.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import typing
+from dataclasses import MISSING, dataclass
+
+
+@dataclass(frozen=True)
+class Option:
+    """What a field's metadata says beyond its name, type and default."""
+
+    help: str
+    flag: str | None = None  # the CLI spelling where it is not --field-name (or --no-field-name)
+    aliases: tuple[str, ...] = ()  # more spellings of the flag (-tp)
+    cli: bool = True  # False: an LLM() keyword only, no flag and no config-file key
+    choices: tuple | None = None  # the values the CLI offers (and the check accepts; None too where it is the default)
+    accepts: tuple = ()  # more values the check accepts (LLM(dtype="bf16")), not offered on the CLI
+    minimum: int | None = None  # integers: the least value accepted (1: positive, 0: non-negative); None passes
+    metavar: str | None = None
+    section: str | None = None  # "inference.max_batch_size": also a key in one of the config file's sections
+    mapping: str | None = None  # JSON text on the CLI, a mapping in a config file: what such a mapping holds
+    listed: bool = False  # comma-separated text on the CLI, a list (or that text) in a config file
+    cli_default: str | None = None  # the positional's default (the required field has none: model, the demo)
+
+
+def option(default=MISSING, help: str = "", **meta) -> dataclasses.Field:
+    """A dataclass field with its ``Option`` metadata (``default`` MISSING: a required field)."""
+    return dataclasses.field(default=default, metadata={"option": Option(help=help, **meta)})
+
+
+def options(cls) -> dict[str, tuple[dataclasses.Field, Option]]:
+    """Every option field of ``cls`` by name, in the order they are declared."""
+    return {f.name: (f, f.metadata["option"]) for f in dataclasses.fields(cls) if "option" in f.metadata}
+
+
+def flag_of(field: dataclasses.Field, opt: Option) -> str | None:
+    """The flag as users type it (None: the positional, or no flag at all)."""
+    if not opt.cli or field.default is MISSING:
+        return None
+    if opt.flag:
+        return opt.flag
+    return ("--no-" if field.default is True else "--") + field.name.replace("_", "-")
+
+
+def value_type(cls, name: str):
+    """int or float where the field holds one (beside None), else None: argparse keeps the text."""
+    hint = typing.get_type_hints(cls)[name]
+    kinds = set(typing.get_args(hint)) or {hint}
+    return next((t for t in (int, float) if t in kinds), None)
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls) -> None:
+    """One argparse argument per option field of ``cls``, in declaration order."""
+    for name, (f, opt) in options(cls).items():
+        if not opt.cli:
+            continue
+        flag = flag_of(f, opt)
+        if flag is None:  # the required field: an optional positional with the CLI's own default
+            parser.add_argument(name, nargs="?", default=opt.cli_default, help=opt.help)
+        elif isinstance(f.default, bool):  # (--x stores True, --no-x stores False)
+            parser.add_argument(flag, *opt.aliases, dest=name, action="store_false" if f.default else "store_true",
+                                help=opt.help)
+        else:
+            extra = {"choices": list(opt.choices)} if opt.choices else {}
+            kind = value_type(cls, name)
+            if kind is not None:
+                extra["type"] = kind
+            metavar = opt.metavar or ("JSON" if opt.mapping else None)
+            if metavar:
+                extra["metavar"] = metavar
+            parser.add_argument(flag, *opt.aliases, dest=name, default=f.default, help=opt.help, **extra)
+
+
+def values_from(args: argparse.Namespace, cls) -> dict:
+    """The option fields' values out of parsed arguments (those a parser of ``add_arguments`` made)."""
+    return {name: getattr(args, name) for name, (_, opt) in options(cls).items() if opt.cli}
+
+
+def sections(cls) -> dict[str, dict[str, str]]:
+    """The config file's sections: {section: {key: field name}}, from the fields' ``section`` metadata."""
+    found: dict[str, dict[str, str]] = {}
+    for name, (_, opt) in options(cls).items():
+        if opt.section:
+            section, key = opt.section.split(".")
+            found.setdefault(section, {})[key] = name
+    return found
+
+
+def _words(values) -> str:
+    """'a, b or c'."""
+    values = [str(v) for v in values]
+    return values[0] if len(values) == 1 else f"{', '.join(values[:-1])} or {values[-1]}"
+
+
+def check_value(name: str, field: dataclasses.Field, opt: Option, value) -> str | None:
+    """What is wrong with ``value`` by the metadata's choices and minimum (None: nothing it can tell)."""
+    if value is None and field.default is None:
+        return None
+    if opt.choices is not None and value not in (*opt.choices, *opt.accepts):
+        offered = [*opt.choices, *(["none"] if field.default is None else [])]
+        return f"{name} must be {_words(offered)}, got {value!r}"
+    if opt.minimum is not None and (not isinstance(value, int) or value < opt.minimum):
+        return f"{name} must be a {'positive' if opt.minimum == 1 else 'non-negative'} integer, got {value!r}"
+    return None
+
+
+def check_names(cls, names, caller: str) -> None:
+    """A TypeError naming the first of ``names`` that is no option of ``cls`` (with the nearest that is),
+    as Python's own for an unexpected keyword argument, but saying what the keywords are."""
+    known = options(cls)
+    for name in names:
+        if name not in known:
+            near = difflib.get_close_matches(name, known, n=1)
+            hint = f"did you mean {near[0]!r}? " if near else ""
+            raise TypeError(f"{caller} got an unexpected keyword argument {name!r} ({hint}the engine options: "
+                            f"{', '.join(known)})")
+
+
+def markdown_table(cls) -> str:
+    """The README's option table: flag, LLM() keyword, config-file key, default, help."""
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|").replace("\n", " ")
+
+    rows = ["| Flag | `LLM()` keyword | Config file | Default | What it sets |", "|---|---|---|---|---|"]
+    for name, (f, opt) in options(cls).items():
+        flag = flag_of(f, opt)
+        value = (" {" + ",".join(map(str, opt.choices)) + "}" if opt.choices
+                 else f" {opt.metavar or ('JSON' if opt.mapping else '')}".rstrip())
+        aliases = "".join(f", `{a}`" for a in opt.aliases)
+        shown = f"`{flag}{cell(value)}`{aliases}" if flag else "`MODEL` (positional)" if opt.cli else "—"
+        keys = [f"`{opt.section}`"] if opt.section else []
+        if opt.cli:
+            keys.append(f"`{(flag or name).lstrip('-').replace('-', '_')}`")
+        default = opt.cli_default if f.default is MISSING else f.default
+        rows.append(f"| {shown} | `{name}` | {' or '.join(keys) or '—'} | `{default}` | {cell(opt.help)} |")
+    return "\n".join(rows) + "\n"
