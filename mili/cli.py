@@ -7,104 +7,18 @@ import logging
 import os
 import sys
 
-from mili.model.demo import DEMO_HYBRID_MODEL, DEMO_MODEL, DEMO_RANDOM_MODEL
+from mili import options
+from mili.config import EngineConfig
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", default=DEMO_MODEL,
-                   help=f"local checkpoint folder, hub id (e.g. Qwen/Qwen3-0.6B), '{DEMO_MODEL}' "
-                        f"(default: a small Qwen3 trained on the King James Bible, shipped with MILI), "
-                        f"'{DEMO_HYBRID_MODEL}' (its Qwen3.5 twin, also shipped) or "
-                        f"'{DEMO_RANDOM_MODEL}' (a tiny random-weight model built offline)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
-                   help="weights and activations dtype (auto: the checkpoint's)")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="longest prompt + output in tokens (default: the model's, capped by the KV cache)")
-    p.add_argument("--kv-cache-memory", type=int, default=None,
-                   help="bytes for the paged KV cache (default 2 GiB, or env MILI_KV_CACHE_MEMORY)")
-    p.add_argument("--num-kv-pages", type=int, default=None,
-                   help="the KV cache's exact number of pages (overrides --kv-cache-memory)")
-    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
-    p.add_argument("--num-state-slots", type=int, default=None,
-                   help="hybrid models (Qwen3-Next, Qwen3.5): recurrent-state slots, one per running sequence "
-                        "(default: max-num-seqs within a quarter of the KV budget)")
-    p.add_argument("--num-state-snapshots", type=int, default=None,
-                   help="hybrid models: recurrent-state snapshots the prefix cache keeps (default: another quarter "
-                        "of the KV budget, 2 to 4 per slot; 0 turns their prefix cache off)")
-    p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one batch")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="token budget of one step (decodes + prefill chunks)")
-    p.add_argument("--seed", type=int, default=0, help="global random seed")
-    p.add_argument("--num-threads", type=int, default=None, help="CPU threads for torch")
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
-                   help="attention and norm kernels: auto = Triton on CUDA, torch elsewhere (Triton on the CPU "
-                        "needs TRITON_INTERPRET=1: slow, for testing)")
-    p.add_argument("--enforce-eager", action="store_true", help="decode steps module by module: no CUDA graphs on CUDA, no fused "
-                        "one-call-per-layer step on the CPU")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="CUDA: share of the GPU's memory for weights, activations and the KV cache")
-    p.add_argument("--quantization", default=None, choices=["int8", "fp8"],
-                   help="quantize an unquantized checkpoint as it loads, one scale per output channel: int8, or "
-                        "fp8 (e4m3; FP8 GEMMs on CUDA SM 89+, int8 kernels on the CPU in bf16). Quantized "
-                        "checkpoints (FP8, AWQ) need no flag; default: none")
-    p.add_argument("--lm-head-dtype", default="auto", choices=["auto", "bf16", "int8"],
-                   help="the lm_head's weights on the CPU: int8 (per output channel, on MILI's int8 kernel), bf16 "
-                        "(the model's dtype), or auto = int8 where the body is quantized (--quantization, an AWQ "
-                        "checkpoint), else as the body")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
-                   help="KV cache pages: auto = the model's dtype; fp8 = e4m3 (twice the tokens in the same memory; "
-                        "the Triton attention backend on GPUs with FP8, SM 89+)")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="split the model over N ranks on this node (torch.distributed: NCCL on CUDA, one GPU a "
-                        "rank; gloo on the CPU)")
-    p.add_argument("--no-cpu-kernels", dest="cpu_kernels", action="store_false",
-                   help="CPU bf16: torch ops and oneDNN instead of MILI's C kernels (AVX-512 BF16 or AMX linear "
-                        "layers, fused norms, paged attention; built on first use with the system C compiler)")
-    p.add_argument("--no-cpu-weight-prepack", dest="cpu_weight_prepack", action="store_false",
-                   help="CPU bf16 without MILI's kernels: plain weights instead of oneDNN's prepacked layout")
-    p.add_argument("--no-prefix-cache", dest="enable_prefix_caching", action="store_false",
-                   help="turn off the radix-tree prefix cache (RadixAttention)")
-    p.add_argument("--speculative-config", default=None, metavar="JSON",
-                   help='speculative decoding, as vLLM spells it: \'{"method": "ngram", "num_speculative_tokens": 3}\' '
-                        '(drafts looked up in the sequence itself; prompt_lookup_min/max: the n-gram sizes, default '
-                        '1 to 4); disable_by_batch_size: off for a step with more running sequences (default 8). '
-                        'Greedy output is unchanged; sampled output keeps its distribution')
-    p.add_argument("--language-model-only", action="store_true",
-                   help="image-capable checkpoints (Qwen3-VL, the hub's Qwen3.5 / 3.6): do not load the vision "
-                        "tower (text only, less memory)")
-    p.add_argument("--limit-mm-per-prompt", default=None, metavar="JSON",
-                   help='the most images one prompt may carry, as vLLM spells it: \'{"image": 4}\' (the default); '
-                        "a prompt with more is a 400, and the vision encoder's memory is budgeted for that many")
-    p.add_argument("--allowed-media-domains", default=None, metavar="HOST,HOST",
-                   help="chat image parts may be http(s) URLs on these hosts (vLLM's flag); default: none, only "
-                        "data: URLs")
-    p.add_argument("--allow-remote-media", action="store_true",
-                   help="chat image parts may be http(s) URLs on any host (the server fetches what a client "
-                        "names: only where that is safe)")
-    p.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
-                   help="chat image parts may be file:// URLs (or paths) of files under DIR (vLLM's flag)")
-    p.add_argument("--schedule-policy", default="fcfs", choices=["fcfs", "lpm"],
-                   help="order of waiting requests: first come first served, or longest cached prefix first "
-                        "(with a starvation guard)")
+    """The engine's flags (generate and serve): one per EngineConfig field, made from its metadata."""
+    options.add_arguments(p, EngineConfig)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-                kv_cache_memory=args.kv_cache_memory, num_kv_pages=args.num_kv_pages, page_size=args.page_size,
-                max_num_seqs=args.max_num_seqs, num_state_slots=args.num_state_slots,
-                num_state_snapshots=args.num_state_snapshots,
-                max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed, num_threads=args.num_threads,
-                enable_prefix_caching=args.enable_prefix_caching, schedule_policy=args.schedule_policy,
-                quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, cpu_kernels=args.cpu_kernels,
-                lm_head_dtype=args.lm_head_dtype,
-                cpu_weight_prepack=args.cpu_weight_prepack,
-                attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
-                gpu_memory_utilization=args.gpu_memory_utilization,
-                tensor_parallel_size=args.tensor_parallel_size, speculative_config=args.speculative_config,
-                language_model_only=args.language_model_only, limit_mm_per_prompt=args.limit_mm_per_prompt,
-                allowed_media_domains=args.allowed_media_domains, allow_remote_media=args.allow_remote_media,
-                allowed_local_media_path=args.allowed_local_media_path)
+    """EngineConfig's keyword arguments out of parsed engine flags."""
+    return options.values_from(args, EngineConfig)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -130,7 +44,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from mili.config import EngineConfig
     from mili.engine.async_llm import AsyncLLM
     from mili.errors import InvalidRequest
 
@@ -292,7 +205,6 @@ def cmd_selftest(args: argparse.Namespace) -> int:
 def _torchrun(args: argparse.Namespace, rank: int) -> int:
     """Under torchrun every process runs the same command: rank 0 serves (or generates), the others hold
     their shard and run the steps rank 0 broadcasts (the group meets at MASTER_ADDR:MASTER_PORT)."""
-    from mili.config import EngineConfig
     from mili.errors import InvalidRequest
 
     world = int(os.environ["WORLD_SIZE"])

@@ -17,12 +17,13 @@ import argparse
 import json
 from pathlib import Path
 
+from mili import options
+from mili.config import EngineConfig
 from mili.errors import InvalidRequest
 
-SECTIONS = {
-    "inference": {"device": "device", "dtype": "dtype", "max_batch_size": "max_num_seqs"},
-    "kv_cache": {"page_size": "page_size", "num_pages": "num_kv_pages", "dtype": "kv_cache_dtype"},
-}
+# {section: {key: EngineConfig field}}, from the fields' metadata (their `section`)
+SECTIONS = options.sections(EngineConfig)
+_ENGINE_OPTIONS = {name: opt for name, (_, opt) in options.options(EngineConfig).items()}
 SAMPLING_KEYS = ("temperature", "top_p", "top_k")
 # integer flags whose values must be >= 1 (the rest: seed any integer, port 0-65535)
 _POSITIVE = {"max_num_seqs", "page_size", "num_kv_pages", "max_model_len", "max_num_batched_tokens",
@@ -128,12 +129,12 @@ def _convert(path: str, key: str, action: argparse.Action, value):
         if action.dest == "gpu_memory_utilization" and not 0 < value <= 1:
             raise bad("in (0, 1]")
         return value
-    if action.dest in ("speculative_config", "limit_mm_per_prompt"):  # a mapping (or its JSON): EngineConfig checks it
+    engine_option = _ENGINE_OPTIONS.get(action.dest)
+    if engine_option and engine_option.mapping:  # a mapping (or its JSON): EngineConfig checks it
         if not isinstance(value, (dict, str)):
-            raise bad("a mapping (method, num_speculative_tokens, ...)" if action.dest == "speculative_config"
-                      else 'a mapping ({"image": 4})')
+            raise bad(f"a mapping ({engine_option.mapping})")
         return value if isinstance(value, str) else json.dumps(value)
-    if action.dest == "allowed_media_domains" and isinstance(value, list):  # a list of hosts, or their text
+    if engine_option and engine_option.listed and isinstance(value, list):  # a list of hosts, or their text
         if not all(isinstance(host, str) for host in value):
             raise bad("a list of host names")
         return ",".join(value)

@@ -13,8 +13,10 @@ import mili
 ROOT = Path(mili.__file__).parent
 LAYERS = ["mili.kernels", "mili.model", "mili.runtime", "mili.engine", "mili.server"]  # bottom to top
 # beside the model: the page, state and radix caches; the engine's and the model's configs (which check a
-# checkpoint's config with model/checks.py); speculative decoding's drafters and verification, beside the runner
-SAME_LEVEL = {"mili.cache": "mili.model", "mili.config": "mili.model", "mili.speculative": "mili.runtime"}
+# checkpoint's config with model/checks.py) and the config file (its sections are EngineConfig's metadata);
+# speculative decoding's drafters and verification, beside the runner
+SAME_LEVEL = {"mili.cache": "mili.model", "mili.config": "mili.model", "mili.config_file": "mili.model",
+              "mili.speculative": "mili.runtime"}
 
 
 def _module(path: Path) -> str:
