@@ -7,6 +7,7 @@ from collections.abc import Sequence as Seq
 
 from tqdm.auto import tqdm
 
+from mili import options
 from mili.config import EngineConfig
 from mili.engine.llm_engine import LLMEngine
 from mili.engine.media import ImageRef, MediaPolicy, check_images, template_content
@@ -24,11 +25,12 @@ class LLM:
 
     ``model`` is a local folder, a hub id (e.g. ``Qwen/Qwen3-0.6B``), ``"demo"``, ``"demo-hybrid"`` or
     ``"demo-random"``; other keyword arguments are ``EngineConfig`` fields (page_size, kv_cache_memory,
-    max_num_seqs, ...).
+    max_num_seqs, ...): an unknown one is a TypeError naming it, a bad value an InvalidRequest naming it.
     """
 
     def __init__(self, model: str, dtype: str = "auto", device: str = "auto",
                  max_model_len: int | None = None, seed: int = 0, **engine_kwargs):
+        options.check_names(EngineConfig, engine_kwargs, "LLM()")
         self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, device=device,
                                              max_model_len=max_model_len, seed=seed, **engine_kwargs))
 
