@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
 from dataclasses import dataclass, field
 
@@ -418,35 +417,6 @@ class EngineConfig:
         (tensor parallelism runs text only)."""
         return (model_config.vision_config is not None and not self.language_model_only
                 and self.limit_mm_per_prompt["image"] > 0 and self.tensor_parallel_size == 1)
-
-    def resolve_attention_backend(self) -> str:
-        """torch | triton: auto picks Triton on CUDA. Triton elsewhere needs TRITON_INTERPRET=1."""
-        on_cuda = self.torch_device.type == "cuda"
-        name = self.attention_backend
-        if name == "auto":
-            name = "triton" if on_cuda and importlib.util.find_spec("triton") is not None else "torch"
-        if name == "triton":
-            if importlib.util.find_spec("triton") is None:
-                raise InvalidRequest("attention_backend triton needs the triton package (pip install triton)",
-                                     param="attention_backend")
-            if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-                raise InvalidRequest("the Triton backend runs on CUDA, or on the CPU under TRITON_INTERPRET=1",
-                                     param="attention_backend")
-            if self.page_size < 16 or self.page_size > 64 or self.page_size & (self.page_size - 1):
-                # a key block is one page; above 64 the attention tiles outgrow sm_89's shared memory (float32)
-                # and spill (bf16): the compile check's finding (mili/tools/triton_checks/compile_check.py)
-                raise InvalidRequest(f"the Triton backend needs page_size a power of two >= 16 and <= 64 (a key "
-                                     f"block is one page), got {self.page_size}", param="page_size")
-        return name
-
-    def torch_dtype(self, model_config: ModelConfig) -> torch.dtype:
-        if self.dtype == "auto":
-            dtype = model_config.checkpoint_dtype
-            # CPUs without fast half support still run bf16 well through oneDNN; float16 does not.
-            if self.torch_device.type == "cpu" and dtype == torch.float16:
-                return torch.bfloat16
-            return dtype
-        return _DTYPES[self.dtype]
 
     def resolve_max_model_len(self, model_config: ModelConfig) -> int:
         limit = model_config.max_position_embeddings

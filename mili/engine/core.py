@@ -28,7 +28,9 @@ from mili.engine.request import Request, Sequence, SeqStatus
 from mili.engine.scheduler import Scheduler
 from mili.errors import InvalidRequest
 from mili.process import die_with_parent, freeze_heap
+from mili.runtime.images import request_images
 from mili.runtime.model_runner import ModelRunner
+from mili.runtime.plan import DeviceInfo, plan
 from mili.runtime.sampler import NO_TOKEN
 from mili.speculative.drafter import Drafter
 from mili.speculative.stats import SpecDecodeStats
@@ -45,7 +47,13 @@ class EngineCore:
         self.model_path = model_path
         if config.speculative_config is not None:  # (refused before the weights load)
             Drafter.check(config.speculative_config, model_path)
-        self.runner = ModelRunner(config, model_config, model_path)
+        # every choice of how the model runs, made once (refusing what cannot run before a weight loads)
+        self.plan = plan(config, model_config, DeviceInfo.probe(config.torch_device, config.cpu_kernels))
+        log.info("execution plan: %s", "; ".join(f"{k}: {v}" for k, v in self.plan.describe().items()))
+        if self.plan.cpu_paths:
+            log.info("CPU paths: %s", "; ".join([self.plan.device.cpu_headline]
+                                                + [f"{k}: {v}" for k, v in self.plan.cpu_paths.items()]))
+        self.runner = ModelRunner(config, model_config, model_path, execution_plan=self.plan)
         self.max_model_len = self.runner.max_model_len
         pool = self.runner.pool
         states = self.runner.states
@@ -83,7 +91,7 @@ class EngineCore:
         return Ready(self.max_model_len, str(self.runner.device), dtype, self.stats(), self.runner.weight_format,
                      self.runner.kv_cache_dtype, isinstance(self.prefix_cache, RadixCache),
                      states.pool.num_slots if states else 0, states.num_bytes if states else 0,
-                     states.snapshots.num_snapshots if states else 0)
+                     states.snapshots.num_snapshots if states else 0, self.plan.describe())
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, add: AddRequest) -> Request:
@@ -96,7 +104,8 @@ class EngineCore:
         request = Request(add.request_id, None, list(add.prompt_token_ids), params, add.max_total_tokens,
                           arrival_time=add.arrival_time)
         if add.images is not None:
-            request.images = self.runner.request_images(add.prompt_token_ids, add.images)
+            request.images = request_images(self.runner.model, self.config, self.runner.model_config,
+                                            add.prompt_token_ids, add.images)
         for i in range(params.n):
             generator = None
             if params.seed is not None:  # sequence i of a seeded request draws from its own stream
@@ -191,8 +200,9 @@ class EngineCore:
         for s in sched.scheduled:
             if s.seq.request.first_scheduled_time is None:
                 s.seq.request.first_scheduled_time = now
-        sampled, scored = self.runner.execute(sched, self._grammar_bitmask(sched.sample_rows, sched.scheduled))
-        self.scheduler.after_step(sched.scheduled)
+        result = self.runner.execute(sched, self._grammar_bitmask(sched.sample_rows, sched.scheduled))
+        sampled, scored = result.tokens, result.scored
+        self.scheduler.after_step(sched.scheduled, result.num_rejected)
         prompt_logprobs = {}  # sequence -> the prompt logprobs it scored this step (sent with its delta)
         for seq, entries in scored:
             seq.request.num_scored += len(entries)
@@ -267,7 +277,7 @@ class EngineCore:
         """A request left the core: the gauges change, and its images' claims on the encoder cache go."""
         self.stats_due = True
         if request.images is not None:
-            self.runner.release_images(request.images)
+            self.runner.encoder_cache.release_all(request.images)  # (its claims go; the outputs may stay)
 
     def _append_token(self, seq: Sequence, token: int, delta: SeqDelta) -> None:
         params = seq.params

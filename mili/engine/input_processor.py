@@ -1,5 +1,6 @@
 """InputProcessor: the API side of adding a request: load the checkpoint's config and tokenizer, encode
-and validate a prompt, and make the ``AddRequest`` the engine core takes (no torch, no model)."""
+and validate a prompt, and make the ``AddRequest`` the engine core takes (no model code and no weights:
+``model/checkpoint.py`` reads the folder; torch is imported only for the configs' dtypes)."""
 
 from __future__ import annotations
 

@@ -116,6 +116,7 @@ class Ready(msgspec.Struct, array_like=True, tag=True):
     state_slots: int = 0
     state_bytes: int = 0
     state_snapshots: int = 0  # hybrid models: recurrent-state snapshots the prefix cache may keep
+    plan: dict[str, str] = {}  # the execution plan in words (``ExecutionPlan.describe``), a line each
 
 
 class Dead(msgspec.Struct, array_like=True, tag=True):

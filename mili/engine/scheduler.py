@@ -15,8 +15,8 @@ they are taken, and how chunks are cut for them, is ``state_snapshots.py``'s.
 
 Speculative decoding (``drafter``): a running sequence about to sample, with at most 1 + k tokens left to
 compute, is given up to k draft tokens to verify in the same step (``ScheduledSeq.draft``, computed after
-its own tokens), while the running batch is at most ``disable_by_batch_size``. After the step,
-``num_rejected`` positions (the drafts the sampler did not accept; for a hybrid, whose recurrent state
+its own tokens), while the running batch is at most ``disable_by_batch_size``. After the step, the
+runner's ``num_rejected`` positions (the drafts the sampler did not accept; for a hybrid, whose recurrent state
 cannot step back, the whole chunk when any draft was rejected: its state is restored and the chunk
 recomputed) are uncomputed again, and pages that hold only those positions go back.
 """
@@ -46,7 +46,6 @@ class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # the sequence's own tokens computed this step, then its drafts
     draft: list[int] = field(default_factory=list)  # speculative decoding: the drafted tokens it verifies
-    num_rejected: int = 0  # set once sampled: positions of this step that stay uncomputed (see module doc)
 
     @property
     def samples(self) -> bool:
@@ -259,15 +258,18 @@ class Scheduler:
                 state_copies.append((parent.state_slot, child.state_slot))
         return children
 
-    def after_step(self, scheduled: list[ScheduledSeq]) -> None:
-        """Account the computed tokens; a prompt whose prefill just completed goes into the cache, so
-        requests sharing it hit even while this one is still decoding."""
+    def after_step(self, scheduled: list[ScheduledSeq], num_rejected: dict | None = None) -> None:
+        """Account the computed tokens (less ``num_rejected``'s positions: sequence -> those of the step that stay
+        uncomputed, rejected drafts); a prompt whose prefill just completed goes into the cache, so requests
+        sharing it hit even while this one is still decoding."""
+        num_rejected = num_rejected or {}
         for s in scheduled:
             seq = s.seq
             before = seq.num_computed_tokens
-            seq.num_computed_tokens += s.num_new_tokens - s.num_rejected
+            rejected = num_rejected.get(seq, 0)
+            seq.num_computed_tokens += s.num_new_tokens - rejected
             keep = self.pool.pages_for(seq.num_computed_tokens)
-            if s.num_rejected and len(seq.page_table) > keep:  # pages holding rejected drafts only
+            if rejected and len(seq.page_table) > keep:  # pages holding rejected drafts only
                 self.pool.decref(seq.page_table[keep:])
                 del seq.page_table[keep:]
             if self.snapshots is not None:

@@ -27,7 +27,6 @@ import importlib.util
 
 import torch
 
-from mili.errors import InvalidRequest
 from mili.kernels.gated_delta import causal_conv1d, causal_conv1d_step
 
 INSTALL_HINT = "pip install fla-core"
@@ -36,18 +35,6 @@ INSTALL_HINT = "pip install fla-core"
 def fla_available() -> bool:
     """Whether fla-core is installed (its kernels are imported on first use, not here)."""
     return importlib.util.find_spec("fla") is not None
-
-
-def select(device: torch.device) -> "FlaGatedDelta | None":
-    """The implementation for a hybrid model on ``device``: fla's kernels on CUDA (refused by name when fla-core
-    is not installed: the torch code's per-chunk triangular solves are no GPU path), the model's torch code
-    (None) elsewhere."""
-    if device.type != "cuda":
-        return None
-    if not fla_available():
-        raise InvalidRequest(f"hybrid models (Qwen3-Next, Qwen3.5) on CUDA need flash-linear-attention's kernels: "
-                             f"{INSTALL_HINT} (or pip install 'mili[cuda]')", param="device")
-    return FlaGatedDelta()
 
 
 def use(model: torch.nn.Module, kernels: "FlaGatedDelta | None") -> int:

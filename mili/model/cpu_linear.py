@@ -143,11 +143,6 @@ class Int4Linear(_SwappedLinear):
         return out if self.bias is None else out + self.bias
 
 
-def fp8_gemm_available(device: torch.device) -> bool:
-    """torch._scaled_mm's FP8 GEMM runs fast on CUDA devices of compute capability 8.9 and later."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
-
-
 @torch.no_grad()
 def fp8_round_trip_linears(model: nn.Module) -> None:
     """``--quantization fp8`` where the weights then compute in another form: every linear weight (and each

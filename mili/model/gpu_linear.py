@@ -23,11 +23,6 @@ from mili.model.cpu_linear import Fp8Linear, _SwappedLinear
 from mili.model.quant import Fp8Parts, Int4Parts
 
 
-def device_fp8_activations(device: torch.device, dtype: torch.dtype) -> bool:
-    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    return fp8_activations(device.type, capability, dtype)
-
-
 def _rows(x2d: torch.Tensor) -> torch.Tensor:
     return x2d if x2d.stride(-1) == 1 else x2d.contiguous()
 

@@ -114,8 +114,8 @@ class RecurrentBatch:
 
 
 class GatedDeltaNet(nn.Module):
-    # the conv + gated delta rule's implementation, the runner's choice: None for the torch code below, or
-    # mili.kernels.gated_delta_fla's (flash-linear-attention's Triton kernels, on CUDA)
+    # the conv + gated delta rule's implementation, the execution plan's (set by the model builder): None for the
+    # torch code below, or mili.kernels.gated_delta_fla's (flash-linear-attention's Triton kernels, on CUDA)
     kernels = None
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
@@ -128,7 +128,7 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(s.num_v_heads, dtype=dtype))
         self.norm = GatedRMSNorm(s.head_v_dim, cfg.rms_norm_eps, dtype)
         self.out_proj = nn.Linear(s.value_dim, cfg.hidden_size, bias=False, dtype=dtype)
-        self.fused_decode = None  # MILI's C kernel for the decode step (set by the runner: use_cpu_kernel)
+        self.fused_decode = None  # MILI's C kernel for the decode step (the model builder's: use_cpu_kernel)
         self._float32: tuple[torch.Tensor, ...] | None = None
 
     def use_cpu_kernel(self) -> None:

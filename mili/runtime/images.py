@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from mili.errors import InvalidRequest
+
 from mili.model.batch import ImageRows
 from mili.model.mrope import rope_index
 from mili.runtime.encoder_cache import EncodedImage, EncoderCache
@@ -165,3 +167,17 @@ class StepImages:
             out[digest] = entry
             start += n
         return out
+
+
+def request_images(model, config, model_config, prompt: list[int], images) -> RequestImages:
+    """A request's images (an engine ``ImageInput``) as its steps take them; refused without a vision tower."""
+    if getattr(model, "visual", None) is None:
+        raise InvalidRequest("this model takes no images (a text-only checkpoint, language_model_only, or "
+                             "tensor parallelism)", param="multi_modal_data")
+    limit = config.limit_mm_per_prompt["image"]
+    if len(images.grid_thw) > limit:
+        raise InvalidRequest(f"the prompt has {len(images.grid_thw)} images; at most {limit} are allowed "
+                             f"(limit_mm_per_prompt)", param="multi_modal_data")
+    merge = model_config.vision_config.spatial_merge_size
+    return RequestImages.build(prompt, images.pixel_values, images.patch_dim, images.grid_thw, images.hashes,
+                               model_config.image_token_id, merge)

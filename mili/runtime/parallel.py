@@ -36,6 +36,17 @@ def local_rank(rank: int) -> int:
     return int(os.environ.get("LOCAL_RANK", rank))
 
 
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """A rank's device: its own GPU on CUDA, the CPU as it is."""
+    return torch.device("cuda", local_rank(rank)) if device.type == "cuda" else device
+
+
+def use_rank_device(device: torch.device, rank: int) -> None:
+    """Make a rank's GPU the process's current one (CUDA; nothing on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(local_rank(rank))
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -85,16 +85,16 @@ class MtpDrafter:
             row += s.num_new_tokens
         self.model.mtp_forward(batch.input_ids, prev, batch, self.kv_cache, write_only=True)
 
-    def keep(self, scheduled, sample_rows, num_accepted: dict) -> None:
-        """After the step's verification (``num_accepted``: sequence -> drafts it accepted; ``num_rejected``
-        set), before the scheduler accounts it: each sequence keeps its hidden rows from num_computed - 1 to
+    def keep(self, scheduled, sample_rows, num_accepted: dict, num_rejected: dict) -> None:
+        """After the step's verification (``num_accepted``: sequence -> drafts it accepted; ``num_rejected``:
+        sequence -> positions of the step that stay uncomputed), before the scheduler accounts it: each sequence keeps its hidden rows from num_computed - 1 to
         its last position computed on the right tokens (see the module doc); forked children their parent's."""
         h, row = self.model.hidden_states, 0
         for s in scheduled:
             seq, n = s.seq, s.num_new_tokens
             start = seq.num_computed_tokens
             last = start + n - len(s.draft) + num_accepted.get(seq, 0) - 1  # computed on the right tokens
-            lo = start + n - s.num_rejected - 1
+            lo = start + n - num_rejected.get(seq, 0) - 1
             new = h[row + max(lo - start, 0):row + last - start + 1]
             old = kept_rows(seq, lo, start - 1) if lo < start else None
             if old is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 from mili.runtime.sampler import SamplerOutput, TokenLogprobs
@@ -56,3 +57,28 @@ def accept_drafts(out: SamplerOutput, drafts: list[tuple[object, list[int]]]) ->
                                    else 0)
         row += len(draft) + 1
     return result
+
+
+def verification_rows(scheduled: list, sample_rows: list) -> tuple[list[SampleRow], list[int]]:
+    """The rows the sampler draws for a step (each sampling sequence's 1 + len(draft) rows, its drafts checked
+    in order; forked children repeat their parent's row, and none drafts then), and for each the row of the
+    step's logits it reads (``scheduled`` order)."""
+    first_row = dict(zip((i for i, s in enumerate(scheduled) if s.samples),
+                         itertools.accumulate((1 + len(s.draft) for s in scheduled if s.samples), initial=0)))
+    rows, logits_rows = [], []
+    for seq, i in sample_rows:
+        draft = scheduled[i].draft
+        rows += [SampleRow(seq, draft[:j], draft[j] if j < len(draft) else -1) for j in range(len(draft) + 1)]
+        logits_rows += range(first_row[i], first_row[i] + len(draft) + 1)
+    return rows, logits_rows
+
+
+def rejected_positions(drafting: list, num_accepted: dict, hybrid: bool) -> dict:
+    """Per drafting ``ScheduledSeq``'s sequence, the positions of the step that stay uncomputed: its rejected
+    drafts; a hybrid's whole chunk where any was rejected (its recurrent state cannot drop a token: it goes back
+    to before the chunk, which is computed again)."""
+    rejected = {}
+    for s in drafting:
+        n = len(s.draft) - num_accepted[s.seq]
+        rejected[s.seq] = s.num_new_tokens if n and hybrid else n
+    return rejected

@@ -51,7 +51,7 @@ def test_hybrid_on_the_triton_attention_backend(qwen3_5, torch_tokens):
     cached prefix): the torch backend's greedy tokens."""
     llm = LLM(str(qwen3_5), attention_backend="triton", **KW)
     runner = llm.engine.runner
-    assert runner.attention_backend == "triton" and runner.gated_delta is None  # CPU: the torch gated delta rule
+    assert runner.plan.attention == "triton" and runner.plan.gated_delta != "fla"  # CPU: torch's gated delta rule
     assert runner.states.scratch_row == runner.state_pool.num_slots + runner.states.snapshots.num_snapshots
     assert _greedy(llm) == torch_tokens
 
@@ -123,12 +123,19 @@ def test_hybrid_decode_through_the_graph_runner(qwen3_5, torch_tokens):
 
 
 def test_gated_delta_dispatch(qwen3_5, monkeypatch):
-    """The runner's choice: the torch code on the CPU; on CUDA fla's kernels, refused by name without fla-core;
+    """The plan's choice: the torch code on the CPU; on CUDA fla's kernels, refused by name without fla-core;
     the layers call whatever ``use`` set."""
-    assert gated_delta_fla.select(torch.device("cpu")) is None
-    monkeypatch.setattr(gated_delta_fla, "fla_available", lambda: False)
+    from mili.config import EngineConfig, ModelConfig
+    from mili.model.checkpoint import load_hf_config
+    from mili.runtime.plan import DeviceInfo, plan
+
+    config = EngineConfig(str(qwen3_5), attention_backend="torch", **KW)
+    model_config = ModelConfig.from_hf(load_hf_config(str(qwen3_5)))
+    h100 = dict(name="H100", capability=(9, 0), smem_per_block=227 * 1024, num_sms=132)
+    assert plan(config, model_config, DeviceInfo("cpu", onednn_bf16="")).gated_delta == "torch"
+    assert plan(config, model_config, DeviceInfo("cuda", fla=True, **h100)).gated_delta == "fla"
     with pytest.raises(InvalidRequest, match="pip install fla-core"):
-        gated_delta_fla.select(torch.device("cuda"))
+        plan(config, model_config, DeviceInfo("cuda", fla=False, **h100))
 
     llm = LLM(str(qwen3_5), attention_backend="torch", **KW)
     model = llm.engine.runner.model

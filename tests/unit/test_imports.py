@@ -122,3 +122,15 @@ def test_the_server_app_only_assembles():
 
 def test_the_check_sees_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_the_api_side_loads_no_model_code():
+    """The API processes' InputProcessor reads a checkpoint's folder through model/checkpoint.py: importing it brings
+    in no model code, no weight loader and no runtime (their imports are the engine core's)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, mili.engine.input_processor, mili.model.checkpoint; "
+            "print(sorted(m for m in sys.modules if m.startswith(('mili.runtime', 'mili.model.', 'mili.kernels'))))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert eval(loaded) == ["mili.model.checkpoint", "mili.model.checks", "mili.model.demo"]

@@ -69,7 +69,7 @@ def _hidden_l1(llm, prompt: list[int]) -> torch.Tensor:
     runner, core = llm.engine.runner, llm.engine.core
     request = llm.engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1))
     sched = core.scheduler.schedule()
-    batch, _ = runner.prepare(sched.scheduled)
+    batch, _ = runner.batches.prepare(sched.scheduled)
     batch.logits_indices = torch.arange(len(prompt))
     with torch.inference_mode():
         hidden = runner.model(batch, runner.kv_caches).float()

@@ -83,7 +83,7 @@ def test_head_matches_a_reimplementation_over_its_kv(hub):
     with torch.inference_mode():
         got = [model.mtp_forward(tokens[:4], prev[:4], chunk, kv)]
         for p in (4, 5):
-            one = runner._one_token_batch([[page]], [p], tokens[p:p + 1])
+            one = runner.batches.one_token_batch([[page]], [p], tokens[p:p + 1])
             got.append(model.mtp_forward(tokens[p:p + 1], prev[p:p + 1], one, kv))
     runner.pool.decref([page])
     want = _reference_head(hub, tokens, prev)

@@ -110,11 +110,11 @@ def test_the_cache_stays_within_its_budget(checkpoints, images):
 def test_a_text_only_request_pays_nothing_for_the_tower(checkpoints, images, monkeypatch):
     """No tower call and no StepImages (the per-step image work) for text-only steps, beside an image-capable
     model; the first request with an image makes them."""
-    import mili.runtime.model_runner as model_runner
+    import mili.runtime.input_batch as input_batch
 
     made = []
-    step_images = model_runner.StepImages
-    monkeypatch.setattr(model_runner, "StepImages", lambda *args: made.append(1) or step_images(*args))
+    step_images = input_batch.StepImages
+    monkeypatch.setattr(input_batch, "StepImages", lambda *args: made.append(1) or step_images(*args))
     llm = LLM(str(checkpoints["qwen3_vl"]), dtype="float32")
     count = _count_images(llm)
     llm.generate([{"prompt_token_ids": [5, 17, 301, 42]}], PARAMS, use_tqdm=False)

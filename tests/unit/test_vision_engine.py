@@ -159,7 +159,7 @@ def test_images_on_the_triton_path(checkpoints, images):
     cases = [(images[:2], TEXTS[1]), ([], [[9, 8, 7, 6, 5]])]
     refs = [_reference(hf, paths, texts)[1] for paths, texts in cases]
     llm = LLM(str(checkpoints["qwen3_vl"]), dtype="float32", attention_backend="triton", max_num_batched_tokens=16)
-    assert llm.engine.runner.attention_backend == "triton"
+    assert llm.engine.runner.plan.attention == "triton"
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
     outs = llm.generate([_request(paths, texts) for paths, texts in cases], params, use_tqdm=False)
     assert_greedy_matches_hf(outs, refs, MAX_TOKENS)

@@ -353,40 +353,50 @@ def onednn_bf16() -> str:
 
 
 def paths(off: str = "", asked: bool = True) -> dict[str, str]:
-    """Each layer family's CPU path and why (the start-up log, ``mili selftest``). ``off``: why the engine's model
-    does not take MILI's kernels though they may load (another dtype, the Triton back-end, tensor parallelism: the
-    Gated DeltaNet step and the grammar bitmask still do, in any dtype); ``asked`` False (--no-cpu-kernels): none is
-    built or loaded."""
+    """Each layer family's CPU path and why (``mili selftest``; the engine's plan calls :func:`family_paths` with
+    what it probed). ``off``: why the engine's model does not take MILI's kernels though they may load (another
+    dtype, the Triton back-end, tensor parallelism: the Gated DeltaNet step and the grammar bitmask still do, in
+    any dtype); ``asked`` False (--no-cpu-kernels): none is built or loaded."""
     lib, why_not = load() if asked else (None, "--no-cpu-kernels")
-    kernels = lib is not None and not off
+    return family_paths(current() if lib is not None else "", why_not, lib.mili_int_check if lib is not None else "",
+                        onednn_bf16(), off)
+
+
+def family_paths(isa: str, why_not: str, int_check: str, onednn: str, off: str = "") -> dict[str, str]:
+    """Each layer family's CPU path, from what was probed: ``isa`` the kernels' ("" where none loads, ``why_not``
+    says why), ``int_check`` why their int8/int4 paths are off ("" where on), ``onednn`` why oneDNN's bf16 packing
+    is off ("" where on); ``off`` as :func:`paths`."""
+    kernels = bool(isa) and not off
     why_not = off or why_not
-    onednn = onednn_bf16()
     aten = "aten" + (" on oneDNN-packed weights" if not onednn else f" (no oneDNN bf16 packing: {onednn})")
     if off.startswith("the model runs"):  # (float32 / float16 linears: aten's, unpacked)
         aten = f"aten ({off.split(';')[0].removeprefix('the model runs ')})"
-    name = f"MILI kernel ({current()})" if lib is not None else ""
+    name = f"MILI kernel ({isa})" if isa else ""
     side = name or f"torch (MILI kernels off: {why_not})"
     if not kernels:
         return {"bf16 linears": aten, "int8 / int4 linears": "aten weight-only int8; AWQ dequantized to bf16",
                 "norms, RoPE, SwiGLU": f"torch (MILI kernels off: {why_not})",
                 "attention": "torch (SDPA over gathered pages)", "Gated DeltaNet decode": side,
-                "argmax, grammar bitmask": "torch argmax" + (f"; bitmask {side}" if lib is not None else ", xgrammar"),
+                "argmax, grammar bitmask": "torch argmax" + (f"; bitmask {side}" if isa else ", xgrammar"),
                 "oneDNN bf16 packing": onednn or "runs"}
-    amx = " on AMX tiles" if current() == "amx" else ""
-    int_path = (f"{name}{amx}" if not lib.mili_int_check
-                else f"aten weight-only int8; AWQ dequantized ({lib.mili_int_check})")
+    amx = " on AMX tiles" if isa == "amx" else ""
+    int_path = f"{name}{amx}" if not int_check else f"aten weight-only int8; AWQ dequantized ({int_check})"
     return {"bf16 linears": name + amx, "int8 / int4 linears": int_path, "norms, RoPE, SwiGLU": name,
             "attention": name + ", paged in place", "Gated DeltaNet decode": name, "argmax, grammar bitmask": name,
             "oneDNN bf16 packing": f"{onednn or 'runs'} (used where the kernels are off)"}
 
 
-def describe(off: str = "", asked: bool = True) -> str:
-    """One line: the ISA, why, and each family's path (``off``, ``asked``: as :func:`paths`)."""
+def headline(asked: bool = True) -> str:
+    """The ISA, why, and the CPU's SIMD flags (the head of the start-up log's "CPU paths" line)."""
     flags = " ".join(sorted(cpu_features() & {f for needs in NEEDS.values() for f in needs} | (
         cpu_features() & {"avx512_vnni", "avx512_bf16", "avx_vnni", "avx512dq", "i8mm", "bf16"})))
-    head = (f"CPU ISA {isa()} ({why()}; CPU: {flags or 'no SIMD flags known'})" if asked
+    return (f"CPU ISA {isa()} ({why()}; CPU: {flags or 'no SIMD flags known'})" if asked
             else f"MILI's CPU kernels not asked for (--no-cpu-kernels; CPU: {flags or 'no SIMD flags known'})")
-    return head + "; " + "; ".join(f"{family}: {path}" for family, path in paths(off, asked).items())
+
+
+def describe(off: str = "", asked: bool = True) -> str:
+    """One line: the ISA, why, and each family's path (``off``, ``asked``: as :func:`paths`)."""
+    return headline(asked) + "; " + "; ".join(f"{family}: {path}" for family, path in paths(off, asked).items())
 
 
 def available() -> bool:

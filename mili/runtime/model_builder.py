@@ -1,0 +1,105 @@
+"""The model builder: a model as the execution plan says. It is the one place that applies the plan's kernel
+choices to a model: the attention back-end and its ops table (given to the model's constructors), the Gated
+DeltaNet implementation (set on each such layer), and the linear layers swapped for their format's kernels
+once the weights are in."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+
+import torch
+
+from mili.config import ModelConfig
+from mili.kernels import gated_delta_fla
+from mili.kernels.reference import TorchOps
+from mili.model.cpu_linear import fp8_round_trip_linears, int4_layer, swap_linears, swap_lm_head
+from mili.model.loader import load_weights
+from mili.model.qwen3 import Qwen3ForCausalLM
+from mili.model.qwen3_5 import GatedDeltaNet, Qwen3_5ForCausalLM
+from mili.model.qwen3_vl import Qwen3VLForConditionalGeneration
+from mili.runtime.attention.torch_backend import TorchAttentionBackend
+from mili.runtime.plan import ExecutionPlan
+
+log = logging.getLogger("mili")
+
+
+def attention_and_ops(plan: ExecutionPlan, max_pages_per_seq: int):
+    """The plan's attention back-end (an instance) and ops table (a class of static kernels)."""
+    if plan.attention == "triton":
+        from mili.kernels.triton.ops import TritonOps
+        from mili.runtime.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend(max_pages_per_seq), TritonOps
+    if plan.attention == "cpu":
+        from mili.kernels.cpu.ops import CpuOps
+        from mili.runtime.attention.cpu_backend import CpuAttentionBackend
+
+        return CpuAttentionBackend(), CpuOps
+    return TorchAttentionBackend(), TorchOps
+
+
+def build_model(plan: ExecutionPlan, model_config: ModelConfig, path: str, device: torch.device, attention, ops):
+    """The model on ``device`` with its weights from ``path``, its kernels as ``plan`` says."""
+    mtp = plan.speculative == "mtp"
+    with torch.device("meta"):
+        if model_config.is_hybrid:
+            model = Qwen3_5ForCausalLM(model_config, attention, plan.dtype, ops, mtp=mtp, vision=plan.vision)
+        elif model_config.vision_config is not None:  # Qwen3-VL
+            model = Qwen3VLForConditionalGeneration(model_config, attention, plan.dtype, ops, plan.vision)
+        else:
+            model = Qwen3ForCausalLM(model_config, attention, plan.dtype, ops)
+    model = model.to_empty(device=device)
+    quantized = load_weights(model, path, keep_quantized=plan.keep_quantized)
+    model.eval()
+    _swap_linears(model, plan, quantized)
+    if plan.gated_delta is not None:  # (the C decode step takes the loaded weights)
+        _use_gated_delta(model, plan.gated_delta)
+    log.info("weights: %s", plan.weight_format)
+    _release_freed_memory()  # the plain weights a swap replaced go back to the OS (host memory)
+    return model
+
+
+def _use_gated_delta(model: torch.nn.Module, how: str) -> None:
+    """Each Gated DeltaNet layer on the plan's implementation: fla (flash-linear-attention's kernels, CUDA),
+    torch+cpu (the model's torch code, each decode step in one call of MILI's C kernel), torch."""
+    fla = gated_delta_fla.FlaGatedDelta() if how == "fla" else None
+    for layer in model.modules():
+        if isinstance(layer, GatedDeltaNet):
+            layer.kernels = fla
+            if how == "torch+cpu":
+                layer.use_cpu_kernel()
+    log.info("gated delta rule: %s", {"fla": "flash-linear-attention's Triton kernels",
+                                      "torch+cpu": "torch (decode steps: MILI's CPU kernel)"}.get(how, "torch"))
+
+
+def _swap_linears(model, plan: ExecutionPlan, quantized: dict) -> None:
+    """The linear layers on their format's kernels (``plan.linears``), then the lm_head as ``plan.lm_head``.
+    ``quantized``: the checkpoint's layers the loader kept as stored."""
+    skip_head = plan.lm_head is not None
+    if plan.fp8_round_trip:
+        fp8_round_trip_linears(model)
+    if plan.linears == "triton":
+        from mili.model import gpu_linear
+
+        swap_linears(model, "plain", quantized=quantized,
+                     make_quantized=functools.partial(gpu_linear.quantized_layer, fp8_activations=plan.fp8_activations))
+    elif plan.linears == "fp8":
+        swap_linears(model, "fp8")
+    elif plan.linears == "int8":
+        swap_linears(model, "int8", kernels=plan.int8_kernels, skip_head=skip_head)
+    elif plan.linears == "kernel":
+        swap_linears(model, "kernel", quantized=quantized, make_quantized=int4_layer, skip_head=skip_head)
+    elif plan.linears == "packed":
+        swap_linears(model, "packed", skip_head=skip_head)
+    if skip_head:
+        swap_lm_head(model, plan.lm_head, kernels=plan.int8_kernels if plan.lm_head == "int8" else plan.cpu_kernels)
+
+
+def _release_freed_memory() -> None:
+    """glibc keeps freed heap memory for reuse; give it back (a no-op where there is no glibc)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

@@ -1,0 +1,392 @@
+"""The execution plan: every choice of how a model runs, made once, before anything is built.
+
+``plan(EngineConfig, ModelConfig, DeviceInfo) -> ExecutionPlan`` is a pure function: the dtype, the attention
+back-end and its ops, each layer family's linear format and the lm_head's, the CPU kernels' ISA, the KV dtype,
+the Gated DeltaNet implementation, how a decode step runs (eagerly, as CUDA graphs, or as the C decode layer),
+the speculative method, the memory split's rules, and the Triton GEMMs' tiles for the device. It raises every
+refusal of a setting MILI cannot run faithfully, by name. ``DeviceInfo`` describes the device (``probe`` reads
+the real one; the tests write H100s, AVX2 laptops and aarch64 boards by hand), so the plan needs no device.
+
+The runner applies the plan and nothing else decides: the model builder (``model_builder.py``) builds the model
+on its ops and swaps its layers, the memory planner (``memory.py``) sizes the pools, the runner picks the step.
+The plan is printed at start-up, and ``/health`` and ``mili selftest`` show it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from mili.config import EngineConfig, ModelConfig
+from mili.errors import InvalidRequest
+from mili.kernels.cpu import family_paths
+from mili.kernels.triton.launch import INTERPRETER, DeviceSpec, GemmConfig, check_device, gemm_config
+from mili.model.checks import weight_quant
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """What the plan needs to know of a device. CUDA: its SM version, shared memory per block and SM count.
+    CPU: whether MILI's kernels load (``cpu_kernels``: their ISA; "" where none builds or passes its check, with
+    ``cpu_kernels_why``), whether their int8/int4 paths run, whether oneDNN's bf16 packing runs."""
+
+    type: str  # "cpu" | "cuda"
+    name: str = ""
+    index: int | None = None  # CUDA: the card
+    capability: tuple[int, int] | None = None
+    smem_per_block: int = 0
+    num_sms: int = 0
+    cpu_kernels: str = ""  # the ISA MILI's CPU kernels run (avx512, avx2, neon-dot...), "" if none loads
+    cpu_kernels_why: str = ""  # why none loads
+    int8_kernels_why: str = "no CPU kernels"  # "" where their int8 / int4 paths run (byte dot products), else why not
+    cpu_headline: str = ""  # the ISA, why, the CPU's SIMD flags (the start-up log's)
+    onednn_bf16: str = "no CPU"  # "" where oneDNN's bf16 packing runs, else why not
+    triton: bool = False  # the triton package imports
+    triton_interpret: bool = False  # TRITON_INTERPRET=1: the Triton kernels run on the CPU
+    fla: bool = False  # flash-linear-attention (fla-core) imports
+    cpu_count: int = 1  # the CPU's threads (the torch thread count a tensor-parallel rank takes a share of)
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.type, self.index) if self.index is not None else torch.device(self.type)
+
+    @property
+    def spec(self) -> DeviceSpec:
+        """The Triton kernels' view of the device (the CPU under TRITON_INTERPRET picks what an H100 picks)."""
+        if self.type != "cuda":
+            return INTERPRETER
+        return DeviceSpec(self.name, self.capability, self.smem_per_block, self.num_sms)
+
+    @classmethod
+    def probe(cls, device: torch.device, cpu_kernels: bool = True) -> "DeviceInfo":
+        """The real ``device``; ``cpu_kernels`` False (--no-cpu-kernels): MILI's CPU kernels are not built."""
+        common = dict(cpu_count=os.cpu_count() or 1, triton=importlib.util.find_spec("triton") is not None,
+                      triton_interpret=os.environ.get("TRITON_INTERPRET") == "1",
+                      fla=importlib.util.find_spec("fla") is not None)
+        if device.type == "cuda":
+            from mili.kernels.triton.launch import device_spec
+
+            if not torch.cuda.is_available():
+                raise InvalidRequest(f"device cuda: no CUDA device here (torch {torch.__version__}, CUDA "
+                                     f"{torch.version.cuda or 'not built in'})", param="device")
+
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            spec = device_spec(torch.device("cuda", index))
+            return cls("cuda", spec.name, index, spec.capability, spec.smem_per_block, spec.num_sms, **common)
+        from mili.kernels import cpu
+
+        lib, why = cpu.load() if cpu_kernels else (None, "--no-cpu-kernels")
+        return cls("cpu", f"{cpu.arch()} CPU", cpu_kernels=cpu.current() if lib is not None else "",
+                   cpu_kernels_why=why if lib is None else "",
+                   int8_kernels_why=why if lib is None else lib.mili_int_check, cpu_headline=cpu.headline(cpu_kernels),
+                   onednn_bf16=cpu.onednn_bf16(), **common)
+
+    @property
+    def int8_kernels(self) -> bool:
+        """MILI's int8 / int4 kernels run (VNNI, AVX2's byte trick, NEON's sdot; not AVX-512 without VNNI)."""
+        return bool(self.cpu_kernels) and not self.int8_kernels_why
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """How the memory is split. ``budget``: bytes for the KV pages and the recurrent states (None on CUDA without
+    kv_cache_memory: ``gpu_memory_utilization`` of the card less the weights and the profiled activation peak,
+    measured once the weights are in). ``num_kv_pages``: exact, as asked (else as many as the budget holds, at
+    most what max_num_seqs full sequences use). Hybrids: recurrent-state slots and the prefix cache's snapshots
+    (``states``), a spare row per drafting sequence (its state before the drafts), a scratch row for CUDA graphs'
+    padding rows (the Triton back-end)."""
+
+    budget: int | None
+    num_kv_pages: int | None
+    hybrid: bool = False
+    state_slots: int | None = None  # as asked (None: from the budget)
+    state_snapshots: int | None = None  # as asked (None: from the budget with prefix caching, else 0)
+    max_num_seqs: int = 256
+    prefix_caching: bool = True
+    max_spare_rows: int = 0  # speculative decoding's disable_by_batch_size (0: no drafts)
+    scratch_state_row: bool = False
+    host_memory: bool = False  # the pools are in the host's memory (the CPU): checked against MemAvailable
+
+    def states(self, budget: int, per_slot: int) -> tuple[int, int, int]:
+        """(slots, snapshots, spare rows) from ``budget``: max_num_seqs slots within a quarter of it (at least
+        one); with prefix caching, as many snapshots as another quarter holds, 2 to 4 per slot."""
+        slots = self.state_slots
+        if slots is None:
+            slots = max(1, min(self.max_num_seqs, budget // 4 // per_slot))
+        snapshots = self.state_snapshots
+        if snapshots is None:
+            snapshots = max(2, min(4 * slots, budget // 4 // per_slot)) if self.prefix_caching else 0
+        return slots, snapshots, min(slots, self.max_spare_rows)
+
+
+@dataclass(frozen=True)
+class ExecutionPlan:
+    """Every choice of how the model runs (see the module's doc); ``describe()`` is what the start-up log,
+    ``/health`` and ``mili selftest`` show."""
+
+    device: DeviceInfo
+    dtype: torch.dtype
+    max_model_len: int  # the asked or the checkpoint's (the KV pool may lower it)
+    attention: str  # torch | cpu (MILI's C kernels) | triton: the back-end, and the ops table of that name
+    kv_dtype: torch.dtype
+    linears: str  # the body's layers: plain | packed (oneDNN) | kernel (MILI's C) | int8 | fp8 | triton
+    int8_kernels: bool  # int8 layers on MILI's W8A8 kernel (else aten's weight-only int8)
+    fp8_activations: bool  # the Triton FP8 GEMMs take FP8 activations (W8A8: SM 89+ in a 16-bit model)
+    keep_quantized: bool  # the loader keeps a quantized checkpoint's layers as stored (Triton GEMMs, CPU int4)
+    fp8_round_trip: bool  # --quantization fp8 off the FP8 GEMMs: weights through FP8 and back, then as linears
+    lm_head: str | None  # int8 | bf16 (the model's dtype) | None (as the body's swap leaves it)
+    weight_format: str  # what the weights compute as, in words
+    gated_delta: str | None  # hybrids: fla | torch | torch+cpu (the decode step in one C call)
+    step: str  # eager | cuda-graphs | cpu-decode (the decode layer in one C call)
+    step_why: str  # why not a faster step, where not
+    speculative: str | None  # ngram | mtp
+    memory: MemoryPlan
+    cpu_paths: dict[str, str] = field(default_factory=dict)  # each layer family's CPU path, and why
+    gemm_tiles: dict[str, GemmConfig] = field(default_factory=dict)  # the Triton GEMMs' tiles, by kind and phase
+    tensor_parallel_size: int = 1
+    vision: bool = False  # the vision tower is loaded
+    num_threads: int | None = None  # the CPU: torch's threads (None: torch's default)
+
+    @property
+    def cpu_kernels(self) -> bool:
+        """MILI's C kernels run the model's layers (bf16, torch attention, one rank)."""
+        return self.attention == "cpu"
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    @property
+    def kv_dtype_name(self) -> str:
+        return "fp8_e4m3" if self.kv_dtype == torch.float8_e4m3fn else str(self.kv_dtype).removeprefix("torch.")
+
+    def describe(self) -> dict[str, str]:
+        """The plan in words, a line each (the start-up log, /health, mili selftest)."""
+        rows = {"device": f"{self.device.type} ({self.device.name})" if self.device.name else self.device.type,
+                "dtype": self.dtype_name, "attention": self.attention, "weights": self.weight_format,
+                "kv cache": self.kv_dtype_name, "step": self.step + (f" ({self.step_why})" if self.step_why else ""),
+                "speculative": self.speculative or "off"}
+        if self.device.type == "cpu":
+            rows["cpu kernels"] = self.device.cpu_kernels or f"off ({self.device.cpu_kernels_why})"
+        if self.gated_delta:
+            rows["gated delta rule"] = self.gated_delta
+        if self.tensor_parallel_size > 1:
+            rows["tensor parallel"] = str(self.tensor_parallel_size)
+        if self.gemm_tiles:
+            rows["gemm tiles"] = ", ".join(f"{k} {c.block_m}x{c.block_n}/{c.num_stages}"
+                                           for k, c in self.gemm_tiles.items())
+        return rows
+
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def plan(config: EngineConfig, model_config: ModelConfig, device: DeviceInfo) -> ExecutionPlan:
+    """Decide how the model runs (see the module's doc); raises ``InvalidRequest`` for what cannot."""
+    tp = config.tensor_parallel_size
+    hybrid, on_cuda, on_cpu = model_config.is_hybrid, device.type == "cuda", device.type == "cpu"
+    dtype = _dtype(config, model_config, device)
+    max_model_len = config.resolve_max_model_len(model_config)
+    attention = _attention_backend(config, device)
+    kv_dtype = _kv_dtype(config, attention, dtype, device)
+    if attention == "triton" and on_cuda:
+        check_device(device.spec, dtype, kv_dtype == torch.float8_e4m3fn)
+
+    # MILI's C kernels: on the CPU, in bf16, with the torch attention path, where they load (one rank)
+    off = (f"the model runs {str(dtype).removeprefix('torch.')}; the kernels are bf16's" if dtype != torch.bfloat16
+           else "the Triton attention back-end" if attention != "torch"
+           else "tensor parallelism" if tp > 1 else "")
+    cpu_kernels = on_cpu and config.cpu_kernels and not off and bool(device.cpu_kernels)
+    if cpu_kernels:
+        attention = "cpu"
+
+    speculative = config.speculative_config.method if config.speculative_config is not None else None
+    if speculative == "mtp" and (not hybrid or tp > 1):
+        raise InvalidRequest("speculative_config: method mtp runs the hybrid models' MTP head (Qwen3.5 / 3.6, "
+                             "Qwen3-Next) without tensor parallelism", param="speculative_config")
+
+    gated_delta = None
+    if hybrid:
+        if on_cuda and not device.fla:
+            from mili.kernels.gated_delta_fla import INSTALL_HINT
+
+            raise InvalidRequest(f"hybrid models (Qwen3-Next, Qwen3.5) on CUDA need flash-linear-attention's "
+                                 f"kernels: {INSTALL_HINT} (or pip install 'mili[cuda]')", param="device")
+        kernel_step = on_cpu and config.cpu_kernels and bool(device.cpu_kernels)  # (any dtype)
+        gated_delta = "fla" if on_cuda else "torch+cpu" if kernel_step else "torch"
+
+    quant = weight_quant({"quantization_config": getattr(model_config.hf_config, "quantization_config", None)})
+    triton_linears = (quant is not None and not config.quantization and tp == 1 and not hybrid
+                      and (on_cuda or attention == "triton"))
+    if config.lm_head_dtype == "int8" and (not on_cpu or triton_linears):
+        raise InvalidRequest("--lm-head-dtype int8 runs on the CPU's linear layers (not on CUDA or the Triton "
+                             "layers)", param="lm_head_dtype")
+    int8_kernels = cpu_kernels and device.int8_kernels
+    keep_quantized = triton_linears or (int8_kernels and getattr(quant, "method", None) == "awq")
+    linears, weight_format, fp8_round_trip = _linears(config, quant, dtype, device, hybrid, tp, triton_linears,
+                                                      cpu_kernels, int8_kernels, keep_quantized, model_config.is_moe)
+    lm_head = _lm_head(config, on_cpu and tp == 1 and not triton_linears, keep_quantized and cpu_kernels and
+                       not hybrid and config.quantization is None)
+    if lm_head is not None:
+        name = lm_head if lm_head == "int8" else str(dtype).removeprefix("torch.")
+        weight_format += f", lm_head {name}" + (" (W8A8 kernel)" if lm_head == "int8" and int8_kernels else "")
+
+    step, step_why = _step(config, model_config, device, attention, cpu_kernels, speculative, tp)
+    memory = _memory(config, device, attention, hybrid)
+    paths = family_paths(device.cpu_kernels, device.cpu_kernels_why, device.int8_kernels_why, device.onednn_bf16,
+                         off) if on_cpu else {}
+    threads = config.num_threads or (max(1, device.cpu_count // tp) if tp > 1 else None) if on_cpu else None
+    fp8_act = triton_linears and _fp8_activations(device, dtype)
+    return ExecutionPlan(device, dtype, max_model_len, attention, kv_dtype, linears, int8_kernels, fp8_act,
+                         keep_quantized, fp8_round_trip, lm_head, weight_format, gated_delta, step, step_why,
+                         speculative, memory, paths, _gemm_tiles(device, dtype) if triton_linears else {}, tp,
+                         config.takes_images(model_config), threads)
+
+
+def _dtype(config: EngineConfig, model_config: ModelConfig, device: DeviceInfo) -> torch.dtype:
+    if config.dtype != "auto":
+        return _DTYPES[config.dtype]
+    dtype = model_config.checkpoint_dtype
+    # CPUs without fast half support still run bf16 well through oneDNN; float16 does not
+    return torch.bfloat16 if device.type == "cpu" and dtype == torch.float16 else dtype
+
+
+def _attention_backend(config: EngineConfig, device: DeviceInfo) -> str:
+    """torch | triton: auto picks Triton on CUDA. Triton elsewhere needs TRITON_INTERPRET=1."""
+    on_cuda = device.type == "cuda"
+    name = config.attention_backend
+    if name == "auto":
+        name = "triton" if on_cuda and device.triton else "torch"
+    if name == "triton":
+        if not device.triton:
+            raise InvalidRequest("attention_backend triton needs the triton package (pip install triton)",
+                                 param="attention_backend")
+        if not on_cuda and not device.triton_interpret:
+            raise InvalidRequest("the Triton backend runs on CUDA, or on the CPU under TRITON_INTERPRET=1",
+                                 param="attention_backend")
+        page = config.page_size
+        if page < 16 or page > 64 or page & (page - 1):
+            # a key block is one page; above 64 the attention tiles outgrow sm_89's shared memory (float32)
+            # and spill (bf16): the compile check's finding (mili/tools/triton_checks/compile_check.py)
+            raise InvalidRequest(f"the Triton backend needs page_size a power of two >= 16 and <= 64 (a key "
+                                 f"block is one page), got {page}", param="page_size")
+    return name
+
+
+def _kv_dtype(config: EngineConfig, attention: str, dtype: torch.dtype, device: DeviceInfo) -> torch.dtype:
+    """The KV pages' dtype: the model's (auto), or float8_e4m3fn (fp8: half the bytes a token, twice the pages in
+    the same memory), which the Triton kernels read and write on GPUs with FP8."""
+    if config.kv_cache_dtype == "auto":
+        return dtype
+    if attention != "triton":
+        raise InvalidRequest("--kv-cache-dtype fp8 needs the Triton attention backend (CUDA); the CPU's "
+                             "torch and C-kernel attention read pages in the model's dtype", param="kv_cache_dtype")
+    if device.type == "cuda" and device.capability < (8, 9):
+        raise InvalidRequest("--kv-cache-dtype fp8 needs a GPU with FP8 (compute capability 8.9 or later)",
+                             param="kv_cache_dtype")
+    return torch.float8_e4m3fn
+
+
+def _linears(config, quant, dtype, device, hybrid, tp, triton_linears, cpu_kernels, int8_kernels, keep_quantized,
+             moe) -> tuple[str, str, bool]:
+    """(the body's linear format, what the weights compute as, whether fp8 weights round-trip first)."""
+    name = str(dtype).removeprefix("torch.")
+    dequantized = f"{quant.describe()}, dequantized to {name}" if quant else "unquantized"
+    if hybrid:
+        if config.quantization:
+            raise InvalidRequest(f"--quantization {config.quantization} is not supported for hybrid models yet",
+                                 param="quantization")
+        if quant:
+            return "plain", f"{quant.describe()}, dequantized", False
+    if config.quantization and quant is not None:
+        raise InvalidRequest(f"--quantization {config.quantization}: the checkpoint is already quantized "
+                             f"({quant.describe()})", param="quantization")
+    if tp > 1:
+        if config.quantization:
+            raise InvalidRequest("quantization with tensor parallelism is not supported yet", param="quantization")
+        return "plain", f"{quant.describe()}, dequantized" if quant else "unquantized", False
+    if triton_linears:
+        from mili.model.gpu_linear import describe
+
+        fp8_act = _fp8_activations(device, dtype)
+        return "triton", describe(quant, fp8_act, moe, dtype), False
+    fp8 = config.quantization == "fp8"
+    if fp8 and device.type == "cuda" and device.capability >= (8, 9):
+        return "fp8", "fp8 e4m3 per channel (torch._scaled_mm, per-token activations)", True
+    cpu_bf16 = device.type == "cpu" and dtype == torch.bfloat16
+    if config.quantization in ("int8", "fp8") or (quant is not None and quant.method != "awq" and cpu_bf16):
+        origin = quant.describe() if quant else ("fp8 values" if fp8 else "")
+        return "int8", (f"int8 per channel ({'W8A8 kernel' if int8_kernels else 'weight-only'})"
+                        + (f", requantized from {origin}" if origin else "")), fp8
+    if cpu_kernels:
+        return "kernel", f"{quant.describe()} on the int4 kernel (W4A8)" if keep_quantized else dequantized, False
+    if device.type == "cpu" and config.cpu_weight_prepack and dtype == torch.bfloat16 and not device.onednn_bf16:
+        return "packed", dequantized, False
+    return "plain", dequantized, False
+
+
+def _fp8_activations(device: DeviceInfo, dtype: torch.dtype) -> bool:
+    from mili.kernels.triton.quant_gemm import fp8_activations  # (triton's import: only where its GEMMs run)
+
+    return fp8_activations(device.type, device.capability, dtype)
+
+
+def _lm_head(config: EngineConfig, on_cpu_layers: bool, int4_body: bool) -> str | None:
+    """What ``lm_head_dtype`` makes of the head: int8, bf16, or None (as the body's swap leaves it: int8 with an
+    int8 body, else the model's dtype). auto quantizes it where the body is an int4 checkpoint on the int4 kernel
+    (int8 bodies already quantize their head); bf16 means unquantized (a float32 model's head stays float32)."""
+    if config.lm_head_dtype == "auto":
+        return "int8" if int4_body else None
+    return config.lm_head_dtype if on_cpu_layers else None  # (int8 elsewhere: refused above)
+
+
+def _step(config, model_config, device, attention, cpu_kernels, speculative, tp) -> tuple[str, str]:
+    """How a decode step runs: CUDA graphs (the Triton back-end on CUDA), the C decode layer (MILI's CPU kernels,
+    dense and MoE models), or eagerly; and why not faster where not."""
+    if config.enforce_eager:
+        return "eager", "--enforce-eager" if device.type == "cuda" or cpu_kernels else ""
+    if device.type == "cuda":
+        if model_config.is_moe or tp > 1:
+            return "eager", "MoE and tensor-parallel models run eagerly until verified under capture"
+        if speculative == "mtp":
+            return "eager", "MTP drafts read every row's hidden state"
+        if attention == "triton":
+            return "cuda-graphs", ""
+        return "eager", "the torch attention back-end"
+    if cpu_kernels and not model_config.is_hybrid:
+        if model_config.is_moe:
+            return "eager", "a mixture-of-experts model (its layers run as modules, experts on the kernels)"
+        if model_config.head_dim % 32 or model_config.head_dim > 1024:  # (the fused q/k-norm kernel's bounds)
+            return "eager", f"head_dim {model_config.head_dim}: the fused decode layer takes multiples of 32"
+        return "cpu-decode", ""  # (a layer it cannot take after all is said at load, and runs eagerly)
+    return "eager", ""
+
+
+def _memory(config: EngineConfig, device: DeviceInfo, attention: str, hybrid: bool) -> MemoryPlan:
+    budget = config.kv_cache_memory
+    if budget is None and device.type != "cuda":
+        from mili.config import default_kv_cache_bytes
+
+        budget = default_kv_cache_bytes()
+    spec = config.speculative_config
+    return MemoryPlan(budget, config.num_kv_pages, hybrid, config.num_state_slots, config.num_state_snapshots,
+                      config.max_num_seqs, config.enable_prefix_caching,
+                      spec.disable_by_batch_size if spec is not None else 0, hybrid and attention == "triton",
+                      device.type == "cpu")
+
+
+def _gemm_tiles(device: DeviceInfo, dtype: torch.dtype) -> dict[str, GemmConfig]:
+    """The quantized GEMMs' tiles on this device for a decode row and a full prefill chunk (what the wrappers pick
+    at launch from the same function; ``check_device`` has made sure each kind has one)."""
+    a_bytes, exact = dtype.itemsize, dtype == torch.float32
+    return {f"{kind} {phase}": gemm_config(m, 128, a_bytes, w, exact, device.spec)
+            for kind, w in (("fp8", 1), ("int4", 0.5)) for phase, m in (("decode", 1), ("prefill", 2048))}
+
+
+def replace(p: ExecutionPlan, **changes) -> ExecutionPlan:
+    """A plan with some choices changed (the tests'; the runner's plan is frozen)."""
+    return dataclasses.replace(p, **changes)

@@ -1,0 +1,59 @@
+"""A step's sampling: the sampler's metadata from the rows' sequences, and the per-row fallback that keeps a
+step alive when some rows' sampling fails (their requests end with the error; the other rows' tokens stand)."""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future
+
+import torch
+
+from mili.runtime.sampler import NO_TOKEN, Sampler, SamplerOutput, SamplingMetadata
+
+log = logging.getLogger("mili")
+
+
+def sampling_metadata(rows: list, vocab_size: int, device: torch.device) -> SamplingMetadata:
+    """The sampler's tensors for ``rows`` (``SampleRow``s)."""
+    # the token lists only where a row needs them (penalties; min_tokens counts outputs): copying
+    # every prompt each step would cost O(context) per token
+    penalties = any(r.seq.params.uses_penalties for r in rows)
+    counts = penalties or any(r.seq.params.min_tokens for r in rows)
+    drafts = [r.draft for r in rows]
+    return SamplingMetadata.build(
+        [r.seq.params for r in rows], [r.seq.generator for r in rows],
+        [r.seq.token_ids[:r.seq.prompt_len] if penalties else [] for r in rows],
+        [r.seq.output_token_ids + r.ahead if counts else [] for r in rows], vocab_size,
+        device, drafts=drafts if any(d >= 0 for d in drafts) else None)
+
+
+def sample_step(sampler: Sampler, logits: torch.Tensor, rows: list, grammar: Future | None, vocab_size: int,
+                device: torch.device) -> SamplerOutput:
+    """The step's tokens, one per row of ``logits``. A failure that belongs to rows rather than to the
+    step (their parameters, a grammar's bitmask, the draw) does not end the step: the rows are sampled
+    again one by one, and those that fail alone come back in ``errors`` (their requests end with that
+    error, the core goes on); the other rows' tokens stand."""
+    try:
+        meta = sampling_metadata(rows, vocab_size, device)
+        if grammar is not None:
+            bitmask, meta.grammar_rows = grammar.result()
+            meta.grammar_bitmask = bitmask.to(device, non_blocking=True)
+        return sampler(logits, meta)
+    except Exception:
+        log.exception("sampling a step of %d rows failed: sampling them one by one", len(rows))
+    out = SamplerOutput([], [])
+    for row, each in enumerate(rows):
+        try:
+            meta = sampling_metadata([each], vocab_size, device)
+            bitmask = each.seq.grammar.next_token_bitmask(vocab_size, each.ahead) \
+                if each.seq.grammar is not None else None
+            if bitmask is not None:
+                meta.grammar_bitmask, meta.grammar_rows = bitmask.to(device), [0]
+            one = sampler(logits[row:row + 1], meta)
+            out.token_ids += one.token_ids
+            out.logprobs += one.logprobs
+        except Exception as e:
+            out.token_ids.append(NO_TOKEN)
+            out.logprobs.append(None)
+            out.errors[row] = f"sampling its token failed: {type(e).__name__}: {e}"
+    return out
