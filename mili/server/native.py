@@ -41,6 +41,7 @@ async def health(http: Request):
             "max_seq_length": engine.max_model_len, "device": engine.info.device, "dtype": engine.info.dtype,
             "quantization": engine.info.quantization, "kv_cache_dtype": engine.info.kv_cache_dtype,
             "prefix_caching": engine.info.prefix_caching, "tool_call_parser": st.tool_call_parser,
+            "execution_plan": engine.info.plan,
             "engine_core_pid": engine.core_pid, "api_server_pid": os.getpid(),
             # every API process (mili serve --api-server-count): their CPU is the server's
             "api_server_pids": st.api_servers.pids() if st.api_servers else [os.getpid()],

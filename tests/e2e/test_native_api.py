@@ -92,6 +92,8 @@ def test_health_and_root(server):
     assert health["model_type"] == "qwen3" and health["vocab_size"] == 151936 and health["max_seq_length"] == 1024
     assert health["model"] == "test" and health["kv_cache_pages"] >= 1  # MILI's extras stay
     assert health["quantization"] == "unquantized" and health["kv_cache_dtype"] == "float32"
+    plan = health["execution_plan"]  # the plan the core made (mili/runtime/plan.py), in words
+    assert plan["dtype"] == "float32" and plan["attention"] == "torch" and plan["weights"] == "unquantized"
     root = curl(f"{server.url}/")
     assert {"message", "version", "docs", "health", "generate"} <= set(root)
     assert root["health"] == "/health" and root["generate"] == "/generate" and "POST /generate" in root["endpoints"]

@@ -15,7 +15,7 @@ def test_selftest_cpu_quick_passes_and_prints_one_table(capsys):
     out = capsys.readouterr().out
     for row in ("torch / triton / transformers", "CPU flags", "MILI CPU kernels", "dense, greedy vs HF",
                 "MoE, greedy vs HF", "hybrid Qwen3.5, greedy vs HF", "replay == eager", "copy roofline",
-                "decode batch 1", "0 failed"):
+                "decode batch 1", "0 failed", "execution plan (demo)", "cpu-decode" if cpu.available() else "eager"):
         assert row in out, row
     assert "| FAIL" not in out
     if not cpu.available():  # this CPU's case: said, and not a failure

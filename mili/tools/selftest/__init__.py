@@ -55,6 +55,7 @@ def versions(device: torch.device) -> list[tuple[str, str, str, str]]:
                  f"{cpu.isa()} ({cpu.why()}; runs here: {', '.join(cpu.runnable_isas())})" if lib is not None
                  else f"unavailable: {why}; the torch path runs"))
     rows += [("CPU paths", family, INFO, path) for family, path in cpu.paths().items()]
+    rows += plan_rows(device)
     if device.type == "cuda":
         from mili.kernels.triton.launch import device_spec
 
@@ -68,6 +69,17 @@ def versions(device: torch.device) -> list[tuple[str, str, str, str]]:
                                            f"{spec.smem_per_block // 1024} KiB shared memory per block"),
                  ("versions", "CUDA driver / runtime", INFO, f"{driver} / {torch.version.cuda}")]
     return rows
+
+
+def plan_rows(device: torch.device) -> list[tuple[str, str, str, str]]:
+    """The execution plan ``mili serve`` makes here for the demo model (mili/runtime/plan.py), a row a choice."""
+    from mili.config import EngineConfig, ModelConfig
+    from mili.model.checkpoint import load_hf_config, resolve_model_path
+    from mili.runtime.plan import DeviceInfo, plan
+
+    config = EngineConfig("demo", device=str(device))
+    made = plan(config, ModelConfig.from_hf(load_hf_config(resolve_model_path("demo"))), DeviceInfo.probe(device))
+    return [("execution plan (demo)", choice, INFO, value) for choice, value in made.describe().items()]
 
 
 def _run(section: str, name: str, fn) -> list[tuple[str, str, str, str]]:
