@@ -12,7 +12,7 @@ if os.environ.get("MILI_TEST_GPU") != "1":
 
 import pytest
 
-from helpers import QWEN3_TOKENIZER, SHAPES, build_checkpoint
+from support.checkpoints import QWEN3_TOKENIZER, SHAPES, build_checkpoint
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""A real `mili serve` process on loopback, per test module (see helpers.Server)."""
+"""A real `mili serve` process on loopback, per test module (see support/server.py)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from helpers import (CHAIN, Server, build_caller_checkpoint, build_checkpoint,  # noqa: F401
-                     build_scripted_checkpoint, metric)
+from support.checkpoints import build_checkpoint  # noqa: F401
+from support.scripted import CHAIN, build_caller_checkpoint, build_scripted_checkpoint  # noqa: F401
+from support.server import Server, metric  # noqa: F401
 
 @pytest.fixture(scope="session")
 def random_model(tmp_path_factory) -> Path:
@@ -21,14 +22,14 @@ def scripted_model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def caller_model(tmp_path_factory) -> tuple[Path, dict[int, int]]:
-    """A scripted checkpoint that thinks, says a sentence and calls get_time (helpers.CALLER_TEXT), and its chain."""
+    """A scripted checkpoint that thinks, says a sentence and calls get_time (scripted.CALLER_TEXT), and its chain."""
     return build_caller_checkpoint(tmp_path_factory.mktemp("e2e") / "caller")
 
 
 @pytest.fixture(scope="session")
 def vision_chat_model(tmp_path_factory) -> Path:
-    """A tiny Qwen3-VL a server can chat with about images (vision_checkpoints.build_chat_vision_checkpoint)."""
-    from vision_checkpoints import build_chat_vision_checkpoint
+    """A tiny Qwen3-VL a server can chat with about images (support.vision.build_chat_vision_checkpoint)."""
+    from support.vision import build_chat_vision_checkpoint
 
     return build_chat_vision_checkpoint(tmp_path_factory.mktemp("e2e") / "vision")
 
@@ -36,7 +37,7 @@ def vision_chat_model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def test_images(tmp_path_factory) -> list[Path]:
     """Two PNG files (64×96 and 96×64: 6 image tokens each for the tiny Qwen3-VL), alone in their folder."""
-    from vision_checkpoints import write_images
+    from support.vision import write_images
 
     return write_images(tmp_path_factory.mktemp("images"))
 

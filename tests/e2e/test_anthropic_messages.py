@@ -1,6 +1,6 @@
 """Anthropic's Messages API through a real `mili serve`, with the official anthropic client.
 
-The server runs the scripted checkpoint of helpers.build_caller_checkpoint (it thinks when asked, says
+The server runs the scripted checkpoint of scripted.build_caller_checkpoint (tests/support) (it thinks when asked, says
 "I will check." and writes a get_time `<tool_call>` block), behind an API key.
 """
 
@@ -14,7 +14,8 @@ import httpx
 import jsonschema
 import pytest
 
-from helpers import CALLER_TEXT, Server, chain_length, prompt_tokens
+from support.scripted import CALLER_TEXT, chain_length, prompt_tokens
+from support.server import Server
 
 KEY = "sekret"
 USER = [{"role": "user", "content": "What time is it in Paris?"}]

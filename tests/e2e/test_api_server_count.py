@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from helpers import Server, metric, process_gone, start_streams, wait_for
+from support.server import Server, metric, process_gone, start_streams, wait_for
 
 
 def _clients_per_process(url: str, per_process: int) -> dict[int, list[httpx.Client]]:

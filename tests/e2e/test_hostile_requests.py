@@ -10,7 +10,7 @@ import json
 import httpx
 import pytest
 
-from helpers import Server, metric
+from support.server import Server, metric
 
 
 def _metric(text: str, name: str) -> float:

@@ -1,4 +1,4 @@
-"""Images in chat requests through a real `mili serve` of a tiny Qwen3-VL (vision_checkpoints.py: the real Qwen3
+"""Images in chat requests through a real `mili serve` of a tiny Qwen3-VL (tests/support/vision.py: the real Qwen3
 tokenizer, Qwen3.5's released chat template): OpenAI's image_url parts (a data: URL, an http URL on an allowed
 host, a file under the allowed folder), Anthropic's image blocks and the Responses API's input_image all give the
 greedy reply the offline engine gives for the same prompt and image, and their usage counts the image's tokens;
@@ -18,7 +18,7 @@ import openai
 import pytest
 from PIL import Image
 
-from helpers import Server
+from support.server import Server
 from mili import LLM, SamplingParams
 from mili.errors import InvalidRequest
 

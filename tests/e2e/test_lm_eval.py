@@ -13,7 +13,7 @@ import pytest
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from helpers import Server  # noqa: E402
+from support.server import Server  # noqa: E402
 
 DOCS = [
     ("The capital of France is", [" Paris", " Berlin", " a small village by the sea"], 0),

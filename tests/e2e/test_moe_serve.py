@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from openai import OpenAI
 
-from helpers import Server, build_moe_checkpoint
+from support.checkpoints import build_moe_checkpoint
+from support.server import Server
 
 EXTRA = {"ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False}}
 

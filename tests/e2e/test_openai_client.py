@@ -9,7 +9,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-from helpers import Server
+from support.server import Server
 
 MSGS = [{"role": "user", "content": "Say hello."}]
 NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}

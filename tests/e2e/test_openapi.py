@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from helpers import Server
+from support.server import Server
 
 HOOKS = Path(__file__).with_name("schemathesis_hooks.py")
 GENERATION = ("/generate", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")

@@ -1,6 +1,6 @@
 """OpenAI's Responses API (stateless) through a real `mili serve`, with the official openai client.
 
-The server runs the scripted checkpoint of helpers.build_caller_checkpoint: it thinks when asked ("Let me
+The server runs the scripted checkpoint of scripted.build_caller_checkpoint (tests/support): it thinks when asked ("Let me
 think"), says "I will check." and writes a get_time `<tool_call>` block.
 """
 
@@ -13,7 +13,8 @@ import openai
 import pytest
 from openai import OpenAI
 
-from helpers import CALLER_TEXT, Server, chain_length, prompt_tokens
+from support.scripted import CALLER_TEXT, chain_length, prompt_tokens
+from support.server import Server
 
 QUESTION = "What time is it in Paris?"
 TIME = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET", "JST"]}}, "required": ["zone"],

@@ -9,7 +9,8 @@ import json
 import pytest
 from openai import OpenAI
 
-from helpers import Server, build_scripted_checkpoint, metric, script_text, wait_for
+from support.scripted import build_scripted_checkpoint, script_text
+from support.server import Server, metric, wait_for
 
 START, ANSWER = 198, " the quick brown fox jumps over the lazy dog and runs far away"
 
@@ -50,7 +51,7 @@ def test_mtp_from_the_command_line(tmp_path):
     greedy text, the head's drafts accepted and counted."""
     from transformers import AutoTokenizer
 
-    from hybrid_checkpoints import build_scripted_hybrid_checkpoint
+    from support.hybrid import build_scripted_hybrid_checkpoint
 
     cycle = {1000: 2000, 2000: 3000, 3000: 4000, 4000: 1000}
     path = build_scripted_hybrid_checkpoint(tmp_path / "scripted", cycle, mtp=True)

@@ -15,7 +15,9 @@ import pytest
 from openai import OpenAI
 from transformers import AutoTokenizer
 
-from helpers import QWEN3_TOKENIZER, Server, build_scripted_checkpoint, script_text
+from support.checkpoints import QWEN3_TOKENIZER
+from support.scripted import build_scripted_checkpoint, script_text
+from support.server import Server
 
 NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
 MSGS = [{"role": "user", "content": "What is the weather in Paris?"}]

@@ -14,7 +14,9 @@ import jsonschema
 import pytest
 from openai import OpenAI
 
-from helpers import DATA, Server, build_scripted_checkpoint, script_text
+from support.checkpoints import DATA
+from support.scripted import build_scripted_checkpoint, script_text
+from support.server import Server
 
 # The template opens <think> in the prompt (its last token is "\n", 198), so the reply holds only </think>.
 # The chain is first-order (no token twice), so the call is written with fewer newlines than the template

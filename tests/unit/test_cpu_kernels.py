@@ -237,7 +237,7 @@ def test_prefill_attention_causal_over_prefix(isa, lq, lk, hq, hkv, d):
 @pytest.fixture(scope="module")
 def fused_checkpoints(checkpoints, tmp_path_factory):
     """Untied GQA 2:1, and tied GQA 4:1 (the packed table is both embedding and head)."""
-    from helpers import build_checkpoint
+    from support.checkpoints import build_checkpoint
 
     tied = build_checkpoint(tmp_path_factory.mktemp("fused") / "tied", "mha_tied", hidden_size=128,
                             intermediate_size=192, num_attention_heads=8, num_key_value_heads=2, head_dim=32)
@@ -420,7 +420,7 @@ def test_hybrid_engine_decodes_in_the_kernel(isa, tmp_path, monkeypatch):
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).parents[1]))
-    from hybrid_checkpoints import build_hybrid_checkpoint
+    from support.hybrid import build_hybrid_checkpoint
 
     path = build_hybrid_checkpoint(tmp_path / "q35", "qwen3_5")
     calls = []

@@ -10,8 +10,8 @@ import logging
 import pytest
 import torch
 
-from helpers import assert_greedy_matches_hf
-from hybrid_checkpoints import build_hybrid_checkpoint, hf_reference
+from support.hybrid import build_hybrid_checkpoint, hf_reference
+from support.parity import assert_greedy_matches_hf
 from mili import LLM, SamplingParams
 from mili.config import ModelConfig
 from mili.errors import InvalidRequest, ModelLoadError

@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-from helpers import DATA
+from support.checkpoints import DATA
 from mili.config import ModelConfig
 from mili.errors import ModelLoadError
 from mili.model import loader
@@ -77,8 +77,8 @@ def test_qwen_fp8_release_layout_loads(tmp_path):
     with the dequantized weights and writes HF's greedy tokens for them."""
     from safetensors.torch import load_file, save_file
 
-    from helpers import greedy_matches
-    from hybrid_checkpoints import build_hybrid_checkpoint, hf_reference
+    from support.hybrid import build_hybrid_checkpoint, hf_reference
+    from support.parity import greedy_matches
     from mili import LLM, SamplingParams
     from mili.model.quant import dequantize_fp8, quantize_fp8_blocks
 

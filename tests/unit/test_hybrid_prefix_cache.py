@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybrid_checkpoints import build_hybrid_checkpoint, hf_reference
+from support.hybrid import build_hybrid_checkpoint, hf_reference
 from mili import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

@@ -12,7 +12,7 @@ import shutil
 import pytest
 import torch
 
-from hybrid_checkpoints import build_hybrid_checkpoint
+from support.hybrid import build_hybrid_checkpoint
 from mili import LLM, InvalidRequest, SamplingParams
 
 PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

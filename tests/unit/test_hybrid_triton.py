@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from hybrid_checkpoints import build_hybrid_checkpoint  # noqa: E402
+from support.hybrid import build_hybrid_checkpoint  # noqa: E402
 from mili import LLM, InvalidRequest, SamplingParams  # noqa: E402
 from mili.kernels import gated_delta as ref  # noqa: E402
 from mili.kernels import gated_delta_fla  # noqa: E402
@@ -150,7 +150,7 @@ def fla():
     pytest.importorskip("fla", reason="fla-core is not installed (pip install fla-core)")
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("these run fla's kernels on CPU tensors, under TRITON_INTERPRET=1")
-    import fla_interpreter
+    from support import fla_interpreter
 
     fla_interpreter.enable()
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import prompt_logprobs
+from support.parity import prompt_logprobs
 from mili import LLM, InvalidRequest, SamplingParams
 from mili.kernels import cpu
 from mili.model.cpu_linear import Int8Linear, KernelLinear, PackedEmbedding

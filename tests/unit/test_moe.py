@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import Qwen3MoeForCausalLM as HFMoe
 
-from helpers import build_moe_checkpoint
+from support.checkpoints import build_moe_checkpoint
 from mili import LLM, ModelLoadError, SamplingParams
 from mili.kernels import cpu
 from mili.model.cpu_linear import KernelLinear

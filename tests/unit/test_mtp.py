@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from hybrid_checkpoints import build_hybrid_checkpoint, build_scripted_hybrid_checkpoint
+from support.hybrid import build_hybrid_checkpoint, build_scripted_hybrid_checkpoint
 from mili import LLM, SamplingParams
 from mili.model.batch import ForwardBatch
 from test_speculative import _clean, _outputs, _params, _repetitive_prompts, _same

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import Qwen3ForCausalLM as HFQwen3
 
-from helpers import assert_greedy_matches_hf
+from support.parity import assert_greedy_matches_hf
 from mili import LLM, SamplingParams
 from mili.config import ModelConfig
 from mili.model.checkpoint import load_hf_config

@@ -12,7 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from helpers import autoawq_pack, awq_layout, build_checkpoint, greedy_matches, write_quantized_checkpoint
+from support.checkpoints import build_checkpoint
+from support.parity import greedy_matches
+from support.quantized import autoawq_pack, awq_layout, write_quantized_checkpoint
 from mili import LLM, SamplingParams
 from mili.kernels import cpu
 from mili.model.quant import quantize_fp8_blocks

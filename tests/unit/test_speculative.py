@@ -9,8 +9,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from helpers import build_scripted_checkpoint
-from hybrid_checkpoints import build_hybrid_checkpoint, build_scripted_hybrid_checkpoint
+from support.hybrid import build_hybrid_checkpoint, build_scripted_hybrid_checkpoint
+from support.scripted import build_scripted_checkpoint
 from mili import LLM, InvalidRequest, SamplingParams, StructuredOutputsParams
 from mili.config import EngineConfig, SpeculativeConfig
 from mili.runtime.sampler import Sampler, SamplingMetadata

@@ -13,7 +13,7 @@ import threading
 import jsonschema
 import pytest
 
-from helpers import CHAIN, build_scripted_checkpoint
+from support.scripted import CHAIN, build_scripted_checkpoint
 from mili import LLM, InvalidRequest, SamplingParams, StructuredOutputsParams
 from mili.structured import GrammarManager
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import build_checkpoint, build_moe_checkpoint
+from support.checkpoints import build_checkpoint, build_moe_checkpoint
 from mili import LLM, InvalidRequest, SamplingParams
 
 PARAMS = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)

@@ -17,8 +17,9 @@ triton = pytest.importorskip("triton")
 if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
     pytest.skip("Triton needs a GPU or TRITON_INTERPRET=1", allow_module_level=True)
 
-from helpers import (QUANT_LINEARS, awq_layout, build_checkpoint, greedy_matches, prompt_logprobs,  # noqa: E402
-                     write_quantized_checkpoint)
+from support.checkpoints import build_checkpoint  # noqa: E402
+from support.parity import greedy_matches, prompt_logprobs  # noqa: E402
+from support.quantized import QUANT_LINEARS, awq_layout, write_quantized_checkpoint  # noqa: E402
 from mili import LLM, SamplingParams  # noqa: E402
 from mili.kernels import reference as ref  # noqa: E402
 from mili.model.quant import quantize_fp8_blocks  # noqa: E402

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from mili.model.vision import VisionTower, flatten_patch_weight
-from vision_checkpoints import KINDS, build_vision_checkpoint, hf_model, process_images, write_images
+from support.vision import KINDS, build_vision_checkpoint, hf_model, process_images, write_images
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from mili.config import EngineConfig
 from mili.errors import InvalidRequest
 from mili.runtime.encoder_cache import EncodedImage, EncoderCache, VisionBudget, output_bytes_per_token
 from test_vision_engine import _request, checkpoints, images  # noqa: F401 (the fixtures)
-from vision_checkpoints import TEXT
+from support.vision import TEXT
 
 PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
 

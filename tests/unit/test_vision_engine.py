@@ -10,10 +10,10 @@ import pytest
 import torch
 from PIL import Image
 
-from helpers import assert_greedy_matches_hf
+from support.parity import assert_greedy_matches_hf
 from mili import LLM, SamplingParams
 from mili.errors import InvalidRequest
-from vision_checkpoints import (IMAGE, KINDS, VISION_END, VISION_START, build_vision_checkpoint, hf_model,
+from support.vision import (IMAGE, KINDS, VISION_END, VISION_START, build_vision_checkpoint, hf_model,
                                 image_processor, process_images, prompt_with_images, write_images)
 
 MAX_TOKENS = 8

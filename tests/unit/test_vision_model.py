@@ -17,7 +17,7 @@ from mili.model.qwen3_5 import Qwen3_5ForCausalLM
 from mili.model.qwen3_vl import Qwen3VLForConditionalGeneration
 from mili.model.vision import chunk_image_rows
 from mili.runtime.attention.torch_backend import TorchAttentionBackend
-from vision_checkpoints import (IMAGE, KINDS, build_vision_checkpoint, hf_model, process_images, prompt_with_images,
+from support.vision import (IMAGE, KINDS, build_vision_checkpoint, hf_model, process_images, prompt_with_images,
                                 write_images)
 
 PAGE = 8
@@ -131,7 +131,7 @@ def test_chunked_prefill_and_decode_match_hf_generate(checkpoints, images, kind,
 def test_text_only_prompts_through_the_engine_match_hf(checkpoints):
     """A Qwen3-VL checkpoint loads in the offline engine (tower included) and serves text: [T] positions, no
     M-RoPE cost, HF's greedy tokens and logprobs (prompts prefilled in chunks, batched)."""
-    from helpers import assert_greedy_matches_hf
+    from support.parity import assert_greedy_matches_hf
     from mili import LLM, SamplingParams
 
     g = torch.Generator().manual_seed(2)

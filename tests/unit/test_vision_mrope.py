@@ -9,7 +9,7 @@ import torch
 
 from mili.model.layers import RotaryEmbedding
 from mili.model.mrope import decode_positions, rope_index
-from vision_checkpoints import IMAGE, KINDS, build_vision_checkpoint, hf_model, prompt_with_images
+from support.vision import IMAGE, KINDS, build_vision_checkpoint, hf_model, prompt_with_images
 
 GRIDS = [[1, 4, 6], [1, 6, 4], [1, 8, 2]]
 TEXTS = {  # text around the images: before, between, after (empty runs: an image first or last)

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from support.checkpoints import DATA
+
 VISION_START, VISION_END, IMAGE, VIDEO = 498, 499, 500, 501
 TOKEN_IDS = dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=VISION_START,
                  vision_end_token_id=VISION_END)
@@ -30,7 +32,6 @@ HYBRID_TEXT = dict(TEXT, num_hidden_layers=4, linear_num_key_heads=2, linear_num
 REAL_VOCAB = 151936
 REAL_TOKEN_IDS = dict(image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
                       vision_end_token_id=151653)
-DATA = Path(__file__).resolve().parent / "data"
 KINDS = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5_vl")
 # Qwen3-VL MoE: 4 experts of 48 (2I = 96 is not the hidden 64: the hub's transposed layout is told by its shape),
 # the middle layer dense
