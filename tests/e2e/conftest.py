@@ -6,13 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from support.checkpoints import build_checkpoint  # noqa: F401
 from support.scripted import CHAIN, build_caller_checkpoint, build_scripted_checkpoint  # noqa: F401
 from support.server import Server, metric  # noqa: F401
 
 @pytest.fixture(scope="session")
-def random_model(tmp_path_factory) -> Path:
-    return build_checkpoint(tmp_path_factory.mktemp("e2e") / "random", "gqa4_realvocab")
+def random_model(qwen3_checkpoint) -> Path:
+    return qwen3_checkpoint("gqa4_realvocab")
 
 
 @pytest.fixture(scope="session")
@@ -32,14 +31,6 @@ def vision_chat_model(tmp_path_factory) -> Path:
     from support.vision import build_chat_vision_checkpoint
 
     return build_chat_vision_checkpoint(tmp_path_factory.mktemp("e2e") / "vision")
-
-
-@pytest.fixture(scope="session")
-def test_images(tmp_path_factory) -> list[Path]:
-    """Two PNG files (64×96 and 96×64: 6 image tokens each for the tiny Qwen3-VL), alone in their folder."""
-    from support.vision import write_images
-
-    return write_images(tmp_path_factory.mktemp("images"))
 
 
 @pytest.fixture(scope="module")

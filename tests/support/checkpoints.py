@@ -76,3 +76,12 @@ def build_moe_checkpoint(path: Path, seed: int = 0, weight_scale: float = 8.0, h
         (path / "config.json").write_text(json.dumps(config))
     AutoTokenizer.from_pretrained(QWEN3_TOKENIZER).save_pretrained(path)
     return path
+
+
+# MoE shapes (tests/conftest.py's moe_checkpoint): expert counts, top-k, norm_topk_prob, dense and sparse layers
+MOE_SHAPES = {
+    "e4_k2_sparse_dense": dict(num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1]),
+    "e8_k3_norm_step2": dict(num_experts=8, num_experts_per_tok=3, norm_topk_prob=True, decoder_sparse_step=2,
+                             num_hidden_layers=4),
+    "e6_k1_tied": dict(num_experts=6, num_experts_per_tok=1, norm_topk_prob=True, tie_word_embeddings=True),
+}

@@ -21,8 +21,8 @@ MTP = {"method": "mtp", "num_speculative_tokens": 3, "disable_by_batch_size": 64
 
 
 @pytest.fixture(scope="module")
-def hub(tmp_path_factory):
-    return build_hybrid_checkpoint(tmp_path_factory.mktemp("mtp") / "hub", "qwen3_5_hub")
+def hub(hybrid_checkpoint):
+    return hybrid_checkpoint("qwen3_5_hub")
 
 
 # -- the head against a reimplementation ----------------------------------------------------------------------
