@@ -1,4 +1,8 @@
-"""A real `mili serve` process on loopback, per test module (see support/server.py)."""
+"""Real `mili serve` processes on loopback (support/server.py), and the checkpoints the server tests share.
+
+One family of fixtures: ``serve`` starts a server with the flags a module needs (each stopped when the module
+ends, its exit code 0 checked); ``server`` is the default one (the random checkpoint, default flags) unless a
+module defines its own; ``client`` is the official openai client on whichever ``server`` the module has."""
 
 from __future__ import annotations
 
@@ -6,16 +10,19 @@ from pathlib import Path
 
 import pytest
 
-from support.scripted import CHAIN, build_caller_checkpoint, build_scripted_checkpoint  # noqa: F401
-from support.server import Server, metric  # noqa: F401
+from support.scripted import CHAIN, build_caller_checkpoint, build_scripted_checkpoint
+from support.server import Server, openai_client
+
 
 @pytest.fixture(scope="session")
 def random_model(qwen3_checkpoint) -> Path:
+    """A random Qwen3 on the real vocabulary and tokenizer (its replies are gibberish, but real token ids)."""
     return qwen3_checkpoint("gqa4_realvocab")
 
 
 @pytest.fixture(scope="session")
 def scripted_model(tmp_path_factory) -> Path:
+    """A scripted checkpoint whose greedy chat reply is written in advance (support.scripted.CHAIN)."""
     return build_scripted_checkpoint(tmp_path_factory.mktemp("e2e") / "scripted", CHAIN)
 
 
@@ -34,14 +41,31 @@ def vision_chat_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(random_model):
-    s = Server(random_model)
-    yield s
-    assert s.stop() == 0, s.output()
+def serve():
+    """``serve(model, *flags, **kwargs)``: a started Server (support.server.Server's arguments). Every server
+    started is stopped with SIGTERM when the module ends, and each must exit 0."""
+    started: list[Server] = []
+
+    def start(model, *flags: str, **kwargs) -> Server:
+        started.append(Server(model, *flags, **kwargs))
+        return started[-1]
+
+    yield start
+    codes = [(s.stop(), s) for s in started]  # (all stopped before any assertion)
+    for code, s in codes:
+        assert code == 0, s.output()
 
 
 @pytest.fixture(scope="module")
-def scripted_server(scripted_model):
-    s = Server(scripted_model)
-    yield s
-    assert s.stop() == 0, s.output()
+def server(serve, random_model) -> Server:
+    return serve(random_model)
+
+
+@pytest.fixture(scope="module")
+def scripted_server(serve, scripted_model) -> Server:
+    return serve(scripted_model)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai_client(server)

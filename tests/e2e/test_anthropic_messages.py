@@ -15,7 +15,6 @@ import jsonschema
 import pytest
 
 from support.scripted import CALLER_TEXT, chain_length, prompt_tokens
-from support.server import Server
 
 KEY = "sekret"
 USER = [{"role": "user", "content": "What time is it in Paris?"}]
@@ -33,10 +32,8 @@ OPENAI_TOOLS = [{"type": "function", "function": {"name": t["name"], "descriptio
 
 
 @pytest.fixture(scope="module")
-def server(caller_model):
-    s = Server(caller_model[0], "--api-key", KEY)
-    yield s
-    assert s.stop() == 0, s.output()
+def server(serve, caller_model):
+    return serve(caller_model[0], "--api-key", KEY)
 
 
 @pytest.fixture(scope="module")

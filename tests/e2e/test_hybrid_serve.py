@@ -19,7 +19,6 @@ from openai import OpenAI
 from support.checkpoints import DATA
 from support.hybrid import build_scripted_hybrid_checkpoint
 from support.scripted import script_text
-from support.server import Server
 
 THINK_END, BLANK = 151668, 271  # </think>, "\n\n"
 REASONING, ANSWER = "Let me think.", "Hello there!"
@@ -44,15 +43,8 @@ def model(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(model):
-    s = Server(model, "--num-state-slots", str(SLOTS), "--num-state-snapshots", str(SNAPSHOTS))
-    yield s
-    assert s.stop() == 0, s.output()
-
-
-@pytest.fixture(scope="module")
-def client(server) -> OpenAI:
-    return OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+def server(serve, model):
+    return serve(model, "--num-state-slots", str(SLOTS), "--num-state-snapshots", str(SNAPSHOTS))
 
 
 def _stream(client: OpenAI, **kwargs) -> tuple[str, str, str | None]:

@@ -11,10 +11,8 @@ import json
 import jsonschema
 import openai
 import pytest
-from openai import OpenAI
 
 from support.scripted import CALLER_TEXT, chain_length, prompt_tokens
-from support.server import Server
 
 QUESTION = "What time is it in Paris?"
 TIME = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET", "JST"]}}, "required": ["zone"],
@@ -28,15 +26,8 @@ OPENAI_TOOLS = [{"type": "function", "function": {"name": t["name"], "descriptio
 
 
 @pytest.fixture(scope="module")
-def server(caller_model):
-    s = Server(caller_model[0])
-    yield s
-    assert s.stop() == 0, s.output()
-
-
-@pytest.fixture(scope="module")
-def client(server) -> OpenAI:
-    return OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+def server(serve, caller_model):
+    return serve(caller_model[0])
 
 
 def _items(response) -> list[dict]:

@@ -16,15 +16,13 @@ START, ANSWER = 198, " the quick brown fox jumps over the lazy dog and runs far 
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def served(serve, tmp_path_factory):
     root = tmp_path_factory.mktemp("spec")
     chain = script_text(START, ANSWER)
     path = build_scripted_checkpoint(root / "scripted", chain, hidden=len(chain))
     config = root / "mili.yaml"
     config.write_text("speculative_config:\n  method: ngram\n  num_speculative_tokens: 3\n")
-    server = Server(path, "--config", str(config))
-    yield server, chain
-    assert server.stop() == 0, server.output()
+    return serve(path, "--config", str(config)), chain
 
 
 def test_the_answer_is_the_plain_one_and_the_counters_count(served):

@@ -12,7 +12,6 @@ import anthropic
 import httpx
 import jsonschema
 import pytest
-from openai import OpenAI
 
 from support.checkpoints import DATA
 from support.scripted import build_scripted_checkpoint, script_text
@@ -47,15 +46,8 @@ def model(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(model):
-    s = Server(model)
-    yield s
-    assert s.stop() == 0, s.output()
-
-
-@pytest.fixture(scope="module")
-def client(server) -> OpenAI:
-    return OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+def server(serve, model):
+    return serve(model)
 
 
 def test_the_parser_is_picked_from_the_template(server):

@@ -112,3 +112,10 @@ def start_streams(clients: list[httpx.Client], body: dict, wait_s: float = 60):
         t.start()
     assert all(ev.wait(wait_s) for ev in events)
     return sinks, threads
+
+
+def openai_client(server: Server, api_key: str = "unused", timeout: float = 120):
+    """The official openai client on ``server``'s /v1, without retries (a failure shows at once)."""
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{server.url}/v1", api_key=api_key, max_retries=0, timeout=timeout)
