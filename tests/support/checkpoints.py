@@ -3,6 +3,8 @@ lies. tests/conftest.py builds each one once per session; a test that needs anot
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -25,11 +27,24 @@ SHAPES = {
 }
 
 
+def add_tokenizer(path: Path, chat_template: str | None = None) -> None:
+    """The real Qwen3 tokenizer in ``path`` as the hub's folders hold it: its tokenizer.json, and its
+    tokenizer_config.json with the chat template inside (``chat_template`` replaces it). Copied, not written by
+    ``save_pretrained``: transformers loads this form in about half the time (1.8 s against 3 s here), and every
+    engine and server a test starts loads it. (The chat_template.jinja form save_pretrained writes is served by
+    test_hybrid_serve.py and test_xml_tool_calls_serve.py.)"""
+    shutil.copy(QWEN3_TOKENIZER / "tokenizer.json", path / "tokenizer.json")
+    config = json.loads((QWEN3_TOKENIZER / "tokenizer_config.json").read_text())
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
+
+
 def build_checkpoint(path: Path, shape: str, seed: int = 0, weight_scale: float = 8.0,
                      with_tokenizer: bool = True, **overrides) -> Path:
     """A random Qwen3 checkpoint folder. Non-embedding matrices are scaled up so logits are not flat
     (HF's default init gives near-ties everywhere, which makes greedy parity meaningless)."""
-    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
     cfg = Qwen3Config(max_position_embeddings=1024, rope_theta=10000.0, eos_token_id=None,
@@ -43,7 +58,7 @@ def build_checkpoint(path: Path, shape: str, seed: int = 0, weight_scale: float 
                 p.uniform_(0.5, 1.5)
     model.save_pretrained(path)
     if with_tokenizer:
-        AutoTokenizer.from_pretrained(QWEN3_TOKENIZER).save_pretrained(path)
+        add_tokenizer(path)
     return path
 
 
@@ -51,9 +66,7 @@ def build_moe_checkpoint(path: Path, seed: int = 0, weight_scale: float = 8.0, h
                          **overrides) -> Path:
     """A random Qwen3 MoE checkpoint (saved in the hub layout: one tensor per expert and projection).
     ``hub_spelling``: config.json says num_experts (as Qwen's releases) rather than num_local_experts."""
-    import json
-
-    from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(seed)
     shape = dict(vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
@@ -74,7 +87,7 @@ def build_moe_checkpoint(path: Path, seed: int = 0, weight_scale: float = 8.0, h
         config = json.loads((path / "config.json").read_text())
         config["num_experts"] = config.pop("num_local_experts")
         (path / "config.json").write_text(json.dumps(config))
-    AutoTokenizer.from_pretrained(QWEN3_TOKENIZER).save_pretrained(path)
+    add_tokenizer(path)
     return path
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from support.checkpoints import QWEN3_TOKENIZER
+from support.checkpoints import QWEN3_TOKENIZER, add_tokenizer
 
 
 def build_scripted_checkpoint(path: Path, chain: dict[int, int], hidden: int = 32) -> Path:
@@ -17,7 +17,7 @@ def build_scripted_checkpoint(path: Path, chain: dict[int, int], hidden: int = 3
     Each token of the chain gets a one-hot embedding; every layer's residual branch is zeroed (o_proj,
     down_proj), so the final hidden state is the current token's (normalised) embedding, and an untied
     lm_head maps it to its successor. Tokens outside the chain get small random embeddings."""
-    from transformers import AutoTokenizer, GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
     tokens = list(dict.fromkeys([*chain, *chain.values()]))
     assert len(chain) <= hidden
@@ -40,7 +40,7 @@ def build_scripted_checkpoint(path: Path, chain: dict[int, int], hidden: int = 3
         del tokens
     model.generation_config = GenerationConfig(eos_token_id=[151645, 151643], pad_token_id=151643)
     model.save_pretrained(path)
-    AutoTokenizer.from_pretrained(QWEN3_TOKENIZER).save_pretrained(path)
+    add_tokenizer(path)
     return path
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from support.checkpoints import DATA
+from support.checkpoints import DATA, add_tokenizer
 
 VISION_START, VISION_END, IMAGE, VIDEO = 498, 499, 500, 501
 TOKEN_IDS = dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=VISION_START,
@@ -102,12 +102,8 @@ def build_chat_vision_checkpoint(path: Path) -> Path:
     ``<|vision_start|><|image_pad|><|vision_end|>``), Qwen3's eos ids, and the image processor's config."""
     import shutil
 
-    from transformers import AutoTokenizer
-
     build_vision_checkpoint(path, "qwen3_vl", real_vocab=True)
-    tokenizer = AutoTokenizer.from_pretrained(DATA / "qwen3-tokenizer")
-    tokenizer.chat_template = (DATA / "qwen3.5" / "qwen3.5_chat_template.jinja").read_text()
-    tokenizer.save_pretrained(path)
+    add_tokenizer(path, chat_template=(DATA / "qwen3.5" / "qwen3.5_chat_template.jinja").read_text())
     shutil.copy(DATA / "qwen3-tokenizer" / "generation_config.json", path / "generation_config.json")
     image_processor().save_pretrained(path)
     return path
