@@ -11,6 +11,12 @@ from pathlib import Path
 # before anything else, so the kernel tests run on the CPU. MILI_TEST_GPU=1 runs them compiled on a GPU.
 if os.environ.get("MILI_TEST_GPU") != "1":
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# One torch (OpenMP) thread a process unless the environment says otherwise, this one and every process it starts
+# (servers, tensor-parallel ranks, the lower-ISA pytest): the suite runs several processes at once on few cores, the
+# tiny models gain nothing from a second thread, and OpenMP's barriers between oversubscribed threads make every op
+# wait for a scheduler slice (a float32 decode step of the tiny model took ~30 ms with 2 threads on 2 busy cores,
+# ~1 ms with one). The CPU kernels' split of work over threads is still tested: test_cpu_kernels.py gives them 2.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 

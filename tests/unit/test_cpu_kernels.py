@@ -15,6 +15,16 @@ BF16 = torch.bfloat16
 KERNEL_ISAS = [name for name in cpu.runnable_isas() if name != "none"]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def two_threads():
+    """The kernels split their work over torch's thread count (OpenMP): two here, whatever the suite's default
+    (tests/conftest.py gives each process one), so that the split is tested."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
 def test_every_isa_this_cpu_runs_loads_and_says_why_otherwise():
     """Each ISA path this machine runs builds, passes its check at load and is the layer it was built for; one it
     can't run says why by name; MILI_CPU_ISA's default choice is the best it runs."""
