@@ -1,8 +1,9 @@
 """Real `mili serve` processes on loopback (support/server.py), and the checkpoints the server tests share.
 
 One family of fixtures: ``serve`` starts a server with the flags a module needs (each stopped when the module
-ends, its exit code 0 checked); ``server`` is the default one (the random checkpoint, default flags) unless a
-module defines its own; ``client`` is the official openai client on whichever ``server`` the module has."""
+ends, its exit code 0 checked); ``server`` is the default one (the random checkpoint, default flags, shared by
+the session) unless a module defines its own; ``client`` is the official openai client on whichever ``server``
+the module has."""
 
 from __future__ import annotations
 
@@ -56,9 +57,13 @@ def serve():
         assert code == 0, s.output()
 
 
-@pytest.fixture(scope="module")
-def server(serve, random_model) -> Server:
-    return serve(random_model)
+@pytest.fixture(scope="session")
+def server(random_model):
+    """The default server, one for the session (8 modules share it): the tests that use it leave it as they found
+    it (nothing running, every KV page free or cached), and compare its counters before and after, never to 0."""
+    s = Server(random_model)
+    yield s
+    assert s.stop() == 0, s.output()
 
 
 @pytest.fixture(scope="module")
