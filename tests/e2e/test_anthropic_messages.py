@@ -1,6 +1,6 @@
 """Anthropic's Messages API through a real `mili serve`, with the official anthropic client.
 
-The server runs the scripted checkpoint of helpers.build_caller_checkpoint (it thinks when asked, says
+The server runs the scripted checkpoint of scripted.build_caller_checkpoint (tests/support) (it thinks when asked, says
 "I will check." and writes a get_time `<tool_call>` block), behind an API key.
 """
 
@@ -14,7 +14,7 @@ import httpx
 import jsonschema
 import pytest
 
-from helpers import CALLER_TEXT, Server, chain_length, prompt_tokens
+from support.scripted import CALLER_TEXT, chain_length, prompt_tokens
 
 KEY = "sekret"
 USER = [{"role": "user", "content": "What time is it in Paris?"}]
@@ -32,10 +32,8 @@ OPENAI_TOOLS = [{"type": "function", "function": {"name": t["name"], "descriptio
 
 
 @pytest.fixture(scope="module")
-def server(caller_model):
-    s = Server(caller_model[0], "--api-key", KEY)
-    yield s
-    assert s.stop() == 0, s.output()
+def server(serve, caller_model):
+    return serve(caller_model[0], "--api-key", KEY)
 
 
 @pytest.fixture(scope="module")

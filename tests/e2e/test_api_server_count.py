@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from helpers import Server, metric, process_gone, start_streams, wait_for
+from support.server import Server, metric, process_gone, start_streams, wait_for
 
 
 def _clients_per_process(url: str, per_process: int) -> dict[int, list[httpx.Client]]:
@@ -43,10 +43,8 @@ def _metric(url: str, name: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def two(random_model):
-    s = Server(random_model, "--api-server-count", "2")
-    yield s
-    assert s.stop() == 0, s.output()
+def two(serve, random_model):
+    return serve(random_model, "--api-server-count", "2")
 
 
 def test_two_processes_serve_one_port(two):

@@ -9,7 +9,8 @@ import threading
 
 import httpx
 
-from helpers import Server, build_checkpoint, metric, wait_for
+from support.checkpoints import build_checkpoint
+from support.server import Server, metric, wait_for
 
 
 def test_cancelled_streams_free_their_pages(server):

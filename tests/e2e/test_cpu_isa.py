@@ -87,13 +87,29 @@ def test_generate_on_an_emulated_avx2_only_cpu(tmp_path, default_text):
     assert out == default_text
 
 
-@pytest.mark.parametrize("isa", [isa for isa in cpu.runnable_isas() if isa != cpu.best_isa()][:2])
-def test_engine_tests_on_the_lower_paths(isa):
+LOWER_PATHS = [isa for isa in cpu.runnable_isas() if isa != cpu.best_isa()][:2]
+
+
+def test_engine_tests_on_the_lower_paths(tmp_path):
     """The engine's tests (loading every checkpoint layout, bf16/int8/AWQ/FP8 linears, the lm_head's dtype, the FP8 KV
     cache, selftest) once more as a CPU without the better ISA runs them: torch's ops alone (none, oneDNN's bf16 held
-    off) and the lowest kernel ISA (avx2 on x86-64), in a pytest of their own with MILI_CPU_ISA set."""
-    env = {**os.environ, "MILI_CPU_ISA": isa}
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *ENGINE_TESTS], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=1200)
-    assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-2000:]
-    assert " passed" in done.stdout.splitlines()[-1] and "failed" not in done.stdout.splitlines()[-1]
+    off) and the lowest kernel ISA (avx2 on x86-64), each in a pytest of its own with MILI_CPU_ISA set. The two run
+    at once (each is mostly one busy thread), each with its own temporary folder."""
+    runs = {}
+    for isa in LOWER_PATHS:
+        env = {**os.environ, "MILI_CPU_ISA": isa}
+        out, err = (open(tmp_path / f"{isa}.{name}", "w+") for name in ("out", "err"))
+        proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--basetemp",
+                                 str(tmp_path / isa), *ENGINE_TESTS], cwd=ROOT, env=env, stdout=out, stderr=err)
+        runs[isa] = (proc, out, err)
+    try:
+        for isa, (proc, out, err) in runs.items():
+            proc.wait(timeout=1200)
+            stdout, stderr = (f.seek(0) or f.read() for f in (out, err))
+            assert proc.returncode == 0, f"MILI_CPU_ISA={isa}: " + stdout[-5000:] + stderr[-2000:]
+            assert " passed" in stdout.splitlines()[-1] and "failed" not in stdout.splitlines()[-1]
+    finally:  # (none left running after a failure)
+        for proc, _, _ in runs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()

@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from helpers import Server, process_gone, start_streams, wait_for
+from support.server import Server, process_gone, start_streams, wait_for
 
 
 def test_core_killed_mid_stream(random_model, tmp_path):

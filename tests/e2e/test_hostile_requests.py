@@ -10,7 +10,7 @@ import json
 import httpx
 import pytest
 
-from helpers import Server, metric
+from support.server import Server, metric
 
 
 def _metric(text: str, name: str) -> float:
@@ -52,14 +52,14 @@ MARK = 0.123  # the temperature of the requests whose sampling fails
 
 
 @pytest.fixture(scope="module")
-def faulty(checkpoints):
+def faulty(qwen3_checkpoint):
     from fastapi.testclient import TestClient
 
     from mili.config import EngineConfig
     from mili.engine.async_llm import AsyncLLM
     from mili.server.app import build_app
 
-    engine = AsyncLLM(EngineConfig(model=str(checkpoints["gqa4_realvocab"]), dtype="float32"), core_in_thread=True)
+    engine = AsyncLLM(EngineConfig(model=str(qwen3_checkpoint("gqa4_realvocab")), dtype="float32"), core_in_thread=True)
     sampler = engine.core.runner.sampler
 
     class Faulty(type(sampler)):

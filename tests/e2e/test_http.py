@@ -8,7 +8,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from helpers import Server, metric
+from support.server import Server, metric
 
 
 def _error(r: httpx.Response, status: int, param: str | None = None) -> dict:

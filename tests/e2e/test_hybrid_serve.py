@@ -1,4 +1,4 @@
-"""`mili serve` on a hybrid Qwen3.5 checkpoint (Gated DeltaNet + full attention, tests/hybrid_checkpoints.py)
+"""`mili serve` on a hybrid Qwen3.5 checkpoint (Gated DeltaNet + full attention, tests/support/hybrid.py)
 carrying the released Qwen3.5 chat template and the repository's Qwen3 tokenizer, through the official
 openai client: chat completions whole and streamed, the thinking split, /health's recurrent-state fields,
 and n past the state slots refused naming "n". One server for the module.
@@ -16,8 +16,9 @@ import openai
 import pytest
 from openai import OpenAI
 
-from helpers import DATA, Server, script_text
-from hybrid_checkpoints import build_scripted_hybrid_checkpoint
+from support.checkpoints import DATA
+from support.hybrid import build_scripted_hybrid_checkpoint
+from support.scripted import script_text
 
 THINK_END, BLANK = 151668, 271  # </think>, "\n\n"
 REASONING, ANSWER = "Let me think.", "Hello there!"
@@ -42,15 +43,8 @@ def model(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(model):
-    s = Server(model, "--num-state-slots", str(SLOTS), "--num-state-snapshots", str(SNAPSHOTS))
-    yield s
-    assert s.stop() == 0, s.output()
-
-
-@pytest.fixture(scope="module")
-def client(server) -> OpenAI:
-    return OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+def server(serve, model):
+    return serve(model, "--num-state-slots", str(SLOTS), "--num-state-snapshots", str(SNAPSHOTS))
 
 
 def _stream(client: OpenAI, **kwargs) -> tuple[str, str, str | None]:

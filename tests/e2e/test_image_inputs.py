@@ -1,4 +1,4 @@
-"""Images in chat requests through a real `mili serve` of a tiny Qwen3-VL (vision_checkpoints.py: the real Qwen3
+"""Images in chat requests through a real `mili serve` of a tiny Qwen3-VL (tests/support/vision.py: the real Qwen3
 tokenizer, Qwen3.5's released chat template): OpenAI's image_url parts (a data: URL, an http URL on an allowed
 host, a file under the allowed folder), Anthropic's image blocks and the Responses API's input_image all give the
 greedy reply the offline engine gives for the same prompt and image, and their usage counts the image's tokens;
@@ -18,7 +18,6 @@ import openai
 import pytest
 from PIL import Image
 
-from helpers import Server
 from mili import LLM, SamplingParams
 from mili.errors import InvalidRequest
 
@@ -41,16 +40,9 @@ def asking(*parts: dict) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def vserver(vision_chat_model, test_images):
-    s = Server(vision_chat_model, "--allowed-media-domains", "127.0.0.1", "--allowed-local-media-path",
-               str(test_images[0].parent), "--limit-mm-per-prompt", '{"image": 2}')
-    yield s
-    assert s.stop() == 0, s.output()
-
-
-@pytest.fixture(scope="module")
-def client(vserver) -> openai.OpenAI:
-    return openai.OpenAI(base_url=vserver.url + "/v1", api_key="x", timeout=60, max_retries=0)
+def server(serve, vision_chat_model, test_images):
+    return serve(vision_chat_model, "--allowed-media-domains", "127.0.0.1", "--allowed-local-media-path",
+                 str(test_images[0].parent), "--limit-mm-per-prompt", '{"image": 2}')
 
 
 @pytest.fixture(scope="module")
@@ -81,11 +73,11 @@ def chat(client, messages, **kwargs):
                                           extra_body=NO_THINK, **kwargs)
 
 
-def test_data_url_reply_is_the_offline_engines(client, vserver, reference, test_images):
+def test_data_url_reply_is_the_offline_engines(client, server, reference, test_images):
     reply = chat(client, asking(image_part(data_url(test_images[0]))))
     assert reply.choices[0].message.content == reference.outputs[0].text
     assert reply.usage.prompt_tokens == len(reference.prompt_token_ids)  # the image's tokens counted
-    tokens = httpx.post(vserver.url + "/tokenize", json={"messages": asking(image_part(data_url(test_images[0]))),
+    tokens = httpx.post(server.url + "/tokenize", json={"messages": asking(image_part(data_url(test_images[0]))),
                                                           "chat_template_kwargs": {"enable_thinking": False}},
                         timeout=60)
     assert tokens.json()["tokens"] == reference.prompt_token_ids, tokens.text  # /tokenize: the same, expanded
@@ -133,8 +125,8 @@ def test_local_file_under_the_allowed_folder_only(client, reference, test_images
         assert e.value.body["param"] == "messages[0].content[0]", (url, e.value.body)
 
 
-def test_anthropic_image_block(vserver, reference, test_images, image_host):
-    client = anthropic.Anthropic(base_url=vserver.url, api_key="x", max_retries=0)
+def test_anthropic_image_block(server, reference, test_images, image_host):
+    client = anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0)
     block = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                          "data": base64.b64encode(test_images[0].read_bytes()).decode()}}
     m = client.messages.create(model="test", max_tokens=MAX_TOKENS, extra_body={"temperature": 0}, messages=[

@@ -13,8 +13,6 @@ import pytest
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from helpers import Server  # noqa: E402
-
 DOCS = [
     ("The capital of France is", [" Paris", " Berlin", " a small village by the sea"], 0),
     ("Two plus two equals", [" four", " five", " twenty-two"], 0),
@@ -46,10 +44,8 @@ metric_list:
 
 
 @pytest.fixture(scope="module")
-def chunked_server(random_model):
-    s = Server(random_model, "--max-num-batched-tokens", "8")  # every prompt prefilled (and scored) in chunks
-    yield s
-    assert s.stop() == 0, s.output()
+def chunked_server(serve, random_model):
+    return serve(random_model, "--max-num-batched-tokens", "8")  # every prompt prefilled (and scored) in chunks
 
 
 def _evaluate(task_dir, model: str, model_args: dict):

@@ -5,18 +5,16 @@ from __future__ import annotations
 import pytest
 from openai import OpenAI
 
-from helpers import Server, build_moe_checkpoint
+from support.checkpoints import build_moe_checkpoint
 
 EXTRA = {"ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False}}
 
 
 @pytest.fixture(scope="module")
-def moe_server(tmp_path_factory):
+def moe_server(serve, tmp_path_factory):
     path = build_moe_checkpoint(tmp_path_factory.mktemp("moe") / "moe", vocab_size=151936, num_experts=8,
                                 num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1])
-    s = Server(path)
-    yield s
-    assert s.stop() == 0, s.output()
+    return serve(path)
 
 
 def test_moe_checkpoint_serves(moe_server):

@@ -10,7 +10,7 @@ import httpx
 import pytest
 import requests
 
-from helpers import Server
+from support.server import Server
 
 
 def curl(*args: str) -> dict:
@@ -168,7 +168,7 @@ max_model_len: 512
 
 def test_config_file_layout_and_flag_override(random_model, tmp_path):
     (tmp_path / "mili.yaml").write_text(CONFIG)
-    # helpers.Server passes --max-model-len 1024 on the command line: it overrides the file's 512
+    # support.server.Server passes --max-model-len 1024 on the command line: it overrides the file's 512
     s = Server(random_model, "--config", str(tmp_path / "mili.yaml"), log_dir=tmp_path)
     try:
         health = httpx.get(s.url + "/health").json()

@@ -9,14 +9,10 @@ import openai
 import pytest
 from openai import OpenAI
 
-from helpers import Server
+from support.server import Server, openai_client
 
 MSGS = [{"role": "user", "content": "Say hello."}]
 NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
-
-
-def _client(s) -> OpenAI:
-    return OpenAI(base_url=s.url + "/v1", api_key="x", timeout=60, max_retries=0)
 
 
 @pytest.fixture(scope="module", params=["tp1", "tp2", "api2"])
@@ -30,13 +26,8 @@ def server(request, random_model):
 
 
 @pytest.fixture(scope="module")
-def client(server) -> OpenAI:
-    return _client(server)
-
-
-@pytest.fixture(scope="module")
 def scripted(scripted_server) -> OpenAI:
-    return _client(scripted_server)
+    return openai_client(scripted_server)
 
 
 def _count(server, **body) -> int:

@@ -17,7 +17,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from helpers import Server
 
 HOOKS = Path(__file__).with_name("schemathesis_hooks.py")
 GENERATION = ("/generate", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
@@ -33,17 +32,13 @@ def demo(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def demo_server(demo):
-    s = Server(demo, "--max-model-len", "64", "--max-num-seqs", "2")
-    yield s
-    assert s.stop() == 0, s.output()
+def demo_server(serve, demo):
+    return serve(demo, "--max-model-len", "64", "--max-num-seqs", "2")
 
 
 @pytest.fixture(scope="module")
-def key_server(demo):
-    s = Server(demo, "--max-model-len", "64", "--max-num-seqs", "2", "--api-key", KEY)
-    yield s
-    assert s.stop() == 0, s.output()
+def key_server(serve, demo):
+    return serve(demo, "--max-model-len", "64", "--max-num-seqs", "2", "--api-key", KEY)
 
 
 def schemathesis(url: str, cwd: Path, *args: str) -> str:

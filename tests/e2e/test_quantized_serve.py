@@ -7,7 +7,9 @@ import httpx
 import pytest
 from safetensors.torch import load_file
 
-from helpers import Server, awq_layout, build_checkpoint, write_quantized_checkpoint
+from support.checkpoints import build_checkpoint
+from support.quantized import awq_layout, write_quantized_checkpoint
+from support.server import Server
 from mili.kernels import cpu
 
 

@@ -1,6 +1,6 @@
 """OpenAI's Responses API (stateless) through a real `mili serve`, with the official openai client.
 
-The server runs the scripted checkpoint of helpers.build_caller_checkpoint: it thinks when asked ("Let me
+The server runs the scripted checkpoint of scripted.build_caller_checkpoint (tests/support): it thinks when asked ("Let me
 think"), says "I will check." and writes a get_time `<tool_call>` block.
 """
 
@@ -11,9 +11,8 @@ import json
 import jsonschema
 import openai
 import pytest
-from openai import OpenAI
 
-from helpers import CALLER_TEXT, Server, chain_length, prompt_tokens
+from support.scripted import CALLER_TEXT, chain_length, prompt_tokens
 
 QUESTION = "What time is it in Paris?"
 TIME = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET", "JST"]}}, "required": ["zone"],
@@ -27,15 +26,8 @@ OPENAI_TOOLS = [{"type": "function", "function": {"name": t["name"], "descriptio
 
 
 @pytest.fixture(scope="module")
-def server(caller_model):
-    s = Server(caller_model[0])
-    yield s
-    assert s.stop() == 0, s.output()
-
-
-@pytest.fixture(scope="module")
-def client(server) -> OpenAI:
-    return OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+def server(serve, caller_model):
+    return serve(caller_model[0])
 
 
 def _items(response) -> list[dict]:

@@ -9,21 +9,20 @@ import json
 import pytest
 from openai import OpenAI
 
-from helpers import Server, build_scripted_checkpoint, metric, script_text, wait_for
+from support.scripted import build_scripted_checkpoint, script_text
+from support.server import Server, metric, wait_for
 
 START, ANSWER = 198, " the quick brown fox jumps over the lazy dog and runs far away"
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def served(serve, tmp_path_factory):
     root = tmp_path_factory.mktemp("spec")
     chain = script_text(START, ANSWER)
     path = build_scripted_checkpoint(root / "scripted", chain, hidden=len(chain))
     config = root / "mili.yaml"
     config.write_text("speculative_config:\n  method: ngram\n  num_speculative_tokens: 3\n")
-    server = Server(path, "--config", str(config))
-    yield server, chain
-    assert server.stop() == 0, server.output()
+    return serve(path, "--config", str(config)), chain
 
 
 def test_the_answer_is_the_plain_one_and_the_counters_count(served):
@@ -50,7 +49,7 @@ def test_mtp_from_the_command_line(tmp_path):
     greedy text, the head's drafts accepted and counted."""
     from transformers import AutoTokenizer
 
-    from hybrid_checkpoints import build_scripted_hybrid_checkpoint
+    from support.hybrid import build_scripted_hybrid_checkpoint
 
     cycle = {1000: 2000, 2000: 3000, 3000: 4000, 4000: 1000}
     path = build_scripted_hybrid_checkpoint(tmp_path / "scripted", cycle, mtp=True)

@@ -12,10 +12,11 @@ import re
 import jsonschema
 import openai
 import pytest
-from openai import OpenAI
 from transformers import AutoTokenizer
 
-from helpers import QWEN3_TOKENIZER, Server, build_scripted_checkpoint, script_text
+from support.checkpoints import QWEN3_TOKENIZER
+from support.scripted import build_scripted_checkpoint, script_text
+from support.server import openai_client
 
 NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
 MSGS = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -42,11 +43,6 @@ TIME = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET", "JST"]}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": WEATHER}},
          {"type": "function", "function": {"name": "get_time", "description": "Time", "parameters": TIME}}]
 SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
-
-
-@pytest.fixture(scope="module")
-def client(server) -> OpenAI:
-    return OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
 
 
 def test_json_schema_many_seeds_all_stop_parse_and_validate(client):
@@ -194,13 +190,11 @@ CALL_TEXT = 'I will check.\n<tool_call>\n{"name": "get_time", "arguments" : {"zo
 
 
 @pytest.fixture(scope="module")
-def caller(tmp_path_factory):
+def caller(serve, tmp_path_factory):
     # with thinking off, the prompt ends with "</think>\n\n" (token 271): the chain starts there
     path = build_scripted_checkpoint(tmp_path_factory.mktemp("tools") / "caller", script_text(271, CALL_TEXT),
                                      hidden=64)
-    s = Server(path)
-    yield OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0)
-    assert s.stop() == 0, s.output()
+    return openai_client(serve(path))
 
 
 def test_auto_tool_call_from_the_model(caller):

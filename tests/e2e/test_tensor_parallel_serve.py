@@ -10,7 +10,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from helpers import Server, wait_for
+from support.server import Server, wait_for
 
 
 def _rank_pids(core_pid: int) -> list[int]:

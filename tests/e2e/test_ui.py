@@ -16,7 +16,7 @@ from urllib.parse import urlparse
 import httpx
 import pytest
 
-from helpers import Server, metric, wait_for
+from support.server import Server, metric, wait_for
 
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
 KEY = "sekret"
@@ -241,7 +241,7 @@ def test_the_trained_demo_replies_and_ends_by_itself(browser, tmp_path):
 
 
 def test_images_attached_shown_and_sent(vision_chat_model, test_images, browser):
-    """A tiny Qwen3-VL (vision_checkpoints.py): an image chosen with the file input is shown above the message box
+    """A tiny Qwen3-VL (tests/support/vision.py): an image chosen with the file input is shown above the message box
     and in the conversation, sent as a data: URL image part before the text, and the streamed reply arrives; a
     dropped and a pasted image are attached too, and removed with their ×."""
     import base64

@@ -12,9 +12,10 @@ import anthropic
 import httpx
 import jsonschema
 import pytest
-from openai import OpenAI
 
-from helpers import DATA, Server, build_scripted_checkpoint, script_text
+from support.checkpoints import DATA
+from support.scripted import build_scripted_checkpoint, script_text
+from support.server import Server
 
 # The template opens <think> in the prompt (its last token is "\n", 198), so the reply holds only </think>.
 # The chain is first-order (no token twice), so the call is written with fewer newlines than the template
@@ -45,15 +46,8 @@ def model(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(model):
-    s = Server(model)
-    yield s
-    assert s.stop() == 0, s.output()
-
-
-@pytest.fixture(scope="module")
-def client(server) -> OpenAI:
-    return OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+def server(serve, model):
+    return serve(model)
 
 
 def test_the_parser_is_picked_from_the_template(server):

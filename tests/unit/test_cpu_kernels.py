@@ -15,6 +15,16 @@ BF16 = torch.bfloat16
 KERNEL_ISAS = [name for name in cpu.runnable_isas() if name != "none"]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def two_threads():
+    """The kernels split their work over torch's thread count (OpenMP): two here, whatever the suite's default
+    (tests/conftest.py gives each process one), so that the split is tested."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
 def test_every_isa_this_cpu_runs_loads_and_says_why_otherwise():
     """Each ISA path this machine runs builds, passes its check at load and is the layer it was built for; one it
     can't run says why by name; MILI_CPU_ISA's default choice is the best it runs."""
@@ -158,14 +168,14 @@ def test_store_and_gather_head_major_pages(isa):
 
 @needs_kernels
 @pytest.mark.parametrize("shape", ["gqa_untied", "mha_tied"])
-def test_engine_with_cpu_kernels_tracks_torch_ops(isa, checkpoints, shape):
+def test_engine_with_cpu_kernels_tracks_torch_ops(isa, qwen3_checkpoint, shape):
     """bf16 with the kernels vs bf16 with torch ops and oneDNN: the same model up to rounding. The
     kernels' engine prefills in chunks of 16 (each chunk attends to the pages before it, gathered from
     the head-major pool) and decodes over those pages."""
     prompt = {"prompt_token_ids": list(range(5, 60))}
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
-    fast = LLM(str(checkpoints[shape]), dtype="bfloat16", max_num_batched_tokens=16)
-    plain = LLM(str(checkpoints[shape]), dtype="bfloat16", cpu_kernels=False)
+    fast = LLM(str(qwen3_checkpoint(shape)), dtype="bfloat16", max_num_batched_tokens=16)
+    plain = LLM(str(qwen3_checkpoint(shape)), dtype="bfloat16", cpu_kernels=False)
     runner = fast.engine.runner
     assert runner.cpu_kernels and not plain.engine.runner.cpu_kernels
     assert isinstance(runner.model.model.layers[0].mlp.down_proj, KernelLinear)
@@ -235,13 +245,13 @@ def test_prefill_attention_causal_over_prefix(isa, lq, lk, hq, hkv, d):
 
 
 @pytest.fixture(scope="module")
-def fused_checkpoints(checkpoints, tmp_path_factory):
+def fused_checkpoints(qwen3_checkpoint, tmp_path_factory):
     """Untied GQA 2:1, and tied GQA 4:1 (the packed table is both embedding and head)."""
-    from helpers import build_checkpoint
+    from support.checkpoints import build_checkpoint
 
     tied = build_checkpoint(tmp_path_factory.mktemp("fused") / "tied", "mha_tied", hidden_size=128,
                             intermediate_size=192, num_attention_heads=8, num_key_value_heads=2, head_dim=32)
-    return {"gqa_untied": checkpoints["gqa_untied"], "gqa4_tied": tied}
+    return {"gqa_untied": qwen3_checkpoint("gqa_untied"), "gqa4_tied": tied}
 
 
 @needs_kernels
@@ -413,16 +423,10 @@ def test_gdn_decode_is_the_torch_step(isa, dtype, hk, hv, dk, dv, k):
 
 
 @needs_kernels
-def test_hybrid_engine_decodes_in_the_kernel(isa, tmp_path, monkeypatch):
+def test_hybrid_engine_decodes_in_the_kernel(isa, hybrid_checkpoint, monkeypatch):
     """A Qwen3.5 checkpoint's decode steps go through mili_gdn_decode (counted) and give the torch path's
     greedy tokens in float32, logprobs within 1e-4; in bf16 its linears are MILI's packed kernels."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).parents[1]))
-    from hybrid_checkpoints import build_hybrid_checkpoint
-
-    path = build_hybrid_checkpoint(tmp_path / "q35", "qwen3_5")
+    path = hybrid_checkpoint("qwen3_5")
     calls = []
     real = ops.gdn_decode
     monkeypatch.setattr(ops, "gdn_decode", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))

@@ -33,7 +33,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from helpers import build_moe_checkpoint  # noqa: E402
+from support.checkpoints import build_moe_checkpoint  # noqa: E402
 from mili import LLM, SamplingParams  # noqa: E402
 from mili.kernels.triton import launch  # noqa: E402
 from mili.runtime.cuda_graph import CudaGraphRunner  # noqa: E402

@@ -133,8 +133,8 @@ def test_stop_token_ids_max_tokens_and_min_tokens(llm):
     assert len(late.token_ids) >= first + 2 and stop_tok not in late.token_ids[:first + 2]
 
 
-def test_prompt_strings_and_output_order(checkpoints):
-    llm = LLM(str(checkpoints["gqa4_realvocab"]), dtype="float32")
+def test_prompt_strings_and_output_order(qwen3_checkpoint):
+    llm = LLM(str(qwen3_checkpoint("gqa4_realvocab")), dtype="float32")
     texts = ["Hello there", "你好，世界", "a b c d e f g"]
     outs = llm.generate(texts, GREEDY, use_tqdm=False)
     tok = llm.get_tokenizer()
@@ -149,7 +149,7 @@ def test_prompt_strings_and_output_order(checkpoints):
     assert chat.prompt_token_ids == tok.encode(expected, add_special_tokens=False)
     assert expected.endswith("<think>\n\n</think>\n\n")
     # a string that encodes to ids past a small model's vocabulary is a clear error, not a crash
-    small = LLM(str(checkpoints["gqa_untied"]), dtype="float32")
+    small = LLM(str(qwen3_checkpoint("gqa_untied")), dtype="float32")
     with pytest.raises(InvalidRequest, match="prompt token ids"):
         small.generate("你好", GREEDY, use_tqdm=False)
     _assert_clean(small)

@@ -10,8 +10,8 @@ import logging
 import pytest
 import torch
 
-from helpers import assert_greedy_matches_hf
-from hybrid_checkpoints import build_hybrid_checkpoint, hf_reference
+from support.hybrid import hf_reference
+from support.parity import assert_greedy_matches_hf
 from mili import LLM, SamplingParams
 from mili.config import ModelConfig
 from mili.errors import InvalidRequest, ModelLoadError
@@ -29,27 +29,14 @@ LAYOUT_ONLY = ("qwen3_5_hub", "qwen3_5_moe_fused")  # the same math in another l
 
 
 @pytest.fixture(scope="module")
-def hybrids(tmp_path_factory):
-    root = tmp_path_factory.mktemp("hybrid")
-    built = {}
-
-    def get(kind: str):
-        if kind not in built:
-            built[kind] = build_hybrid_checkpoint(root / kind, kind)
-        return built[kind]
-
-    return get
-
-
-@pytest.fixture(scope="module")
-def references(hybrids):
+def references(hybrid_checkpoint):
     """HF's greedy tokens and per-step logits for each kind, computed once."""
     cache = {}
 
     def get(kind: str, prompts: list[list[int]]):
         key = (kind, tuple(map(tuple, prompts)))
         if key not in cache:
-            model = hf_reference(hybrids(kind), REFERENCE_KIND.get(kind, kind))
+            model = hf_reference(hybrid_checkpoint(kind), REFERENCE_KIND.get(kind, kind))
             results = []
             for ids in prompts:
                 with torch.no_grad():
@@ -83,14 +70,14 @@ def _assert_matches(outs, reference, logprobs: bool = True) -> None:
 
 
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe", "qwen3_next", "qwen3_5_hub", "qwen3_5_moe_fused"])
-def test_greedy_matches_hf_generate(hybrids, references, kind, caplog):
+def test_greedy_matches_hf_generate(hybrid_checkpoint, references, kind, caplog):
     """All prompts in one batch (decodes beside prefill chunks), long ones prefilled in several chunks."""
     prompts = _prompts()
     if kind in LAYOUT_ONLY:
         prompts = [prompts[1], prompts[4], prompts[5]]
     text_only = {"language_model_only": True} if kind == "qwen3_5_hub" else {}  # (with the tower: test_vision*.py)
     with caplog.at_level(logging.INFO, logger="mili"):
-        llm = LLM(str(hybrids(kind)), dtype="float32", max_num_batched_tokens=96, page_size=16, **text_only)
+        llm = LLM(str(hybrid_checkpoint(kind)), dtype="float32", max_num_batched_tokens=96, page_size=16, **text_only)
     assert "prefix-cache snapshots" in caplog.text
     if kind == "qwen3_5_hub":  # the vision tower skipped with one line; the mtp.* tensors are no reason to refuse
         assert sum("vision tower" in r.message for r in caplog.records) == 1
@@ -101,11 +88,11 @@ def test_greedy_matches_hf_generate(hybrids, references, kind, caplog):
 
 
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
-def test_preemption_and_few_slots_keep_the_tokens(hybrids, references, kind):
+def test_preemption_and_few_slots_keep_the_tokens(hybrid_checkpoint, references, kind):
     """Two state slots for six requests, and a KV pool too small for all of them: sequences wait for slots,
     are preempted (slot and pages freed, recomputed later) and still write HF's tokens."""
     prompts = _prompts()
-    llm = LLM(str(hybrids(kind)), dtype="float32", max_num_batched_tokens=64, page_size=16, num_kv_pages=30,
+    llm = LLM(str(hybrid_checkpoint(kind)), dtype="float32", max_num_batched_tokens=64, page_size=16, num_kv_pages=30,
               num_state_slots=3)
     engine, core = llm.engine, llm.engine.core
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -122,8 +109,8 @@ def test_preemption_and_few_slots_keep_the_tokens(hybrids, references, kind):
     _check_integrity(llm)
 
 
-def test_aborts_and_stops_return_slots(hybrids):
-    llm = LLM(str(hybrids("qwen3_5")), dtype="float32", max_num_batched_tokens=64, page_size=16, num_state_slots=4)
+def test_aborts_and_stops_return_slots(hybrid_checkpoint):
+    llm = LLM(str(hybrid_checkpoint("qwen3_5")), dtype="float32", max_num_batched_tokens=64, page_size=16, num_state_slots=4)
     engine, core = llm.engine, llm.engine.core
     params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
     requests = [engine.add_request(p, params) for p in _prompts(seed=2)]
@@ -139,10 +126,10 @@ def test_aborts_and_stops_return_slots(hybrids):
     _check_integrity(llm)
 
 
-def test_forked_sequences_take_their_parents_state(hybrids, references):
+def test_forked_sequences_take_their_parents_state(hybrid_checkpoint, references):
     """n = 3 greedy samples: the children forked after the prompt carry the parent's recurrent state."""
     prompts = _prompts()[2:4]
-    llm = LLM(str(hybrids("qwen3_5")), dtype="float32", max_num_batched_tokens=96, page_size=16, num_state_slots=6)
+    llm = LLM(str(hybrid_checkpoint("qwen3_5")), dtype="float32", max_num_batched_tokens=96, page_size=16, num_state_slots=6)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, n=3)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for out, (ref, _) in zip(outs, references("qwen3_5", prompts)):
@@ -153,14 +140,14 @@ def test_forked_sequences_take_their_parents_state(hybrids, references):
     _check_integrity(llm)
 
 
-def test_prompt_logprobs_match_hf(hybrids):
+def test_prompt_logprobs_match_hf(hybrid_checkpoint):
     """A 150-token prompt scored over three prefill chunks (the state carried between them) is HF's log_softmax."""
     prompt = _prompts()[4]
-    llm = LLM(str(hybrids("qwen3_next")), dtype="float32", max_num_batched_tokens=64, page_size=16)
+    llm = LLM(str(hybrid_checkpoint("qwen3_next")), dtype="float32", max_num_batched_tokens=64, page_size=16)
     out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0),
                        use_tqdm=False)[0]
     with torch.no_grad():
-        ref = hf_reference(hybrids("qwen3_next"), "qwen3_next")(torch.tensor([prompt])).logits[0].log_softmax(-1)
+        ref = hf_reference(hybrid_checkpoint("qwen3_next"), "qwen3_next")(torch.tensor([prompt])).logits[0].log_softmax(-1)
     assert out.prompt_logprobs[0] is None
     got = torch.tensor([out.prompt_logprobs[i][prompt[i]].logprob for i in range(1, len(prompt))])
     want = ref[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
@@ -169,10 +156,10 @@ def test_prompt_logprobs_match_hf(hybrids):
 
 
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
-def test_chunked_state_logits_match_hf(hybrids, kind):
+def test_chunked_state_logits_match_hf(hybrid_checkpoint, kind):
     """Prefill in three chunks over scattered pages and a state slot other than 0, then decodes (the first beside
     a one-token prompt whose slot holds garbage): every position's logits agree with HF's forward to 1e-4."""
-    path = str(hybrids(kind))
+    path = str(hybrid_checkpoint(kind))
     cfg = ModelConfig.from_hf(load_hf_config(path))
     with torch.device("meta"):
         model = Qwen3_5ForCausalLM(cfg, TorchAttentionBackend(), torch.float32)
@@ -207,7 +194,7 @@ def test_chunked_state_logits_match_hf(hybrids, kind):
             with torch.no_grad():
                 decoded = model.compute_logits(model(batch, kv, states))
     ours = torch.cat(logits)
-    reference = hf_reference(hybrids(kind), kind)
+    reference = hf_reference(hybrid_checkpoint(kind), kind)
     with torch.no_grad():
         ref = reference(ids[None]).logits[0]
         ref_other = reference(torch.tensor([[other]])).logits[0, 0]
@@ -215,12 +202,12 @@ def test_chunked_state_logits_match_hf(hybrids, kind):
     assert ((decoded[1] - ref_other).abs().max() / ref_other.abs().max()).item() < 1e-4
 
 
-def test_unknown_layer_kind_in_a_hybrid_is_refused(hybrids, tmp_path):
+def test_unknown_layer_kind_in_a_hybrid_is_refused(hybrid_checkpoint, tmp_path):
     import json
     import shutil
 
     path = tmp_path / "ck"
-    shutil.copytree(hybrids("qwen3_5"), path)
+    shutil.copytree(hybrid_checkpoint("qwen3_5"), path)
     config = json.loads((path / "config.json").read_text())
     config["layer_types"][1] = "sliding_attention"
     (path / "config.json").write_text(json.dumps(config))
@@ -230,7 +217,7 @@ def test_unknown_layer_kind_in_a_hybrid_is_refused(hybrids, tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
-def test_bfloat16_matches_hf_bfloat16(hybrids, kind, tmp_path):
+def test_bfloat16_matches_hf_bfloat16(hybrid_checkpoint, kind, tmp_path):
     """bfloat16: weights and conv states in bf16, the SSM state kept in float32 (mamba_ssm_dtype's default, as
     HF keeps it), and the log-probabilities HF's bf16 model gives the same tokens.
 
@@ -248,7 +235,7 @@ def test_bfloat16_matches_hf_bfloat16(hybrids, kind, tmp_path):
     import shutil
 
     prompts, max_tokens = _prompts(), 24
-    path = hybrids(kind)
+    path = hybrid_checkpoint(kind)
     hf16 = hf_reference(path, kind, torch.bfloat16)
     hf32 = hf_reference(path, kind)
 

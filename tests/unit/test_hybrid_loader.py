@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-from helpers import DATA
+from support.checkpoints import DATA
 from mili.config import ModelConfig
 from mili.errors import ModelLoadError
 from mili.model import loader
@@ -71,18 +71,19 @@ def test_an_unknown_ssm_state_dtype_is_refused(tmp_path):
         ModelConfig.from_hf(AutoConfig.from_pretrained(tmp_path))
 
 
-def test_qwen_fp8_release_layout_loads(tmp_path):
+def test_qwen_fp8_release_layout_loads(hybrid_checkpoint, tmp_path):
     """The hub layout with Qwen's block FP8 (quantization_config at the top of config.json, weight_scale_inv
     beside each linear-attention, attention and MLP projection, partial blocks at these sizes): MILI computes
     with the dequantized weights and writes HF's greedy tokens for them."""
     from safetensors.torch import load_file, save_file
 
-    from helpers import greedy_matches
-    from hybrid_checkpoints import build_hybrid_checkpoint, hf_reference
+    from support.hybrid import hf_reference
+    from support.parity import greedy_matches
     from mili import LLM, SamplingParams
     from mili.model.quant import dequantize_fp8, quantize_fp8_blocks
 
-    plain = build_hybrid_checkpoint(tmp_path / "plain", "qwen3_5_hub")
+    plain = tmp_path / "plain"  # (a copy: its weights are replaced by the dequantized ones below)
+    shutil.copytree(hybrid_checkpoint("qwen3_5_hub"), plain)
     fp8 = tmp_path / "fp8"
     shutil.copytree(plain, fp8)
     tensors, dequantized = load_file(plain / "model.safetensors"), {}

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybrid_checkpoints import build_hybrid_checkpoint, hf_reference
+from support.hybrid import hf_reference
 from mili import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -20,24 +20,12 @@ def _ids(n, seed):
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    root, built = tmp_path_factory.mktemp("hybrid_prefix"), {}
-
-    def get(kind):
-        if kind not in built:
-            built[kind] = build_hybrid_checkpoint(root / kind, kind)
-        return built[kind]
-
-    return get
-
-
-@pytest.fixture(scope="module")
-def pair(checkpoints):
+def pair(hybrid_checkpoint):
     made = {}
 
     def get(kind):
         if kind not in made:
-            path = str(checkpoints(kind))
+            path = str(hybrid_checkpoint(kind))
             made[kind] = (LLM(path, dtype="float32", max_num_batched_tokens=96, page_size=16),
                           LLM(path, dtype="float32", max_num_batched_tokens=96, page_size=16,
                               enable_prefix_caching=False))
@@ -80,7 +68,7 @@ def _assert_hf(got, ref):
 
 
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
-def test_320_of_a_325_token_prompt_resumes_at_320_with_hf_tokens(checkpoints, pair, kind):
+def test_320_of_a_325_token_prompt_resumes_at_320_with_hf_tokens(hybrid_checkpoint, pair, kind):
     on, off = pair(kind)
     first = _ids(325, 1)
     second = first[:320] + _ids(7, 2)  # shares 320 tokens: the first prompt's last page boundary
@@ -90,11 +78,11 @@ def test_320_of_a_325_token_prompt_resumes_at_320_with_hf_tokens(checkpoints, pa
     assert (cached1, cached2, cached3) == (0, 320, 320)
     want, _ = _run(off, [first, second])
     assert [out1, out2, again] == [want[0], want[1], want[0]]
-    _assert_hf(out2, _hf_greedy(checkpoints(kind), kind, second))
+    _assert_hf(out2, _hf_greedy(hybrid_checkpoint(kind), kind, second))
     _whole(on)
 
 
-def test_multi_turn_resumes_where_the_reply_ended(checkpoints, pair):
+def test_multi_turn_resumes_where_the_reply_ended(hybrid_checkpoint, pair):
     """Each turn resumes at the last page boundary of (previous prompt + reply minus its last token, which is
     never computed): the state at the end of a finished request, or at its latest page boundary."""
     on, off = pair("qwen3_5")
@@ -108,7 +96,7 @@ def test_multi_turn_resumes_where_the_reply_ended(checkpoints, pair):
             assert cached == (reply_end - 1) // 16 * 16 and cached > previous_prompt_len - 16
         previous_prompt_len, reply_end = len(history), len(history) + len(out)
         history = history + out + _ids(10 + turn, 100 + turn)
-    _assert_hf(out, _hf_greedy(checkpoints("qwen3_5"), "qwen3_5", history[:previous_prompt_len],
+    _assert_hf(out, _hf_greedy(hybrid_checkpoint("qwen3_5"), "qwen3_5", history[:previous_prompt_len],
                                 max_tokens=len(out)))
     _whole(on)
 
@@ -131,14 +119,14 @@ def test_shared_system_prompt_hits_from_the_second_request_on(pair):
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "lpm"])
-def test_eviction_under_pressure_keeps_the_tokens(checkpoints, pair, policy):
+def test_eviction_under_pressure_keeps_the_tokens(hybrid_checkpoint, pair, policy):
     """Few pages and two snapshots: pages and snapshots are evicted (LRU), sequences preempted, tokens unchanged;
     the invariants hold after every step."""
     _, off = pair("qwen3_5")
     system = _ids(48, 5)
     prompts = [system + _ids(20 + 7 * i, 20 + i) for i in range(8)] + [_ids(90, 40 + i) for i in range(3)]
     want, _ = _run(off, prompts)
-    tight = LLM(str(checkpoints("qwen3_5")), dtype="float32", max_num_batched_tokens=64, page_size=16,
+    tight = LLM(str(hybrid_checkpoint("qwen3_5")), dtype="float32", max_num_batched_tokens=64, page_size=16,
                 num_kv_pages=24, num_state_slots=4, num_state_snapshots=3, schedule_policy=policy)
     engine = tight.engine
     for order in (prompts, prompts[::-1]):
@@ -154,8 +142,8 @@ def test_eviction_under_pressure_keeps_the_tokens(checkpoints, pair, policy):
     assert sum(r.num_cached_tokens for r in requests) > 0
 
 
-def test_aborts_and_preemption_return_slots_and_snapshots(checkpoints):
-    llm = LLM(str(checkpoints("qwen3_5")), dtype="float32", max_num_batched_tokens=64, page_size=16,
+def test_aborts_and_preemption_return_slots_and_snapshots(hybrid_checkpoint):
+    llm = LLM(str(hybrid_checkpoint("qwen3_5")), dtype="float32", max_num_batched_tokens=64, page_size=16,
               num_state_slots=3, num_state_snapshots=4)
     engine, core = llm.engine, llm.engine.core
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -177,13 +165,13 @@ def test_aborts_and_preemption_return_slots_and_snapshots(checkpoints):
     _whole(llm)
 
 
-def test_ready_counts_snapshots_and_zero_snapshots_turn_the_cache_off(checkpoints, pair, caplog):
+def test_ready_counts_snapshots_and_zero_snapshots_turn_the_cache_off(hybrid_checkpoint, pair, caplog):
     on, _ = pair("qwen3_5")
     ready, states = on.engine.core.ready(), on.engine.runner.states
     assert ready.prefix_caching and ready.state_snapshots == states.snapshots.num_snapshots > 0
     assert ready.state_bytes == (ready.state_slots + ready.state_snapshots) * states.bytes_per_slot
     with caplog.at_level("INFO", logger="mili"):
-        none = LLM(str(checkpoints("qwen3_5")), dtype="float32", page_size=16, num_state_snapshots=0)
+        none = LLM(str(hybrid_checkpoint("qwen3_5")), dtype="float32", page_size=16, num_state_snapshots=0)
     assert "prefix caching off: num_state_snapshots is 0" in caplog.text
     assert "0 prefix-cache snapshots" in caplog.text and not none.engine.core.ready().prefix_caching
     prompt = _ids(40, 9)

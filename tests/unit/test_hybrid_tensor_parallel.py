@@ -1,4 +1,4 @@
-"""Tensor parallelism for the hybrids (Qwen3.5 dense in the hub's layout, Qwen3.5 MoE with fused experts,
+"""Tensor parallelism for the hybrid_checkpoint (Qwen3.5 dense in the hub's layout, Qwen3.5 MoE with fused experts,
 Qwen3-Next's fused interleaved projections) on the CPU (gloo, two rank processes): TP=2 gives the TP=1 greedy
 tokens in float32, with prompts prefilled in several chunks beside batched decodes; then again through
 prefix-cache snapshots and forked samples (state copies every rank makes); a split the linear attention's
@@ -12,7 +12,6 @@ import shutil
 import pytest
 import torch
 
-from hybrid_checkpoints import build_hybrid_checkpoint
 from mili import LLM, InvalidRequest, SamplingParams
 
 PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -24,19 +23,6 @@ def _prompts() -> list[dict]:
     return [{"prompt_token_ids": torch.randint(0, 512, (n,), generator=g).tolist()} for n in (1, 9, 70, 100)]
 
 
-@pytest.fixture(scope="module")
-def hybrids(tmp_path_factory):
-    root = tmp_path_factory.mktemp("hybrid_tp")
-    built = {}
-
-    def get(kind: str):
-        if kind not in built:
-            built[kind] = build_hybrid_checkpoint(root / kind, kind)
-        return built[kind]
-
-    return get
-
-
 def _tokens(outs) -> list[list[list[int]]]:
     return [[o.token_ids for o in out.outputs] for out in outs]
 
@@ -44,8 +30,8 @@ def _tokens(outs) -> list[list[list[int]]]:
 # qwen3_5_hub: the language model under model.language_model.*; qwen3_5_moe_fused: the experts fused per
 # projection; qwen3_next: in_proj_qkvz / in_proj_ba interleaved per key head, MoE with a dense layer
 @pytest.mark.parametrize("kind", ["qwen3_5_hub", "qwen3_5_moe_fused", "qwen3_next"])
-def test_tp2_matches_tp1(hybrids, kind):
-    path = str(hybrids(kind))
+def test_tp2_matches_tp1(hybrid_checkpoint, kind):
+    path = str(hybrid_checkpoint(kind))
     prompts = _prompts()
     one = LLM(path, dtype="float32", max_num_batched_tokens=32, page_size=16)
     expected = _tokens(one.generate(prompts, PARAMS, use_tqdm=False))
@@ -70,12 +56,12 @@ def test_tp2_matches_tp1(hybrids, kind):
     assert not runner.workers
 
 
-def test_an_odd_vocabulary_splits(hybrids, tmp_path):
+def test_an_odd_vocabulary_splits(hybrid_checkpoint, tmp_path):
     """A vocabulary that does not divide by two (issue 30, defect b): padded, TP=2 gives the TP=1 tokens."""
     from safetensors.torch import load_file, save_file
 
     path = tmp_path / "odd_vocab"
-    shutil.copytree(hybrids("qwen3_5_hub"), path)
+    shutil.copytree(hybrid_checkpoint("qwen3_5_hub"), path)
     for file in path.glob("*.safetensors"):  # the table and the head cut to 509 rows, as a resize would
         tensors = load_file(file)
         save_file({name: t[:509].clone() if name.endswith(("embed_tokens.weight", "lm_head.weight")) else t
@@ -96,9 +82,9 @@ def test_an_odd_vocabulary_splits(hybrids, tmp_path):
         two.engine.runner.close()
 
 
-def test_linear_heads_that_do_not_split_are_refused_before_anything_starts(hybrids, tmp_path):
+def test_linear_heads_that_do_not_split_are_refused_before_anything_starts(hybrid_checkpoint, tmp_path):
     path = tmp_path / "one_key_head"
-    shutil.copytree(hybrids("qwen3_5_hub"), path)
+    shutil.copytree(hybrid_checkpoint("qwen3_5_hub"), path)
     config = json.loads((path / "config.json").read_text())
     config["text_config"].update(linear_num_key_heads=1, linear_num_value_heads=2)
     (path / "config.json").write_text(json.dumps(config))

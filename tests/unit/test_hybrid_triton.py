@@ -15,7 +15,6 @@ import torch
 
 pytest.importorskip("triton")
 
-from hybrid_checkpoints import build_hybrid_checkpoint  # noqa: E402
 from mili import LLM, InvalidRequest, SamplingParams  # noqa: E402
 from mili.kernels import gated_delta as ref  # noqa: E402
 from mili.kernels import gated_delta_fla  # noqa: E402
@@ -26,8 +25,8 @@ KW = dict(dtype="float32", max_num_batched_tokens=24, page_size=16, kv_cache_mem
 
 
 @pytest.fixture(scope="module")
-def qwen3_5(tmp_path_factory):
-    return build_hybrid_checkpoint(tmp_path_factory.mktemp("hybrid_triton") / "qwen3_5", "qwen3_5")
+def qwen3_5(hybrid_checkpoint):
+    return hybrid_checkpoint("qwen3_5")
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +156,7 @@ def fla():
     pytest.importorskip("fla", reason="fla-core is not installed (pip install fla-core)")
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("these run fla's kernels on CPU tensors, under TRITON_INTERPRET=1")
-    import fla_interpreter
+    from support import fla_interpreter
 
     fla_interpreter.enable()
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule

@@ -9,7 +9,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from helpers import build_checkpoint, prompt_logprobs  # noqa: E402
+from support.checkpoints import build_checkpoint  # noqa: E402
+from support.parity import prompt_logprobs  # noqa: E402
 from mili import LLM, InvalidRequest, SamplingParams  # noqa: E402
 from mili.config import EngineConfig  # noqa: E402
 

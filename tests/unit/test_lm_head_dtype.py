@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import prompt_logprobs
+from support.parity import prompt_logprobs
 from mili import LLM, InvalidRequest, SamplingParams
 from mili.kernels import cpu
 from mili.model.cpu_linear import Int8Linear, KernelLinear, PackedEmbedding
@@ -33,11 +33,11 @@ def test_the_int8_layer_stays_within_its_rounding_bound():
 
 
 @pytest.mark.parametrize("shape", ["gqa_untied", "mha_tied"])
-def test_int8_head_keeps_the_greedy_tokens_within_its_bound(checkpoints, shape):
+def test_int8_head_keeps_the_greedy_tokens_within_its_bound(qwen3_checkpoint, shape):
     """float32, so the head's rounding is the only difference: every prompt position's log-probabilities
     within twice the layer's logit bound of the unquantized model's (the bound taken from the hidden states'
     L1 norms), and greedy continuations equal until a near tie under that bound."""
-    path = str(checkpoints[shape])
+    path = str(qwen3_checkpoint(shape))
     common = dict(dtype="float32", enable_prefix_caching=False)
     plain, quant = LLM(path, **common), LLM(path, lm_head_dtype="int8", **common)
     head = quant.engine.runner.model.lm_head

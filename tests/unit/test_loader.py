@@ -63,8 +63,8 @@ def test_dtype_auto_and_conversion(tiny_checkpoint):
         LLM(str(tiny_checkpoint), dtype="int3")
 
 
-def test_cli_generate(checkpoints, tiny_checkpoint, capsys):
-    code = cli_main(["generate", str(checkpoints["gqa4_realvocab"]), "--dtype", "float32", "--prompt", "Hi",
+def test_cli_generate(qwen3_checkpoint, tiny_checkpoint, capsys):
+    code = cli_main(["generate", str(qwen3_checkpoint("gqa4_realvocab")), "--dtype", "float32", "--prompt", "Hi",
                      "--prompt", "Yo", "--max-tokens", "5"])
     out = capsys.readouterr().out
     assert code == 0 and "--- 'Hi'" in out and "--- 'Yo'" in out

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import Qwen3MoeForCausalLM as HFMoe
 
-from helpers import build_moe_checkpoint
+from support.checkpoints import MOE_SHAPES, build_moe_checkpoint
 from mili import LLM, ModelLoadError, SamplingParams
 from mili.kernels import cpu
 from mili.model.cpu_linear import KernelLinear
@@ -17,29 +17,15 @@ PROMPT_LENS = [1, 7, 40, 150]  # 150 is prefilled in chunks (budget 64 tokens)
 MAX_TOKENS = 16
 NEAR_TIE = 1e-3
 
-SHAPES = {
-    "e4_k2_sparse_dense": dict(num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1]),
-    "e8_k3_norm_step2": dict(num_experts=8, num_experts_per_tok=3, norm_topk_prob=True, decoder_sparse_step=2,
-                             num_hidden_layers=4),
-    "e6_k1_tied": dict(num_experts=6, num_experts_per_tok=1, norm_topk_prob=True, tie_word_embeddings=True),
-}
-
-
-@pytest.fixture(scope="module")
-def moe_checkpoints(tmp_path_factory):
-    root = tmp_path_factory.mktemp("moe")
-    return {name: build_moe_checkpoint(root / name, seed=i, hub_spelling=name.startswith("e8"), **shape)
-            for i, (name, shape) in enumerate(SHAPES.items())}
-
 
 def _prompts(seed: int = 1) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, 512, (n,), generator=g).tolist() for n in PROMPT_LENS]
 
 
-@pytest.mark.parametrize("shape", list(SHAPES))
-def test_greedy_matches_hf(moe_checkpoints, shape):
-    path = moe_checkpoints[shape]
+@pytest.mark.parametrize("shape", list(MOE_SHAPES))
+def test_greedy_matches_hf(moe_checkpoint, shape):
+    path = moe_checkpoint(shape)
     prompts = _prompts()
     llm = LLM(str(path), dtype="float32", max_num_batched_tokens=64, page_size=16)
     assert llm.engine.model_config.is_moe
@@ -69,21 +55,21 @@ def test_greedy_matches_hf(moe_checkpoints, shape):
     llm.engine.check_integrity()
 
 
-def test_layer_kinds_follow_the_config(moe_checkpoints):
-    llm = LLM(str(moe_checkpoints["e8_k3_norm_step2"]), dtype="float32")
+def test_layer_kinds_follow_the_config(moe_checkpoint):
+    llm = LLM(str(moe_checkpoint("e8_k3_norm_step2")), dtype="float32")
     cfg = llm.engine.model_config
     assert cfg.num_experts == 8 and cfg.num_experts_per_tok == 3 and cfg.norm_topk_prob  # num_experts spelling
     assert cfg.sparse_layers == (False, True, False, True)  # decoder_sparse_step 2
     kinds = [type(layer.mlp).__name__ for layer in llm.engine.runner.model.model.layers]
     assert kinds == ["Qwen3MLP", "Qwen3MoeBlock", "Qwen3MLP", "Qwen3MoeBlock"]
-    llm = LLM(str(moe_checkpoints["e4_k2_sparse_dense"]), dtype="float32")
+    llm = LLM(str(moe_checkpoint("e4_k2_sparse_dense")), dtype="float32")
     assert llm.engine.model_config.sparse_layers == (True, False, True)  # mlp_only_layers [1]
 
 
-def test_a_missing_expert_is_refused(moe_checkpoints, tmp_path):
+def test_a_missing_expert_is_refused(moe_checkpoint, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    src = moe_checkpoints["e4_k2_sparse_dense"]
+    src = moe_checkpoint("e4_k2_sparse_dense")
     dst = tmp_path / "broken"
     dst.mkdir()
     for f in src.iterdir():
@@ -155,9 +141,9 @@ def test_fused_experts_kernel_matches_the_expert_loop(tokens, experts, top_k, dt
         assert (ids.flatten()[chunk] == e).all() if e >= 0 else chunk.numel() == 0
 
 
-def test_moe_engine_on_the_triton_path_matches_the_torch_path(moe_checkpoints):
+def test_moe_engine_on_the_triton_path_matches_the_torch_path(moe_checkpoint):
     """The whole engine with the Triton ops (fused experts, attention; interpreted on the CPU)."""
-    path = str(moe_checkpoints["e4_k2_sparse_dense"])
+    path = str(moe_checkpoint("e4_k2_sparse_dense"))
     prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (1, 12, 30)]
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     triton_llm = LLM(path, dtype="float32", attention_backend="triton", max_num_batched_tokens=24)
@@ -168,9 +154,9 @@ def test_moe_engine_on_the_triton_path_matches_the_torch_path(moe_checkpoints):
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
 
 
-def test_moe_preemption_gives_identical_outputs(moe_checkpoints):
+def test_moe_preemption_gives_identical_outputs(moe_checkpoint):
     """A KV pool far too small for the batch: sequences are preempted and recomputed, outputs unchanged."""
-    path = str(moe_checkpoints["e4_k2_sparse_dense"])
+    path = str(moe_checkpoint("e4_k2_sparse_dense"))
     g = torch.Generator().manual_seed(7)
     prompts = [{"prompt_token_ids": torch.randint(0, 512, (n,), generator=g).tolist()} for n in (30, 45, 60, 20, 50)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

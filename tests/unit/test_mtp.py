@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from hybrid_checkpoints import build_hybrid_checkpoint, build_scripted_hybrid_checkpoint
+from support.hybrid import build_hybrid_checkpoint, build_scripted_hybrid_checkpoint
 from mili import LLM, SamplingParams
 from mili.model.batch import ForwardBatch
 from test_speculative import _clean, _outputs, _params, _repetitive_prompts, _same
@@ -21,8 +21,8 @@ MTP = {"method": "mtp", "num_speculative_tokens": 3, "disable_by_batch_size": 64
 
 
 @pytest.fixture(scope="module")
-def hub(tmp_path_factory):
-    return build_hybrid_checkpoint(tmp_path_factory.mktemp("mtp") / "hub", "qwen3_5_hub")
+def hub(hybrid_checkpoint):
+    return hybrid_checkpoint("qwen3_5_hub")
 
 
 # -- the head against a reimplementation ----------------------------------------------------------------------

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import Qwen3ForCausalLM as HFQwen3
 
-from helpers import assert_greedy_matches_hf
+from support.parity import assert_greedy_matches_hf
 from mili import LLM, SamplingParams
 from mili.config import ModelConfig
 from mili.model.checkpoint import load_hf_config
@@ -40,8 +40,8 @@ def _hf_greedy(path, prompts):
 
 
 @pytest.mark.parametrize("shape", ["gqa_untied", "mha_tied", "gqa4_realvocab"])
-def test_greedy_matches_hf_generate(checkpoints, shape):
-    path = checkpoints[shape]
+def test_greedy_matches_hf_generate(qwen3_checkpoint, shape):
+    path = qwen3_checkpoint(shape)
     prompts = _prompts(load_hf_config(str(path)).vocab_size)
     llm = LLM(str(path), dtype="float32", max_num_batched_tokens=96, page_size=16)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
@@ -74,9 +74,9 @@ def test_trained_demo_greedy_matches_hf_generate():
 
 
 @pytest.mark.parametrize("shape", ["gqa_untied", "mha_tied"])
-def test_chunked_paged_logits_match_hf(checkpoints, shape):
+def test_chunked_paged_logits_match_hf(qwen3_checkpoint, shape):
     """Prefill in three chunks over scattered pages, then decodes: every position's logits agree to 1e-4."""
-    path = str(checkpoints[shape])
+    path = str(qwen3_checkpoint(shape))
     hf_config = load_hf_config(path)
     cfg = ModelConfig.from_hf(hf_config)
     with torch.device("meta"):

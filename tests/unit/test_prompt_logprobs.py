@@ -51,10 +51,10 @@ def _check(entries, prompt: list[int], ref: torch.Tensor, n: int) -> None:
 
 
 @pytest.mark.parametrize("shape,slice_rows", [("gqa_untied", 5), ("mha_tied", None)])
-def test_prompt_logprobs_match_hf(checkpoints, monkeypatch, shape, slice_rows):
+def test_prompt_logprobs_match_hf(qwen3_checkpoint, monkeypatch, shape, slice_rows):
     """Several requests of different lengths, chunked (32 tokens a step) and batched together, one with n=2;
     ``slice_rows`` (gqa_untied) makes the logits come a few rows at a time."""
-    path = str(checkpoints[shape])
+    path = str(qwen3_checkpoint(shape))
     slices = []
     if slice_rows is not None:
         monkeypatch.setattr(plp, "MAX_SLICE_ROWS", slice_rows)
@@ -81,10 +81,10 @@ def test_prompt_logprobs_match_hf(checkpoints, monkeypatch, shape, slice_rows):
     llm.engine.check_integrity()
 
 
-def test_cached_prefix_is_recomputed(checkpoints):
+def test_cached_prefix_is_recomputed(qwen3_checkpoint):
     """A request sharing a long cached prefix still scores every position (no cache hit), identically; its
     pages go into the cache for the requests after it."""
-    path = str(checkpoints["gqa_untied"])
+    path = str(qwen3_checkpoint("gqa_untied"))
     llm = LLM(path, dtype="float32", max_num_batched_tokens=32, page_size=8)
     prefix = _prompt(120, 7)
     prompt = prefix + _prompt(9, 8)
@@ -103,8 +103,8 @@ def test_cached_prefix_is_recomputed(checkpoints):
     llm.engine.check_integrity()
 
 
-def test_max_tokens_zero_scores_without_generating(checkpoints):
-    path = str(checkpoints["gqa_untied"])
+def test_max_tokens_zero_scores_without_generating(qwen3_checkpoint):
+    path = str(qwen3_checkpoint("gqa_untied"))
     llm = LLM(path, dtype="float32", max_num_batched_tokens=32, page_size=8)
     prompts = [_prompt(70, 3), _prompt(1, 4), _prompt(20, 5)]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
@@ -124,10 +124,10 @@ def test_max_tokens_zero_scores_without_generating(checkpoints):
         SamplingParams(prompt_logprobs=21)
 
 
-def test_preempted_request_scores_each_position_once(checkpoints, monkeypatch):
+def test_preempted_request_scores_each_position_once(qwen3_checkpoint, monkeypatch):
     """A small pool: a long decode preempts the scoring request mid-prompt, and the cache later gives back
     less than it had scored; the positions scored before are computed again but not sent twice."""
-    path = str(checkpoints["gqa_untied"])
+    path = str(qwen3_checkpoint("gqa_untied"))
     starts = []  # (computed from the cache, scored) each time the scoring request (re)starts
     start = Scheduler._start_from_cache
 
@@ -159,11 +159,11 @@ def _score(llm: LLM, decode: list[int], scored: list[int]):
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason=f"CPU kernels unavailable: {cpu_kernels.load()[1]}")
-def test_one_token_chunks_on_the_fused_cpu_decode_path(checkpoints):
+def test_one_token_chunks_on_the_fused_cpu_decode_path(qwen3_checkpoint):
     """bf16 on MILI's CPU kernels, a budget of 2 tokens: beside a decode the prompt comes one token a step,
     so each step is a decode-only batch the fused decode path runs, prompt rows and all; its scores are the
     module path's (enforce_eager), bit for bit."""
-    path = str(checkpoints["gqa_untied"])
+    path = str(qwen3_checkpoint("gqa_untied"))
     fused = LLM(path, dtype="bfloat16", max_num_batched_tokens=2)
     runner = fused.engine.runner
     assert runner.cpu_decode is not None
@@ -187,10 +187,10 @@ def test_one_token_chunks_on_the_fused_cpu_decode_path(checkpoints):
         == [None if e is None else {t: (lp.logprob, lp.rank) for t, lp in e.items()} for e in expected]
 
 
-def test_triton_backend(checkpoints):
+def test_triton_backend(qwen3_checkpoint):
     """The Triton attention path (interpreted on the CPU) scores prompts like HF."""
     pytest.importorskip("triton")
-    path = str(checkpoints["gqa_untied"])
+    path = str(qwen3_checkpoint("gqa_untied"))
     llm = LLM(path, dtype="float32", attention_backend="triton", max_num_batched_tokens=24)
     prompts = [_prompt(n, 30 + n) for n in (9, 40)]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
@@ -200,10 +200,10 @@ def test_triton_backend(checkpoints):
     llm.engine.check_integrity()
 
 
-def test_tensor_parallel_two_ranks(checkpoints):
+def test_tensor_parallel_two_ranks(qwen3_checkpoint):
     """TP=2 (gloo, a rank process): rank 0 scores, both ranks gather each slice's vocabulary shards; a
     1000-token prompt in one chunk comes in two slices (512 rows at most)."""
-    path = str(checkpoints["mha_tied"])
+    path = str(qwen3_checkpoint("mha_tied"))
     llm = LLM(path, dtype="float32", max_num_batched_tokens=1100, tensor_parallel_size=2)
     try:
         prompts = [_prompt(1000, 40), _prompt(37, 41)]

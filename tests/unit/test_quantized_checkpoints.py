@@ -12,7 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from helpers import autoawq_pack, awq_layout, build_checkpoint, greedy_matches, write_quantized_checkpoint
+from support.checkpoints import build_checkpoint
+from support.parity import greedy_matches
+from support.quantized import autoawq_pack, awq_layout, write_quantized_checkpoint
 from mili import LLM, SamplingParams
 from mili.kernels import cpu
 from mili.model.quant import quantize_fp8_blocks
@@ -291,7 +293,7 @@ def _next_token_logprobs(llm, prompts: list[list[int]]) -> torch.Tensor:
     return torch.stack(rows)
 
 
-def test_fp8_quantization_kl_within_its_rounding_budget(tmp_path, qwen3_tokenizer):
+def test_fp8_quantization_kl_within_its_rounding_budget(qwen3_checkpoint, qwen3_tokenizer):
     """``--quantization fp8`` on real text through the real tokenizer: the next-token distributions' mean
     KL divergence from the unquantized model (float32, so only the weights' FP8 rounding differs).
 
@@ -300,7 +302,7 @@ def test_fp8_quantization_kl_within_its_rounding_budget(tmp_path, qwen3_tokenize
     same model with every linear weight times (1 + N(0, 3.6%^2)) is the budget: FP8 must cost less than that
     (any scale misapplied, a channel's scale on another, or a dropped layer costs far more), and more than a
     tenth of it (the rounding is really applied)."""
-    dense = build_checkpoint(tmp_path / "real", "gqa4_realvocab")
+    dense = qwen3_checkpoint("gqa4_realvocab")
     text = ("The quick brown fox jumps over the lazy dog. Tokenizers split text into pieces; a language model "
             "predicts the next piece from the ones before it, one distribution at a time.")
     ids = qwen3_tokenizer(text)["input_ids"]

@@ -10,7 +10,7 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from helpers import DATA, QWEN3_TOKENIZER
+from support.checkpoints import DATA, QWEN3_TOKENIZER
 from mili.server.chat import ChatPrompt, ReplyBlocks
 from mili.server.protocol import ChatCompletionRequest
 from mili.structured import build_grammar

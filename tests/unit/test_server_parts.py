@@ -192,9 +192,9 @@ def test_anthropic_error_types():
 
 
 @pytest.fixture
-def dying_client(checkpoints, monkeypatch):
+def dying_client(qwen3_checkpoint, monkeypatch):
     """An app whose engine fails on its fourth step."""
-    engine = AsyncLLM(EngineConfig(model=str(checkpoints["gqa4_realvocab"]), dtype="float32"), core_in_thread=True)
+    engine = AsyncLLM(EngineConfig(model=str(qwen3_checkpoint("gqa4_realvocab")), dtype="float32"), core_in_thread=True)
     real_step, calls = engine.core.step, []
 
     def failing_step():

@@ -9,8 +9,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from helpers import build_scripted_checkpoint
-from hybrid_checkpoints import build_hybrid_checkpoint, build_scripted_hybrid_checkpoint
+from support.hybrid import build_scripted_hybrid_checkpoint
+from support.scripted import build_scripted_checkpoint
 from mili import LLM, InvalidRequest, SamplingParams, StructuredOutputsParams
 from mili.config import EngineConfig, SpeculativeConfig
 from mili.runtime.sampler import Sampler, SamplingMetadata
@@ -126,11 +126,6 @@ def test_seeded_rows_verify_reproducibly():
 
 
 # -- the engine: the same output, dense and hybrid ----------------------------------------------------------
-@pytest.fixture(scope="module")
-def hybrid(tmp_path_factory):
-    return build_hybrid_checkpoint(tmp_path_factory.mktemp("spec") / "qwen3_5", "qwen3_5")
-
-
 def _params(vocab_text: str | None = None):
     """Greedy with and without the sampling extras that read the output so far."""
     return [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2),
@@ -156,12 +151,12 @@ def _oracle(llm, prompts, want, vocab: int) -> None:
 
 
 @pytest.mark.parametrize("model", ["dense", "hybrid"])
-def test_greedy_output_is_unchanged(model, tiny_checkpoint, hybrid):
+def test_greedy_output_is_unchanged(model, tiny_checkpoint, hybrid_checkpoint):
     """Chunked prefill (a 48-token budget), a batch where some sequences draft and others cannot, prefix-cache
     hits (every prompt twice), then preemption (few pages): the same tokens, text and logprobs as without
     speculation, with the n-gram's drafts and with drafts that are right, partly right and wrong; every page
     and state slot back."""
-    path = str(tiny_checkpoint if model == "dense" else hybrid)
+    path = str(tiny_checkpoint if model == "dense" else hybrid_checkpoint("qwen3_5"))
     base = dict(dtype="float32", max_num_batched_tokens=48)
     vocab = 512 if model == "dense" else 256
     prompts = _repetitive_prompts(vocab)
@@ -204,12 +199,12 @@ def test_stop_strings_n_and_seeds(tiny_checkpoint):
     _clean(spec)
 
 
-def test_structured_outputs_reject_drafts_the_grammar_forbids(checkpoints):
+def test_structured_outputs_reject_drafts_the_grammar_forbids(qwen3_checkpoint):
     """Drafts copied from a prompt full of non-JSON text are verified against the grammar's mask: the greedy
     constrained output is the plain one, and sampled outputs still validate."""
     import json
 
-    path = str(checkpoints["gqa4_realvocab"])
+    path = str(qwen3_checkpoint("gqa4_realvocab"))
     so = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}},
                                        "required": ["a"], "additionalProperties": False})
     prompt = 'x {"a": 1} {"a": 1} {"a": 1} {"a": 1} {"a'

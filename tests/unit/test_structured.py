@@ -13,7 +13,7 @@ import threading
 import jsonschema
 import pytest
 
-from helpers import CHAIN, build_scripted_checkpoint
+from support.scripted import CHAIN, build_scripted_checkpoint
 from mili import LLM, InvalidRequest, SamplingParams, StructuredOutputsParams
 from mili.structured import GrammarManager
 
@@ -34,8 +34,8 @@ SCHEMA = {
 
 
 @pytest.fixture(scope="module")
-def llm(checkpoints):
-    return LLM(str(checkpoints["gqa4_realvocab"]), dtype="float32")
+def llm(qwen3_checkpoint):
+    return LLM(str(qwen3_checkpoint("gqa4_realvocab")), dtype="float32")
 
 
 def _run(llm, so: StructuredOutputsParams, seeds, max_tokens=300, prompt="Answer:"):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import build_checkpoint, build_moe_checkpoint
+from support.checkpoints import build_checkpoint, build_moe_checkpoint
 from mili import LLM, InvalidRequest, SamplingParams
 
 PARAMS = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -30,14 +30,14 @@ def _resized(src, dst, rows: int):
 
 
 @pytest.fixture(scope="module")
-def tp_checkpoints(tmp_path_factory, checkpoints):
+def tp_checkpoints(tmp_path_factory, qwen3_checkpoint):
     root = tmp_path_factory.mktemp("tp")
     return {
         # odd vocabularies (issue 30, defect b): rank 1's shard ends with a zero row, its logit cut
-        "odd_vocab_untied": _resized(checkpoints["gqa_untied"], root / "odd_untied", 509),
-        "odd_vocab_tied": _resized(checkpoints["mha_tied"], root / "odd_tied", 383),
-        "gqa_untied": checkpoints["gqa_untied"],  # 2 KV heads: one a rank
-        "mha_tied": checkpoints["mha_tied"],  # tied embedding: the head is the vocabulary-split table
+        "odd_vocab_untied": _resized(qwen3_checkpoint("gqa_untied"), root / "odd_untied", 509),
+        "odd_vocab_tied": _resized(qwen3_checkpoint("mha_tied"), root / "odd_tied", 383),
+        "gqa_untied": qwen3_checkpoint("gqa_untied"),  # 2 KV heads: one a rank
+        "mha_tied": qwen3_checkpoint("mha_tied"),  # tied embedding: the head is the vocabulary-split table
         "one_kv_head": build_checkpoint(root / "one_kv", "gqa_untied", num_key_value_heads=1),  # replicated
         "moe": build_moe_checkpoint(root / "moe", num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
                                     mlp_only_layers=[1]),

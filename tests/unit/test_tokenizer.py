@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from helpers import QWEN3_TOKENIZER
+from support.checkpoints import QWEN3_TOKENIZER
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 from mili.errors import InvalidRequest
 from mili.tokenizer.detokenizer import TextStream

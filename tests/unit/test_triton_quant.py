@@ -17,8 +17,8 @@ triton = pytest.importorskip("triton")
 if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
     pytest.skip("Triton needs a GPU or TRITON_INTERPRET=1", allow_module_level=True)
 
-from helpers import (QUANT_LINEARS, awq_layout, build_checkpoint, greedy_matches, prompt_logprobs,  # noqa: E402
-                     write_quantized_checkpoint)
+from support.parity import greedy_matches, prompt_logprobs  # noqa: E402
+from support.quantized import QUANT_LINEARS, awq_layout, write_quantized_checkpoint  # noqa: E402
 from mili import LLM, SamplingParams  # noqa: E402
 from mili.kernels import reference as ref  # noqa: E402
 from mili.model.quant import quantize_fp8_blocks  # noqa: E402
@@ -162,11 +162,10 @@ def _block_fp8(weights: dict) -> tuple[dict, dict]:
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    """A dense model (q|k|v shards of 128, 64, 64 rows: partial 128 x 128 blocks), its block FP8 and AWQ
+def quantized(tmp_path_factory, tiny_checkpoint):
+    """The tiny dense model (q|k|v shards of 128, 64, 64 rows: partial 128 x 128 blocks), its block FP8 and AWQ
     (groups of 64) versions, and each one's dequantized weights as a plain checkpoint (the reference)."""
-    root = tmp_path_factory.mktemp("triton_quant")
-    dense = build_checkpoint(root / "dense", "gqa_untied", with_tokenizer=False)
+    root, dense = tmp_path_factory.mktemp("triton_quant"), tiny_checkpoint
     weights = load_file(dense / "model.safetensors")
     made = {}
     for name, (tensors, dequantized), qconfig in (
@@ -182,12 +181,12 @@ def checkpoints(tmp_path_factory):
 
 
 @pytest.mark.parametrize("fmt,layer", [("fp8", gpu_linear.BlockFp8Linear), ("awq", gpu_linear.AwqLinear)])
-def test_engine_float32_matches_the_dequantized_model(checkpoints, fmt, layer):
+def test_engine_float32_matches_the_dequantized_model(quantized, fmt, layer):
     """float32: FP8 weight-only and AWQ compute with the stored weights exactly as the dequantized model does
     (up to summation order): HF's greedy tokens on those weights."""
     from transformers import Qwen3ForCausalLM
 
-    path, plain = checkpoints[fmt]
+    path, plain = quantized[fmt]
     llm = LLM(str(path), dtype="float32", **ENGINE)
     runner = llm.engine.core.runner
     attn, mlp = runner.model.model.layers[0].self_attn, runner.model.model.layers[1].mlp
@@ -198,7 +197,7 @@ def test_engine_float32_matches_the_dequantized_model(checkpoints, fmt, layer):
     greedy_matches(llm, reference, PROMPTS, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
 
 
-def test_engine_bf16_fp8_is_w8a8_within_its_rounding_budget(checkpoints):
+def test_engine_bf16_fp8_is_w8a8_within_its_rounding_budget(quantized):
     """bf16 on an H100's path: FP8 weights times FP8 activations. Against the float32 dequantized model, the
     next-token distributions' mean KL divergence after every position of a prompt is bounded as for the
     weights (test_quantized_checkpoints): rounding an activation to e4m3 changes it by a relative error of RMS
@@ -207,7 +206,7 @@ def test_engine_bf16_fp8_is_w8a8_within_its_rounding_budget(checkpoints):
     activations left unquantized fail."""
     from transformers import Qwen3ForCausalLM
 
-    path, plain = checkpoints["fp8"]
+    path, plain = quantized["fp8"]
     llm = LLM(str(path), dtype="bfloat16", **ENGINE)
     runner = llm.engine.core.runner
     layer = runner.model.model.layers[0]

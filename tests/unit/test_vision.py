@@ -8,18 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from mili.model.vision import VisionTower, flatten_patch_weight
-from vision_checkpoints import KINDS, build_vision_checkpoint, hf_model, process_images, write_images
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    root = tmp_path_factory.mktemp("vision")
-    return {kind: build_vision_checkpoint(root / kind, kind) for kind in KINDS}
-
-
-@pytest.fixture(scope="module")
-def images(tmp_path_factory):
-    return write_images(tmp_path_factory.mktemp("images"))
+from support.vision import KINDS, hf_model, process_images
 
 
 def load_tower(path, config) -> VisionTower:
@@ -33,10 +22,10 @@ def load_tower(path, config) -> VisionTower:
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("count", [1, 2])
-def test_tower_matches_hf(checkpoints, images, kind, count):
-    hf = hf_model(checkpoints[kind], kind)
-    tower = load_tower(checkpoints[kind], hf.config)
-    pixels, grid = process_images(images[:count])
+def test_tower_matches_hf(vision_checkpoint, test_images, kind, count):
+    hf = hf_model(vision_checkpoint(kind), kind)
+    tower = load_tower(vision_checkpoint(kind), hf.config)
+    pixels, grid = process_images(test_images[:count])
     assert grid.tolist()[:2] == [[1, 4, 6], [1, 6, 4]][:count]  # (the sizes differ: 64×96, 96×64)
     with torch.no_grad():
         ref = hf.model.get_image_features(pixels, grid)

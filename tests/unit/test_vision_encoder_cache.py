@@ -12,14 +12,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from PIL import Image
 
 from mili import LLM, SamplingParams
 from mili.config import EngineConfig
 from mili.errors import InvalidRequest
 from mili.runtime.encoder_cache import EncodedImage, EncoderCache, VisionBudget, output_bytes_per_token
-from test_vision_engine import _request, checkpoints, images  # noqa: F401 (the fixtures)
-from vision_checkpoints import TEXT
+from test_vision_engine import _request, images  # noqa: F401 (the fixture)
+from support.vision import TEXT
 
 PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
 
@@ -41,17 +40,17 @@ def _assert_same(got, want) -> None:
 
 
 @pytest.mark.parametrize("kind", ["qwen3_vl", "qwen3_5_vl"])
-def test_the_tower_runs_once_per_distinct_image(checkpoints, images, kind):
+def test_the_tower_runs_once_per_distinct_image(vision_checkpoint, images, kind):
     """Three requests over two images (the first image after three different texts, the second in chunks of 4
     beside it): two images encoded; each request's tokens and logprobs as a lone request's, with nothing cached."""
     cases = [(images[:1], [[5, 17, 301], [7, 90]]), (images[:1], [[6, 2], [7, 90, 4]]),
              (images[1:2] + images[:1], [[8], [33, 2], [400, 3]])]
     prompts = [_request(paths, texts) for paths, texts in cases]
-    alone = LLM(str(checkpoints[kind]), dtype="float32", enable_prefix_caching=False, encoder_cache_tokens=0)
+    alone = LLM(str(vision_checkpoint(kind)), dtype="float32", enable_prefix_caching=False, encoder_cache_tokens=0)
     alone_count = _count_images(alone)
     want = [alone.generate([p], PARAMS, use_tqdm=False)[0] for p in prompts]
     assert sum(alone_count) == 4  # (nothing kept between requests)
-    llm = LLM(str(checkpoints[kind]), dtype="float32", max_num_batched_tokens=4, page_size=4)  # chunks cut images
+    llm = LLM(str(vision_checkpoint(kind)), dtype="float32", max_num_batched_tokens=4, page_size=4)  # chunks cut images
     count = _count_images(llm)
     got = llm.generate(prompts, PARAMS, use_tqdm=False)
     assert sum(count) == 2
@@ -61,14 +60,14 @@ def test_the_tower_runs_once_per_distinct_image(checkpoints, images, kind):
     llm.engine.check_integrity()
 
 
-def test_a_preempted_request_reuses_its_images(checkpoints, images):
+def test_a_preempted_request_reuses_its_images(vision_checkpoint, images):
     """A KV pool too small for four requests over three images: preempted ones are recomputed from their prompt
     without the tower (three images encoded in all), and each writes a lone request's tokens and logprobs."""
     cases = [(images[i % 3:i % 3 + 1], [[5 + i, 17], [7, 90 + i, 3]]) for i in range(4)]
     prompts = [_request(paths, texts) for paths, texts in cases]
-    alone = LLM(str(checkpoints["qwen3_vl"]), dtype="float32", enable_prefix_caching=False, encoder_cache_tokens=0)
+    alone = LLM(str(vision_checkpoint("qwen3_vl")), dtype="float32", enable_prefix_caching=False, encoder_cache_tokens=0)
     want = [alone.generate([p], PARAMS, use_tqdm=False)[0] for p in prompts]
-    llm = LLM(str(checkpoints["qwen3_vl"]), dtype="float32", max_num_batched_tokens=16, page_size=4, num_kv_pages=10,
+    llm = LLM(str(vision_checkpoint("qwen3_vl")), dtype="float32", max_num_batched_tokens=16, page_size=4, num_kv_pages=10,
               enable_prefix_caching=False)
     count = _count_images(llm)
     got = llm.generate(prompts, PARAMS, use_tqdm=False)
@@ -89,17 +88,17 @@ def _run_steps(llm, prompts) -> int:
     return most
 
 
-def test_the_cache_stays_within_its_budget(checkpoints, images):
+def test_the_cache_stays_within_its_budget(vision_checkpoint, images):
     """A budget of two images (12 tokens): a third evicts the least recently used, which is encoded again when it
     comes back. A budget smaller than one image (4 of 6 tokens): the image a chunk cuts is kept (claimed) for the
     next chunk, so it is still encoded once, then goes as soon as it is computed. No claim is left at the end."""
     kwargs = dict(dtype="float32", max_num_batched_tokens=8, page_size=4, enable_prefix_caching=False)
-    llm = LLM(str(checkpoints["qwen3_vl"]), encoder_cache_tokens=12, **kwargs)
+    llm = LLM(str(vision_checkpoint("qwen3_vl")), encoder_cache_tokens=12, **kwargs)
     cache, count = llm.engine.runner.encoder_cache, _count_images(llm)
     for i in (0, 2, 0, 1, 2):  # (0 is used again: 2 goes for 1, then 0 for 2)
         assert _run_steps(llm, [_request(images[i:i + 1], [[5, 17], [7]])]) <= 12
     assert sum(count) == 4 and cache.num_evictions == 2 and len(cache.entries) == 2 and not cache.claims
-    small = LLM(str(checkpoints["qwen3_vl"]), encoder_cache_tokens=4, **kwargs)
+    small = LLM(str(vision_checkpoint("qwen3_vl")), encoder_cache_tokens=4, **kwargs)
     cache, count = small.engine.runner.encoder_cache, _count_images(small)
     for i in (0, 2, 0):  # (11 tokens, the image at 3 .. 8: the first chunk of 8 cuts it)
         assert _run_steps(small, [_request(images[i:i + 1], [[5, 17], [7]])]) == 6  # (over the budget, claimed)
@@ -107,7 +106,7 @@ def test_the_cache_stays_within_its_budget(checkpoints, images):
     assert sum(count) == 3 and cache.num_evictions == 3
 
 
-def test_a_text_only_request_pays_nothing_for_the_tower(checkpoints, images, monkeypatch):
+def test_a_text_only_request_pays_nothing_for_the_tower(vision_checkpoint, images, monkeypatch):
     """No tower call and no StepImages (the per-step image work) for text-only steps, beside an image-capable
     model; the first request with an image makes them."""
     import mili.runtime.input_batch as input_batch
@@ -115,7 +114,7 @@ def test_a_text_only_request_pays_nothing_for_the_tower(checkpoints, images, mon
     made = []
     step_images = input_batch.StepImages
     monkeypatch.setattr(input_batch, "StepImages", lambda *args: made.append(1) or step_images(*args))
-    llm = LLM(str(checkpoints["qwen3_vl"]), dtype="float32")
+    llm = LLM(str(vision_checkpoint("qwen3_vl")), dtype="float32")
     count = _count_images(llm)
     llm.generate([{"prompt_token_ids": [5, 17, 301, 42]}], PARAMS, use_tqdm=False)
     assert not count and not made
@@ -123,12 +122,12 @@ def test_a_text_only_request_pays_nothing_for_the_tower(checkpoints, images, mon
     assert count == [1] and made
 
 
-def test_the_core_refuses_images_past_the_limit(checkpoints, images):
+def test_the_core_refuses_images_past_the_limit(vision_checkpoint, images):
     """limit_mm_per_prompt image 1: a request with two images is refused by the core itself (InvalidRequest), even
     when it was made by an input processor that allowed it; one image passes."""
     from mili.engine.input_processor import InputProcessor
 
-    llm = LLM(str(checkpoints["qwen3_vl"]), dtype="float32", limit_mm_per_prompt={"image": 1})
+    llm = LLM(str(vision_checkpoint("qwen3_vl")), dtype="float32", limit_mm_per_prompt={"image": 1})
     two = _request(images[:2], [[5], [7], [9]])
     with pytest.raises(InvalidRequest, match="at most 1|limit"):
         llm.generate([two], PARAMS, use_tqdm=False)
@@ -141,10 +140,10 @@ def test_the_core_refuses_images_past_the_limit(checkpoints, images):
     assert llm.generate([_request(images[:1], [[5], [7]])], PARAMS, use_tqdm=False)[0].outputs[0].token_ids
 
 
-def test_a_limit_of_zero_images_skips_the_tower(checkpoints, images):
+def test_a_limit_of_zero_images_skips_the_tower(vision_checkpoint, images):
     """limit_mm_per_prompt image 0 (vLLM's way to serve a VL checkpoint as text): the tower is not loaded, images
     are refused, text is served."""
-    llm = LLM(str(checkpoints["qwen3_vl"]), dtype="float32", limit_mm_per_prompt={"image": 0})
+    llm = LLM(str(vision_checkpoint("qwen3_vl")), dtype="float32", limit_mm_per_prompt={"image": 0})
     assert llm.engine.runner.model.visual is None and llm.engine.runner.encoder_cache is None
     with pytest.raises(InvalidRequest, match="takes no images"):
         llm.generate([_request(images[:1], [[5], [7]])], PARAMS, use_tqdm=False)
@@ -198,7 +197,7 @@ def test_the_start_up_budget_follows_the_processor_and_the_limits(tmp_path):
         assert plan.tokens_per_call == per_call and plan.cache_tokens == 2048
 
 
-def test_the_cpu_warns_when_the_pool_and_the_tower_exceed_the_memory(checkpoints, monkeypatch, caplog):
+def test_the_cpu_warns_when_the_pool_and_the_tower_exceed_the_memory(vision_checkpoint, monkeypatch, caplog):
     """The CPU's pool is a fixed size: the tower's planned memory is not taken out of it, but a start-up whose pool
     and tower plan exceed MemAvailable says so."""
     import logging
@@ -207,7 +206,7 @@ def test_the_cpu_warns_when_the_pool_and_the_tower_exceed_the_memory(checkpoints
 
     monkeypatch.setattr(encoder_cache, "available_host_memory", lambda: 1 << 20)
     with caplog.at_level(logging.INFO, logger="mili"):
-        llm = LLM(str(checkpoints["qwen3_vl"]), dtype="float32", kv_cache_memory=4 << 20)
+        llm = LLM(str(vision_checkpoint("qwen3_vl")), dtype="float32", kv_cache_memory=4 << 20)
     assert "exceed the memory available (1 MiB)" in caplog.text and "vision tower: images up to" in caplog.text
     page_bytes = 2 * TEXT["num_hidden_layers"] * 16 * TEXT["num_key_value_heads"] * TEXT["head_dim"] * 4  # K and V
     assert llm.engine.runner.pool.num_pages == (4 << 20) // page_bytes  # (the whole budget: nothing taken out)

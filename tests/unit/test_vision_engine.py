@@ -10,24 +10,14 @@ import pytest
 import torch
 from PIL import Image
 
-from helpers import assert_greedy_matches_hf
+from support.parity import assert_greedy_matches_hf
 from mili import LLM, SamplingParams
 from mili.errors import InvalidRequest
-from vision_checkpoints import (IMAGE, KINDS, VISION_END, VISION_START, build_vision_checkpoint, hf_model,
-                                image_processor, process_images, prompt_with_images, write_images)
+from support.vision import (IMAGE, KINDS, VISION_END, VISION_START, hf_model,
+                                process_images, prompt_with_images, write_images)
 
 MAX_TOKENS = 8
 TEXTS = [[[5, 17, 301, 42], [7, 7, 90]], [[5, 17], [33, 2, 8], [400, 3, 9, 11]]]  # around one image, two images
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    root = tmp_path_factory.mktemp("vl_engine")
-    built = {}
-    for kind in KINDS:
-        built[kind] = build_vision_checkpoint(root / kind, kind)
-        image_processor().save_pretrained(built[kind])  # preprocessor_config.json, as the hub's folders have
-    return built
 
 
 @pytest.fixture(scope="module")
@@ -68,11 +58,11 @@ def _request(paths, texts):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_images_match_hf_generate(checkpoints, images, kind):
-    hf = hf_model(checkpoints[kind], kind)
+def test_images_match_hf_generate(vision_checkpoint, images, kind):
+    hf = hf_model(vision_checkpoint(kind), kind)
     cases = [(images[:1], TEXTS[0]), (images[:2], TEXTS[1]), ([], [[9, 8, 7, 6, 5, 4, 3, 2, 1, 20, 30]])]
     refs = [_reference(hf, paths, texts) for paths, texts in cases]
-    llm = LLM(str(checkpoints[kind]), dtype="float32", max_num_batched_tokens=8, page_size=4)  # chunks split images
+    llm = LLM(str(vision_checkpoint(kind)), dtype="float32", max_num_batched_tokens=8, page_size=4)  # chunks split images
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1, prompt_logprobs=1)
     outs = llm.generate([_request(paths, texts) for paths, texts in cases], params, use_tqdm=False)
     assert_greedy_matches_hf(outs, [ref for _, ref, _ in refs], MAX_TOKENS)
@@ -85,12 +75,12 @@ def test_images_match_hf_generate(checkpoints, images, kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_prefix_cache_keys_images_by_content(checkpoints, images, kind):
+def test_prefix_cache_keys_images_by_content(vision_checkpoint, images, kind):
     """The same image again hits the cache (its tokens' K/V reused, the same output); another image at the same
     token ids (same size, other pixels) does not, and gets its own output (HF's)."""
-    hf = hf_model(checkpoints[kind], kind)
+    hf = hf_model(vision_checkpoint(kind), kind)
     texts = [[5, 17, 301, 42, 11, 12, 13, 14], [7, 7, 90]]
-    llm = LLM(str(checkpoints[kind]), dtype="float32", max_num_batched_tokens=64, page_size=4)
+    llm = LLM(str(vision_checkpoint(kind)), dtype="float32", max_num_batched_tokens=64, page_size=4)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
     first, = llm.generate([_request(images[:1], texts)], params, use_tqdm=False)
     again, = llm.generate([_request(images[:1], texts)], params, use_tqdm=False)
@@ -105,26 +95,26 @@ def test_prefix_cache_keys_images_by_content(checkpoints, images, kind):
     llm.engine.check_integrity()
 
 
-def test_images_refused_where_they_cannot_go(checkpoints, images):
+def test_images_refused_where_they_cannot_go(vision_checkpoint, images):
     request = _request(images[:1], TEXTS[0])
     from mili.cli import build_parser, engine_kwargs
 
     assert engine_kwargs(build_parser().parse_args(["serve", "--language-model-only"]))["language_model_only"]
-    text_only = LLM(str(checkpoints["qwen3_vl"]), dtype="float32", language_model_only=True)
+    text_only = LLM(str(vision_checkpoint("qwen3_vl")), dtype="float32", language_model_only=True)
     assert text_only.engine.runner.model.visual is None  # (its tensors skipped, not loaded)
     with pytest.raises(InvalidRequest, match="takes no images"):
         text_only.generate([request], SamplingParams(max_tokens=1), use_tqdm=False)
-    llm = LLM(str(checkpoints["qwen3_vl"]), dtype="float32")
+    llm = LLM(str(vision_checkpoint("qwen3_vl")), dtype="float32")
     with pytest.raises(InvalidRequest, match="1 image placeholders .* for 2 images"):
         llm.generate([{**request, "multi_modal_data": {"image": [Image.open(p) for p in images[:2]]}}],
                      SamplingParams(max_tokens=1), use_tqdm=False)
 
 
-def test_a_request_with_images_crosses_the_wire(checkpoints, images):
+def test_a_request_with_images_crosses_the_wire(vision_checkpoint, images):
     """The server's path: the API side's AddRequest, msgpack-encoded to the core process, decodes to the same."""
     from mili.engine.messages import encode, input_decoder
 
-    llm = LLM(str(checkpoints["qwen3_vl"]), dtype="float32")
+    llm = LLM(str(vision_checkpoint("qwen3_vl")), dtype="float32")
     add = llm.engine.inputs.make_request(_placeholders(TEXTS[1]), SamplingParams(max_tokens=2), "r",
                                          [Image.open(p) for p in images[:2]])
     assert add.images.grid_thw == [[1, 4, 6], [1, 6, 4]]
@@ -133,15 +123,15 @@ def test_a_request_with_images_crosses_the_wire(checkpoints, images):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_bfloat16_puts_the_tower_on_the_cpu_linears(checkpoints, images, kind):
+def test_bfloat16_puts_the_tower_on_the_cpu_linears(vision_checkpoint, images, kind):
     """In bfloat16 the tower's linears are swapped as the text model's are (MILI's kernel, or packed where it is
     not built), and the output stays near float32's: the first greedy token's logprob within 0.05."""
     from torch import nn
 
     prompt = _request(images[:2], TEXTS[1])
     params = SamplingParams(temperature=0, max_tokens=1, logprobs=1)
-    want = LLM(str(checkpoints[kind]), dtype="float32").generate([prompt], params, use_tqdm=False)[0].outputs[0]
-    llm = LLM(str(checkpoints[kind]), dtype="bfloat16")
+    want = LLM(str(vision_checkpoint(kind)), dtype="float32").generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    llm = LLM(str(vision_checkpoint(kind)), dtype="bfloat16")
     tower = llm.engine.runner.model.visual
     assert not any(type(m) is nn.Linear for m in tower.modules())
     text = next(m for n, m in llm.engine.runner.model.model.named_modules() if n.endswith(("o_proj", "out_proj")))
@@ -151,14 +141,14 @@ def test_bfloat16_puts_the_tower_on_the_cpu_linears(checkpoints, images, kind):
     assert abs(got.logprobs[0][token].logprob - want.logprobs[0][token].logprob) < 0.05
 
 
-def test_images_on_the_triton_path(checkpoints, images):
+def test_images_on_the_triton_path(vision_checkpoint, images):
     """The Triton attention backend and kernels (TRITON_INTERPRET=1 on the CPU): the rotary kernel takes M-RoPE's
     cos/sin as it takes plain ones; HF's greedy tokens and logprobs, an image split over chunks of 16."""
     pytest.importorskip("triton")
-    hf = hf_model(checkpoints["qwen3_vl"], "qwen3_vl")
+    hf = hf_model(vision_checkpoint("qwen3_vl"), "qwen3_vl")
     cases = [(images[:2], TEXTS[1]), ([], [[9, 8, 7, 6, 5]])]
     refs = [_reference(hf, paths, texts)[1] for paths, texts in cases]
-    llm = LLM(str(checkpoints["qwen3_vl"]), dtype="float32", attention_backend="triton", max_num_batched_tokens=16)
+    llm = LLM(str(vision_checkpoint("qwen3_vl")), dtype="float32", attention_backend="triton", max_num_batched_tokens=16)
     assert llm.engine.runner.plan.attention == "triton"
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
     outs = llm.generate([_request(paths, texts) for paths, texts in cases], params, use_tqdm=False)
@@ -167,13 +157,13 @@ def test_images_on_the_triton_path(checkpoints, images):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_preempted_requests_with_images_keep_hfs_tokens(checkpoints, images, kind):
+def test_preempted_requests_with_images_keep_hfs_tokens(vision_checkpoint, images, kind):
     """A KV pool too small for all of them: requests with images are preempted and recomputed (the tower not run
     again: the encoder cache keeps its output by the image's hash) and still write HF's tokens; no page leaks."""
-    hf = hf_model(checkpoints[kind], kind)
+    hf = hf_model(vision_checkpoint(kind), kind)
     cases = [(images[i % 3:i % 3 + 1], [[5 + i, 17], [7, 90 + i, 3]]) for i in range(4)]
     refs = [_reference(hf, paths, texts)[1] for paths, texts in cases]
-    llm = LLM(str(checkpoints[kind]), dtype="float32", max_num_batched_tokens=16, page_size=4, num_kv_pages=14,
+    llm = LLM(str(vision_checkpoint(kind)), dtype="float32", max_num_batched_tokens=16, page_size=4, num_kv_pages=14,
               enable_prefix_caching=False)
     engine, core = llm.engine, llm.engine.core
     model, encoded = core.runner.model, []

@@ -17,22 +17,10 @@ from mili.model.qwen3_5 import Qwen3_5ForCausalLM
 from mili.model.qwen3_vl import Qwen3VLForConditionalGeneration
 from mili.model.vision import chunk_image_rows
 from mili.runtime.attention.torch_backend import TorchAttentionBackend
-from vision_checkpoints import (IMAGE, KINDS, build_vision_checkpoint, hf_model, process_images, prompt_with_images,
-                                write_images)
+from support.vision import IMAGE, KINDS, hf_model, process_images, prompt_with_images
 
 PAGE = 8
 TEXTS = {1: [[5, 17, 301, 42], [7, 7, 90]], 2: [[5, 17], [33, 2, 8], [400, 3, 9, 11]]}
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    root = tmp_path_factory.mktemp("vl")
-    return {kind: build_vision_checkpoint(root / kind, kind) for kind in KINDS}
-
-
-@pytest.fixture(scope="module")
-def images(tmp_path_factory):
-    return write_images(tmp_path_factory.mktemp("images"))
 
 
 def mili_model(path):
@@ -88,9 +76,9 @@ def _inputs(images, count):
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("count", [1, 2])
-def test_prompt_logprobs_match_hf(checkpoints, images, kind, count):
-    checkpoint = checkpoints[kind]
-    pixels, grid, ids = _inputs(images, count)
+def test_prompt_logprobs_match_hf(vision_checkpoint, test_images, kind, count):
+    checkpoint = vision_checkpoint(kind)
+    pixels, grid, ids = _inputs(test_images, count)
     hf = hf_model(checkpoint, kind)
     input_ids = torch.tensor([ids])
     with torch.no_grad():
@@ -103,9 +91,9 @@ def test_prompt_logprobs_match_hf(checkpoints, images, kind, count):
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("count", [1, 2])
-def test_chunked_prefill_and_decode_match_hf_generate(checkpoints, images, kind, count):
-    checkpoint = checkpoints[kind]
-    pixels, grid, ids = _inputs(images, count)
+def test_chunked_prefill_and_decode_match_hf_generate(vision_checkpoint, test_images, kind, count):
+    checkpoint = vision_checkpoint(kind)
+    pixels, grid, ids = _inputs(test_images, count)
     hf = hf_model(checkpoint, kind)
     input_ids = torch.tensor([ids])
     steps = 6
@@ -128,15 +116,15 @@ def test_chunked_prefill_and_decode_match_hf_generate(checkpoints, images, kind,
     assert tokens == want_tokens
 
 
-def test_text_only_prompts_through_the_engine_match_hf(checkpoints):
+def test_text_only_prompts_through_the_engine_match_hf(vision_checkpoint):
     """A Qwen3-VL checkpoint loads in the offline engine (tower included) and serves text: [T] positions, no
     M-RoPE cost, HF's greedy tokens and logprobs (prompts prefilled in chunks, batched)."""
-    from helpers import assert_greedy_matches_hf
+    from support.parity import assert_greedy_matches_hf
     from mili import LLM, SamplingParams
 
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 498, (n,), generator=g).tolist() for n in (3, 40, 90)]
-    checkpoint = checkpoints["qwen3_vl"]
+    checkpoint = vision_checkpoint("qwen3_vl")
     hf = hf_model(checkpoint, "qwen3_vl")
     reference = []
     for ids in prompts:
@@ -152,16 +140,16 @@ def test_text_only_prompts_through_the_engine_match_hf(checkpoints):
     assert any(type(m).__name__ == "VisionTower" for m in llm.engine.runner.model.modules())
 
 
-def test_moe_experts_load_from_the_hubs_transposed_layout(checkpoints):
+def test_moe_experts_load_from_the_hubs_transposed_layout(vision_checkpoint):
     """Qwen3-VL MoE's releases store gate|up as [E, H, 2I] and down as [E, I, H] (the test checkpoint too): they
     load transposed into MILI's stacked experts (the parity tests above then hold for the MoE kind)."""
     from safetensors.torch import load_file
 
-    stored = load_file(checkpoints["qwen3_vl_moe"] / "model.safetensors")
+    stored = load_file(vision_checkpoint("qwen3_vl_moe") / "model.safetensors")
     gate_up = stored["model.language_model.layers.0.mlp.experts.gate_up_proj"]
     down = stored["model.language_model.layers.0.mlp.experts.down_proj"]
     assert tuple(gate_up.shape) == (4, 64, 96) and tuple(down.shape) == (4, 48, 64)
-    model = mili_model(checkpoints["qwen3_vl_moe"])
+    model = mili_model(vision_checkpoint("qwen3_vl_moe"))
     experts = model.model.layers[0].mlp.experts
     assert torch.equal(experts.w13, gate_up.transpose(1, 2)) and torch.equal(experts.w2, down.transpose(1, 2))
     assert not hasattr(model.model.layers[1].mlp, "experts")  # (mlp_only_layers: the middle layer is dense)

@@ -9,7 +9,7 @@ import torch
 
 from mili.model.layers import RotaryEmbedding
 from mili.model.mrope import decode_positions, rope_index
-from vision_checkpoints import IMAGE, KINDS, build_vision_checkpoint, hf_model, prompt_with_images
+from support.vision import IMAGE, KINDS, hf_model, prompt_with_images
 
 GRIDS = [[1, 4, 6], [1, 6, 4], [1, 8, 2]]
 TEXTS = {  # text around the images: before, between, after (empty runs: an image first or last)
@@ -19,9 +19,8 @@ TEXTS = {  # text around the images: before, between, after (empty runs: an imag
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("mrope")
-    return {kind: hf_model(build_vision_checkpoint(root / kind, kind), kind) for kind in KINDS}
+def models(vision_checkpoint):
+    return {kind: hf_model(vision_checkpoint(kind), kind) for kind in KINDS}
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from support.checkpoints import DATA, add_tokenizer
+
 VISION_START, VISION_END, IMAGE, VIDEO = 498, 499, 500, 501
 TOKEN_IDS = dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=VISION_START,
                  vision_end_token_id=VISION_END)
@@ -30,7 +32,6 @@ HYBRID_TEXT = dict(TEXT, num_hidden_layers=4, linear_num_key_heads=2, linear_num
 REAL_VOCAB = 151936
 REAL_TOKEN_IDS = dict(image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
                       vision_end_token_id=151653)
-DATA = Path(__file__).resolve().parent / "data"
 KINDS = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5_vl")
 # Qwen3-VL MoE: 4 experts of 48 (2I = 96 is not the hidden 64: the hub's transposed layout is told by its shape),
 # the middle layer dense
@@ -101,12 +102,8 @@ def build_chat_vision_checkpoint(path: Path) -> Path:
     ``<|vision_start|><|image_pad|><|vision_end|>``), Qwen3's eos ids, and the image processor's config."""
     import shutil
 
-    from transformers import AutoTokenizer
-
     build_vision_checkpoint(path, "qwen3_vl", real_vocab=True)
-    tokenizer = AutoTokenizer.from_pretrained(DATA / "qwen3-tokenizer")
-    tokenizer.chat_template = (DATA / "qwen3.5" / "qwen3.5_chat_template.jinja").read_text()
-    tokenizer.save_pretrained(path)
+    add_tokenizer(path, chat_template=(DATA / "qwen3.5" / "qwen3.5_chat_template.jinja").read_text())
     shutil.copy(DATA / "qwen3-tokenizer" / "generation_config.json", path / "generation_config.json")
     image_processor().save_pretrained(path)
     return path

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from helpers import QWEN3_TOKENIZER
+from support.checkpoints import add_tokenizer
 
 # 4 layers: 3 Gated DeltaNet + 1 full attention (full_attention_interval 4); GQA in both kinds (2 key heads
 # for 4 value heads), head_dim != hidden / heads, partial RoPE (a quarter of each head)
@@ -42,10 +42,8 @@ def _model(kind: str):
 def build_hybrid_checkpoint(path: Path, kind: str, seed: int = 0, weight_scale: float = 4.0,
                             mtp: bool = False) -> Path:
     """A random checkpoint folder of ``kind`` (see KINDS). Matrices are scaled up and norm weights randomised
-    so logits are not flat (as helpers.build_checkpoint does). ``mtp``: random ``mtp.*`` tensors too (the hub
+    so logits are not flat (as checkpoints.build_checkpoint does). ``mtp``: random ``mtp.*`` tensors too (the hub
     layout has them always), the MoE head where the model is MoE (Qwen3-Next's config names no MTP layer)."""
-    from transformers import AutoTokenizer
-
     torch.manual_seed(seed)
     model = _model(kind).float().eval()
     with torch.no_grad():
@@ -61,7 +59,7 @@ def build_hybrid_checkpoint(path: Path, kind: str, seed: int = 0, weight_scale: 
             elif name.endswith("dt_bias"):
                 p.uniform_(-1.0, 1.0)
     model.save_pretrained(path)
-    AutoTokenizer.from_pretrained(QWEN3_TOKENIZER).save_pretrained(path)
+    add_tokenizer(path)
     if kind == "qwen3_5_hub" or mtp:
         _add_mtp_tensors(path, getattr(model.config, "text_config", model.config))
     if kind == "qwen3_5_moe_fused":
@@ -71,7 +69,7 @@ def build_hybrid_checkpoint(path: Path, kind: str, seed: int = 0, weight_scale: 
 
 def build_scripted_hybrid_checkpoint(path: Path, chain: dict[int, int], hidden: int = 64, mtp: bool = False) -> Path:
     """A Qwen3.5 (``Qwen3_5ForCausalLM``, 3 Gated DeltaNet layers + 1 full attention, the real vocabulary) whose
-    greedy next token is ``chain[current token]``: helpers.build_scripted_checkpoint's recipe on the hybrid class.
+    greedy next token is ``chain[current token]``: scripted.build_scripted_checkpoint's recipe on the hybrid class.
     Each token of the chain gets a one-hot embedding and every layer's residual branch is zeroed (out_proj,
     o_proj, down_proj), so the final hidden state is the current token's embedding (the zero-centred final norm
     scales by 1), which an untied lm_head maps to its successor. The linear-attention layers still run and keep
@@ -80,7 +78,7 @@ MTP head scripted alike: ``fc`` passes the token's normed embedding through, the
 are zero, so mtp.norm's output is the token's embedding direction and the shared lm_head drafts its successor
 (whatever the hidden state it is paired with)."""
     import transformers as tf
-    from transformers import AutoTokenizer, GenerationConfig
+    from transformers import GenerationConfig
 
     assert len(chain) <= hidden
     torch.manual_seed(0)
@@ -101,7 +99,7 @@ are zero, so mtp.norm's output is the token's embedding direction and the shared
             head[nxt, i] = 4.0  # a margin of 4 * sqrt(hidden) logits over every other token
     model.generation_config = GenerationConfig(eos_token_id=[151645, 151643], pad_token_id=151643)
     model.save_pretrained(path)
-    AutoTokenizer.from_pretrained(QWEN3_TOKENIZER).save_pretrained(path)
+    add_tokenizer(path)
     if mtp:
         _add_mtp_tensors(path, model.config, scripted=True)
     return path

@@ -1,0 +1,12 @@
+"""What the tests share, by subject (tests/ is on sys.path: ``from support.checkpoints import ...``):
+
+checkpoints.py  tiny random Qwen3 checkpoints, dense and MoE, and the test data's paths
+scripted.py     checkpoints whose greedy output is written in advance, and the chains the server tests use
+quantized.py    quantized checkpoints in their on-disk layouts (block FP8, AutoAWQ)
+hybrid.py       the hybrid generation's checkpoints (Qwen3.5, Qwen3.5 MoE, Qwen3-Next) and their HF references
+vision.py       image-capable checkpoints (Qwen3-VL, Qwen3.5 with its tower), the test images, the image processor
+parity.py       greedy outputs and logprobs against transformers' models
+server.py       a real `mili serve` process, its metrics, streams against it
+fla_interpreter.py  flash-linear-attention's kernels under the Triton interpreter
+
+tests/conftest.py builds each kind of checkpoint once per session (the ``*_checkpoint`` fixtures)."""

@@ -1,0 +1,73 @@
+"""MILI's greedy outputs and logprobs against transformers' reference models (random weights: near-ties allowed)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def greedy_matches(llm, reference, prompts: list[dict], params) -> None:
+    """``llm``'s greedy tokens are HF model ``reference``'s for each prompt ({"prompt_token_ids": ...}), but
+    for at most one prompt whose paths part where HF's top two logits nearly tie (random weights meet such
+    ties; the dense parity test's rule)."""
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    exact = 0
+    for p, out in zip(prompts, outs):
+        ids = torch.tensor([p["prompt_token_ids"]])
+        with torch.no_grad():
+            ref = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=params.max_tokens,
+                                     do_sample=False, output_scores=True, return_dict_in_generate=True,
+                                     pad_token_id=0)
+        got, want = out.outputs[0].token_ids, ref.sequences[0, ids.shape[1]:].tolist()
+        parted = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), None)
+        if parted is None:
+            exact += 1
+        else:
+            top2 = ref.scores[parted][0].topk(2).values
+            assert top2[0] - top2[1] < 1e-3, f"diverged at step {parted} without a near-tie"
+    assert exact >= len(prompts) - 1
+
+
+def prompt_logprobs(llm, prompt: list[int]) -> torch.Tensor:
+    """The next-token log-distribution after every position of ``prompt`` ([len, vocab], float32), from one
+    prefill through the engine's own runner (its kernels, its KV cache)."""
+    from mili import SamplingParams
+
+    core = llm.engine.core
+    request = llm.engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1))
+    sched = core.scheduler.schedule()
+    assert [s.num_new_tokens for s in sched.scheduled] == [len(prompt)]  # the whole prompt in one step
+    batch, _ = core.runner.batches.prepare(sched.scheduled)
+    batch.logits_indices = torch.arange(len(prompt), device=batch.input_ids.device)
+    with torch.inference_mode():
+        logits = core.runner.model.compute_logits(core.runner.model(batch, core.runner.kv_caches))
+    core.scheduler.after_step(sched.scheduled)
+    llm.engine.abort_request(request.request_id)
+    return logits.float().log_softmax(-1).cpu()
+
+
+NEAR_TIE = 1e-3  # greedy paths may part only where HF's own top-2 logits are closer than this
+
+
+def assert_greedy_matches_hf(outs, reference, max_tokens: int, logprobs: bool = True) -> None:
+    """MILI's greedy outputs against HF's (tokens, [steps, V] scores) per prompt: the same tokens, or a parting
+    only at a step where HF itself had a near-tie; the logprob of every shared token within 1e-4 of HF's own
+    (``logprobs``); and all prompts but at most one matched to the end."""
+    import pytest
+
+    exact = 0
+    for out, (ref_tokens, scores) in zip(outs, reference):
+        got = out.outputs[0].token_ids
+        assert len(got) == max_tokens
+        parted = next((j for j, (a, b) in enumerate(zip(got, ref_tokens)) if a != b), None)
+        if parted is None:
+            exact += 1
+        else:
+            top2 = scores[parted].topk(2).values
+            assert top2[0] - top2[1] < NEAR_TIE, (
+                f"diverged at step {parted} where HF had no near-tie (gap {top2[0] - top2[1]:.2e})")
+        if logprobs:
+            ref_logprobs = torch.log_softmax(scores, -1)
+            for j in range(parted if parted is not None else max_tokens):
+                ours = out.outputs[0].logprobs[j][got[j]].logprob
+                assert ours == pytest.approx(ref_logprobs[j, got[j]].item(), rel=1e-4, abs=1e-5)
+    assert exact >= len(outs) - 1, f"only {exact}/{len(outs)} prompts matched exactly"

@@ -1,0 +1,121 @@
+"""A real `mili serve` process on loopback (Server), and what the tests read of it: metrics, streams, processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, model: Path | str, *args: str, env: dict | None = None, log_dir: Path | None = None):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = (log_dir or Path(model).parent) / f"server-{self.port}.log"
+        self.log = open(self.log_path, "w")
+        cmd = [sys.executable, "-m", "mili.cli", "serve", str(model), "--port", str(self.port),
+               "--served-model-name", "test", "--dtype", "float32", "--max-model-len", "1024", *args]
+        # MILI_TEST_API_SERVER_COUNT=2: every server test runs with that many API processes
+        if os.environ.get("MILI_TEST_API_SERVER_COUNT") and "--api-server-count" not in args:
+            cmd += ["--api-server-count", os.environ["MILI_TEST_API_SERVER_COUNT"]]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "MILI_NO_PROGRESS": "1", **(env or {})})
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {self.output()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        raise RuntimeError(f"server did not start: {self.output()}")
+
+    def output(self) -> str:
+        self.log.flush()
+        return self.log_path.read_text()
+
+    def stop(self) -> int:
+        """SIGTERM, as an orchestrator would; returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.flush()
+        return self.proc.returncode
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics").text
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
+def wait_for(predicate, timeout: float = 20.0) -> bool:
+    """Poll ``predicate`` until it holds (True) or ``timeout`` seconds pass (False)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def process_gone(pid: int) -> bool:
+    """The process has exited (a zombie not yet reaped counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+def _stream_into(client: httpx.Client, body: dict, sink: list, started: threading.Event) -> None:
+    try:
+        with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    sink.append((time.monotonic(), line))
+                    started.set()
+    except httpx.HTTPError as e:
+        sink.append((time.monotonic(), f"transport error: {e}"))
+    started.set()
+
+
+def start_streams(clients: list[httpx.Client], body: dict, wait_s: float = 60):
+    """One streamed /v1/completions ``body`` per client (``base_url`` set), each in a thread, returned once each
+    has its first event: (a list per stream of (arrival time, "data: ..." line or "transport error: ..."), the
+    threads)."""
+    sinks = [[] for _ in clients]
+    events = [threading.Event() for _ in clients]
+    threads = [threading.Thread(target=_stream_into, args=(c, body, sink, ev))
+               for c, sink, ev in zip(clients, sinks, events)]
+    for t in threads:
+        t.start()
+    assert all(ev.wait(wait_s) for ev in events)
+    return sinks, threads
+
+
+def openai_client(server: Server, api_key: str = "unused", timeout: float = 120):
+    """The official openai client on ``server``'s /v1, without retries (a failure shows at once)."""
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{server.url}/v1", api_key=api_key, max_retries=0, timeout=timeout)
