@@ -29,7 +29,7 @@ THROUGHPUT = ["throughput", "--num-requests", "32", "--min-input", "32", "--max-
 def bench(tree: Path, mode: list[str], model: str, extra: list[str]) -> dict[str, float]:
     """The figures of one `mili bench` run: the numbers of its table's `mili` row, by column name."""
     env = dict(os.environ, PYTHONPATH=str(tree), MILI_NO_PROGRESS="1")
-    out = subprocess.run([sys.executable, "-m", "mili.cli", "bench", *mode, model, "--max-model-len", "1024", *extra],
+    out = subprocess.run([sys.executable, "-m", "mili.cli", "bench", mode[0], model, *mode[1:], "--max-model-len", "1024", *extra],
                          cwd=tree, env=env, capture_output=True, text=True, timeout=1200)
     if out.returncode:
         raise SystemExit(f"{tree}: mili bench {mode[0]} failed:\n{out.stderr[-2000:]}")
