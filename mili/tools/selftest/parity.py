@@ -40,7 +40,7 @@ def build(path: Path, kind: str, seed: int = 0, **overrides) -> Path:
         model = model_cls(cfg).float().eval()
         with torch.no_grad():
             for name, p in model.named_parameters():
-                if kind == "hybrid":  # (tests/hybrid_checkpoints.py's recipe)
+                if kind == "hybrid":  # (tests/support/hybrid.py's recipe)
                     if p.dim() >= 2 and "embed" not in name and "conv1d" not in name:
                         p.mul_(HYBRID_WEIGHT_SCALE)
                     elif name.endswith("linear_attn.norm.weight"):  # the gated norm: a plain weight
