@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mili.config import EngineConfig, ModelConfig
+from mili.config import _DTYPES, EngineConfig, ModelConfig
 from mili.errors import InvalidRequest
 from mili.kernels.cpu import family_paths
 from mili.kernels.triton.launch import INTERPRETER, DeviceSpec, GemmConfig, check_device, gemm_config
@@ -180,9 +180,6 @@ class ExecutionPlan:
             rows["gemm tiles"] = ", ".join(f"{k} {c.block_m}x{c.block_n}/{c.num_stages}"
                                            for k, c in self.gemm_tiles.items())
         return rows
-
-
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def plan(config: EngineConfig, model_config: ModelConfig, device: DeviceInfo) -> ExecutionPlan:

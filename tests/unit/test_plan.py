@@ -77,6 +77,8 @@ def test_the_cpu_without_kernels_or_in_float32_runs_aten():
     half = plan(engine(), qwen3("float16"), ZEN3)  # float16 checkpoints run bf16 on the CPU
     assert half.dtype == torch.bfloat16 and plan(engine(), qwen3("float16"), H100).dtype == torch.float16
     assert plan(engine(cpu_kernels=False), qwen3(), SAPPHIRE_RAPIDS).attention == "torch"
+    assert plan(engine(dtype="bf16"), qwen3("float32"), ZEN3).dtype == torch.bfloat16  # (the names LLM() accepts)
+    assert plan(engine(dtype="half"), qwen3(), H100).dtype == torch.float16
 
 
 def test_int8_and_awq_follow_the_int8_kernels():
