@@ -14,7 +14,6 @@ The plan is printed at start-up, and ``/health`` and ``mili selftest`` show it.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import os
 from dataclasses import dataclass, field
@@ -49,10 +48,6 @@ class DeviceInfo:
     triton_interpret: bool = False  # TRITON_INTERPRET=1: the Triton kernels run on the CPU
     fla: bool = False  # flash-linear-attention (fla-core) imports
     cpu_count: int = 1  # the CPU's threads (the torch thread count a tensor-parallel rank takes a share of)
-
-    @property
-    def torch_device(self) -> torch.device:
-        return torch.device(self.type, self.index) if self.index is not None else torch.device(self.type)
 
     @property
     def spec(self) -> DeviceSpec:
@@ -224,8 +219,10 @@ def plan(config: EngineConfig, model_config: ModelConfig, device: DeviceInfo) ->
                              "layers)", param="lm_head_dtype")
     int8_kernels = cpu_kernels and device.int8_kernels
     keep_quantized = triton_linears or (int8_kernels and getattr(quant, "method", None) == "awq")
+    fp8_act = triton_linears and _fp8_activations(device, dtype)
     linears, weight_format, fp8_round_trip = _linears(config, quant, dtype, device, hybrid, tp, triton_linears,
-                                                      cpu_kernels, int8_kernels, keep_quantized, model_config.is_moe)
+                                                      fp8_act, cpu_kernels, int8_kernels, keep_quantized,
+                                                      model_config.is_moe)
     lm_head = _lm_head(config, on_cpu and tp == 1 and not triton_linears, keep_quantized and cpu_kernels and
                        not hybrid and config.quantization is None)
     if lm_head is not None:
@@ -237,7 +234,6 @@ def plan(config: EngineConfig, model_config: ModelConfig, device: DeviceInfo) ->
     paths = family_paths(device.cpu_kernels, device.cpu_kernels_why, device.int8_kernels_why, device.onednn_bf16,
                          off) if on_cpu else {}
     threads = config.num_threads or (max(1, device.cpu_count // tp) if tp > 1 else None) if on_cpu else None
-    fp8_act = triton_linears and _fp8_activations(device, dtype)
     return ExecutionPlan(device, dtype, max_model_len, attention, kv_dtype, linears, int8_kernels, fp8_act,
                          keep_quantized, fp8_round_trip, lm_head, weight_format, gated_delta, step, step_why,
                          speculative, memory, paths, _gemm_tiles(device, dtype) if triton_linears else {}, tp,
@@ -288,8 +284,8 @@ def _kv_dtype(config: EngineConfig, attention: str, dtype: torch.dtype, device: 
     return torch.float8_e4m3fn
 
 
-def _linears(config, quant, dtype, device, hybrid, tp, triton_linears, cpu_kernels, int8_kernels, keep_quantized,
-             moe) -> tuple[str, str, bool]:
+def _linears(config, quant, dtype, device, hybrid, tp, triton_linears, fp8_act, cpu_kernels, int8_kernels,
+             keep_quantized, moe) -> tuple[str, str, bool]:
     """(the body's linear format, what the weights compute as, whether fp8 weights round-trip first)."""
     name = str(dtype).removeprefix("torch.")
     dequantized = f"{quant.describe()}, dequantized to {name}" if quant else "unquantized"
@@ -309,7 +305,6 @@ def _linears(config, quant, dtype, device, hybrid, tp, triton_linears, cpu_kerne
     if triton_linears:
         from mili.model.gpu_linear import describe
 
-        fp8_act = _fp8_activations(device, dtype)
         return "triton", describe(quant, fp8_act, moe, dtype), False
     fp8 = config.quantization == "fp8"
     if fp8 and device.type == "cuda" and device.capability >= (8, 9):
@@ -382,8 +377,3 @@ def _gemm_tiles(device: DeviceInfo, dtype: torch.dtype) -> dict[str, GemmConfig]
     a_bytes, exact = dtype.itemsize, dtype == torch.float32
     return {f"{kind} {phase}": gemm_config(m, 128, a_bytes, w, exact, device.spec)
             for kind, w in (("fp8", 1), ("int4", 0.5)) for phase, m in (("decode", 1), ("prefill", 2048))}
-
-
-def replace(p: ExecutionPlan, **changes) -> ExecutionPlan:
-    """A plan with some choices changed (the tests'; the runner's plan is frozen)."""
-    return dataclasses.replace(p, **changes)

@@ -394,10 +394,5 @@ def headline(asked: bool = True) -> str:
             else f"MILI's CPU kernels not asked for (--no-cpu-kernels; CPU: {flags or 'no SIMD flags known'})")
 
 
-def describe(off: str = "", asked: bool = True) -> str:
-    """One line: the ISA, why, and each family's path (``off``, ``asked``: as :func:`paths`)."""
-    return headline(asked) + "; " + "; ".join(f"{family}: {path}" for family, path in paths(off, asked).items())
-
-
 def available() -> bool:
     return load()[0] is not None
