@@ -33,7 +33,7 @@ def measure(label: str, path: str, args) -> list[list]:
                                     max_num_seqs=4, num_state_snapshots=0))
     prompt = random_prompt(args.input_len, 0)
     ttft, decode, bandwidth = _measure_latency(engine, prompt, args)
-    parts = step_bytes(engine.runner, args.input_len + args.output_len // 2)
+    parts = step_bytes(engine.core.runner, args.input_len + args.output_len // 2)
     step = sum(parts.values())
     roofline = bandwidth / step
     hf = _hf_model(engine)

@@ -164,7 +164,7 @@ def run_mili(path: str, quantization: str | None, args) -> tuple[float, float, i
                                     max_model_len=MAX_MODEL_LEN,
                                     kv_cache_memory=1 << 30, num_threads=args.threads))
     ttft, decode, _ = _measure_latency(engine, random_prompt(args.input_len, 0), args)
-    step = weight_bytes_per_step(engine.runner.model)
+    step = weight_bytes_per_step(engine.core.runner.model)
     del engine
     gc.collect()
     return args.input_len / ttft, decode, step

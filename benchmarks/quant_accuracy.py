@@ -23,9 +23,9 @@ def first_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
     """The logits the model gives for the token after ``prompt`` (through the real engine path)."""
     engine = llm.engine
     request = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1))
-    sched = engine.scheduler.schedule()
-    logits, _ = engine.runner.forward_logits(sched.scheduled)
-    engine.scheduler.after_step(sched.scheduled)
+    sched = engine.core.scheduler.schedule()
+    logits, _ = engine.core.runner.forward_logits(sched.scheduled)
+    engine.core.scheduler.after_step(sched.scheduled)
     engine.abort_request(request.request_id)
     return logits[0].float()
 

@@ -37,6 +37,14 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def apply_model(self, func):
+        """``func(model)`` on the loaded model, as vLLM's: to look at its layers or weights."""
+        return self.engine.apply_model(func)
+
+    def reset_prefix_cache(self) -> int:
+        """Drop what the prefix cache holds idle (the next prompts miss); returns the pages freed."""
+        return self.engine.reset_prefix_cache()
+
     def generate(self, prompts: PromptType | Seq[PromptType],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:

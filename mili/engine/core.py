@@ -20,7 +20,10 @@ from concurrent.futures import Future
 import torch
 
 from mili.cache.hybrid_radix_cache import HybridRadixCache
+from mili.cache.page_pool import PagePool
 from mili.cache.radix_cache import NoPrefixCache, RadixCache
+from mili.cache.snapshot_pool import SnapshotPool
+from mili.cache.state_pool import StatePool
 from mili.config import EngineConfig, ModelConfig
 from mili.engine.messages import (Abort, AddRequest, ClientGone, Dead, FinishSeqs, Ready, SeqDelta, Shutdown,
                                   SpecDecodeCounts, Stats, StepMessage, encode, input_decoder)
@@ -54,24 +57,28 @@ class EngineCore:
             log.info("CPU paths: %s", "; ".join([self.plan.device.cpu_headline]
                                                 + [f"{k}: {v}" for k, v in self.plan.cpu_paths.items()]))
         self.runner = ModelRunner(config, model_config, model_path, execution_plan=self.plan)
-        self.max_model_len = self.runner.max_model_len
-        pool = self.runner.pool
-        states = self.runner.states
+        # the pools that hand out the runner's KV pages and recurrent-state rows: the core's, as the scheduler and
+        # the prefix cache that use them
+        layout = self.runner.layout
+        self.max_model_len = layout.max_model_len
+        self.pages = PagePool(layout.num_pages, layout.page_size)
+        self.state_slots = StatePool(layout.num_state_slots) if layout.num_state_slots else None
+        self.snapshots = SnapshotPool(layout.num_snapshots, first_row=layout.num_state_slots)
         if not config.enable_prefix_caching:
             self.prefix_cache = NoPrefixCache()
-        elif states is None:
-            self.prefix_cache = RadixCache(pool)
-        elif states.snapshots.num_snapshots:  # hybrids: KV pages and snapshots of the recurrent state
-            self.prefix_cache = HybridRadixCache(pool, states.snapshots, self.runner.copy_states)
+        elif self.state_slots is None:
+            self.prefix_cache = RadixCache(self.pages)
+        elif layout.num_snapshots:  # hybrids: KV pages and snapshots of the recurrent state
+            self.prefix_cache = HybridRadixCache(self.pages, self.snapshots, self.runner.copy_states)
         else:
             log.info("prefix caching off: num_state_snapshots is 0 (a hybrid model resumes only from a snapshot)")
             self.prefix_cache = NoPrefixCache()
         self.drafter = None  # speculative decoding (mili/speculative)
         if config.speculative_config is not None:
-            self.drafter = Drafter(config.speculative_config, max_seqs=len(states.spare_rows) if states is not None
-                                   else config.max_num_seqs)
-        self.scheduler = Scheduler(pool, self.prefix_cache, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.schedule_policy, states=self.runner.state_pool, drafter=self.drafter)
+            self.drafter = Drafter(config.speculative_config, max_seqs=layout.num_spare_rows
+                                   if self.state_slots is not None else config.max_num_seqs)
+        self.scheduler = Scheduler(self.pages, self.prefix_cache, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.schedule_policy, states=self.state_slots, drafter=self.drafter)
         self.spec_stats = SpecDecodeStats(config.speculative_config.num_speculative_tokens
                                           if config.speculative_config else 0)
         self.requests: dict[str, Request] = {}
@@ -87,17 +94,16 @@ class EngineCore:
 
     def ready(self) -> Ready:
         dtype = str(self.runner.dtype).removeprefix("torch.")
-        states = self.runner.states
+        layout = self.runner.layout
         return Ready(self.max_model_len, str(self.runner.device), dtype, self.stats(), self.runner.weight_format,
-                     self.runner.kv_cache_dtype, isinstance(self.prefix_cache, RadixCache),
-                     states.pool.num_slots if states else 0, states.num_bytes if states else 0,
-                     states.snapshots.num_snapshots if states else 0, self.plan.describe())
+                     self.runner.kv_cache_dtype, isinstance(self.prefix_cache, RadixCache), layout.num_state_slots,
+                     layout.state_bytes, layout.num_snapshots, self.plan.describe())
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, add: AddRequest) -> Request:
         """Queue a request the API side validated (ids in range, fits the context)."""
         params = add.params
-        states = self.runner.state_pool
+        states = self.state_slots
         if states is not None and params.n > states.num_slots:  # (the API side refuses it first: make_request)
             raise InvalidRequest(f"n {params.n} exceeds the {states.num_slots} recurrent-state slots of this hybrid "
                                  f"model (raise num_state_slots)", param="n")
@@ -294,11 +300,13 @@ class EngineCore:
 
     def stats(self) -> Stats:
         self.stats_due = False
-        sched, pool = self.scheduler, self.scheduler.pool
+        sched, pages, slots = self.scheduler, self.pages, self.state_slots
         totals = self.spec_stats.totals()
         spec = SpecDecodeCounts(*totals) if totals is not None else None
-        return Stats(len(sched.running), len(sched.waiting), pool.num_pages, pool.num_free,
-                     self.prefix_cache.num_evictable(), self.num_generated_tokens, spec)
+        return Stats(len(sched.running), len(sched.waiting), pages.num_pages, pages.num_free,
+                     self.prefix_cache.num_evictable(), self.num_generated_tokens, spec, sched.num_preemptions,
+                     slots.num_slots if slots else 0, slots.num_free if slots else 0, self.snapshots.num_snapshots,
+                     self.snapshots.num_used, getattr(self.prefix_cache, "num_snapshots_taken", 0))
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

@@ -8,15 +8,21 @@ The offline ``LLM`` drives this class; the server drives the same core in its ow
 from __future__ import annotations
 
 import itertools
+from typing import Callable, TypeVar
+
+import torch
 
 from mili.config import EngineConfig
 from mili.engine.core import EngineCore
 from mili.engine.input_processor import InputProcessor
+from mili.engine.messages import Stats
 from mili.engine.output_processor import OutputProcessor
 from mili.engine.request import Request
 from mili.errors import InvalidRequest
 from mili.outputs import RequestOutput
 from mili.sampling_params import SamplingParams
+
+T = TypeVar("T")
 
 
 class LLMEngine:
@@ -28,17 +34,29 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.inputs.tokenizer)
         self._ids = itertools.count()
 
-    # what callers read: the checkpoint (API side) and the core's parts (scheduler, runner, cache)
+    # what callers read: the checkpoint (API side), and how the core runs it
     model_path = property(lambda self: self.inputs.model_path)
     model_config = property(lambda self: self.inputs.model_config)
     tokenizer = property(lambda self: self.inputs.tokenizer)
     eos_token_ids = property(lambda self: self.inputs.eos_token_ids)
     generation_defaults = property(lambda self: self.inputs.generation_defaults)
     max_model_len = property(lambda self: self.core.max_model_len)
-    runner = property(lambda self: self.core.runner)
-    scheduler = property(lambda self: self.core.scheduler)
-    prefix_cache = property(lambda self: self.core.prefix_cache)
-    requests = property(lambda self: self.core.requests)
+    plan = property(lambda self: self.core.plan, doc="the execution plan (mili/runtime/plan.py): how the model runs")
+
+    def stats(self) -> Stats:
+        """The engine's gauges and counters now: running and waiting sequences, KV pages (free, cached by the
+        prefix cache, held), a hybrid's state slots and snapshots, preemptions, tokens generated."""
+        return self.core.stats()
+
+    def apply_model(self, func: Callable[[torch.nn.Module], T]) -> T:
+        """``func(model)`` on the loaded model (rank 0's, with tensor parallelism), as vLLM's ``LLM.apply_model``:
+        to look at its layers or weights."""
+        return func(self.core.runner.model)
+
+    def reset_prefix_cache(self) -> int:
+        """Evict every page and state snapshot the prefix cache holds idle (the next prompts miss); returns the
+        number of pages freed."""
+        return self.core.prefix_cache.evict(self.core.pages.num_pages)
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams,

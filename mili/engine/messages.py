@@ -90,6 +90,18 @@ class Stats(msgspec.Struct, array_like=True):
     num_pages_cached: int  # idle pages the prefix cache holds (reusable, evictable)
     num_generated_tokens: int  # tokens the core has sampled since it started
     spec: SpecDecodeCounts | None = None  # speculative decoding's counters (None: it is off)
+    num_preemptions: int = 0  # since the core started
+    # hybrid models: the recurrent-state slots (one a running sequence) and the prefix cache's state snapshots
+    num_state_slots: int = 0
+    num_state_slots_free: int = 0
+    num_snapshots: int = 0
+    num_snapshots_used: int = 0
+    num_snapshots_taken: int = 0  # since the core started (more than num_snapshots: some were evicted)
+
+    @property
+    def num_pages_held(self) -> int:
+        """Pages running or waiting sequences hold (0 once every request has ended: none leaked)."""
+        return self.num_pages - self.num_pages_free - self.num_pages_cached
 
 
 class StepMessage(msgspec.Struct, array_like=True, tag=True):

@@ -1,6 +1,7 @@
 """The memory planner: sizes and makes the KV pages and (hybrids) the recurrent-state rows by the plan's
-``MemoryPlan``, once the weights are in, and the pools that hand them out (``PagePool``, ``StatePool``,
-``SnapshotPool``), which the engine core's scheduler and prefix cache own from then on.
+``MemoryPlan``, once the weights are in, and says what it made in a ``CacheLayout``: the engine core makes the
+pools that hand them out from it (``PagePool``, ``StatePool``, ``SnapshotPool``), and its scheduler and prefix cache
+own them.
 
 The budget: ``kv_cache_memory``, or the CPU's default, or on CUDA ``gpu_memory_utilization`` of the card less the
 weights and a profiled activation peak (a full-budget prefill, the sampler at a full batch, a slice of prompt
@@ -10,11 +11,11 @@ logprobs, the vision tower's reserve). A hybrid's states come out of it first.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from mili.cache.page_pool import PagePool
 from mili.config import EngineConfig, ModelConfig
 from mili.errors import InvalidRequest
 from mili.model.batch import ForwardBatch
@@ -26,10 +27,25 @@ from mili.runtime.recurrent_state import RecurrentStateCache
 log = logging.getLogger("mili")
 
 
+@dataclass(frozen=True)
+class CacheLayout:
+    """What the memory planner made, for the engine core's pools: KV pages ids 0 .. num_pages - 1, and (hybrids)
+    recurrent-state rows: slots 0 .. num_state_slots - 1, then the prefix cache's snapshots."""
+
+    num_pages: int
+    page_size: int
+    max_model_len: int
+    num_state_slots: int = 0
+    num_snapshots: int = 0
+    num_spare_rows: int = 0  # speculative decoding's (the runner's own: a drafting sequence's state before a step)
+    state_bytes: int = 0
+    bytes_per_state_slot: int = 0
+
+
 class CacheMemory:
-    """The KV pages ``kv_caches`` (a (K, V) pair a layer, MTP's last), the page pool, the recurrent states
-    (``states``: their tensors and their slot and snapshot pools) and ``max_model_len`` (lowered to what the pool
-    holds where none was asked)."""
+    """The KV pages ``kv_caches`` (a (K, V) pair a layer, MTP's last), the recurrent states (``states``: their
+    tensors) and ``max_model_len`` (lowered to what the pages hold where none was asked); ``layout`` says how many
+    of each there are."""
 
     def __init__(self, plan: ExecutionPlan, config: EngineConfig, model_config: ModelConfig, model,
                  attention, device: torch.device, vision_budget=None, tp_size: int = 1):
@@ -68,7 +84,11 @@ class CacheMemory:
         shape = shape_of(num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=self.kv_dtype, device=device),
                            torch.zeros(shape, dtype=self.kv_dtype, device=device)) for _ in range(num_layers)]
-        self.pool = PagePool(num_pages, page_size)
+        states = self.states
+        self.layout = CacheLayout(num_pages, page_size, self.max_model_len,
+                                  states.num_slots if states else 0, states.num_snapshots if states else 0,
+                                  len(states.spare_rows) if states else 0, states.num_bytes if states else 0,
+                                  states.bytes_per_slot if states else 0)
         log.info("KV cache: %d pages of %d tokens (%.1f MiB, %s)", num_pages, page_size,
                  num_pages * bytes_per_page / 2**20, plan.kv_dtype_name)
 

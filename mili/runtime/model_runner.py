@@ -7,7 +7,6 @@ its steps to them."""
 from __future__ import annotations
 
 import logging
-import os
 import signal
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -15,7 +14,6 @@ from dataclasses import dataclass, field
 import torch
 
 from mili.config import EngineConfig, ModelConfig
-from mili.errors import InvalidRequest
 from mili.process import die_with_parent
 from mili.runtime import parallel
 from mili.runtime.encoder_cache import EncoderCache, VisionBudget
@@ -24,7 +22,7 @@ from mili.runtime.memory import CacheMemory
 from mili.runtime.model_builder import attention_and_ops, build_model
 from mili.runtime.plan import DeviceInfo, ExecutionPlan, plan
 from mili.runtime.prompt_logprobs import PromptScorer, rows_per_slice
-from mili.runtime.sampler import Sampler
+from mili.runtime.sampler import DRAWS, Sampler
 from mili.runtime.sampling import sample_step
 from mili.speculative.mtp import MtpDrafter
 from mili.speculative.verify import StepTokens, accept_drafts, rejected_positions, verification_rows
@@ -77,7 +75,7 @@ class ModelRunner:
                                   self.vision_budget, self.tp_size)  # (may lower max_model_len to what it holds)
         self.max_model_len, self.kv_caches, self.states = (self.memory.max_model_len, self.memory.kv_caches,
                                                            self.memory.states)
-        self.pool = self.memory.pool
+        self.layout = self.memory.layout  # (the engine core makes its page, slot and snapshot pools from it)
         self.batches = InputBatchBuilder(device, config.page_size, self.hybrid, self.plan.attention == "triton",
                                          self.model, self.encoder_cache,
                                          self.vision_budget.tokens_per_call if self.vision_budget else 0)
@@ -86,12 +84,13 @@ class ModelRunner:
         self.model.init_rotary(self.max_model_len, device)
         if hasattr(self.attention, "max_pages_per_seq"):
             self.attention.max_pages_per_seq = self.memory.max_pages_per_seq
-        self.sampler = Sampler()
+        self.sampler = Sampler(draw=DRAWS[self.plan.draw])
         if self.plan.device.cpu_kernels:  # MILI's CPU kernels: the bitmask (float32 logits: any model dtype)
             from mili.kernels.cpu import ops as cpu_ops
 
-            self.sampler = Sampler(cpu_ops.argmax) if self.plan.cpu_kernels else self.sampler
             self.sampler.apply_bitmask = cpu_ops.apply_bitmask
+            if self.plan.cpu_kernels:  # and the argmax, reading bf16 logits in place
+                self.sampler.argmax = cpu_ops.argmax
         self.graphs = self.cpu_decode = None  # a decode step as CUDA graphs, or as one C call per layer
         if self.plan.step == "cuda-graphs":
             from mili.runtime.cuda_graph import CudaGraphRunner
@@ -101,8 +100,8 @@ class ModelRunner:
             from mili.runtime.cpu_decode import CpuDecodeRunner
 
             self.cpu_decode = CpuDecodeRunner(self.model)
-            if not self.cpu_decode.available:
-                log.info("fused CPU decode off (%s)", self.cpu_decode.why_not)
+            if not self.cpu_decode.available:  # (the plan's checks missed a case: run it eagerly, and say so)
+                log.warning("fused CPU decode off, though planned (%s)", self.cpu_decode.why_not)
                 self.cpu_decode = None
         elif self.plan.step_why:
             log.info("decode steps: eager (%s)", self.plan.step_why)
@@ -112,7 +111,6 @@ class ModelRunner:
     kv_cache_dtype = property(lambda self: self.plan.kv_dtype_name)
     kv_dtype = property(lambda self: self.plan.kv_dtype)
     cpu_kernels = property(lambda self: self.plan.cpu_kernels)
-    state_pool = property(lambda self: self.states.pool if self.states is not None else None)
     max_pages_per_seq = property(lambda self: self.memory.max_pages_per_seq)
 
     def copy_pages(self, copies: list[tuple[int, int]]) -> None:

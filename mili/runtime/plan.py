@@ -145,6 +145,9 @@ class ExecutionPlan:
     tensor_parallel_size: int = 1
     vision: bool = False  # the vision tower is loaded
     num_threads: int | None = None  # the CPU: torch's threads (None: torch's default)
+    # how a sampled row draws its token: inverse-cdf (the CPU: one cumulative sum, a uniform per row) or
+    # exponential-race (argmax of p / Exp(1): no host sync, for GPUs)
+    draw: str = "inverse-cdf"
 
     @property
     def cpu_kernels(self) -> bool:
@@ -229,7 +232,8 @@ def plan(config: EngineConfig, model_config: ModelConfig, device: DeviceInfo) ->
         name = lm_head if lm_head == "int8" else str(dtype).removeprefix("torch.")
         weight_format += f", lm_head {name}" + (" (W8A8 kernel)" if lm_head == "int8" and int8_kernels else "")
 
-    step, step_why = _step(config, model_config, device, attention, cpu_kernels, speculative, tp)
+    step, step_why = _step(config, model_config, device, attention, cpu_kernels, speculative, tp,
+                           linears == "kernel" or (linears == "int8" and int8_kernels))
     memory = _memory(config, device, attention, hybrid)
     paths = family_paths(device.cpu_kernels, device.cpu_kernels_why, device.int8_kernels_why, device.onednn_bf16,
                          off) if on_cpu else {}
@@ -237,7 +241,7 @@ def plan(config: EngineConfig, model_config: ModelConfig, device: DeviceInfo) ->
     return ExecutionPlan(device, dtype, max_model_len, attention, kv_dtype, linears, int8_kernels, fp8_act,
                          keep_quantized, fp8_round_trip, lm_head, weight_format, gated_delta, step, step_why,
                          speculative, memory, paths, _gemm_tiles(device, dtype) if triton_linears else {}, tp,
-                         config.takes_images(model_config), threads)
+                         config.takes_images(model_config), threads, "inverse-cdf" if on_cpu else "exponential-race")
 
 
 def _dtype(config: EngineConfig, model_config: ModelConfig, device: DeviceInfo) -> torch.dtype:
@@ -336,9 +340,9 @@ def _lm_head(config: EngineConfig, on_cpu_layers: bool, int4_body: bool) -> str 
     return config.lm_head_dtype if on_cpu_layers else None  # (int8 elsewhere: refused above)
 
 
-def _step(config, model_config, device, attention, cpu_kernels, speculative, tp) -> tuple[str, str]:
+def _step(config, model_config, device, attention, cpu_kernels, speculative, tp, kernel_linears) -> tuple[str, str]:
     """How a decode step runs: CUDA graphs (the Triton back-end on CUDA), the C decode layer (MILI's CPU kernels,
-    dense and MoE models), or eagerly; and why not faster where not."""
+    dense models whose layers it takes whole), or eagerly; and why not faster where not."""
     if config.enforce_eager:
         return "eager", "--enforce-eager" if device.type == "cuda" or cpu_kernels else ""
     if device.type == "cuda":
@@ -350,11 +354,17 @@ def _step(config, model_config, device, attention, cpu_kernels, speculative, tp)
             return "cuda-graphs", ""
         return "eager", "the torch attention back-end"
     if cpu_kernels and not model_config.is_hybrid:
-        if model_config.is_moe:
+        cfg = model_config
+        if cfg.is_moe:
             return "eager", "a mixture-of-experts model (its layers run as modules, experts on the kernels)"
-        if model_config.head_dim % 32 or model_config.head_dim > 1024:  # (the fused q/k-norm kernel's bounds)
-            return "eager", f"head_dim {model_config.head_dim}: the fused decode layer takes multiples of 32"
-        return "cpu-decode", ""  # (a layer it cannot take after all is said at load, and runs eagerly)
+        if cfg.head_dim % 32 or cfg.head_dim > 1024:  # (the fused q/k-norm kernel's bounds)
+            return "eager", f"head_dim {cfg.head_dim}: the fused decode layer takes multiples of 32"
+        outputs = ((cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim, cfg.hidden_size,
+                   2 * cfg.intermediate_size)  # (the fused layer's products: qkv, o / down, gate_up)
+        if not kernel_linears or getattr(cfg.hf_config, "attention_bias", False) or any(n % 16 for n in outputs):
+            return "eager", "a layer the fused decode layer can't take (bias, sizes not a multiple of 16, or " \
+                            "another linear kind)"
+        return "cpu-decode", ""
     return "eager", ""
 
 

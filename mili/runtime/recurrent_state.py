@@ -1,8 +1,8 @@
 """The hybrid models' recurrent states on the device: for each linear-attention (Gated DeltaNet) layer, a
 conv state [rows, conv_dim, K - 1] in the model's dtype and an SSM state [rows, Hv, Dk, Dv] in
 ``mamba_ssm_dtype`` (float32 unless the checkpoint says otherwise). Rows 0 .. slots - 1 are the running
-sequences' slots (bookkept by a StatePool, cache/state_pool.py); the rows after them are the prefix cache's
-snapshots (a SnapshotPool, cache/snapshot_pool.py), never read by a step: a hit copies one into a slot. With
+sequences' slots (bookkept by the engine core's StatePool, cache/state_pool.py); the rows after them are the prefix
+cache's snapshots (its SnapshotPool, cache/snapshot_pool.py), never read by a step: a hit copies one into a slot. With
 ``scratch`` one more row follows, no sequence's: CUDA graphs' padding rows read and write it. Speculative
 decoding adds ``num_spare`` rows: a step copies each drafting sequence's state into one before it runs, and
 back when a draft is rejected (the chunk is then recomputed: a recurrent state cannot step back).
@@ -15,8 +15,6 @@ import logging
 
 import torch
 
-from mili.cache.snapshot_pool import SnapshotPool
-from mili.cache.state_pool import StatePool
 from mili.config import ModelConfig
 from mili.model.qwen3_5 import LinearAttentionShape, ssm_state_dtype
 
@@ -37,8 +35,7 @@ class RecurrentStateCache:
         self.caches = [(torch.zeros(rows, *shape.conv_state_shape(), dtype=dtype, device=device),
                         torch.zeros(rows, *shape.ssm_state_shape(), dtype=self.ssm_dtype, device=device))
                        for _ in range(self.num_layers)]
-        self.pool = StatePool(num_slots)
-        self.snapshots = SnapshotPool(num_snapshots, first_row=num_slots)
+        self.num_slots, self.num_snapshots = num_slots, num_snapshots  # (the engine core's pools hand them out)
         self.device = device
         self.bytes_per_slot = self.slot_bytes(model_config, dtype)
         log.info("recurrent state: %d slots + %d prefix-cache snapshots of %.2f MiB each (%d linear-attention "
@@ -57,7 +54,7 @@ class RecurrentStateCache:
     @property
     def num_bytes(self) -> int:
         """Slots, snapshots and the scratch row together (all come out of the KV budget)."""
-        rows = (self.pool.num_slots + self.snapshots.num_snapshots + (self.scratch_row is not None)
+        rows = (self.num_slots + self.num_snapshots + (self.scratch_row is not None)
                 + len(self.spare_rows))
         return rows * self.bytes_per_slot
 

@@ -272,9 +272,7 @@ def _inverse_cdf(probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     return torch.searchsorted(cdf, u, right=True).squeeze(1)
 
 
-def _draw(probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """One token per row of ``probs``: the inverse CDF on the CPU, the exponential race elsewhere (no sync)."""
-    return _inverse_cdf(probs, meta) if probs.device.type == "cpu" else _exponential_race(probs, meta)
+DRAWS = {"inverse-cdf": _inverse_cdf, "exponential-race": _exponential_race}  # (the plan's ``draw`` names them)
 
 
 def _verify_drafts(probs: torch.Tensor, meta: SamplingMetadata, draw) -> torch.Tensor:
@@ -324,10 +322,10 @@ class Sampler:
     of a step (all greedy, no min_tokens, penalties or logprobs): no float32 copy is made then. The CPU
     kernels give one that reads bf16 in place (a batch of 32 x 152k: ~0.4 ms, torch's ~9)."""
 
-    def __init__(self, argmax=_float_argmax, apply_bitmask=_apply_bitmask, draw=_draw):
+    def __init__(self, argmax=_float_argmax, apply_bitmask=_apply_bitmask, draw=_inverse_cdf):
         self.argmax = argmax
         self.apply_bitmask = apply_bitmask
-        self.draw = draw  # (probs [R, V], meta) -> ids [R]: by default chosen by the device
+        self.draw = draw  # (probs [R, V], meta) -> ids [R]: one of DRAWS, as the execution plan says
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """``logits`` [B, >= vocab] in the model's dtype (a private float32 copy is made where needed)."""

@@ -45,7 +45,7 @@ def run_batch(engine, prompts: list[list[int]], params, decode_stats: list | Non
     done = {}
     decode_seconds = decode_tokens = 0
     while len(done) < len(ids):
-        sched = engine.scheduler
+        sched = engine.core.scheduler
         # (every running sequence past its prompt: a step may still recompute a few tokens, as a hybrid whose
         # draft was rejected does)
         decode_only = not sched.waiting and all(s.num_computed_tokens >= s.prompt_len - 1 for s in sched.running)
@@ -145,8 +145,8 @@ def _run(engine, prompts, out_lens, decode_stats: list | None = None) -> tuple[l
 def _hf_model(engine):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(engine.model_path, dtype=engine.runner.dtype).to(
-        engine.runner.device).eval()
+    return AutoModelForCausalLM.from_pretrained(engine.model_path, dtype=engine.core.runner.dtype).to(
+        engine.core.runner.device).eval()
 
 
 @torch.inference_mode()
@@ -164,9 +164,9 @@ def _hf_generate(model, batch: list[list[int]], new_tokens: int) -> float:
 
 
 def _header(args, engine) -> None:
-    print(f"mili bench {args.mode}: model {engine.model_path}, dtype {str(engine.runner.dtype)[6:]}, "
-          f"quantization {args.quantization or 'none'}, device {engine.runner.device}, "
-          f"CPU kernels {'on (' + cpu.isa() + ')' if engine.runner.cpu_kernels else 'off'}, "
+    print(f"mili bench {args.mode}: model {engine.model_path}, dtype {str(engine.core.runner.dtype)[6:]}, "
+          f"quantization {args.quantization or 'none'}, device {engine.core.runner.device}, "
+          f"CPU kernels {'on (' + cpu.isa() + ')' if engine.core.runner.cpu_kernels else 'off'}, "
           f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads")
 
 
@@ -180,10 +180,10 @@ def _measure_latency(engine, prompt: list[int], args) -> tuple[float, float, flo
     for _ in range(args.repeat):
         bandwidths.append(memory_bandwidth())
         (first,), t_first = _run(engine, [prompt], [1])
-        engine.prefix_cache.evict(engine.runner.pool.num_pages)  # every repeat is a miss
+        engine.reset_prefix_cache()  # every repeat is a miss
         decode = []  # [seconds, tokens] of the steps after the first token
         _run(engine, [prompt], [args.output_len], decode)
-        engine.prefix_cache.evict(engine.runner.pool.num_pages)
+        engine.reset_prefix_cache()
         ttfts.append(t_first)
         decodes.append(decode[1] / decode[0] if decode[1] else 0.0)  # (--output-len 1: no decode step)
     return statistics.median(ttfts), statistics.median(decodes), statistics.median(bandwidths)
@@ -194,7 +194,7 @@ def latency(args) -> None:
     vocab = engine.model_config.vocab_size
     prompt = _prompts(1, args.input_len, args.input_len, args.seed, vocab)[0]
     ttft, decode, bandwidth = _measure_latency(engine, prompt, args)
-    parts = step_bytes(engine.runner, args.input_len + args.output_len // 2)  # (the decode's middle step)
+    parts = step_bytes(engine.core.runner, args.input_len + args.output_len // 2)  # (the decode's middle step)
     step = sum(parts.values())
     roofline = bandwidth / step
     rows = [["mili" + (f" ({args.quantization})" if args.quantization else ""), ttft, args.input_len / ttft, decode,
@@ -203,7 +203,7 @@ def latency(args) -> None:
     if args.baseline == "bf16":  # the same engine unquantized, in the same run
         base = _engine(argparse.Namespace(**{**vars(args), "quantization": None}))
         b_ttft, base_decode, b_bandwidth = _measure_latency(base, prompt, args)
-        b_roofline = b_bandwidth / sum(step_bytes(base.runner, args.input_len + args.output_len // 2).values())
+        b_roofline = b_bandwidth / sum(step_bytes(base.core.runner, args.input_len + args.output_len // 2).values())
         rows.append(["mili (bf16)", b_ttft, args.input_len / b_ttft, base_decode,
                      f"{100 * base_decode / b_roofline:.0f}% of its {b_roofline:.1f}"])
         del base
@@ -235,7 +235,7 @@ def throughput(args) -> None:
     _run(engine, [prompts[0][:16]], [4])
     decode_stats = []
     outs, seconds = _run(engine, prompts, out_lens, decode_stats)
-    engine.prefix_cache.evict(engine.runner.pool.num_pages)
+    engine.reset_prefix_cache()
     n_in, n_out = sum(map(len, prompts)), sum(out_lens)
     assert sum(len(o.outputs[0].token_ids) for o in outs) == n_out
     rows = [["mili (continuous batching)", seconds, n_out / seconds, (n_in + n_out) / seconds, "1.00x"]]

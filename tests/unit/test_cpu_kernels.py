@@ -176,11 +176,11 @@ def test_engine_with_cpu_kernels_tracks_torch_ops(isa, qwen3_checkpoint, shape):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
     fast = LLM(str(qwen3_checkpoint(shape)), dtype="bfloat16", max_num_batched_tokens=16)
     plain = LLM(str(qwen3_checkpoint(shape)), dtype="bfloat16", cpu_kernels=False)
-    runner = fast.engine.runner
-    assert runner.cpu_kernels and not plain.engine.runner.cpu_kernels
+    runner = fast.engine.core.runner
+    assert runner.cpu_kernels and not plain.engine.plan.cpu_kernels
     assert isinstance(runner.model.model.layers[0].mlp.down_proj, KernelLinear)
     # without the kernels: oneDNN's packing where it runs (held off below AVX-512, as on such a CPU), else aten's
-    plain_down = plain.engine.runner.model.model.layers[0].mlp.down_proj
+    plain_down = plain.apply_model(lambda m: m.model.layers[0].mlp.down_proj)
     assert isinstance(plain_down, PackedLinear) == (not cpu.onednn_bf16())
     if shape == "mha_tied":  # the table is stored once, packed, in the head
         assert isinstance(runner.model.model.embed_tokens, PackedEmbedding)
@@ -264,8 +264,8 @@ def test_fused_decode_step_is_the_module_path_bit_for_bit(isa, fused_checkpoints
     path = str(fused_checkpoints[shape])
     fused = LLM(path, dtype="bfloat16", quantization=quantization)
     eager = LLM(path, dtype="bfloat16", quantization=quantization, enforce_eager=True)
-    runner = fused.engine.runner.cpu_decode
-    assert runner is not None and eager.engine.runner.cpu_decode is None
+    runner = fused.engine.core.runner.cpu_decode
+    assert runner is not None and fused.engine.plan.step == "cpu-decode" and eager.engine.plan.step == "eager"
     fused_steps, run = [], runner.run
     runner.run = lambda *args: fused_steps.append(run(*args)) or fused_steps[-1]
     prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (1, 7, 40, 90)]
@@ -442,7 +442,7 @@ def test_hybrid_engine_decodes_in_the_kernel(isa, hybrid_checkpoint, monkeypatch
             assert abs(lx[t].logprob - ly[t].logprob) < 1e-4
     fast.engine.check_integrity()
     bf16 = LLM(str(path), dtype="bfloat16")
-    layer = bf16.engine.runner.model.model.layers[0]
+    layer = bf16.apply_model(lambda m: m.model.layers[0])
     assert layer.linear_attn.fused_decode is not None and isinstance(layer.mlp.down_proj, KernelLinear)
     out = bf16.generate(prompts, params, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 10 for o in out)

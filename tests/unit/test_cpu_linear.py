@@ -45,9 +45,9 @@ def test_engine_with_swaps(tiny_checkpoint):
     plain = LLM(str(tiny_checkpoint), dtype="bfloat16", cpu_kernels=False, cpu_weight_prepack=False)
     packed = LLM(str(tiny_checkpoint), dtype="bfloat16", cpu_kernels=False)
     int8 = LLM(str(tiny_checkpoint), dtype="bfloat16", quantization="int8", cpu_kernels=False)
-    qkv = packed.engine.runner.model.model.layers[0].self_attn.qkv_proj
+    qkv = packed.apply_model(lambda m: m.model.layers[0].self_attn.qkv_proj)
     assert isinstance(qkv, PackedLinear) == ONEDNN  # (else aten's linear: no crash for want of an instruction)
-    assert isinstance(int8.engine.runner.model.lm_head, Int8Linear)
+    assert isinstance(int8.apply_model(lambda m: m.lm_head), Int8Linear)
     assert qkv.shard_sizes == [128, 64, 64]
     a, b, c = (llm.generate(prompt, params, use_tqdm=False)[0].outputs[0] for llm in (plain, packed, int8))
     assert a.token_ids == b.token_ids  # the same arithmetic in another memory layout

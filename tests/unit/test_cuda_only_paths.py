@@ -80,7 +80,7 @@ def test_graph_replay_path_equals_eager(kind, tiny_checkpoint, tmp_path):
     prompts = [[5, 6, 7], [9] * 11, [3, 4]]  # 3 sequences: padded up to the captured 4
     eager = _greedy(LLM(str(path), **kw), prompts)
     llm = LLM(str(path), **kw)
-    runner = llm.engine.runner
+    runner = llm.engine.core.runner
     runner.graphs = EagerGraphs(runner)
     assert runner.graphs.sizes == [1, 2, 4] and set(runner.graphs.graphs) == {1, 2, 4}
     EagerGraphs.replays = 0

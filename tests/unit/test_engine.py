@@ -8,6 +8,8 @@ import torch
 from mili import LLM, ContextLengthExceeded, InvalidRequest, ModelLoadError, SamplingParams
 from mili.engine.request import SeqStatus
 
+from support.engine_state import assert_drained
+
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
@@ -24,14 +26,7 @@ def llm(tiny_checkpoint):
 
 def _assert_clean(llm):
     """Nothing runs, and every page is free or idle in the prefix cache (evicting those frees all)."""
-    engine = llm.engine
-    engine.check_integrity()
-    assert not engine.scheduler.running and not engine.scheduler.waiting
-    pool = engine.runner.pool
-    assert pool.num_free + engine.prefix_cache.num_evictable() == pool.num_pages, "KV pages leaked"
-    engine.prefix_cache.evict(pool.num_pages)
-    assert pool.num_free == pool.num_pages
-    engine.check_integrity()
+    assert_drained(llm, evict=True)
 
 
 def test_preemption_gives_identical_outputs(tiny_checkpoint, llm):
@@ -41,9 +36,9 @@ def test_preemption_gives_identical_outputs(tiny_checkpoint, llm):
     per_page = 2 * 2 * 16 * 2 * 32 * 4  # K+V, layers, page, kv heads, head_dim, float32
     tight = LLM(str(tiny_checkpoint), dtype="float32", max_num_batched_tokens=64,
                 kv_cache_memory=20 * per_page)
-    assert tight.engine.runner.pool.num_pages == 20
+    assert tight.engine.stats().num_pages == 20
     outs = tight.generate(prompts, GREEDY, use_tqdm=False)
-    assert tight.engine.scheduler.num_preemptions > 0
+    assert tight.engine.stats().num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ample]
     _assert_clean(tight)
     _assert_clean(llm)
@@ -56,14 +51,14 @@ def test_continuous_batching_joins_mid_run(llm, monkeypatch):
     prompts = _prompts(4, seed=5)
     alone = llm.generate(prompts, GREEDY, use_tqdm=False)
     steps = []
-    schedule = engine.scheduler.schedule
+    schedule = engine.core.scheduler.schedule
 
     def recording_schedule():
         out = schedule()
         steps.append([(s.seq.request.request_id, s.num_new_tokens) for s in out.scheduled])
         return out
 
-    monkeypatch.setattr(engine.scheduler, "schedule", recording_schedule)
+    monkeypatch.setattr(engine.core.scheduler, "schedule", recording_schedule)
     r0 = engine.add_request(prompts[0]["prompt_token_ids"], GREEDY)
     r1 = engine.add_request(prompts[1]["prompt_token_ids"], GREEDY)
     for _ in range(6):
@@ -89,8 +84,8 @@ def test_n_shares_prompt_pages(llm):
         engine.step()
     tables = [s.page_table for s in req.seqs]
     assert tables[0][:2] == tables[1][:2] == tables[2][:2], "full prompt pages are shared"
-    pool = engine.runner.pool
-    cached = {p for pages in engine.prefix_cache.holders() for p in pages}  # the cache holds one ref too
+    pool = engine.core.pages  # (the pages' reference counts: nothing public shows them)
+    cached = {p for pages in engine.core.prefix_cache.holders() for p in pages}  # the cache holds one ref too
     assert all(pool.ref_counts[p] == 3 + (p in cached) for p in tables[0][:2])
     while engine.has_unfinished_requests():
         engine.step()

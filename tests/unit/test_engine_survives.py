@@ -20,6 +20,8 @@ from hypothesis import strategies as st
 from mili import LLM, SamplingParams
 from mili.runtime.sampler import NO_TOKEN
 
+from support.engine_state import assert_drained
+
 VOCAB = 512  # the tiny checkpoint's
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 EXTREME = [0.0, 5e-324, 1e-45, 1e-5, 0.7, 1.0, 1e38, 1e39, math.inf]
@@ -34,11 +36,7 @@ def engines(tiny_checkpoint):
 
 
 def _assert_clean(llm):
-    engine = llm.engine
-    engine.check_integrity()
-    assert not engine.requests and not engine.scheduler.running and not engine.scheduler.waiting
-    pool = engine.runner.pool
-    assert pool.num_free + engine.prefix_cache.num_evictable() == pool.num_pages, "KV pages leaked"
+    assert_drained(llm)
 
 
 unit = st.one_of(st.sampled_from([5e-324, 1e-45, 0.5, 1.0]), st.floats(0, 1, exclude_min=True))
@@ -123,7 +121,7 @@ def alone(llm):
 
 
 def test_a_row_whose_sampling_raises_fails_alone(llm, alone, monkeypatch):
-    sampler = llm.engine.runner.sampler
+    sampler = llm.engine.core.runner.sampler
     real = type(sampler).__call__
 
     def failing(self, logits, meta):
@@ -139,7 +137,7 @@ def test_a_row_whose_sampling_raises_fails_alone(llm, alone, monkeypatch):
 
 @pytest.mark.parametrize("bad", [VOCAB, 10**9, -5, NO_TOKEN])
 def test_a_token_outside_the_vocabulary_is_never_fed_back(llm, alone, monkeypatch, bad):
-    sampler = llm.engine.runner.sampler
+    sampler = llm.engine.core.runner.sampler
     real = type(sampler).__call__
 
     def wrong_ids(self, logits, meta):

@@ -10,6 +10,7 @@ import logging
 import pytest
 import torch
 
+from support.engine_state import assert_drained
 from support.hybrid import hf_reference
 from support.parity import assert_greedy_matches_hf
 from mili import LLM, SamplingParams
@@ -56,13 +57,8 @@ def _prompts(seed: int = 1) -> list[list[int]]:
 
 
 def _check_integrity(llm) -> None:
-    llm.engine.check_integrity()
-    runner = llm.engine.runner
-    assert runner.state_pool.num_free == runner.state_pool.num_slots, "a finished sequence kept its state slot"
-    cache = llm.engine.prefix_cache
-    assert runner.pool.num_free + cache.num_evictable() == runner.pool.num_pages, "a finished sequence kept pages"
-    snapshots = runner.states.snapshots  # every snapshot left is a cache node's (none a finished sequence's)
-    assert snapshots.num_used == len(getattr(cache, "nodes_with_snapshots", list)())
+    """No finished sequence kept its state slot or pages; every snapshot left is a cache node's (check_integrity)."""
+    assert_drained(llm)
 
 
 def _assert_matches(outs, reference, logprobs: bool = True) -> None:
@@ -94,15 +90,15 @@ def test_preemption_and_few_slots_keep_the_tokens(hybrid_checkpoint, references,
     prompts = _prompts()
     llm = LLM(str(hybrid_checkpoint(kind)), dtype="float32", max_num_batched_tokens=64, page_size=16, num_kv_pages=30,
               num_state_slots=3)
-    engine, core = llm.engine, llm.engine.core
+    engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     requests = [engine.add_request(p, params) for p in prompts]
     most_running = 0
-    while core.scheduler.has_work():
-        core.step()
-        most_running = max(most_running, len(core.scheduler.running))
+    while engine.has_unfinished_requests():
+        engine.step()
+        most_running = max(most_running, engine.stats().num_running)
         engine.check_integrity()  # after every step
-    assert most_running == 3 and core.scheduler.num_preemptions > 0
+    assert most_running == 3 and engine.stats().num_preemptions > 0
     reference = references(kind, prompts)
     exact = sum(r.seqs[0].output_token_ids == ref for r, (ref, _) in zip(requests, reference))
     assert exact >= len(prompts) - 1
@@ -117,12 +113,12 @@ def test_aborts_and_stops_return_slots(hybrid_checkpoint):
     for _ in range(4):  # some prefilling, some decoding, some waiting for a slot
         core.step()
         engine.check_integrity()
-    assert core.runner.state_pool.num_free == 0 and core.scheduler.waiting
+    stats = engine.stats()
+    assert stats.num_state_slots_free == 0 and stats.num_waiting
     core.finish_seqs([(requests[0].request_id, 0)])  # a stop string found by the output processor
     engine.check_integrity()
     core.abort_requests([r.request_id for r in requests[1:]])
     engine.check_integrity()
-    assert not core.scheduler.has_work()
     _check_integrity(llm)
 
 
@@ -242,7 +238,7 @@ def test_bfloat16_matches_hf_bfloat16(hybrid_checkpoint, kind, tmp_path):
     def errors(path, dtype: str = "bfloat16") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """|ours - HF bf16| per prompt token and per decoded token; and |HF float32 - HF bf16| per prompt token."""
         llm = LLM(str(path), dtype=dtype, max_num_batched_tokens=16, page_size=16)
-        states = llm.engine.runner.states
+        states = llm.engine.core.runner.states
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0, prompt_logprobs=0)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         prompt_err, decode_err, float32_err = [], [], []

@@ -104,5 +104,5 @@ def test_qwen_fp8_release_layout_loads(hybrid_checkpoint, tmp_path):
     prompts = [{"prompt_token_ids": torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist()}
                for n in (1, 40, 130)]
     llm = LLM(str(fp8), dtype="float32", max_num_batched_tokens=64)
-    assert "fp8" in llm.engine.core.runner.weight_format
+    assert "fp8" in llm.engine.plan.weight_format
     greedy_matches(llm, reference, prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from support.engine_state import assert_drained
 from support.hybrid import hf_reference
 from mili import LLM, SamplingParams
 
@@ -41,13 +42,7 @@ def _run(llm, prompts, params=GREEDY):
 
 def _whole(llm):
     """Nothing runs; every slot is free; every page is free or the cache's; every snapshot is a cache node's."""
-    engine = llm.engine
-    engine.check_integrity()
-    runner, cache = engine.runner, engine.prefix_cache
-    assert not engine.scheduler.running and not engine.scheduler.waiting
-    assert runner.state_pool.num_free == runner.state_pool.num_slots
-    assert runner.pool.num_free + cache.num_evictable() == runner.pool.num_pages
-    assert runner.states.snapshots.num_used == len(cache.nodes_with_snapshots())
+    assert_drained(llm)  # (check_integrity: each snapshot used is a live cache node's)
 
 
 def _hf_greedy(path, kind, prompt, max_tokens=12):
@@ -137,8 +132,9 @@ def test_eviction_under_pressure_keeps_the_tokens(hybrid_checkpoint, pair, polic
         got = [r.seqs[0].output_token_ids for r in requests]
         assert got == (want if order is prompts else want[::-1])
         _whole(tight)
-    assert engine.scheduler.num_preemptions > 0
-    assert engine.prefix_cache.num_snapshots_taken > 3  # more taken than the pool holds: some were evicted
+    stats = engine.stats()
+    assert stats.num_preemptions > 0
+    assert stats.num_snapshots_taken > stats.num_snapshots == 3  # more taken than the pool holds: some were evicted
     assert sum(r.num_cached_tokens for r in requests) > 0
 
 
@@ -160,16 +156,14 @@ def test_aborts_and_preemption_return_slots_and_snapshots(hybrid_checkpoint):
     assert victim.snapshot is None and victim.state_slot is None
     engine.check_integrity()
     core.abort_requests([r.request_id for r in requests])
-    engine.check_integrity()
-    assert not core.scheduler.has_work()
     _whole(llm)
 
 
 def test_ready_counts_snapshots_and_zero_snapshots_turn_the_cache_off(hybrid_checkpoint, pair, caplog):
     on, _ = pair("qwen3_5")
-    ready, states = on.engine.core.ready(), on.engine.runner.states
-    assert ready.prefix_caching and ready.state_snapshots == states.snapshots.num_snapshots > 0
-    assert ready.state_bytes == (ready.state_slots + ready.state_snapshots) * states.bytes_per_slot
+    ready, layout = on.engine.core.ready(), on.engine.core.runner.layout
+    assert ready.prefix_caching and ready.state_snapshots == on.engine.stats().num_snapshots > 0
+    assert ready.state_bytes == (ready.state_slots + ready.state_snapshots) * layout.bytes_per_state_slot
     with caplog.at_level("INFO", logger="mili"):
         none = LLM(str(hybrid_checkpoint("qwen3_5")), dtype="float32", page_size=16, num_state_snapshots=0)
     assert "prefix caching off: num_state_snapshots is 0" in caplog.text

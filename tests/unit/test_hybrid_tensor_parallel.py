@@ -35,11 +35,11 @@ def test_tp2_matches_tp1(hybrid_checkpoint, kind):
     prompts = _prompts()
     one = LLM(path, dtype="float32", max_num_batched_tokens=32, page_size=16)
     expected = _tokens(one.generate(prompts, PARAMS, use_tqdm=False))
-    full = one.engine.runner.states.caches[0][1].shape
+    full = one.engine.core.runner.states.caches[0][1].shape
     del one
     two = LLM(path, dtype="float32", max_num_batched_tokens=32, page_size=16, tensor_parallel_size=2)
     try:
-        runner = two.engine.runner
+        runner = two.engine.core.runner
         assert runner.tp_size == 2 and len(runner.workers) == 1 and runner.workers[0].is_alive()
         conv, ssm = runner.states.caches[0]  # rank 0's states: half the value heads
         assert ssm.shape[1] * 2 == full[1]
@@ -52,7 +52,7 @@ def test_tp2_matches_tp1(hybrid_checkpoint, kind):
             assert _tokens(outs) == [ref * 2 for ref in expected]
             two.engine.check_integrity()
     finally:
-        two.engine.runner.close()
+        two.engine.core.runner.close()
     assert not runner.workers
 
 
@@ -76,10 +76,10 @@ def test_an_odd_vocabulary_splits(hybrid_checkpoint, tmp_path):
     del one
     two = LLM(str(path), dtype="float32", max_num_batched_tokens=32, page_size=16, tensor_parallel_size=2)
     try:
-        assert two.engine.runner.model.lm_head.weight.shape[0] == 255  # half of 509, rounded up
+        assert two.apply_model(lambda m: m.lm_head.weight.shape[0]) == 255  # half of 509, rounded up
         assert _tokens(two.generate(prompts, PARAMS, use_tqdm=False)) == expected
     finally:
-        two.engine.runner.close()
+        two.engine.core.runner.close()
 
 
 def test_linear_heads_that_do_not_split_are_refused_before_anything_starts(hybrid_checkpoint, tmp_path):

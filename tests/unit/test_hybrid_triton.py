@@ -19,6 +19,7 @@ from mili import LLM, InvalidRequest, SamplingParams  # noqa: E402
 from mili.kernels import gated_delta as ref  # noqa: E402
 from mili.kernels import gated_delta_fla  # noqa: E402
 from mili.runtime.cuda_graph import CudaGraphRunner  # noqa: E402
+from support.engine_state import assert_drained  # noqa: E402
 
 PROMPTS = [[7], [5, 6, 7, 8, 9], list(range(20, 60))]  # a one-token prompt; 40 > the 24-token budget: chunked
 KW = dict(dtype="float32", max_num_batched_tokens=24, page_size=16, kv_cache_memory=2**21)
@@ -39,9 +40,7 @@ def torch_tokens(qwen3_5):
 def _greedy(llm, max_tokens: int = 4):
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    llm.engine.check_integrity()
-    runner = llm.engine.runner
-    assert runner.state_pool.num_free == runner.state_pool.num_slots
+    assert_drained(llm)
     return [o.outputs[0].token_ids for o in outs]
 
 
@@ -49,9 +48,10 @@ def test_hybrid_on_the_triton_attention_backend(qwen3_5, torch_tokens):
     """The gated attention layers' K/V in the paged pool through the Triton kernels (store, decode, prefill over a
     cached prefix): the torch backend's greedy tokens."""
     llm = LLM(str(qwen3_5), attention_backend="triton", **KW)
-    runner = llm.engine.runner
-    assert runner.plan.attention == "triton" and runner.plan.gated_delta != "fla"  # CPU: torch's gated delta rule
-    assert runner.states.scratch_row == runner.state_pool.num_slots + runner.states.snapshots.num_snapshots
+    plan, stats = llm.engine.plan, llm.engine.stats()
+    assert plan.attention == "triton" and plan.gated_delta != "fla"  # CPU: torch's gated delta rule
+    # (the CUDA graphs' padding rows: one row past the slots and snapshots)
+    assert llm.engine.core.runner.states.scratch_row == stats.num_state_slots + stats.num_snapshots
     assert _greedy(llm) == torch_tokens
 
 
@@ -97,7 +97,7 @@ def test_hybrid_decode_through_the_graph_runner(qwen3_5, torch_tokens):
     graph's inputs (the one-token prompt's first step is a decode that starts from zeros), the padding row reads
     and writes the scratch row; greedy tokens are the eager path's."""
     llm = LLM(str(qwen3_5), attention_backend="triton", enforce_eager=True, max_num_seqs=4, **KW)
-    runner = llm.engine.runner
+    runner = llm.engine.core.runner
     scratch = runner.states.scratch_row
     _garbage(runner)
     runner.graphs = EagerGraphs(runner)
@@ -105,7 +105,7 @@ def test_hybrid_decode_through_the_graph_runner(qwen3_5, torch_tokens):
     EagerGraphs.replays, EagerGraphs.seen = 0, []
     assert _greedy(llm) == torch_tokens
     assert EagerGraphs.replays >= 2
-    slots_of_running = set(range(runner.state_pool.num_slots))
+    slots_of_running = set(range(llm.engine.stats().num_state_slots))
     for slots, keep, n in EagerGraphs.seen:
         assert set(slots[:n]) <= slots_of_running and len(set(slots[:n])) == n
         assert all(s == scratch for s in slots[n:]) and not any(keep[n:])
@@ -137,7 +137,7 @@ def test_gated_delta_dispatch(qwen3_5, monkeypatch):
         plan(config, model_config, DeviceInfo("cuda", fla=False, **h100))
 
     llm = LLM(str(qwen3_5), attention_backend="torch", **KW)
-    model = llm.engine.runner.model
+    model = llm.apply_model(lambda m: m)
     calls = []
 
     def kernels(qkv, g, beta, weight, rb, conv_states, ssm_states, shape):
@@ -237,7 +237,7 @@ def test_hybrid_engine_on_fla_and_triton_attention(fla, qwen3_5, torch_tokens):
     decay is fast: its tokens barely depend on a resumed chunk's SSM state, which the layer test above checks.)"""
     llm = LLM(str(qwen3_5), attention_backend="triton", **KW)
     kernels = gated_delta_fla.FlaGatedDelta()
-    assert gated_delta_fla.use(llm.engine.runner.model, kernels) == 3
+    assert gated_delta_fla.use(llm.apply_model(lambda m: m), kernels) == 3
     calls = []
     chunk, recurrent = kernels._chunk, kernels._recurrent
     kernels._chunk = lambda *a, **kw: calls.append(("chunk", kw["cu_seqlens_cpu"].tolist())) or chunk(*a, **kw)

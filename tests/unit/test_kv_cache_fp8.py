@@ -22,7 +22,7 @@ def test_fp8_pages_twice_as_many_and_reported(tiny_checkpoint):
     bf16 = LLM(str(tiny_checkpoint), dtype="bfloat16", kv_cache_memory=memory, **TRITON)
     fp8 = LLM(str(tiny_checkpoint), dtype="bfloat16", kv_cache_memory=memory, kv_cache_dtype="fp8", **TRITON)
     plain, runner = bf16.engine.core.runner, fp8.engine.core.runner
-    assert plain.pool.num_pages == 6 and runner.pool.num_pages == 12
+    assert bf16.engine.stats().num_pages == 6 and fp8.engine.stats().num_pages == 12
     assert runner.kv_caches[0][0].dtype == torch.float8_e4m3fn and plain.kv_caches[0][0].dtype == torch.bfloat16
     # what /health and /v1/models report (the core's Ready message)
     assert fp8.engine.core.ready().kv_cache_dtype == "fp8_e4m3"

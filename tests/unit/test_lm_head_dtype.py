@@ -40,11 +40,11 @@ def test_int8_head_keeps_the_greedy_tokens_within_its_bound(qwen3_checkpoint, sh
     path = str(qwen3_checkpoint(shape))
     common = dict(dtype="float32", enable_prefix_caching=False)
     plain, quant = LLM(path, **common), LLM(path, lm_head_dtype="int8", **common)
-    head = quant.engine.runner.model.lm_head
-    assert isinstance(head, Int8Linear) and "lm_head int8" in quant.engine.runner.weight_format
+    head = quant.apply_model(lambda m: m.lm_head)
+    assert isinstance(head, Int8Linear) and "lm_head int8" in quant.engine.plan.weight_format
     prompt = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     want, got = prompt_logprobs(plain, prompt), prompt_logprobs(quant, prompt)
-    w = plain.engine.runner.model
+    w = plain.apply_model(lambda m: m)
     table = (w.lm_head.weight if w.lm_head is not None else w.model.embed_tokens.weight).float()
     step = table.abs().amax(dim=1).max() / 127
     hidden_l1 = _hidden_l1(plain, prompt)
@@ -66,7 +66,7 @@ def test_int8_head_keeps_the_greedy_tokens_within_its_bound(qwen3_checkpoint, sh
 
 def _hidden_l1(llm, prompt: list[int]) -> torch.Tensor:
     """The L1 norm of the final hidden state at every prompt position (what the head multiplies)."""
-    runner, core = llm.engine.runner, llm.engine.core
+    runner, core = llm.engine.core.runner, llm.engine.core
     request = llm.engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1))
     sched = core.scheduler.schedule()
     batch, _ = runner.batches.prepare(sched.scheduled)
@@ -94,7 +94,7 @@ def test_int8_head_kl_on_the_trained_demo():
     ref = prompt_logprobs(LLM(path, **common), ids)
     int8 = prompt_logprobs(LLM(path, lm_head_dtype="int8", **common), ids)
     noisy = LLM(path, **common)
-    model = noisy.engine.runner.model
+    model = noisy.apply_model(lambda m: m)
     table = model.model.embed_tokens.weight  # tied: noise on a head of its own, the lookup table kept
     step = table.abs().amax(dim=1, keepdim=True) / 127
     g = torch.Generator().manual_seed(0)
@@ -119,10 +119,10 @@ def test_auto_bf16_and_int8_on_the_kernels():
 
     def head(**kw):
         llm = LLM("demo", dtype="bfloat16", **kw)
-        model = llm.engine.runner.model
+        model = llm.apply_model(lambda m: m)
         reply = llm.chat([{"role": "user", "content": "Hello"}], SamplingParams(temperature=0, max_tokens=30),
                          chat_template_kwargs={"enable_thinking": False}, use_tqdm=False)[0].outputs[0].text
-        return type(model.lm_head), type(model.model.embed_tokens), llm.engine.runner.weight_format, reply, \
+        return type(model.lm_head), type(model.model.embed_tokens), llm.engine.plan.weight_format, reply, \
             weight_bytes_per_step(model)
 
     plain = head()

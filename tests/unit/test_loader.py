@@ -53,9 +53,9 @@ def test_real_qwen3_config_spelling(tiny_checkpoint, tmp_path, reference):
 
 
 def test_dtype_auto_and_conversion(tiny_checkpoint):
-    assert LLM(str(tiny_checkpoint)).engine.runner.dtype == torch.float32  # the checkpoint's
+    assert LLM(str(tiny_checkpoint)).engine.plan.dtype == torch.float32  # the checkpoint's
     bf16 = LLM(str(tiny_checkpoint), dtype="bfloat16")
-    assert bf16.engine.runner.model.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert bf16.apply_model(lambda m: m.model.embed_tokens.weight.dtype) == torch.bfloat16
     assert len(bf16.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 10
     from mili import InvalidRequest
 

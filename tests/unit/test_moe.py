@@ -60,7 +60,7 @@ def test_layer_kinds_follow_the_config(moe_checkpoint):
     cfg = llm.engine.model_config
     assert cfg.num_experts == 8 and cfg.num_experts_per_tok == 3 and cfg.norm_topk_prob  # num_experts spelling
     assert cfg.sparse_layers == (False, True, False, True)  # decoder_sparse_step 2
-    kinds = [type(layer.mlp).__name__ for layer in llm.engine.runner.model.model.layers]
+    kinds = [type(layer.mlp).__name__ for layer in llm.apply_model(lambda m: m.model.layers)]
     assert kinds == ["Qwen3MLP", "Qwen3MoeBlock", "Qwen3MLP", "Qwen3MoeBlock"]
     llm = LLM(str(moe_checkpoint("e4_k2_sparse_dense")), dtype="float32")
     assert llm.engine.model_config.sparse_layers == (True, False, True)  # mlp_only_layers [1]
@@ -91,10 +91,10 @@ def test_cpu_kernels_run_the_experts(tmp_path):
     prompts = [{"prompt_token_ids": p} for p in _prompts(2)]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
     kernel = LLM(str(path), dtype="bfloat16")
-    block = kernel.engine.runner.model.model.layers[1].mlp
+    block = kernel.apply_model(lambda m: m.model.layers[1].mlp)
     assert isinstance(block.experts.linears[0], KernelLinear) and block.experts.w13 is None
     assert type(block.gate).__name__ == "RouterLinear"
-    assert kernel.engine.runner.cpu_decode is None  # the fused decode step is dense-only
+    assert kernel.engine.plan.step == "eager"  # the fused decode step is dense-only
     torch_path = LLM(str(path), dtype="bfloat16", cpu_kernels=False, cpu_weight_prepack=False)
     a = kernel.generate(prompts, params, use_tqdm=False)
     b = torch_path.generate(prompts, params, use_tqdm=False)
@@ -104,7 +104,7 @@ def test_cpu_kernels_run_the_experts(tmp_path):
               y.outputs[0].logprobs[0][y.outputs[0].token_ids[0]].logprob) for x, y in zip(a, b)]
     assert all(abs(p - q) < 0.1 for p, q in first), first
     int8 = LLM(str(path), dtype="bfloat16", quantization="int8")
-    assert type(int8.engine.runner.model.model.layers[1].mlp.experts.linears[0]).__name__ == "Int8Linear"
+    assert type(int8.apply_model(lambda m: m.model.layers[1].mlp.experts.linears[0])).__name__ == "Int8Linear"
     outs = int8.generate(prompts, params, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
 
@@ -147,7 +147,7 @@ def test_moe_engine_on_the_triton_path_matches_the_torch_path(moe_checkpoint):
     prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (1, 12, 30)]
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     triton_llm = LLM(path, dtype="float32", attention_backend="triton", max_num_batched_tokens=24)
-    assert getattr(triton_llm.engine.runner.model.model.layers[0].mlp.experts.ops, "fused_experts", None)
+    assert getattr(triton_llm.apply_model(lambda m: m.model.layers[0].mlp.experts.ops), "fused_experts", None)
     torch_llm = LLM(path, dtype="float32", max_num_batched_tokens=24)
     a = triton_llm.generate(prompts, params, use_tqdm=False)
     b = torch_llm.generate(prompts, params, use_tqdm=False)
@@ -163,6 +163,6 @@ def test_moe_preemption_gives_identical_outputs(moe_checkpoint):
     ample = LLM(path, dtype="float32").generate(prompts, params, use_tqdm=False)
     tight = LLM(path, dtype="float32", num_kv_pages=8, max_num_batched_tokens=64)
     outs = tight.generate(prompts, params, use_tqdm=False)
-    assert tight.engine.scheduler.num_preemptions > 0
+    assert tight.engine.stats().num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ample]
     tight.engine.check_integrity()

@@ -69,14 +69,14 @@ def test_head_matches_a_reimplementation_over_its_kv(hub):
     """Pairs 0 .. 5 of one sequence: the first four as a prefill chunk, then one at a time as drafting does
     (each attends to the K/V the earlier calls wrote in the head's pages): the reimplementation's outputs."""
     llm = LLM(str(hub), dtype="float32", speculative_config=MTP)
-    runner = llm.engine.runner
+    runner = llm.engine.core.runner
     model, kv = runner.model, runner.kv_caches[-1]
     assert len(runner.kv_caches) == 2  # the model's one full-attention layer, and the head's
     g = torch.Generator().manual_seed(3)
     tokens = torch.randint(0, 512, (6,), generator=g)
     prev = torch.randn(6, 64, generator=g)
     prev[0] = 0  # (a sequence's first pair: no hidden state before it)
-    (page,) = runner.pool.allocate(1)
+    (page,) = llm.engine.core.pages.allocate(1)
     chunk = ForwardBatch(input_ids=tokens[:4], positions=torch.arange(4), slot_mapping=page * 16 + torch.arange(4),
                          page_table=torch.tensor([[page]]), query_lens=[4], context_lens=[4], num_decodes=0,
                          logits_indices=torch.arange(4))
@@ -85,7 +85,7 @@ def test_head_matches_a_reimplementation_over_its_kv(hub):
         for p in (4, 5):
             one = runner.batches.one_token_batch([[page]], [p], tokens[p:p + 1])
             got.append(model.mtp_forward(tokens[p:p + 1], prev[p:p + 1], one, kv))
-    runner.pool.decref([page])
+    llm.engine.core.pages.decref([page])
     want = _reference_head(hub, tokens, prev)
     torch.testing.assert_close(torch.cat(got), want, atol=1e-4, rtol=1e-4)
     # the drafts: the shared lm_head's argmax
@@ -113,10 +113,10 @@ def test_greedy_output_is_unchanged(kind, hub, tmp_path):
     assert spec.engine.spec_decode_stats()["num_drafts"] > 20
     if kind != "qwen3_5_hub":
         return
-    assert spec.engine.prefix_cache.num_evictable() > 0
+    assert spec.engine.stats().num_pages_cached > 0
     tight = LLM(path, **base, num_kv_pages=10, num_state_slots=4, speculative_config=MTP)
     _same(want, _outputs(tight, prompts, params))
-    assert tight.engine.scheduler.num_preemptions > 0
+    assert tight.engine.stats().num_preemptions > 0
     _clean(tight)
 
 
@@ -139,7 +139,7 @@ def test_scripted_head_drafts_right(tmp_path):
     assert stats["num_drafts"] <= 2 * (64 / 4 + 2)  # about 4 tokens a step
     _clean(spec)
 
-    drafter, calls = spec.engine.runner.mtp, iter(range(10**9))
+    drafter, calls = spec.engine.core.runner.mtp, iter(range(10**9))
     draft = drafter.draft
 
     def spoilt(scheduled):

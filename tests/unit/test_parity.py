@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import Qwen3ForCausalLM as HFQwen3
 
+from support.engine_state import assert_drained
 from support.parity import assert_greedy_matches_hf
 from mili import LLM, SamplingParams
 from mili.config import ModelConfig
@@ -48,9 +49,7 @@ def test_greedy_matches_hf_generate(qwen3_checkpoint, shape):
     ours = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     reference = _hf_greedy(path, prompts)
     assert_greedy_matches_hf(ours, reference, MAX_TOKENS)
-    llm.engine.check_integrity()
-    pool = llm.engine.runner.pool
-    assert pool.num_free + llm.engine.prefix_cache.num_evictable() == pool.num_pages
+    assert_drained(llm)
 
 
 def test_trained_demo_greedy_matches_hf_generate():

@@ -155,6 +155,20 @@ def test_tensor_parallelism_moe_and_eager():
     assert plan(engine(enforce_eager=True), qwen3(), ZEN3).step == "eager"
 
 
+def test_the_fused_cpu_decode_takes_only_layers_it_runs_whole():
+    """A layer the fused C decode layer cannot take is known from the shapes and formats, before a weight loads."""
+    odd = qwen3()
+    odd.intermediate_size = 100  # gate_up's 200 outputs: not a multiple of 16
+    assert plan(engine(), odd, ZEN3).step == "eager" and "multiple of 16" in plan(engine(), odd, ZEN3).step_why
+    assert plan(engine(quantization="int8"), qwen3(), ZEN3).step == "cpu-decode"  # the W8A8 kernel's layers
+    assert plan(engine(quantization="int8"), qwen3(), SKYLAKE_X).step == "eager"  # aten's weight-only int8
+
+
+def test_sampling_draws_without_a_host_sync_on_gpus():
+    assert plan(engine(), qwen3(), ZEN3).draw == "inverse-cdf"
+    assert plan(engine(), qwen3(), H100).draw == "exponential-race"
+
+
 def test_the_memory_split():
     p = plan(engine(kv_cache_memory=2**26, num_kv_pages=10), qwen3(), ZEN3)
     assert (p.memory.budget, p.memory.num_kv_pages) == (2**26, 10)

@@ -8,6 +8,8 @@ import torch
 from mili import LLM, SamplingParams
 from mili.engine.request import Sequence
 
+from support.engine_state import assert_drained
+
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.9, top_k=50, max_tokens=12, ignore_eos=True, seed=7)
 PER_PAGE = 2 * 2 * 16 * 2 * 32 * 4  # bytes of one page of the tiny checkpoint in float32
@@ -30,11 +32,7 @@ def _run(llm, prompts, params):
 
 
 def _whole(llm):
-    engine = llm.engine
-    engine.check_integrity()
-    pool = engine.runner.pool
-    assert not engine.scheduler.running and not engine.scheduler.waiting
-    assert pool.num_free + engine.prefix_cache.num_evictable() == pool.num_pages
+    assert_drained(llm)
 
 
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
@@ -91,14 +89,14 @@ def test_memory_pressure_with_eviction_and_preemption(tiny_checkpoint, pair, pol
     got, cached = _run(tight, prompts, GREEDY)
     got2, _ = _run(tight, prompts[::-1], GREEDY)  # again, over a cache full of the first run
     assert got == want and got2 == want[::-1]
-    assert tight.engine.scheduler.num_preemptions > 0
+    assert tight.engine.stats().num_preemptions > 0
     assert sum(cached) > 0
     _whole(tight)
 
 
 def test_lpm_admits_the_longest_cached_prefix_first_but_not_forever(tiny_checkpoint):
     llm = LLM(str(tiny_checkpoint), dtype="float32", max_num_seqs=1, schedule_policy="lpm")
-    engine, sched = llm.engine, llm.engine.scheduler
+    engine, sched = llm.engine, llm.engine.core.scheduler
     sched.starvation_steps = 3
     cached = _ids(64, 5)
     _run(llm, [cached + [1]], SamplingParams(temperature=0, max_tokens=1))

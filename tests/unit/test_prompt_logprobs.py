@@ -13,6 +13,8 @@ from mili.errors import InvalidRequest
 from mili.kernels import cpu as cpu_kernels
 from mili.runtime import prompt_logprobs as plp
 
+from support.engine_state import assert_drained
+
 TOL = 1e-4
 TIE = 1e-4  # top-N ids may differ from HF's only between alternatives closer than this
 
@@ -113,10 +115,8 @@ def test_max_tokens_zero_scores_without_generating(qwen3_checkpoint):
         assert out.finished and len(out.outputs) == 2
         assert all(o.token_ids == [] and o.text == "" and o.finish_reason == "length" for o in out.outputs)
         _check(out.prompt_logprobs, prompt, _reference(path, prompt), 1)
-    assert llm.engine.core.num_generated_tokens == 0
-    llm.engine.check_integrity()
-    pool = llm.engine.runner.pool
-    assert pool.num_free + llm.engine.prefix_cache.num_evictable() == pool.num_pages
+    assert llm.engine.stats().num_generated_tokens == 0
+    assert_drained(llm)
     with pytest.raises(InvalidRequest) as e:
         SamplingParams(max_tokens=0)
     assert e.value.param == "max_tokens"
@@ -143,7 +143,7 @@ def test_preempted_request_scores_each_position_once(qwen3_checkpoint, monkeypat
     outs = llm.generate([{"prompt_token_ids": decode}, {"prompt_token_ids": scored}],
                         [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
                          SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)], use_tqdm=False)
-    assert llm.engine.scheduler.num_preemptions >= 1
+    assert llm.engine.stats().num_preemptions >= 1
     assert any(0 < computed < num_scored for computed, num_scored in starts), starts
     _check(outs[1].prompt_logprobs, scored, _reference(path, scored), 1)
     llm.engine.check_integrity()
@@ -165,7 +165,7 @@ def test_one_token_chunks_on_the_fused_cpu_decode_path(qwen3_checkpoint):
     module path's (enforce_eager), bit for bit."""
     path = str(qwen3_checkpoint("gqa_untied"))
     fused = LLM(path, dtype="bfloat16", max_num_batched_tokens=2)
-    runner = fused.engine.runner
+    runner = fused.engine.core.runner
     assert runner.cpu_decode is not None
     ran = []  # per fused step: how many prompt rows it scored
     run = runner.cpu_decode.run
@@ -181,7 +181,7 @@ def test_one_token_chunks_on_the_fused_cpu_decode_path(qwen3_checkpoint):
     got = _score(fused, decode, scored)
     assert sum(ran) == len(scored) - 1  # every prompt position scored on the fused path
     eager = LLM(path, dtype="bfloat16", max_num_batched_tokens=2, enforce_eager=True)
-    assert eager.engine.runner.cpu_decode is None
+    assert eager.engine.plan.step == "eager"
     expected = _score(eager, decode, scored)
     assert [None if e is None else {t: (lp.logprob, lp.rank) for t, lp in e.items()} for e in got] \
         == [None if e is None else {t: (lp.logprob, lp.rank) for t, lp in e.items()} for e in expected]
@@ -213,4 +213,4 @@ def test_tensor_parallel_two_ranks(qwen3_checkpoint):
             _check(out.prompt_logprobs, prompt, _reference(path, prompt), 3)
         llm.engine.check_integrity()
     finally:
-        llm.engine.runner.close()
+        llm.engine.core.runner.close()

@@ -9,6 +9,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from support.engine_state import assert_drained
 from support.hybrid import build_scripted_hybrid_checkpoint
 from support.scripted import build_scripted_checkpoint
 from mili import LLM, InvalidRequest, SamplingParams, StructuredOutputsParams
@@ -23,14 +24,7 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
 
 def _clean(llm) -> None:
     """Nothing runs; every page and state slot is free or idle in the prefix cache."""
-    engine = llm.engine
-    engine.check_integrity()
-    assert not engine.scheduler.running and not engine.scheduler.waiting
-    pool = engine.runner.pool
-    assert pool.num_free + engine.prefix_cache.num_evictable() == pool.num_pages, "KV pages leaked"
-    states = engine.scheduler.states
-    if states is not None:
-        assert states.num_free == states.num_slots, "state slots leaked"
+    assert_drained(llm)
 
 
 def _repetitive_prompts(vocab: int, n: int = 10, seed: int = 0) -> list[dict]:
@@ -178,7 +172,7 @@ def test_greedy_output_is_unchanged(model, tiny_checkpoint, hybrid_checkpoint):
                 **({"num_state_slots": 4} if model == "hybrid" else {}))
     _oracle(tight, prompts, want, vocab)
     _same(want, _outputs(tight, prompts, params))
-    assert tight.engine.scheduler.num_preemptions > 0
+    assert tight.engine.stats().num_preemptions > 0
     _clean(tight)
 
 
@@ -261,7 +255,7 @@ def test_bf16_verifications_run_fused_and_match_plain_decoding_bit_for_bit(tiny_
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2)
     want = _outputs(LLM(path, dtype="bfloat16"), prompts, params)
     spec = LLM(path, dtype="bfloat16", speculative_config=NGRAM)
-    runner = spec.engine.runner.cpu_decode
+    runner = spec.engine.core.runner.cpu_decode
     assert runner is not None
     fused, run = [], runner.run
 

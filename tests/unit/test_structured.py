@@ -13,6 +13,7 @@ import threading
 import jsonschema
 import pytest
 
+from support.engine_state import assert_drained
 from support.scripted import CHAIN, build_scripted_checkpoint
 from mili import LLM, InvalidRequest, SamplingParams, StructuredOutputsParams
 from mili.structured import GrammarManager
@@ -41,9 +42,7 @@ def llm(qwen3_checkpoint):
 def _run(llm, so: StructuredOutputsParams, seeds, max_tokens=300, prompt="Answer:"):
     params = [SamplingParams(temperature=1.0, seed=s, max_tokens=max_tokens, structured_outputs=so) for s in seeds]
     outs = llm.generate([prompt] * len(params), params, use_tqdm=False)
-    llm.engine.check_integrity()
-    pool = llm.engine.scheduler.pool
-    assert pool.num_free + llm.engine.prefix_cache.num_evictable() == pool.num_pages  # every page back
+    assert_drained(llm)  # every page back
     return [o.outputs[0] for o in outs]
 
 

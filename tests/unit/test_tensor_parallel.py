@@ -53,10 +53,10 @@ def test_tp2_matches_tp1(tp_checkpoints, shape):
     expected = [o.outputs[0].token_ids for o in one.generate(prompts, PARAMS, use_tqdm=False)]
     two = LLM(path, dtype="float32", max_num_batched_tokens=32, tensor_parallel_size=2)
     try:
-        runner = two.engine.runner
+        runner = two.engine.core.runner
         assert runner.tp_size == 2 and len(runner.workers) == 1 and runner.workers[0].is_alive()
         cfg = runner.model_config
-        assert cfg.num_attention_heads * 2 == one.engine.runner.model_config.num_attention_heads
+        assert cfg.num_attention_heads * 2 == one.engine.model_config.num_attention_heads
         vocab = cfg.vocab_size  # the whole vocabulary, each rank holding half of it rounded up
         assert vocab == one.engine.model_config.vocab_size and (vocab % 2 == 1) == shape.startswith("odd")
         assert runner.model.model.embed_tokens.weight.shape[0] == (vocab + 1) // 2
@@ -64,7 +64,7 @@ def test_tp2_matches_tp1(tp_checkpoints, shape):
         assert got == expected
         two.engine.check_integrity()
     finally:
-        two.engine.runner.close()
+        two.engine.core.runner.close()
     assert not runner.workers
 
 

@@ -16,7 +16,7 @@ def test_engine_on_triton_matches_hf(tiny_checkpoint):
 
     prompts = [list(range(3, 3 + n)) for n in (1, 9, 40)]  # 40 > budget 24: a cached prefix + chunk
     llm = LLM(str(tiny_checkpoint), dtype="float32", attention_backend="triton", max_num_batched_tokens=24)
-    assert llm.engine.runner.plan.attention == "triton"
+    assert llm.engine.plan.attention == "triton"
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     hf = Qwen3ForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
@@ -29,7 +29,7 @@ def test_engine_on_triton_matches_hf(tiny_checkpoint):
 
 
 def test_backend_choice(tiny_checkpoint, monkeypatch):
-    auto = LLM(str(tiny_checkpoint), dtype="float32").engine.runner.plan.attention
+    auto = LLM(str(tiny_checkpoint), dtype="float32").engine.plan.attention
     assert auto == ("triton" if torch.cuda.is_available() else "torch")
     with pytest.raises(InvalidRequest, match="power of two >= 16"):
         LLM(str(tiny_checkpoint), attention_backend="triton", page_size=8)

@@ -101,7 +101,7 @@ def test_images_refused_where_they_cannot_go(vision_checkpoint, images):
 
     assert engine_kwargs(build_parser().parse_args(["serve", "--language-model-only"]))["language_model_only"]
     text_only = LLM(str(vision_checkpoint("qwen3_vl")), dtype="float32", language_model_only=True)
-    assert text_only.engine.runner.model.visual is None  # (its tensors skipped, not loaded)
+    assert text_only.apply_model(lambda m: m.visual) is None  # (its tensors skipped, not loaded)
     with pytest.raises(InvalidRequest, match="takes no images"):
         text_only.generate([request], SamplingParams(max_tokens=1), use_tqdm=False)
     llm = LLM(str(vision_checkpoint("qwen3_vl")), dtype="float32")
@@ -132,9 +132,9 @@ def test_bfloat16_puts_the_tower_on_the_cpu_linears(vision_checkpoint, images, k
     params = SamplingParams(temperature=0, max_tokens=1, logprobs=1)
     want = LLM(str(vision_checkpoint(kind)), dtype="float32").generate([prompt], params, use_tqdm=False)[0].outputs[0]
     llm = LLM(str(vision_checkpoint(kind)), dtype="bfloat16")
-    tower = llm.engine.runner.model.visual
+    tower = llm.apply_model(lambda m: m.visual)
     assert not any(type(m) is nn.Linear for m in tower.modules())
-    text = next(m for n, m in llm.engine.runner.model.model.named_modules() if n.endswith(("o_proj", "out_proj")))
+    text = next(m for n, m in llm.apply_model(lambda m: m.model.named_modules()) if n.endswith(("o_proj", "out_proj")))
     assert type(tower.blocks[0].attn.qkv) is type(text)
     got = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, logprobs=20), use_tqdm=False)[0].outputs[0]
     token = want.token_ids[0]
@@ -149,7 +149,7 @@ def test_images_on_the_triton_path(vision_checkpoint, images):
     cases = [(images[:2], TEXTS[1]), ([], [[9, 8, 7, 6, 5]])]
     refs = [_reference(hf, paths, texts)[1] for paths, texts in cases]
     llm = LLM(str(vision_checkpoint("qwen3_vl")), dtype="float32", attention_backend="triton", max_num_batched_tokens=16)
-    assert llm.engine.runner.plan.attention == "triton"
+    assert llm.engine.plan.attention == "triton"
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
     outs = llm.generate([_request(paths, texts) for paths, texts in cases], params, use_tqdm=False)
     assert_greedy_matches_hf(outs, refs, MAX_TOKENS)
@@ -165,17 +165,16 @@ def test_preempted_requests_with_images_keep_hfs_tokens(vision_checkpoint, image
     refs = [_reference(hf, paths, texts)[1] for paths, texts in cases]
     llm = LLM(str(vision_checkpoint(kind)), dtype="float32", max_num_batched_tokens=16, page_size=4, num_kv_pages=14,
               enable_prefix_caching=False)
-    engine, core = llm.engine, llm.engine.core
-    model, encoded = core.runner.model, []
+    engine, model, encoded = llm.engine, llm.apply_model(lambda m: m), []
     encode = model.encode_images
     model.encode_images = lambda pixels, grid: encoded.append(len(grid)) or encode(pixels, grid)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     requests = [engine.add_request(r["prompt_token_ids"], params, images=r["multi_modal_data"]["image"])
                 for r in (_request(paths, texts) for paths, texts in cases)]
-    while core.scheduler.has_work():
-        core.step()
+    while engine.has_unfinished_requests():
+        engine.step()
         engine.check_integrity()
-    assert core.scheduler.num_preemptions > 0
+    assert engine.stats().num_preemptions > 0
     assert sum(encoded) == 3  # once per distinct image (4 requests over 3 images), preemptions notwithstanding
     exact = sum(r.seqs[0].output_token_ids == ref for r, (ref, _) in zip(requests, refs))
     assert exact >= len(cases) - 1

@@ -137,7 +137,7 @@ def test_text_only_prompts_through_the_engine_match_hf(vision_checkpoint):
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert_greedy_matches_hf(outs, reference, 8)
-    assert any(type(m).__name__ == "VisionTower" for m in llm.engine.runner.model.modules())
+    assert any(type(m).__name__ == "VisionTower" for m in llm.apply_model(lambda m: m.modules()))
 
 
 def test_moe_experts_load_from_the_hubs_transposed_layout(vision_checkpoint):

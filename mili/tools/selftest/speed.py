@@ -74,12 +74,12 @@ def _measure_one(path: Path, device: str, quick: bool, label: str, extra: dict, 
     engine = llm.engine
     rows = []
     if bandwidth is None:
-        bandwidth = copy_bandwidth(engine.runner.device, 64 if quick else 1024)
+        bandwidth = copy_bandwidth(engine.core.runner.device, 64 if quick else 1024)
         rows.append(("copy roofline", f"{bandwidth / 1e9:.1f} GB/s"))
-    step_bytes = weight_bytes_per_step(engine.runner.model)
+    step_bytes = weight_bytes_per_step(engine.core.runner.model)
     rows.append((f"{label}: weights read a decode step",
-                 f"{step_bytes / 2**20:.1f} MiB ({engine.runner.weight_format})"))
-    vocab = engine.runner.model_config.vocab_size
+                 f"{step_bytes / 2**20:.1f} MiB ({engine.core.runner.weight_format})"))
+    vocab = engine.core.runner.model_config.vocab_size
     g = torch.Generator().manual_seed(0)
     _run(engine, [torch.randint(0, min(vocab, 256), (8,), generator=g).tolist()], [4])  # warm-up
     prompt = torch.randint(0, min(vocab, 256), (prefill_len,), generator=g).tolist()
