@@ -102,4 +102,10 @@ class LLMEngine:
         return self.core.spec_stats.as_dict()
 
     def check_integrity(self) -> None:
+        """Check the pools' and caches' invariants (every page, slot and snapshot held by one live holder or free);
+        raises AssertionError naming the first broken one."""
         self.core.check_integrity()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel ranks this engine started (nothing else holds a process or a port)."""
+        self.core.runner.close()

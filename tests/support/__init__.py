@@ -7,6 +7,12 @@ hybrid.py       the hybrid generation's checkpoints (Qwen3.5, Qwen3.5 MoE, Qwen3
 vision.py       image-capable checkpoints (Qwen3-VL, Qwen3.5 with its tower), the test images, the image processor
 parity.py       greedy outputs and logprobs against transformers' models
 server.py       a real `mili serve` process, its metrics, streams against it
+engine_state.py what an engine holds once its requests end (``LLMEngine.stats()``, ``check_integrity()``)
 fla_interpreter.py  flash-linear-attention's kernels under the Triton interpreter
 
-tests/conftest.py builds each kind of checkpoint once per session (the ``*_checkpoint`` fixtures)."""
+tests/conftest.py builds each kind of checkpoint once per session (the ``*_checkpoint`` fixtures).
+
+Tests go through the public surfaces: ``LLM``, ``LLMEngine`` (``stats()``, ``plan``, ``apply_model``,
+``check_integrity()``), the HTTP APIs, a kernel's Python wrapper. They reach into ``engine.core`` only for what
+nothing public shows: page reference counts, the encoder cache's occupancy, raw logits, the recurrent-state
+tensors, the tensor-parallel ranks' processes, and faults injected into the sampler, drafter or scheduler."""

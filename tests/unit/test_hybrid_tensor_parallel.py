@@ -52,7 +52,7 @@ def test_tp2_matches_tp1(hybrid_checkpoint, kind):
             assert _tokens(outs) == [ref * 2 for ref in expected]
             two.engine.check_integrity()
     finally:
-        two.engine.core.runner.close()
+        two.engine.shutdown()
     assert not runner.workers
 
 
@@ -79,7 +79,7 @@ def test_an_odd_vocabulary_splits(hybrid_checkpoint, tmp_path):
         assert two.apply_model(lambda m: m.lm_head.weight.shape[0]) == 255  # half of 509, rounded up
         assert _tokens(two.generate(prompts, PARAMS, use_tqdm=False)) == expected
     finally:
-        two.engine.core.runner.close()
+        two.engine.shutdown()
 
 
 def test_linear_heads_that_do_not_split_are_refused_before_anything_starts(hybrid_checkpoint, tmp_path):

@@ -213,4 +213,4 @@ def test_tensor_parallel_two_ranks(qwen3_checkpoint):
             _check(out.prompt_logprobs, prompt, _reference(path, prompt), 3)
         llm.engine.check_integrity()
     finally:
-        llm.engine.core.runner.close()
+        llm.engine.shutdown()

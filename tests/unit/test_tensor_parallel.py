@@ -64,7 +64,7 @@ def test_tp2_matches_tp1(tp_checkpoints, shape):
         assert got == expected
         two.engine.check_integrity()
     finally:
-        two.engine.core.runner.close()
+        two.engine.shutdown()
     assert not runner.workers
 
 
