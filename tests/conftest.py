@@ -91,3 +91,19 @@ def qwen3_tokenizer():
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(QWEN3_TOKENIZER)
+
+
+@pytest.fixture(scope="session")
+def gguf_model(tmp_path_factory) -> Callable[[str], tuple[Path, Path]]:
+    """``gguf_model(kind)``: (the GGUF file, the HF checkpoint it was made from) for ``support.gguf_files.KINDS``."""
+    from support.gguf_files import build_gguf_model
+
+    root = tmp_path_factory.mktemp("gguf")
+    built: dict[str, tuple[Path, Path]] = {}
+
+    def get(kind: str) -> tuple[Path, Path]:
+        if kind not in built:
+            built[kind] = build_gguf_model(root / kind, kind)
+        return built[kind]
+
+    return get

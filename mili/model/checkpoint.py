@@ -18,7 +18,8 @@ _HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.jinja", "*.model", "toke
 
 
 def resolve_model_path(model: str) -> str:
-    """A local checkpoint folder for ``model``: the demo name, a local path, or a hub id."""
+    """A local checkpoint folder for ``model``: the demo name, a local path, a GGUF file (the folder made from its
+    metadata, ``gguf.py``), or a hub id."""
     from mili.model.demo import (DEMO_HYBRID_MODEL, DEMO_MODEL, DEMO_RANDOM_MODEL, demo_checkpoint,
                                  demo_random_checkpoint)
 
@@ -27,6 +28,12 @@ def resolve_model_path(model: str) -> str:
     if model == DEMO_RANDOM_MODEL:
         return demo_random_checkpoint()
     path = Path(model).expanduser()
+    if path.suffix == ".gguf" or (path.is_dir() and not (path / "config.json").is_file()):
+        from mili.model import gguf
+
+        files = gguf.gguf_files(model)
+        if files is not None:
+            return gguf.prepare(files)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"{model!r} is a folder but has no config.json")

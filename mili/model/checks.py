@@ -39,8 +39,14 @@ class WeightQuant:
     ignore: tuple[str, ...] = ()
     bits: int = 8
     group_size: int = 0  # awq: input channels per scale and zero point
+    file_type: str = ""  # gguf: the mix's name (Q4_K_M, Q8_0...)
+    tensor_types: dict | None = None  # gguf: {type: tensors of it}
 
     def describe(self) -> str:
+        if self.method == "gguf":
+            from mili.model.gguf import describe_types
+
+            return f"gguf {self.file_type} ({describe_types(self.tensor_types or {})})"
         if self.method == "awq":
             return f"awq int4 (group {self.group_size}, zero points)"
         if self.block is not None:
@@ -61,6 +67,8 @@ def weight_quant(raw_config: dict) -> WeightQuant | None:
     if q.get("quant_method") == "compressed-tensors" and q.get("format") == "float-quantized" and groups \
             and isinstance(groups, dict) and all(_fp8_group(g) for g in groups.values()):
         return WeightQuant("compressed-tensors", None, "weight_scale", tuple(q.get("ignore") or ()))
+    if q.get("quant_method") == "gguf" and isinstance(q.get("tensor_types"), dict):  # (model/gguf.py writes it)
+        return WeightQuant("gguf", None, "", file_type=str(q.get("file_type")), tensor_types=q["tensor_types"])
     group = q.get("group_size")
     if (q.get("quant_method") == "awq" and str(q.get("version", "gemm")).lower() == "gemm" and q.get("bits") == 4
             and q.get("zero_point", True) is True and isinstance(group, int) and group > 0 and group % 8 == 0):

@@ -14,6 +14,7 @@ from mili.distributed import kv_head_range, vocab_shard
 from mili.errors import ModelLoadError
 from mili.model import quant
 from mili.model.checkpoint import safetensors_files
+from mili.model.gguf import BLOCK_TYPES, GGUFWeights, gguf_folder_files
 from mili.model.checks import HARMLESS_SUFFIXES, WeightQuant, check_tensors, weight_quant
 from mili.model.fused import EXPERT_PARAMS, STACKED_PARAMS, FusedExperts, FusedLinear
 from mili.model.qwen3 import Qwen3ForCausalLM
@@ -272,6 +273,9 @@ def load_weights(model: Qwen3ForCausalLM, path: str, keep_quantized: bool = Fals
     ``keep_quantized``, their layers' quantized parts are returned too (by weight name, see _Dequantizer)."""
     params = dict(model.named_parameters())
     expected = _expected_keys(model, params)
+    gguf_files = gguf_folder_files(path)
+    if gguf_files is not None:
+        return _load_gguf(model, path, gguf_files, params, expected, keep_quantized)
     loaded: set[tuple] = set()
     files = safetensors_files(path)
     quant = weight_quant({"quantization_config": getattr(model.config.hf_config, "quantization_config", None)})
@@ -301,3 +305,42 @@ def load_weights(model: Qwen3ForCausalLM, path: str, keep_quantized: bool = Fals
     if missing:
         raise ModelLoadError(f"checkpoint {path!r} lacks {len(missing)} weights, e.g. {missing[:3]}")
     return dequant.kept if dequant is not None else {}
+
+
+def _load_gguf(model: Qwen3ForCausalLM, path: str, files: list[str], params: dict, expected: set,
+               keep_quantized: bool) -> dict:
+    """A GGUF model's tensors into ``model`` (model/gguf.py): each dequantized as gguf-py does, in float32, into the
+    model's dtype; with ``keep_quantized``, each block-typed linear weight's quants too (``quant.GroupParts``, by
+    weight name), for the kernels that compute with them as stored."""
+    cfg = model.config
+    weights = GGUFWeights(files, cfg.num_hidden_layers, getattr(cfg, "num_experts", 0) or 0)
+    kept, loaded = {}, set()
+    for gguf_name, stem in weights.names.items():
+        if gguf_name not in weights.tensors:
+            continue
+        tensor = weights.dequantized(gguf_name)
+        if stem.endswith(tuple(f".mlp.experts.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj"))):
+            prefix, proj = stem.removesuffix(".weight").rsplit(".", 1)  # stacked: one tensor a expert
+            named = [(f"{prefix}.{e}.{proj}.weight", tensor[e]) for e in range(tensor.shape[0])]
+        else:
+            named = [(stem, tensor)]
+            if keep_quantized and weights.type_name(gguf_name) in BLOCK_TYPES and tensor.dim() == 2 \
+                    and stem != "model.embed_tokens.weight":
+                kept[stem] = weights.group_parts(gguf_name)
+        for name, value in named:
+            if _skipped(model, name):
+                continue
+            target = _target(model, name, params)
+            if target is None:
+                raise ModelLoadError(f"GGUF tensor {gguf_name} ({name}) is not a weight of this model")
+            keys, dest = target
+            if value.shape != dest.shape:
+                raise ModelLoadError(f"GGUF tensor {gguf_name} has shape {tuple(value.shape)}, the metadata implies "
+                                     f"{tuple(dest.shape)}")
+            dest.copy_(value)
+            loaded.update(keys)
+    missing = sorted({n for n, *_ in expected - loaded})
+    if missing:
+        raise ModelLoadError(f"the GGUF model {files[0]!r} lacks {len(missing)} weights, e.g. {missing[:3]}")
+    log.info("weights: GGUF %s", ", ".join(f"{t} {n}" for t, n in weights.types.most_common()))
+    return kept

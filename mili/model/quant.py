@@ -41,6 +41,23 @@ class Int4Parts(NamedTuple):
     scales: torch.Tensor
 
 
+class GroupParts(NamedTuple):
+    """Quants with a scale and an offset per group of input channels, w = scale q + offset (GGUF's block types,
+    ``gguf_blocks.py``): ``q`` [out, in] int8, ``scales`` and ``offsets`` [out, in / group] float32; ``bits`` 4
+    (q in 0..15: the int4 kernel) or 8 (any int8 q)."""
+
+    q: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor
+    bits: int
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 scale q + offset, in that order: the values of gguf.quants.dequantize of the same blocks, exactly
+        (a zero's sign aside: Q4_0's d 8 - 8 d is +0 where gguf-py's d (8 - 8) is -0 for a negative d)."""
+        group = self.q.shape[1] // self.scales.shape[1]
+        return (self.q.float() * self.scales.repeat_interleave(group, 1)).add_(self.offsets.repeat_interleave(group, 1))
+
+
 def fp8_parts(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> Fp8Parts:
     """A checkpoint's FP8 weight and scale: per 128 x 128 block (``block``), else per channel or per tensor
     (both as one float32 scale per output channel)."""
@@ -49,11 +66,19 @@ def fp8_parts(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | Non
     return Fp8Parts(q, scale.float().contiguous(), block)
 
 
-def concat_parts(parts: list) -> Fp8Parts | Int4Parts:
+def concat_parts(parts: list) -> Fp8Parts | Int4Parts | GroupParts:
     """One layer from its shards' parts, stacked along the output rows. FP8 blocks that would straddle two
     shards (a shard not a whole number of blocks tall) become one scale row per output row."""
     if isinstance(parts[0], Int4Parts):
         return Int4Parts(*(torch.cat(ts) for ts in zip(*parts)))
+    if isinstance(parts[0], GroupParts):  # (the smallest group and the widest quants: every shard exactly)
+        group = min(p.q.shape[1] // p.scales.shape[1] for p in parts)
+
+        def regroup(t, p):
+            return t.repeat_interleave(p.q.shape[1] // p.scales.shape[1] // group, 1)
+
+        return GroupParts(torch.cat([p.q for p in parts]), torch.cat([regroup(p.scales, p) for p in parts]),
+                          torch.cat([regroup(p.offsets, p) for p in parts]), max(p.bits for p in parts))
     rows, cols = parts[0].block
     assert all(p.block[1] == cols for p in parts)
     if len({p.block for p in parts}) == 1 and all(p.q.shape[0] % rows == 0 for p in parts[:-1]):

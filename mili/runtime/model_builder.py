@@ -14,7 +14,9 @@ import torch
 from mili.config import ModelConfig
 from mili.kernels import gated_delta_fla
 from mili.kernels.reference import TorchOps
-from mili.model.cpu_linear import fp8_round_trip_linears, int4_layer, swap_linears, swap_lm_head
+from mili.kernels.cpu import ops as cpu_ops
+from mili.model import quant
+from mili.model.cpu_linear import Int4Linear, fp8_round_trip_linears, int4_layer, swap_linears, swap_lm_head
 from mili.model.loader import load_weights
 from mili.model.qwen3 import Qwen3ForCausalLM
 from mili.model.qwen3_5 import GatedDeltaNet, Qwen3_5ForCausalLM
@@ -90,11 +92,22 @@ def _swap_linears(model, plan: ExecutionPlan, quantized: dict) -> None:
     elif plan.linears == "int8":
         swap_linears(model, "int8", kernels=plan.int8_kernels, skip_head=skip_head)
     elif plan.linears == "kernel":
-        swap_linears(model, "kernel", quantized=quantized, make_quantized=int4_layer, skip_head=skip_head)
+        swap_linears(model, "kernel", quantized=quantized, make_quantized=_quantized_cpu_layer, skip_head=skip_head)
     elif plan.linears == "packed":
         swap_linears(model, "packed", skip_head=skip_head)
     if skip_head:
         swap_lm_head(model, plan.lm_head, kernels=plan.int8_kernels if plan.lm_head == "int8" else plan.cpu_kernels)
+
+
+def _quantized_cpu_layer(parts, bias, shard_sizes):
+    """A layer kept as stored on the CPU's kernels: AWQ's and GGUF's 4-bit quants on the int4 kernel; None (the
+    dequantized weights on the bf16 kernel) where the kernel can't take the shape or the quants."""
+    if not isinstance(parts, quant.GroupParts):
+        return int4_layer(parts, bias, shard_sizes)
+    out, k = parts.q.shape
+    if parts.bits == 4 and cpu_ops.int4_supported(out, k, k // parts.scales.shape[1]):
+        return Int4Linear(parts.q.to(torch.uint8), parts.scales, parts.offsets, bias, shard_sizes)
+    return None
 
 
 def _release_freed_memory() -> None:

@@ -215,19 +215,23 @@ def plan(config: EngineConfig, model_config: ModelConfig, device: DeviceInfo) ->
         gated_delta = "fla" if on_cuda else "torch+cpu" if kernel_step else "torch"
 
     quant = weight_quant({"quantization_config": getattr(model_config.hf_config, "quantization_config", None)})
-    triton_linears = (quant is not None and not config.quantization and tp == 1 and not hybrid
+    method = getattr(quant, "method", None)
+    if method == "gguf" and tp > 1:
+        raise InvalidRequest("GGUF models do not run with tensor parallelism yet (their blocks are not split over "
+                             "ranks): run it on one device", param="tensor_parallel_size")
+    triton_linears = (quant is not None and method != "gguf" and not config.quantization and tp == 1 and not hybrid
                       and (on_cuda or attention == "triton"))
     if config.lm_head_dtype == "int8" and (not on_cpu or triton_linears):
         raise InvalidRequest("--lm-head-dtype int8 runs on the CPU's linear layers (not on CUDA or the Triton "
                              "layers)", param="lm_head_dtype")
     int8_kernels = cpu_kernels and device.int8_kernels
-    keep_quantized = triton_linears or (int8_kernels and getattr(quant, "method", None) == "awq")
+    keep_quantized = triton_linears or (int8_kernels and method in ("awq", "gguf"))
     fp8_act = triton_linears and _fp8_activations(device, dtype)
     linears, weight_format, fp8_round_trip = _linears(config, quant, dtype, device, hybrid, tp, triton_linears,
                                                       fp8_act, cpu_kernels, int8_kernels, keep_quantized,
                                                       model_config.is_moe)
     lm_head = _lm_head(config, on_cpu and tp == 1 and not triton_linears, keep_quantized and cpu_kernels and
-                       not hybrid and config.quantization is None)
+                       not hybrid and config.quantization is None and method == "awq")
     if lm_head is not None:
         name = lm_head if lm_head == "int8" else str(dtype).removeprefix("torch.")
         weight_format += f", lm_head {name}" + (" (W8A8 kernel)" if lm_head == "int8" and int8_kernels else "")
@@ -314,12 +318,15 @@ def _linears(config, quant, dtype, device, hybrid, tp, triton_linears, fp8_act, 
     if fp8 and device.type == "cuda" and device.capability >= (8, 9):
         return "fp8", "fp8 e4m3 per channel (torch._scaled_mm, per-token activations)", True
     cpu_bf16 = device.type == "cpu" and dtype == torch.bfloat16
-    if config.quantization in ("int8", "fp8") or (quant is not None and quant.method != "awq" and cpu_bf16):
+    method = getattr(quant, "method", None)
+    if config.quantization in ("int8", "fp8") or (quant is not None and quant.method not in ("awq", "gguf")
+                                                  and cpu_bf16):
         origin = quant.describe() if quant else ("fp8 values" if fp8 else "")
         return "int8", (f"int8 per channel ({'W8A8 kernel' if int8_kernels else 'weight-only'})"
                         + (f", requantized from {origin}" if origin else "")), fp8
     if cpu_kernels:
-        return "kernel", f"{quant.describe()} on the int4 kernel (W4A8)" if keep_quantized else dequantized, False
+        kernels = "the int4 and int8 kernels (W4A8, W8A8)" if method == "gguf" else "the int4 kernel (W4A8)"
+        return "kernel", f"{quant.describe()} on {kernels}" if keep_quantized else dequantized, False
     if device.type == "cpu" and config.cpu_weight_prepack and dtype == torch.bfloat16 and not device.onednn_bf16:
         return "packed", dequantized, False
     return "plain", dequantized, False

@@ -1,0 +1,85 @@
+"""GGUF's block types as MILI's kernels take them: quants ``q`` with a scale and an offset per group of input
+channels, w = scale * q + offset (``quant.GroupParts``). Each type maps onto that exactly: float32 scale * q +
+offset, computed in that order, gives the values of ``gguf.quants.dequantize`` exactly (tested), because the scales are
+products gguf-py itself forms first (d * sc, exact in float32) and an offset is its subtracted term.
+
+    Q8_0  32 int8 q, fp16 d                      w = d q                  8-bit, group 32
+    Q4_0  32 4-bit q, fp16 d                     w = d q + (-8 d)         4-bit, group 32
+    Q4_K  256: 8 x 32 4-bit q, 6-bit sc and m    w = (d sc) q + (-dmin m)  4-bit, group 32
+    Q5_K  256: 8 x 32 5-bit q, 6-bit sc and m    w = (d sc) q + (-dmin m)  8-bit, group 32
+    Q6_K  256: 16 x 16 6-bit q - 32, int8 sc     w = (d sc) q             8-bit, group 16
+
+(Q4_0's -8 d is exact, and d q - 8 d = d (q - 8) holds to the bit: both are exact, at most 15 significant bits.)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from mili.model.quant import GroupParts
+
+QK_K = 256
+# (elements, bytes) of a block, by GGML type name: what the file's tensor sizes are checked against
+BLOCKS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
+
+
+def _scale_min_k4(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's and Q5_K's 12 bytes of 6-bit scales and mins: 8 of each (llama.cpp's get_scale_min_k4)."""
+    n = scales.shape[0]
+    d, m, m_d = (scales[:, i * 4:(i + 1) * 4] for i in range(3))
+    sc = np.concatenate([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], axis=1)
+    mn = np.concatenate([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], axis=1)
+    return sc.reshape(n, 8).astype(np.float32), mn.reshape(n, 8).astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray, chunk: int) -> np.ndarray:
+    """Bytes in chunks of ``chunk``: each chunk's low nibbles, then its high nibbles (GGUF's order)."""
+    n = qs.shape[0]
+    qs = qs.reshape(n, -1, 1, chunk) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    return (qs & 0x0F).reshape(n, -1)
+
+
+def split_blocks(blocks: np.ndarray, type_name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int]:
+    """``blocks`` [n, bytes] of one type -> (q [n, elements] int8, scales [n, groups], offsets [n, groups] float32,
+    group, bits)."""
+    n = blocks.shape[0]
+    if type_name == "Q8_0":
+        d = _f16(blocks[:, :2])
+        return blocks[:, 2:].view(np.int8), d, np.zeros_like(d), 32, 8
+    if type_name == "Q4_0":
+        d = _f16(blocks[:, :2])
+        return _nibbles(blocks[:, 2:], 16).astype(np.int8), d, -8 * d, 32, 4
+    if type_name in ("Q4_K", "Q5_K"):
+        d, dmin = _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
+        sc, mn = _scale_min_k4(blocks[:, 4:16])
+        scales, offsets = d * sc, -(dmin * mn)
+        if type_name == "Q4_K":
+            return _nibbles(blocks[:, 16:], 32).astype(np.int8), scales, offsets, 32, 4
+        qh = blocks[:, 16:48].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
+        q = _nibbles(blocks[:, 48:], 32) | ((qh & 1).reshape(n, -1) << 4)
+        return q.astype(np.int8), scales, offsets, 32, 8
+    if type_name == "Q6_K":
+        ql, qh = blocks[:, :128], blocks[:, 128:192]
+        sc = blocks[:, 192:208].view(np.int8).astype(np.float32)
+        d = _f16(blocks[:, 208:210])
+        low = _nibbles(ql, 64).reshape(n, -1, 64)  # two halves of 128: 64 low-nibble values, 64 high
+        high = (qh.reshape(n, -1, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
+        q = (low.reshape(n, -1, 128) | (high.reshape(n, -1, 128) << 4)).astype(np.int8) - np.int8(32)
+        return q.reshape(n, QK_K), d * sc, np.zeros((n, 16), np.float32), 16, 8
+    raise ValueError(f"no kernel mapping for {type_name}")
+
+
+def group_parts(data: np.ndarray, type_name: str, shape: tuple[int, ...]) -> GroupParts:
+    """A GGUF tensor's blocks (``data``: the reader's uint8 [rows, bytes]) as a matrix's ``GroupParts``: q
+    [out, in] int8, scales and offsets [out, in / group] float32."""
+    out, k = shape[-2], shape[-1]
+    _, size = BLOCKS[type_name]
+    q, scales, offsets, group, bits = split_blocks(np.asarray(data).reshape(-1, size), type_name)
+    return GroupParts(torch.from_numpy(q.reshape(out, k).copy()),
+                      torch.from_numpy(np.ascontiguousarray(scales.reshape(out, k // group))),
+                      torch.from_numpy(np.ascontiguousarray(offsets.reshape(out, k // group))), bits)

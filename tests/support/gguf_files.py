@@ -1,0 +1,219 @@
+"""GGUF files made from tiny HF checkpoints, as llama.cpp's convert_hf_to_gguf.py writes them: gguf-py's
+``GGUFWriter`` and ``TensorNameMap`` for the names, the tokenizer's vocabulary and merges with gguf-py's
+``SpecialVocab`` (special ids, chat template), and each weight in the block type asked. Q8_0 and Q4_0 are
+quantized from the checkpoint's weights (``gguf.quants.quantize``); the K-quants, which gguf-py cannot quantize,
+get random but valid blocks. The reference a test compares against is then HF's model built from
+``gguf.quants.dequantize`` of the file's own tensors (``dequantized_state_dict``)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+
+
+def _gguf():
+    import gguf
+
+    return gguf
+
+
+ARCHS = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3moe"}
+
+
+def _type(name: str):
+    return _gguf().GGMLQuantizationType[name]
+
+
+def _random_blocks(qtype, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random valid blocks of ``qtype`` for a [rows, cols] matrix: random quants and sub-block scales, and fp16
+    super-block scales of the size a trained model's weights give (values of order 0.1)."""
+    gguf = _gguf()
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, size=(rows * cols // block, size), dtype=np.uint8)
+
+    def put(at: int, low: float, high: float):
+        blocks[:, at:at + 2] = rng.uniform(low, high, size=len(blocks)).astype(np.float16).view(np.uint8).reshape(-1, 2)
+
+    name = qtype.name
+    if name in ("Q4_K", "Q5_K"):  # d, dmin first: w = d sc q - dmin m (sc, m 6 bits; q 4 or 5 bits)
+        put(0, 2e-4, 6e-4)
+        put(2, 2e-4, 1e-3)
+    elif name == "Q6_K":  # d last: w = d sc (q - 32) (sc int8, q 6 bits)
+        put(size - 2, 2e-4, 6e-4)
+    else:
+        raise ValueError(f"no random blocks for {name}")
+    return blocks.reshape(rows, -1)
+
+
+def _encode(weight: np.ndarray, qtype_name: str, rng: np.random.Generator) -> tuple[np.ndarray, object]:
+    gguf = _gguf()
+    qtype = _type(qtype_name)
+    if qtype_name in ("F32", "F16", "BF16"):
+        dtype = {"F32": np.float32, "F16": np.float16}.get(qtype_name)
+        if dtype is None:
+            return gguf.quants.quantize(weight.astype(np.float32), qtype), qtype
+        return weight.astype(dtype), qtype
+    if qtype_name in ("Q8_0", "Q4_0"):
+        return gguf.quants.quantize(weight.astype(np.float32), qtype), qtype
+    rows = int(np.prod(weight.shape[:-1]))
+    return _random_blocks(qtype, rows, weight.shape[-1], rng).reshape(*weight.shape[:-1], -1), qtype
+
+
+def _tokenizer_metadata(writer, tokenizer_dir: Path, vocab_size: int) -> None:
+    """llama.cpp's BPE ("gpt2") vocabulary: every id up to the model's vocab size (unused ids as [PADn]
+    user-defined tokens), added tokens as control or user-defined, then merges, special ids and the chat
+    template from the tokenizer's own files."""
+    from transformers import AutoTokenizer
+
+    gguf = _gguf()
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    by_id = {i: t for t, i in tok.get_vocab().items()}
+    added = tok.added_tokens_decoder
+    tokens, types = [], []
+    for i in range(vocab_size):
+        if i not in by_id:
+            tokens.append(f"[PAD{i}]")
+            types.append(gguf.TokenType.UNUSED)
+        elif i in added:
+            tokens.append(added[i].content)
+            types.append(gguf.TokenType.CONTROL if added[i].special else gguf.TokenType.USER_DEFINED)
+        else:
+            tokens.append(by_id[i])
+            types.append(gguf.TokenType.NORMAL)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    gguf.SpecialVocab(tokenizer_dir, load_merges=True, n_vocab=vocab_size).add_to_gguf(writer)
+
+
+def write_gguf(checkpoint: Path, out: Path, types: dict[str, str] | str = "F32", seed: int = 0,
+               split_max_tensors: int = 0, tokenizer_dir: Path | None = None) -> Path:
+    """``checkpoint`` (a Qwen3 or Qwen3 MoE folder) as a GGUF file ``out``. ``types``: one block type for
+    every matrix, or {regex on the GGUF name: type} (first match; norms and the router stay F32, as llama.cpp
+    keeps them). ``split_max_tensors``: write split files (-00001-of-0000N.gguf) of that many tensors."""
+    from safetensors.torch import load_file
+
+    gguf = _gguf()
+    config = json.loads((checkpoint / "config.json").read_text())
+    arch = ARCHS[config["architectures"][0]]
+    state = {}
+    for file in sorted(checkpoint.glob("*.safetensors")):
+        state.update(load_file(file))
+    layers = config["num_hidden_layers"]
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], layers)
+    writer = gguf.GGUFWriter(out, arch, split_max_tensors=split_max_tensors)
+    writer.add_name(checkpoint.name)
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_rope_freq_base(config.get("rope_theta") or config.get("rope_parameters", {}).get("rope_theta"))
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    if arch == "qwen3moe":
+        writer.add_expert_count(config.get("num_experts") or config["num_local_experts"])
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    _tokenizer_metadata(writer, tokenizer_dir or checkpoint, config["vocab_size"])
+
+    rng = np.random.default_rng(seed)
+    stacked: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    tensors: dict[str, np.ndarray] = {}
+    for name, tensor in state.items():
+        expert = re.match(r"^(.*\.mlp\.experts)\.(\d+)\.(\w+)\.weight$", name)
+        if expert:  # one tensor per expert and projection: stacked, as llama.cpp stores them
+            stacked.setdefault(f"{expert.group(1)}.{expert.group(3)}", []).append((int(expert.group(2)), tensor))
+            continue
+        tensors[name] = tensor.float().numpy()
+    for stem, experts in stacked.items():
+        tensors[f"{stem}.weight"] = torch.stack([t for _, t in sorted(experts, key=lambda e: e[0])]).float().numpy()
+    for name, value in tensors.items():
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if gguf_name is None:
+            raise ValueError(f"no GGUF name for {name}")
+        qtype_name = "F32"
+        if value.ndim >= 2 and not gguf_name.endswith("ffn_gate_inp.weight"):
+            qtype_name = types if isinstance(types, str) else next(
+                (t for pattern, t in types.items() if re.search(pattern, gguf_name)), "F32")
+        data, qtype = _encode(value, qtype_name, rng)
+        writer.add_tensor(gguf_name, data, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def dequantized_state_dict(files: list[Path], checkpoint: Path) -> dict[str, torch.Tensor]:
+    """The HF checkpoint's tensors as the GGUF files hold them: ``gguf.quants.dequantize`` of each, under the
+    checkpoint's names (stacked experts split back into one tensor per expert)."""
+    from safetensors import safe_open
+
+    gguf = _gguf()
+    config = json.loads((checkpoint / "config.json").read_text())
+    arch = ARCHS[config["architectures"][0]]
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config["num_hidden_layers"])
+    stored = {}
+    for file in files:
+        for t in gguf.GGUFReader(file).tensors:
+            stored[t.name] = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).reshape(
+                [int(d) for d in reversed(t.shape)])
+    out = {}
+    hf_names = []
+    for file in sorted(checkpoint.glob("*.safetensors")):
+        with safe_open(file, "pt") as f:
+            hf_names += list(f.keys())
+    for name in hf_names:
+        expert = re.match(r"^(.*\.mlp\.experts)\.(\d+)\.(\w+)\.weight$", name)
+        if expert:
+            gguf_name = names.get_name(f"{expert.group(1)}.{expert.group(3)}.weight", try_suffixes=(".weight",))
+            out[name] = stored[gguf_name][int(expert.group(2))]
+        else:
+            out[name] = stored[names.get_name(name, try_suffixes=(".weight", ".bias"))]
+    return out
+
+
+# The test models: the demo's tokenizer (4096 tokens, its chat template) over random Qwen3 weights whose matrices
+# are multiples of 256 wide (the K-quants' super-blocks), each in one of llama.cpp's mixes
+_DENSE = dict(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=64, tie_word_embeddings=False)
+Q4_K_M = {r"attn_v|ffn_down|output": "Q6_K", r"attn_[qko]|ffn_(gate|up)|token_embd": "Q4_K"}  # llama.cpp's mix
+KINDS = {
+    "q4_k_m": (_DENSE, Q4_K_M),
+    "q8_0": ({**_DENSE, "head_dim": 32, "tie_word_embeddings": True}, "Q8_0"),  # head_dim != hidden / heads
+    "q4_0": (_DENSE, {r"token_embd|output": "Q8_0", ".": "Q4_0"}),
+    "q5_k": (_DENSE, {r"token_embd|output": "F16", ".": "Q5_K"}),
+    "f16_bf16": (_DENSE, {r"attn": "F16", ".": "BF16"}),
+    "moe": (dict(vocab_size=4096, hidden_size=256, intermediate_size=256, moe_intermediate_size=256,
+                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=4,
+                 num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=False),
+            {r"ffn_(gate|up)_exps": "Q4_K", r"ffn_down_exps": "Q6_K", ".": "Q8_0"}),
+}
+
+
+def build_gguf_model(folder: Path, kind: str, split_max_tensors: int = 0) -> tuple[Path, Path]:
+    """(the GGUF file of ``KINDS[kind]``, the HF checkpoint it was made from) in ``folder``."""
+    from mili.model.demo import demo_checkpoint
+    from support.checkpoints import build_checkpoint, build_moe_checkpoint
+
+    shape, types = KINDS[kind]
+    folder.mkdir(parents=True, exist_ok=True)
+    if "num_experts" in shape:
+        checkpoint = build_moe_checkpoint(folder / "hf", **shape)
+    else:
+        checkpoint = build_checkpoint(folder / "hf", "gqa_untied", with_tokenizer=False, **shape)
+    demo = Path(demo_checkpoint())
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (demo / name).is_file():
+            (checkpoint / name).write_bytes((demo / name).read_bytes())
+    return write_gguf(checkpoint, folder / f"{kind}.gguf", types, split_max_tensors=split_max_tensors), checkpoint

@@ -1,0 +1,209 @@
+"""GGUF files (model/gguf.py): made here from tiny HF checkpoints with gguf-py's writer (support/gguf_files.py), in
+each block type MILI maps onto its kernels. The reference is HF transformers' model built from gguf-py's own
+``dequantize`` of the same tensors; bad files are refused by name at load."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+import gguf  # noqa: E402
+from mili import LLM, SamplingParams  # noqa: E402
+from mili.errors import ModelLoadError  # noqa: E402
+from mili.model.gguf_blocks import group_parts  # noqa: E402
+from mili.model.quant import concat_parts  # noqa: E402
+from support.checkpoints import QWEN3_TOKENIZER, build_checkpoint  # noqa: E402
+from support.engine_state import assert_drained  # noqa: E402
+from support.gguf_files import _encode, build_gguf_model, dequantized_state_dict, write_gguf  # noqa: E402
+from support.parity import assert_greedy_matches_hf  # noqa: E402
+
+MAX_TOKENS = 8
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
+
+
+def _prompts(n=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 4000, (int(k),), generator=g).tolist() for k in torch.randint(3, 40, (n,), generator=g)]
+
+
+def _hf_reference(files, checkpoint, prompts, tmp_path):
+    """HF's model over gguf-py's dequantized tensors (saved as the checkpoint's safetensors, loaded by
+    ``from_pretrained`` as any checkpoint): greedy tokens and raw scores per prompt."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path / "dequantized"
+    folder.mkdir()
+    shutil.copy(checkpoint / "config.json", folder / "config.json")
+    save_file({k: v.contiguous() for k, v in dequantized_state_dict(files, checkpoint).items()},
+              folder / "model.safetensors")
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    results = []
+    for ids in prompts:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 max_new_tokens=MAX_TOKENS, do_sample=False, output_scores=True,
+                                 return_dict_in_generate=True, pad_token_id=0)
+        results.append((out.sequences[0, len(ids):].tolist(), torch.stack(out.scores)[:, 0]))
+    return results
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_each_block_type_splits_into_exactly_gguf_dequantize(type_name):
+    """scale * q + offset per group, in float32, is gguf-py's dequantize of the same blocks, value for value."""
+    rng = np.random.default_rng(1)
+    w = rng.normal(0, 0.2, size=(48, 512)).astype(np.float32)
+    data, qtype = _encode(w, type_name, rng)
+    parts = group_parts(data, type_name, (48, 512))
+    want = gguf.quants.dequantize(data, qtype).reshape(48, 512)
+    assert np.array_equal(parts.dequantize().numpy(), want)  # (no tolerance)
+    assert parts.bits == (4 if type_name in ("Q4_0", "Q4_K") else 8)
+    if parts.bits == 4:
+        assert 0 <= parts.q.min() and parts.q.max() <= 15
+    # shards of one fused layer in two types (Q4_K_M's q and v): joined at the smaller group, the wider quants
+    other = group_parts(*_encode(w[:16], "Q6_K", rng)[:1], "Q6_K", (16, 512))
+    joined = concat_parts([parts, other])
+    assert torch.equal(joined.dequantize(), torch.cat([parts.dequantize(), other.dequantize()]))
+
+
+@pytest.mark.parametrize("kind", ["q4_k_m", "q8_0", "q4_0", "q5_k", "f16_bf16", "moe"])
+def test_float32_greedy_matches_hf_on_the_dequantized_tensors(gguf_model, kind, tmp_path):
+    path, checkpoint = gguf_model(kind)
+    prompts = _prompts()
+    llm = LLM(str(path), dtype="float32")
+    assert "gguf" in llm.engine.plan.weight_format
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert_greedy_matches_hf(outs, _hf_reference([path], checkpoint, prompts, tmp_path), MAX_TOKENS)
+    assert_drained(llm)
+
+
+def test_bf16_runs_the_blocks_on_the_kernels_as_stored(gguf_model):
+    """On MILI's CPU kernels the 4-bit types compute as stored (the int4 kernel), whose dequantized weights are
+    gguf-py's; the model's tokens follow the float32 run's (W4A8 quantizes activations: within its error)."""
+    from mili.kernels import cpu as cpu_kernels
+    from mili.model.cpu_linear import Int4Linear
+
+    path, _ = gguf_model("q4_k_m")
+    llm = LLM(str(path), dtype="bfloat16")
+    if not llm.engine.plan.int8_kernels:  # (AVX-512 without VNNI: the blocks dequantized, on the bf16 kernel)
+        assert "dequantized to bfloat16" in llm.engine.plan.weight_format, llm.engine.plan.weight_format
+        return
+    assert "on the int4 and int8 kernels" in llm.engine.plan.weight_format
+    gate_up = llm.apply_model(lambda m: m.model.layers[0].mlp.gate_up_proj)
+    assert isinstance(gate_up, Int4Linear)
+    assert cpu_kernels.available()
+    float32 = LLM(str(path), dtype="float32")
+    prompts = [{"prompt_token_ids": p} for p in _prompts(seed=3)]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    want_tokens = [o.outputs[0].token_ids for o in float32.generate(prompts, params, use_tqdm=False)]
+    assert sum(g[0] == w[0] for g, w in zip(got, want_tokens)) >= len(prompts) - 1
+
+
+def test_split_files_and_a_folder_holding_one(gguf_model, tmp_path):
+    path, checkpoint = gguf_model("q8_0")
+    split, _ = build_gguf_model(tmp_path / "split", "q8_0", split_max_tensors=10)
+    parts = sorted((tmp_path / "split").glob("*.gguf"))
+    assert len(parts) > 1 and parts[0].name.endswith("-00001-of-%05d.gguf" % len(parts))
+    prompts = [{"prompt_token_ids": p} for p in _prompts()]
+    want = [o.outputs[0].token_ids for o in LLM(str(path), dtype="float32").generate(prompts, GREEDY,
+                                                                                    use_tqdm=False)]
+    for model in (parts[0], tmp_path / "split"):
+        got = LLM(str(model), dtype="float32").generate(prompts, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == want
+    parts[-1].unlink()
+    with pytest.raises(ModelLoadError, match="lacks .*-of-"):
+        LLM(str(parts[0]))
+
+
+def test_the_tokenizer_and_chat_template_come_from_the_metadata(tmp_path):
+    """The real Qwen3 tokenizer through GGUF metadata and transformers' conversion: the same ids for a
+    multilingual text, the same text back, the same chat template."""
+    from transformers import AutoTokenizer
+
+    from mili.model.checkpoint import resolve_model_path
+
+    checkpoint = build_checkpoint(tmp_path / "hf", "gqa4_realvocab")
+    path = write_gguf(checkpoint, tmp_path / "real.gguf", "F16", tokenizer_dir=QWEN3_TOKENIZER)
+    folder = resolve_model_path(str(path))
+    ours, theirs = AutoTokenizer.from_pretrained(folder), AutoTokenizer.from_pretrained(QWEN3_TOKENIZER)
+    text = "Hello, world! Grüße aus Köln. 你好，世界。こんにちは 🌍 مرحبا بالعالم — «naïve» café\n\tx = 1 + 2"
+    assert ours.encode(text) == theirs.encode(text)
+    assert ours.decode(theirs.encode(text)) == text
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi 你好"}]
+    assert ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
+        theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    config = json.loads((tmp_path / "real.gguf").parent.joinpath(folder, "config.json").read_text())
+    assert config["head_dim"] == 16 and config["quantization_config"]["tensor_types"]["F16"] > 0
+
+
+def _copy(path, tmp_path, name="m.gguf"):
+    out = tmp_path / name
+    shutil.copy(path, out)
+    return out
+
+
+def test_bad_files_are_refused_by_name(gguf_model, tmp_path):
+    path, checkpoint = gguf_model("q8_0")
+    truncated = _copy(path, tmp_path, "truncated.gguf")
+    truncated.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(ModelLoadError, match="truncated|cannot read"):
+        LLM(str(truncated))
+    wrong = tmp_path / "wrong.gguf"
+    wrong.write_bytes(b"GGUX" + path.read_bytes()[4:])
+    with pytest.raises(ModelLoadError, match="not a GGUF file"):
+        LLM(str(wrong))
+    (tmp_path / "two").mkdir()
+    for name in ("a.gguf", "b.gguf"):
+        _copy(path, tmp_path / "two", name)
+    with pytest.raises(ModelLoadError, match="holds 2 GGUF models"):
+        LLM(str(tmp_path / "two"))
+
+
+def _rewrite(path, out, arch=None, shape_of=None, type_of=None):
+    """A copy of GGUF ``path`` with its architecture renamed, one tensor's shape changed, or one tensor stored in
+    another type (random blocks of it)."""
+    reader = gguf.GGUFReader(path)
+    arch_name = arch or reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(out, arch_name)
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        value = field.contents()
+        if field.name.startswith(reader.fields["general.architecture"].contents() + "."):
+            name = arch_name + field.name[field.name.index("."):]
+        else:
+            name = field.name
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, value, vtype, sub_type=sub)
+    for t in reader.tensors:
+        data, qtype = np.array(t.data), t.tensor_type
+        if t.name == shape_of:
+            data = data[:-1]
+        if t.name == type_of:
+            rows = int(t.shape[1])
+            block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.IQ4_NL]
+            data = np.random.default_rng(0).integers(0, 255, (rows, int(t.shape[0]) // block * size), dtype=np.uint8)
+            qtype = gguf.GGMLQuantizationType.IQ4_NL
+        writer.add_tensor(t.name, data, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def test_unknown_arch_odd_types_and_wrong_shapes(gguf_model, tmp_path):
+    path, _ = gguf_model("q8_0")
+    with pytest.raises(ModelLoadError, match="architecture 'llama' is not one MILI runs"):
+        LLM(str(_rewrite(path, tmp_path / "llama.gguf", arch="llama")))
+    with pytest.raises(ModelLoadError, match=r"types MILI does not run: IQ4_NL .*Q8_0 \d+.*MILI runs F32"):
+        LLM(str(_rewrite(path, tmp_path / "iq.gguf", type_of="blk.0.attn_q.weight")))
+    with pytest.raises(ModelLoadError, match="blk.1.ffn_up.weight"):
+        LLM(str(_rewrite(path, tmp_path / "shape.gguf", shape_of="blk.1.ffn_up.weight")))
