@@ -22,7 +22,7 @@ def test_mkdocs_build_strict(tmp_path):
                           env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
     assert done.returncode == 0, done.stdout + done.stderr
     home = (tmp_path / "site" / "index.html").read_text()
-    assert "Qwen3MoeForCausalLM" in home  # the support matrix, included from the README
+    assert "Qwen3 MoE: 30B-A3B" in home  # the support matrix, included from the README
     assert "max_batch_size" in (tmp_path / "site" / "serving" / "index.html").read_text()  # examples/mili.yaml
 
 
