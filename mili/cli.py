@@ -142,10 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
     gen.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=True,
                      help="with --chat: Qwen3 thinking on/off")
-    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate for each prompt")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the fewest tokens whose "
+                     "probability adds up to this (1 = off)")
+    gen.add_argument("--top-k", type=int, default=-1, help="keep the k most likely tokens (-1 = off)")
     gen.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
     gen.add_argument("--stop", action="append", help="a stop string (repeatable)")
     gen.set_defaults(func=cmd_generate)
@@ -153,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible and native HTTP APIs")
     add_engine_args(srv)
     srv.add_argument("--host", default="127.0.0.1", help="address to bind")
-    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--port", type=int, default=8000, help="port to listen on")
     srv.add_argument("--served-model-name", default=None,
                      help="the model name clients send (default: the MODEL argument)")
     srv.add_argument("--api-key", default=None,

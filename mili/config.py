@@ -296,7 +296,7 @@ def parse_mm_limits(value) -> dict[str, int]:
 @dataclass
 class EngineConfig:
     """What the engine is asked to run. Each field is one engine option: its ``option(...)`` metadata (mili/options.py)
-    makes the CLI flag (in this order), the config-file key, the checks below and the README's option table."""
+    makes the CLI flag (in this order), the config-file key, the checks below and the docs' option table."""
 
     model: str = option(
         help=f"local checkpoint folder, hub id (e.g. Qwen/Qwen3-0.6B), '{DEMO_MODEL}' (default: a small Qwen3 trained "

@@ -1,5 +1,6 @@
 """Engine options, each written once: an ``EngineConfig`` field whose ``option(...)`` metadata generates its CLI
-flag, its config-file key, the checks of its value and its row in the README's option table.
+flag, its config-file key, the checks of its value and its row in the docs' option table
+(docs/reference/options.md, written by mili/tools/reference.py).
 
     page_size: int = option(16, "tokens per KV page", minimum=1, section="kv_cache.page_size")
 
@@ -130,7 +131,7 @@ def check_names(cls, names, caller: str) -> None:
 
 
 def markdown_table(cls) -> str:
-    """The README's option table: flag, LLM() keyword, config-file key, default, help."""
+    """The docs' option table (docs/reference/options.md): flag, LLM() keyword, config-file key, default, help."""
     def cell(text: str) -> str:
         return text.replace("|", "\\|").replace("\n", " ")
 

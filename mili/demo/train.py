@@ -10,7 +10,7 @@ a jointly trained MTP head, on the same corpus, tokenizer recipe, chat data and 
 The corpus is the King James Version (1611; public domain) as ``bible -l100000 gen1:1-rev22:21``
 prints it (or ``--corpus FILE`` holding that output; ``--corpus-dir DIR`` reads ``DIR/kjv.txt``).
 One chapter in a hundred is held out (never trained on, nor used for chat data): its per-token
-cross-entropy is the figure the README and ``tests/unit/test_demo.py`` quote. What the run makes,
+cross-entropy is the figure docs/models.md and ``tests/unit/test_demo.py`` quote. What the run makes,
 under ``--out``:
 
 - ``checkpoint/``: the model (bf16 safetensors), BPE tokenizer, ChatML template, generation config;

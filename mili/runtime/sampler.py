@@ -7,7 +7,7 @@ sampled: on the CPU by inverse CDF (one uniform per row against its cumulative p
 with the exponential race ``argmax(probs / q)``, ``q ~ Exp(1)`` (no host sync). A row with its own generator
 draws from it alone, so a seeded sequence's tokens do not depend on what else is in the batch.
 
-The arithmetic is total (README, "Errors"): every float parameter is clamped into the range float32 computes
+The arithmetic is total (docs/serving/errors.md): every float parameter is clamped into the range float32 computes
 faithfully (``SAMPLING_BOUNDS``) when the metadata is built; before a draw, a NaN logit counts as masked
 and +inf as float32's largest value; a row left with no probability mass at all (every token masked)
 samples ``NO_TOKEN`` rather than a random id, and the engine ends that request with an error. Logprobs are

@@ -143,8 +143,8 @@ def _validation_error(errors: list) -> APIError:
                         code="invalid_json")
     param = ".".join(loc) or None
     if first.get("type") == "extra_forbidden":
-        return APIError(400, f"unknown field {param!r}: MILI does not implement it (see the API reference in the "
-                        "README)", param=param, code="unsupported_parameter")
+        return APIError(400, f"unknown field {param!r}: MILI does not implement it (see "
+                        "docs/serving/errors.md)", param=param, code="unsupported_parameter")
     msg = f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "invalid request")
     return APIError(400, msg, param=param, code="invalid_parameter")
 

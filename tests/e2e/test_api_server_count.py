@@ -121,7 +121,7 @@ def test_core_killed_fails_the_streams_of_both_processes(random_model, tmp_path)
 
 
 def test_api_process_killed_takes_the_server_down(random_model, tmp_path):
-    """The choice written down (README, mili serve --help): the other API process drains its requests, then
+    """The choice written down (docs/serving/index.md, mili serve --help): the other API process drains its requests, then
     the core stops, and the server exits non-zero for its supervisor to restart it."""
     # (the survivor drains its 300 tokens within the grace period even on a loaded machine)
     s = Server(random_model, "--api-server-count", "2", "--shutdown-timeout", "60", log_dir=tmp_path)

@@ -105,7 +105,7 @@ def test_hf_forward(demo_path):
 
 # -- the trained demo (mili/demo/checkpoint) ------------------------------------------------------------
 DATA = Path(__file__).resolve().parents[1] / "data" / "demo"  # held-out chapters, the corpus's words
-HELDOUT_CE_BOUND = 4.08  # nats per token; the shipped checkpoint measures 4.055 (README)
+HELDOUT_CE_BOUND = 4.08  # nats per token; the shipped checkpoint measures 4.055 (docs/models.md)
 
 
 def corpus_words() -> set[str]:

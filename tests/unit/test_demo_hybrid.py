@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "demo"  # held-out chapters (as test_demo.py's)
 RESULT = json.loads((DATA / "hybrid_result.json").read_text())  # the training run's figures
-HELDOUT_CE_BOUND = 3.66  # nats per token; the shipped checkpoint measures 3.638 (README)
+HELDOUT_CE_BOUND = 3.66  # nats per token; the shipped checkpoint measures 3.638 (docs/models.md)
 MTP_CHAPTERS = None  # the held-out chapters the MTP reimplementation reads (all 12, as the figures were taken)
 
 
@@ -245,7 +245,7 @@ def test_training_the_hybrid_a_few_steps_lowers_both_losses(tmp_path):
 def test_the_trained_mtp_head_drafts_held_out_scripture(llm, tokenizer):
     """Speculative decoding with the jointly trained head (k = 2) continuing held-out chapters the model never
     saw: the plain greedy tokens, and most drafts accepted (measured: 69% at k = 2, 74% at k = 1; a random
-    head gets ~0%). The README's figure comes from benchmarks/speculative.py --demo."""
+    head gets ~0%). docs/models.md quotes these figures."""
     from mili import LLM, SamplingParams
 
     ids = heldout_ids(tokenizer, 2)

@@ -1,6 +1,6 @@
 """Each engine option written once (mili/options.py): EngineConfig's field metadata makes the CLI flags, the config
-file's keys, LLM()'s keyword checks and the README's option table; these tests hold each of them to the fields, and
-the flags and config-file sections users already type to what they were."""
+file's keys, LLM()'s keyword checks and the docs' option table (docs/reference/options.md); these tests hold each
+of them to the fields, and the flags and config-file sections users already type to what they were."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from mili.config import EngineConfig
 from mili.config_file import SECTIONS, ConfigFileError, read_config_file
 from mili.errors import InvalidRequest
 
-README = Path(__file__).parents[2] / "README.md"
+OPTIONS_PAGE = Path(__file__).parents[2] / "docs" / "reference" / "options.md"
 OPTIONS = options.options(EngineConfig)
 
 # The engine's flags as users type them (a contract: a renamed field must not rename its flag unnoticed)
@@ -126,14 +126,13 @@ def test_config_file_mistakes_name_the_key(tmp_path):
         assert message in str(e.value), (text, str(e.value))
 
 
-def test_the_readme_table_is_what_the_fields_say():
-    text = README.read_text()
-    found = re.search(r"<!-- engine options: made by mili\.options\.markdown_table\(EngineConfig\); do not edit by "
-                      r"hand -->\n(.*?)<!-- end of engine options -->", text, re.DOTALL)
-    assert found, "README.md has lost its engine option table's markers"
+def test_the_docs_table_is_what_the_fields_say():
+    text = OPTIONS_PAGE.read_text()
+    found = re.search(r"<!-- generated: engine-options \(python -m mili\.tools\.reference\); do not edit by hand -->\n"
+                      r"(.*?)<!-- end of generated: engine-options -->", text, re.DOTALL)
+    assert found, "docs/reference/options.md has lost its engine option table's markers"
     assert found.group(1) == options.markdown_table(EngineConfig), (
-        "README.md's engine option table is stale: put python -c 'from mili.options import markdown_table; "
-        "from mili.config import EngineConfig; print(markdown_table(EngineConfig), end=\"\")' between its markers")
+        "docs/reference/options.md's engine option table is stale: run python -m mili.tools.reference")
 
 
 def test_the_table_has_a_row_for_every_field_with_its_flag_and_keys():
