@@ -28,7 +28,7 @@ from mili.errors import ModelLoadError
 
 log = logging.getLogger("mili")
 
-FORMAT_VERSION = "gguf-v1"  # bump when the derived folder's contents change, so stale ones are rebuilt
+FORMAT_VERSION = "gguf-v2"  # bump when the derived folder's contents change, so stale ones are rebuilt
 ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
 FLOAT_TYPES = ("F32", "F16", "BF16")
 BLOCK_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
@@ -99,15 +99,21 @@ def describe_types(counts: dict[str, int]) -> str:
     return ", ".join(f"{t} {n}" for t, n in sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
-def _inspect(files: list[Path]) -> tuple[str, dict[str, str], dict[str, tuple[int, ...]]]:
-    """(arch, {tensor: type name}, {tensor: shape, outermost first}); refuses an arch or type MILI doesn't run."""
-    types, shapes, arch = {}, {}, None
-    for file in files:
+def _inspect(files: list[Path]) -> tuple[str, dict[str, str], dict[str, tuple[int, ...]], dict[str, list]]:
+    """(arch, {tensor: type name}, {tensor: shape, outermost first}, the index: {tensor: [file, type name, shape,
+    byte offset, bytes]}); refuses an arch or type MILI doesn't run, and a file shorter than its tensors."""
+    types, shapes, index, arch = {}, {}, {}, None
+    for i, file in enumerate(files):
         reader = _reader(file)
         arch = arch or _field(reader, "general.architecture")
+        size = file.stat().st_size
         for t in reader.tensors:
             types[t.name] = t.tensor_type.name
             shapes[t.name] = tuple(int(d) for d in reversed(t.shape))
+            if t.data_offset + t.n_bytes > size:
+                raise ModelLoadError(f"the GGUF file {file} is truncated: tensor {t.name} ends at byte "
+                                     f"{t.data_offset + t.n_bytes}, the file at {size}")
+            index[t.name] = [i, t.tensor_type.name, list(shapes[t.name]), int(t.data_offset), int(t.n_bytes)]
     if arch not in ARCHITECTURES:
         raise ModelLoadError(f"the GGUF architecture {arch!r} is not one MILI runs (it runs "
                              f"{', '.join(ARCHITECTURES)})")
@@ -116,7 +122,7 @@ def _inspect(files: list[Path]) -> tuple[str, dict[str, str], dict[str, tuple[in
         raise ModelLoadError(f"the GGUF file holds tensor types MILI does not run: {', '.join(odd)} (it holds "
                              f"{describe_types(Counter(types.values()))}; MILI runs "
                              f"{', '.join(FLOAT_TYPES + BLOCK_TYPES)})")
-    return arch, types, shapes
+    return arch, types, shapes, index
 
 
 def prepare(files: list[Path]) -> str:
@@ -145,7 +151,7 @@ def _write_folder(files: list[Path], folder: Path) -> None:
     from transformers import AutoConfig, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    arch, types, shapes = _inspect(files)
+    arch, types, shapes, index = _inspect(files)
     reader = _reader(files[0])
     try:
         parsed = load_gguf_checkpoint(str(files[0]), return_tensors=False)
@@ -186,7 +192,10 @@ def _write_folder(files: list[Path], folder: Path) -> None:
     if template and not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = template
     tokenizer.save_pretrained(folder)
-    (folder / "gguf.json").write_text(json.dumps({"files": [str(f.resolve()) for f in files], "arch": arch}))
+    # the tensors' places in the files, so a load need not parse the metadata again (gguf-py reads a 150k-token
+    # vocabulary's strings one by one: ~10 s)
+    (folder / "gguf.json").write_text(json.dumps({"files": [str(f.resolve()) for f in files], "arch": arch,
+                                                  "tensors": index}))
     log.info("GGUF %s: %s, tensors %s", files[0].name, arch, describe_types(counts))
 
 
@@ -205,6 +214,14 @@ def gguf_folder_files(path: str) -> list[str] | None:
     if not spec.is_file():
         return None
     return json.loads(spec.read_text())["files"]
+
+
+class _Tensor:
+    """One tensor of the index, its data memory-mapped: float types typed, block types as bytes [rows, bytes]."""
+
+    def __init__(self, name: str, type_name: str, shape: list[int], data):
+        self.name, self.type_name, self.shape, self.data = name, type_name, tuple(shape), data
+        self.tensor_type = _gguf().GGMLQuantizationType[type_name]
 
 
 def hf_names(arch: str, num_layers: int, num_experts: int) -> dict[str, str]:
@@ -231,46 +248,61 @@ def hf_names(arch: str, num_layers: int, num_experts: int) -> dict[str, str]:
 
 
 class GGUFWeights:
-    """The tensors of a GGUF model, by checkpoint name: ``items()`` yields (name, GGUF type, float32 tensor,
-    the reader's raw tensor) one at a time (memory-mapped until read)."""
+    """The tensors of a GGUF model (the folder ``prepare`` made), memory-mapped from its files by the index there;
+    ``names`` maps each GGUF name to the checkpoint name MILI's loader takes."""
 
-    def __init__(self, files: list[str], num_layers: int, num_experts: int):
-        self.readers = [_reader(Path(f)) for f in files]
-        arch = _field(self.readers[0], "general.architecture")
+    def __init__(self, folder: str, num_layers: int, num_experts: int):
+        import numpy as np
+
+        gguf = _gguf()
+        spec = json.loads((Path(folder) / "gguf.json").read_text())
+        arch = spec["arch"]
         self.names = hf_names(arch, num_layers, num_experts)
-        self.tensors = {t.name: t for r in self.readers for t in r.tensors}
-        self.types = Counter(t.tensor_type.name for t in self.tensors.values())
+        maps = []
+        for f in spec["files"]:
+            try:
+                maps.append(np.memmap(f, dtype=np.uint8, mode="r"))
+            except (OSError, ValueError) as e:
+                raise ModelLoadError(f"cannot read the GGUF file {f}: {e}") from e
+        self.tensors = {}
+        for name, (i, type_name, shape, offset, n_bytes) in spec["tensors"].items():
+            raw = maps[i][offset:offset + n_bytes]
+            if raw.size != n_bytes:
+                raise ModelLoadError(f"the GGUF file {spec['files'][i]} is truncated (tensor {name})")
+            qtype = gguf.GGMLQuantizationType[type_name]
+            if type_name in ("F32", "F16"):
+                data = raw.view(np.float32 if type_name == "F32" else np.float16).reshape(shape)
+            else:
+                data = raw.reshape(gguf.quants.quant_shape_to_byte_shape(tuple(shape), qtype))
+            self.tensors[name] = _Tensor(name, type_name, shape, data)
+        self.types = Counter(t.type_name for t in self.tensors.values())
         unknown = sorted(n for n in self.tensors if n not in self.names)
         if unknown:
             raise ModelLoadError(f"the GGUF file has tensors a {arch} model of {num_layers} layers has not: "
                                  f"{unknown[:5]}")
 
     def shape(self, gguf_name: str) -> tuple[int, ...]:
-        return tuple(int(d) for d in reversed(self.tensors[gguf_name].shape))
+        return self.tensors[gguf_name].shape
 
     def type_name(self, gguf_name: str) -> str:
-        return self.tensors[gguf_name].tensor_type.name
+        return self.tensors[gguf_name].type_name
 
     def dequantized(self, gguf_name: str):
-        """The tensor in float32 as gguf-py dequantizes it (its blocks' sizes checked first)."""
+        """The tensor in float32 as gguf-py dequantizes it."""
         import numpy as np
         import torch
 
         gguf = _gguf()
         t = self.tensors[gguf_name]
-        shape = self.shape(gguf_name)
         try:
             values = gguf.quants.dequantize(t.data, t.tensor_type)
         except Exception as e:
-            raise ModelLoadError(f"GGUF tensor {gguf_name} ({t.tensor_type.name} {shape}) cannot be read: {e}") from e
-        if values.size != int(np.prod(shape)):
-            raise ModelLoadError(f"GGUF tensor {gguf_name} holds {values.size} values, its shape {shape} says "
-                                 f"{int(np.prod(shape))}")
-        return torch.from_numpy(np.array(values, dtype=np.float32).reshape(shape))
+            raise ModelLoadError(f"GGUF tensor {gguf_name} ({t.type_name} {t.shape}) cannot be read: {e}") from e
+        return torch.from_numpy(np.array(values, dtype=np.float32).reshape(t.shape))
 
     def group_parts(self, gguf_name: str):
         """A block-typed matrix as quants with a scale and an offset per group (``gguf_blocks.group_parts``)."""
         from mili.model.gguf_blocks import group_parts
 
         t = self.tensors[gguf_name]
-        return group_parts(t.data, t.tensor_type.name, self.shape(gguf_name))
+        return group_parts(t.data, t.type_name, t.shape)

@@ -313,7 +313,7 @@ def _load_gguf(model: Qwen3ForCausalLM, path: str, files: list[str], params: dic
     model's dtype; with ``keep_quantized``, each block-typed linear weight's quants too (``quant.GroupParts``, by
     weight name), for the kernels that compute with them as stored."""
     cfg = model.config
-    weights = GGUFWeights(files, cfg.num_hidden_layers, getattr(cfg, "num_experts", 0) or 0)
+    weights = GGUFWeights(path, cfg.num_hidden_layers, getattr(cfg, "num_experts", 0) or 0)
     kept, loaded = {}, set()
     for gguf_name, stem in weights.names.items():
         if gguf_name not in weights.tensors:
