@@ -159,6 +159,9 @@ class Int8GroupLinear(_SwappedLinear):
         kept in float16 where that holds them exactly, else float32."""
         super().__init__(q, bias, shard_sizes)
         self.group = q.shape[1] // scales.shape[1]
+        if self.group * scales.shape[1] != q.shape[1] or not cpu_ops.int8g_supported(16, q.shape[1], self.group):
+            raise ValueError(f"the int8g kernel takes groups of a multiple of 8 input features: not {q.shape[1]} "
+                             f"in {scales.shape[1]} groups")
         pad = -q.shape[0] % 16  # (padded rows are all zero scales: their outputs are cut off)
         q, scales = (F.pad(t, (0, 0, 0, pad)) for t in (q, scales))
         offsets = None if offsets is None else F.pad(offsets, (0, 0, 0, pad))

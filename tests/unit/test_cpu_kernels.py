@@ -522,12 +522,20 @@ def test_int8g_kernel_other_groups_and_fp16_scales(isa, n, k, group):
 
 
 def test_int8g_supported_shapes():
-    """The kernel takes N % 16 == 0 and K in whole groups of a multiple of 8; the rest is refused."""
+    """The kernel takes N % 16 == 0 and K in whole groups of a multiple of 8; the rest is refused. The layer pads its
+    rows to 16 and raises on other groups."""
     assert ops.int8g_supported(48, 256, 16) and ops.int8g_supported(16, 64, 32) and ops.int8g_supported(32, 96, 24)
     assert not ops.int8g_supported(40, 256, 32)  # N not a multiple of 16
     assert not ops.int8g_supported(48, 250, 32)  # K not in whole groups
     assert not ops.int8g_supported(48, 240, 12)  # a group not a multiple of 8
     assert not ops.int8g_supported(48, 256, 0)
+    from mili.model.cpu_linear import Int8GroupLinear
+
+    u = torch.zeros(40, 240, dtype=torch.uint8)
+    assert Int8GroupLinear(u, torch.ones(40, 10)).qweight.shape == (3, 60, 16, 4)  # (rows padded to 48)
+    for groups in (20, 7):  # groups of 12; of 240 / 7
+        with pytest.raises(ValueError, match="multiple of 8"):
+            Int8GroupLinear(u, torch.ones(40, groups))
 
 
 def _gguf_blocks(kind: str, rows: int, cols: int, g: torch.Generator):
