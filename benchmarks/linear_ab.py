@@ -5,6 +5,12 @@ alternating, so that a shared machine's minutes hit them alike. A version is a s
 
     python benchmarks/linear_ab.py OLD.c NEW.c [--shapes 0.6B 4B:8] [--formats int4 int8 bf16] [--repeat 10]
     python benchmarks/linear_ab.py mili/kernels/cpu/kernels.c@avx512 mili/kernels/cpu/kernels.c@avx2
+    python benchmarks/linear_ab.py mili/kernels/cpu/kernels.c --shapes 0.6B --formats int8 q8_0 q6_k q5_k int4
+
+The formats: bf16; int8 (a float32 scale per output channel); int4 (AWQ's groups of 128, float32 scales and
+offsets); and the int8g kernel's GGUF forms: q8_0 (groups of 32, fp16 scales, no offsets), q6_k (groups of 16,
+float32 scales d sc, no offsets), q5_k (groups of 32, float32 scales and offsets). GB counts every byte a format
+reads (weights, scales, offsets, column sums).
 
 e.g. ``git show HEAD~1:mili/kernels/cpu/kernels.c > /tmp/old.c`` against the working tree's file (its ISA headers
 are the working tree's). The calls are today's: a version from before the int4 kernel took scales and offsets
@@ -29,12 +35,14 @@ import torch
 from common import machine, print_table
 
 from mili.kernels.cpu import HERE, SIGNATURES, best_isa, compile_flags
-from mili.kernels.cpu.ops import int8_column_sums, pack_int4, pack_weight
+from mili.kernels.cpu.ops import int8_column_sums, pack_int4, pack_int8g, pack_weight
 
 # (out, in) of qkv, o, gate_up, down; decoder layers
 SHAPES = {"0.6B": ([(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)], 28),
           "4B:8": ([(6144, 2560), (2560, 4096), (19456, 2560), (2560, 9728)], 8)}
 GROUP = 128  # AWQ's group size in Qwen's releases
+# the int8g formats: (group, scales' dtype, with offsets)
+INT8G = {"q8_0": (32, torch.float16, False), "q6_k": (16, torch.float32, False), "q5_k": (32, torch.float32, True)}
 
 
 def build(version: str) -> ctypes.CDLL:
@@ -64,6 +72,13 @@ def weights(shape: str, fmt: str) -> list[tuple[int, int, tuple[torch.Tensor, ..
                 out.append((n, k, pack_int4(q, scales, -scales * torch.randint(0, 16, scales.shape, generator=g))))
             elif fmt == "bf16":
                 out.append((n, k, (pack_weight(torch.randn(n, k, generator=g).to(torch.bfloat16)),)))
+            elif fmt in INT8G:
+                group, dtype, offsets = INT8G[fmt]
+                u = torch.randint(0, 256, (n, k), dtype=torch.uint8, generator=g)
+                scales = torch.rand(n, k // group, generator=g) * 0.01
+                packed = pack_int8g(u, scales, -scales * torch.randint(0, 32, scales.shape, generator=g)
+                                    if offsets else None, dtype)
+                out.append((n, k, tuple(t for t in packed if t is not None)))
             else:
                 packed = pack_weight(torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g))
                 out.append((n, k, (packed, torch.rand(n) * 0.01, int8_column_sums(packed))))
@@ -76,6 +91,10 @@ def sweep(lib, fmt: str, mats, threads: int, xs: dict, ys: dict) -> float:
         x, y, w = xs[k].data_ptr(), ys[n].data_ptr(), tensors[0].data_ptr()
         if fmt == "int4":
             lib.mili_linear_int4(w, tensors[1].data_ptr(), tensors[2].data_ptr(), x, y, 1, n, k, GROUP, 1, threads)
+        elif fmt in INT8G:
+            group, dtype, offsets = INT8G[fmt]
+            lib.mili_linear_int8g(w, tensors[1].data_ptr(), tensors[2].data_ptr() if offsets else None, x, y, 1, n, k,
+                                  group, int(dtype == torch.float32), threads)
         elif fmt == "bf16":
             lib.mili_linear(w, x, y, 1, n, k, threads)
         else:
@@ -100,10 +119,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("sources", nargs="+", help="kernels.c versions (SOURCE[@ISA]); ratios are to the first")
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    p.add_argument("--formats", nargs="+", default=["int4"], choices=["int4", "int8", "bf16"])
+    p.add_argument("--formats", nargs="+", default=["int4"], choices=["int4", "int8", "bf16", *INT8G])
     p.add_argument("--repeat", type=int, default=10, help="rounds; each times 3 sweeps of every version")
     args = p.parse_args()
     libs = [build(s) for s in args.sources]
+    older = [s for s, lib in zip(args.sources, libs) if not hasattr(lib, "mili_linear_int8g")]
+    if older and set(args.formats) & set(INT8G):
+        p.error(f"{', '.join(older)} has no int8g kernel: leave out {', '.join(INT8G)}")
     rows = []
     for shape in args.shapes:
         for fmt in args.formats:

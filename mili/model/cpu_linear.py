@@ -17,6 +17,8 @@ the CPU's (the Triton GEMMs' layers are in gpu_linear.py).
   kernel, so the CPU maps FP8 weights onto Int8Linear instead).
 * ``Int4Linear``: int4 weights w = s q + b with a scale and an offset per group of input channels (an AWQ
   checkpoint's (q - z) s as stored, b = -z s), on MILI's int4 kernel: a quarter of bf16's bytes.
+* ``Int8GroupLinear``: 8-bit weights w = s q + b (q 0..255) with a scale and an offset per group of input channels,
+  or w = s (q - 128) without offsets, on MILI's int8g kernel: GGUF's Q8_0, Q6_K and Q5_K blocks as they are.
 """
 
 from __future__ import annotations
@@ -141,6 +143,51 @@ class Int4Linear(_SwappedLinear):
     def _matmul(self, x2d):
         out = cpu_ops.linear_int4(x2d, self.qweight, self.scales, self.offsets)[:, :self.out_features]
         return out if self.bias is None else out + self.bias
+
+    def dequantize(self) -> torch.Tensor:
+        """The weights the kernel multiplies by, [out, in] float32: scale * q + offset (two roundings, as gguf's
+        dequantize of Q4_0 and Q4_K: each product is exact there)."""
+        q = cpu_ops.unpack_int4(self.qweight)[:self.out_features].float()
+        return _per_group(self.scales, q) * q + _per_group(self.offsets, q)
+
+
+class Int8GroupLinear(_SwappedLinear):
+    def __init__(self, q, scales, offsets=None, bias=None, shard_sizes=None):
+        """8-bit weights per group (kernels.c, int8g): ``q`` [out, in] (uint8 0..255), ``scales`` and ``offsets``
+        [out, in / group]: w = scale q + offset; ``offsets`` None: w = scale (q - 128), none stored (GGUF's Q8_0 as
+        q + 128 with scale d, Q6_K as q + 96 with scale d sc; Q5_K is q, d sc and -dmin m). Scales and offsets are
+        kept in float16 where that holds them exactly, else float32."""
+        super().__init__(q, bias, shard_sizes)
+        self.group = q.shape[1] // scales.shape[1]
+        if self.group * scales.shape[1] != q.shape[1] or not cpu_ops.int8g_supported(16, q.shape[1], self.group):
+            raise ValueError(f"the int8g kernel takes groups of a multiple of 8 input features: not {q.shape[1]} "
+                             f"in {scales.shape[1]} groups")
+        pad = -q.shape[0] % 16  # (padded rows are all zero scales: their outputs are cut off)
+        q, scales = (F.pad(t, (0, 0, 0, pad)) for t in (q, scales))
+        offsets = None if offsets is None else F.pad(offsets, (0, 0, 0, pad))
+        exact = cpu_ops.exact_in_fp16(scales, *(() if offsets is None else (offsets,)))
+        packed, scales, offsets = cpu_ops.pack_int8g(q, scales, offsets, torch.float16 if exact else torch.float32)
+        self.register_buffer("qweight", packed)
+        self.register_buffer("scales", scales)
+        self.register_buffer("offsets", offsets)  # (None: symmetric)
+
+    def _matmul(self, x2d):
+        out = cpu_ops.linear_int8g(x2d, self.qweight, self.scales, self.offsets)[:, :self.out_features]
+        return out if self.bias is None else out + self.bias
+
+    def dequantize(self) -> torch.Tensor:
+        """The weights the kernel multiplies by, [out, in] float32: scale * q + offset, or scale * (q - 128), in
+        gguf's dequantize's order (d q - dm, d q): equal to it bit for bit on Q8_0, Q6_K and Q5_K blocks."""
+        q = cpu_ops.unpack_rows(self.qweight, torch.arange(self.out_features)).float()
+        if self.offsets is None:
+            return _per_group(self.scales, q) * (q - 128)
+        return _per_group(self.scales, q) * q + _per_group(self.offsets, q)
+
+
+def _per_group(blocked: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Scales or offsets as packed ([N/16, groups, 16]) to q's shape [out, in], float32."""
+    t = cpu_ops.unblock(blocked)[:q.shape[0]].float()
+    return t.repeat_interleave(q.shape[1] // t.shape[1], dim=1)
 
 
 @torch.no_grad()

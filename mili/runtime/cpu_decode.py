@@ -17,7 +17,7 @@ import torch
 
 from mili.kernels.cpu import load
 from mili.kernels.cpu.ops import decode_metadata
-from mili.model.cpu_linear import Int4Linear, Int8Linear, KernelLinear
+from mili.model.cpu_linear import Int4Linear, Int8GroupLinear, Int8Linear, KernelLinear
 from mili.model.batch import ForwardBatch
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
@@ -26,7 +26,8 @@ MAX_QUERY = 16
 
 
 class LinearDesc(ctypes.Structure):
-    _fields_ = [("w", _P), ("scales", _P), ("aux", _P), ("n", _I), ("k", _I), ("group", _I), ("scale_f32", _I)]
+    _fields_ = [("w", _P), ("scales", _P), ("aux", _P), ("n", _I), ("k", _I), ("group", _I), ("scale_f32", _I),
+                ("int8g", _I)]
 
 
 class LayerDesc(ctypes.Structure):
@@ -45,10 +46,11 @@ def _linear_desc(layer) -> LinearDesc | None:
     if isinstance(layer, Int8Linear) and layer.kernel:
         return LinearDesc(layer.qweight.data_ptr(), layer.scales.data_ptr(), layer.column_sums.data_ptr(),
                           layer.out_features, layer.in_features, 0, 0)
-    if isinstance(layer, Int4Linear):
-        return LinearDesc(layer.qweight.data_ptr(), layer.scales.data_ptr(), layer.offsets.data_ptr(),
-                          layer.out_features, layer.in_features, layer.group,
-                          int(layer.scales.dtype == torch.float32))
+    if isinstance(layer, (Int4Linear, Int8GroupLinear)):
+        offsets = None if layer.offsets is None else layer.offsets.data_ptr()  # (int8g: None when symmetric)
+        return LinearDesc(layer.qweight.data_ptr(), layer.scales.data_ptr(), offsets, layer.out_features,
+                          layer.in_features, layer.group, int(layer.scales.dtype == torch.float32),
+                          int(isinstance(layer, Int8GroupLinear)))
     return None
 
 

@@ -9,7 +9,7 @@
  * flags of the library. The references are straightforward loops in double precision (no intrinsics) that
  * follow each kernel's documented numerics: outputs rounded to bf16 to nearest even, and the intermediate bf16
  * roundings the kernels document (RMSNorm's normed value, SwiGLU's silu, attention's softmax weights, the GDN's
- * bf16 io); int8 / int4 layers quantize x to int8 per row (per row and group of K) symmetrically, scale =
+ * bf16 io); int8 / int4 / int8g layers quantize x to int8 per row (per row and group of K) symmetrically, scale =
  * amax / 127 and q = x * (1 / scale) rounded to nearest even (as quantize_int8 computes it; its comment says
  * x / scale, which can differ by one at a tie), and the reference takes the exact integer product of those q,
  * scaled. Tolerances are in bf16 ulps: half an ulp of the exact value (the final rounding), plus a bound on the
@@ -29,7 +29,7 @@
 
 #define NT 2 /* OpenMP threads given to every kernel */
 
-/* AVX-512 without VNNI (Skylake-X): the library never calls its int8 / int4 kernels (their vpdpbusd would fault;
+/* AVX-512 without VNNI (Skylake-X): the library never calls its int8 / int4 / int8g kernels (their vpdpbusd would fault;
  * aten's run instead, see mili.kernels.cpu.int8_available), so neither does the harness. */
 #if defined(ISA_HAS_AMX) && !defined(__AVX512VNNI__)
 #define INT_KERNELS 0
@@ -210,25 +210,25 @@ static float ref_quantize(const bf16 *x, int64_t n, int32_t *q, int64_t *sum, in
 }
 
 /* -- linear layers ------------------------------------------------------------------------------------------- */
-enum { LIN_BF16, LIN_INT8, LIN_INT4 };
-static const char *const LIN_NAME[] = {"linear", "linear_int8", "linear_int4"};
+enum { LIN_BF16, LIN_INT8, LIN_INT4, LIN_INT8G };
+static const char *const LIN_NAME[] = {"linear", "linear_int8", "linear_int4", "linear_int8g"};
 
 typedef struct {
-  int kind;
+  int kind, sym;          /* sym: int8g without offsets (w = s (u - 128)) */
   int64_t n, k, group, f32;
   float *wf;            /* bf16: W [n][k] (the bf16 values) */
   int8_t *w8;           /* int8: W [n][k] */
   float *sw;            /* int8: each column's scale [n] */
   int32_t *colsum;      /* int8: each column's sum of W [n] */
-  uint8_t *q4;          /* int4: q [n][k], 0..15 */
-  float *s4, *b4;       /* int4: scale and offset [n][G] (the values the kernel reads) */
+  uint8_t *q4;          /* int4: q [n][k], 0..15; int8g: u [n][k], 0..255 */
+  float *s4, *b4;       /* int4, int8g: scale and offset [n][G] (the values the kernel reads; sym: b = -128 s) */
   void *packed, *scales, *aux; /* the kernel's operands */
 } Lin;
 
 /* random weights of about wscale, packed as ops.py packs them */
-static void lin_make(Lin *l, int kind, int64_t n, int64_t k, int64_t group, int f32, float wscale) {
+static void lin_make(Lin *l, int kind, int64_t n, int64_t k, int64_t group, int f32, int sym, float wscale) {
   memset(l, 0, sizeof *l);
-  l->kind = kind, l->n = n, l->k = k, l->group = group, l->f32 = f32;
+  l->kind = kind, l->n = n, l->k = k, l->group = group, l->f32 = f32, l->sym = sym;
   if (kind == LIN_BF16) { /* [N/16][K/2][16][2] */
     l->wf = xalloc(sizeof(float) * n * k);
     bf16 *p = xalloc(sizeof(bf16) * n * k);
@@ -254,6 +254,36 @@ static void lin_make(Lin *l, int kind, int64_t n, int64_t k, int64_t group, int 
       }
     }
     l->packed = p, l->scales = l->sw, l->aux = l->colsum;
+  } else if (kind == LIN_INT8G) { /* u [N/16][K/4][16][4]; s, b [N/16][G][16] (sym: no b) */
+    const int64_t G = k / group;
+    l->q4 = xalloc(n * k);
+    l->s4 = xalloc(sizeof(float) * n * G);
+    l->b4 = xalloc(sizeof(float) * n * G);
+    uint8_t *p = xalloc(n * k);
+    for (int64_t r = 0; r < n; r++)
+      for (int64_t c = 0; c < k; c++) {
+        const uint8_t v = (uint8_t)rng_int(0, 255);
+        l->q4[r * k + c] = v;
+        p[((r / 16) * (k / 4) + c / 4) * 64 + (r % 16) * 4 + c % 4] = v;
+      }
+    void *s = xalloc((f32 ? 4 : 2) * n * G), *b = sym ? NULL : xalloc((f32 ? 4 : 2) * n * G);
+    for (int64_t r = 0; r < n; r++)
+      for (int64_t g = 0; g < G; g++) { /* w = s (u - z): z in 100..156 (sym: 128) */
+        float sv = rng_uniform(0.5f, 1.5f) * wscale / 128.0f, bv = sym ? 0.0f : -sv * rng_uniform(100.0f, 156.0f);
+        if (rng_int(0, 15) == 0) sv = -sv; /* (Q6_K's sub-block scales take either sign) */
+        const int64_t at = (r / 16) * G * 16 + g * 16 + r % 16;
+        if (f32) {
+          ((float *)s)[at] = sv;
+          if (b) ((float *)b)[at] = bv;
+        } else {
+          const uint16_t sh = h_f2h(sv), bh = h_f2h(bv);
+          ((uint16_t *)s)[at] = sh;
+          if (b) ((uint16_t *)b)[at] = bh;
+          sv = h_h2f(sh), bv = h_h2f(bh);
+        }
+        l->s4[r * G + g] = sv, l->b4[r * G + g] = sym ? -128.0f * sv : bv;
+      }
+    l->packed = p, l->scales = s, l->aux = b;
   } else { /* q [N/16][K/8][64]: byte 4c + j, column c: k0 + j low nibble, k0 + 4 + j high; s, b [N/16][G][16] */
     const int64_t G = k / group;
     l->q4 = xalloc(n * k);
@@ -286,19 +316,21 @@ static void lin_make(Lin *l, int kind, int64_t n, int64_t k, int64_t group, int 
 }
 static void lin_free(Lin *l) {
   free(l->wf), free(l->w8), free(l->sw), free(l->colsum), free(l->q4), free(l->s4), free(l->b4), free(l->packed);
-  if (l->kind == LIN_INT4) free(l->scales), free(l->aux);
+  if (l->kind == LIN_INT4 || l->kind == LIN_INT8G) free(l->scales), free(l->aux);
 }
 static void lin_run(const Lin *l, const bf16 *x, bf16 *y, int64_t M) {
   if (l->kind == LIN_BF16) mili_linear(l->packed, x, y, M, l->n, l->k, NT);
   else if (l->kind == LIN_INT8) mili_linear_int8(l->packed, l->sw, l->colsum, x, y, M, l->n, l->k, NT);
-  else mili_linear_int4(l->packed, l->scales, l->aux, x, y, M, l->n, l->k, l->group, (int)l->f32, NT);
+  else if (l->kind == LIN_INT4) mili_linear_int4(l->packed, l->scales, l->aux, x, y, M, l->n, l->k, l->group, (int)l->f32, NT);
+  else mili_linear_int8g(l->packed, l->scales, l->aux, x, y, M, l->n, l->k, l->group, (int)l->f32, NT);
 }
 static mili_linear_desc lin_desc(const Lin *l) {
   mili_linear_desc d;
   memset(&d, 0, sizeof d);
   d.w = l->packed, d.n = l->n, d.k = l->k;
   if (l->kind != LIN_BF16) d.scales = l->scales, d.aux = l->aux;
-  if (l->kind == LIN_INT4) d.group = l->group, d.scale_f32 = l->f32;
+  if (l->kind == LIN_INT4 || l->kind == LIN_INT8G) d.group = l->group, d.scale_f32 = l->f32;
+  d.int8g = l->kind == LIN_INT8G;
   return d;
 }
 
@@ -327,7 +359,7 @@ static void lin_ref(const Lin *l, const bf16 *x, int64_t M, double *want, double
         const double s = (double)acc * sx * l->sw[n];
         want[m * N + n] = s, tol[m * N + n] = tol_bf16(s, 3e-7 * fabs(s)); /* (float(sum) sx sw) */
       }
-    } else {
+    } else if (l->kind == LIN_INT4) {
       const int64_t G = K / l->group;
       float sx[1024];
       int64_t xsum[1024];
@@ -341,6 +373,22 @@ static void lin_ref(const Lin *l, const bf16 *x, int64_t M, double *want, double
           s += t1 + t2, mag += fabs(t1) + fabs(t2);
         }
         want[m * N + n] = s, tol[m * N + n] = tol_bf16(s, 2e-6 * mag); /* two float32 fmadds a group */
+      }
+    } else { /* int8g: sx (s S_u + b xsum), or (sym) sx s S_v, S_v = S_u - 128 xsum */
+      const int64_t G = K / l->group;
+      float sx[1024];
+      int64_t xsum[1024];
+      for (int64_t g = 0; g < G; g++) sx[g] = ref_quantize(xr + g * l->group, l->group, q + g * l->group, &xsum[g], overflow);
+      for (int64_t n = 0; n < N; n++) {
+        double s = 0, mag = 0;
+        for (int64_t g = 0; g < G; g++) {
+          int64_t acc = 0;
+          for (int64_t k = g * l->group; k < (g + 1) * l->group; k++) acc += (int64_t)q[k] * l->q4[n * K + k];
+          const double sw = l->s4[n * G + g], t1 = (double)sx[g] * sw * (double)(l->sym ? acc - 128 * xsum[g] : acc);
+          const double t2 = l->sym ? 0.0 : (double)sx[g] * l->b4[n * G + g] * (double)xsum[g];
+          s += t1 + t2, mag += fabs(t1) + fabs(t2);
+        }
+        want[m * N + n] = s, tol[m * N + n] = tol_bf16(s, 2e-6 * mag); /* one or two float32 fmadds a group */
       }
     }
   }
@@ -521,16 +569,17 @@ static void test_isa(void) {
   check_true(strcmp(mili_isa(), EXPECT_ISA) == 0, "mili_isa: \"%s\" (expected \"%s\")", mili_isa(), EXPECT_ISA);
 }
 
-/* extreme: every weight at its largest (int8 +-127, int4 q = 15) and x rows of +-1 (q = +-127): the sums at
- * their bounds (the int16 intermediate sums of the AVX2 layer without VNNI) */
-static void test_linear(int kind, int64_t M, int64_t N, int64_t K, int64_t group, int f32, int extreme) {
+/* extreme: every weight at its largest (int8 +-127, int4 q = 15, int8g u = 0 or 255: v = u - 128 = -128 or 127)
+ * and x rows of +-1 (q = +-127): the sums at their bounds (the int16 intermediate sums of the AVX2 layer without
+ * VNNI) */
+static void test_linear(int kind, int64_t M, int64_t N, int64_t K, int64_t group, int f32, int sym, int extreme) {
   if (kind != LIN_BF16 && !INT_KERNELS) {
     n_skipped++;
     return;
   }
-  rng_seed((uint64_t)(kind * 1000003 + M * 10007 + N * 101 + K * 7 + group * 3 + f32 + extreme * 5));
+  rng_seed((uint64_t)(kind * 1000003 + M * 10007 + N * 101 + K * 7 + group * 3 + f32 + extreme * 5 + sym * 11));
   Lin l;
-  lin_make(&l, kind, N, K, group, f32, 1.0f);
+  lin_make(&l, kind, N, K, group, f32, sym, 1.0f);
   bf16 *x = xalloc(sizeof(bf16) * M * K), *y = xalloc(sizeof(bf16) * (M * N + 64));
   fill_bf(x, M * K, -1.0f, 1.0f);
   if (M >= 5 && !extreme) { /* a row of zeros (scale 1 where quantized) and one with an outlier (most q near 0) */
@@ -553,6 +602,10 @@ static void test_linear(int kind, int64_t M, int64_t N, int64_t K, int64_t group
         } else if (kind == LIN_INT4) {
           l.q4[n * K + k] = 15;
           p4[((n / 16) * (K / 8) + k / 8) * 64 + (n % 16) * 4 + (k % 8) % 4] = 0xff;
+        } else if (kind == LIN_INT8G) { /* column n: all 0, all 255, or alternating (matching row 2's signs) */
+          const uint8_t v = (uint8_t)(n % 3 == 0 ? 0 : n % 3 == 1 ? 255 : k % 2 ? 0 : 255);
+          l.q4[n * K + k] = v;
+          p4[((n / 16) * (K / 4) + k / 4) * 64 + (n % 16) * 4 + k % 4] = v;
         }
       }
   }
@@ -566,9 +619,9 @@ static void test_linear(int kind, int64_t M, int64_t N, int64_t K, int64_t group
   acc_bf16(&a, y, want, tol, M * N);
   for (int64_t i = 0; i < 64; i++) acc_bits(&a, M * N + i, y[M * N + i], 0x7fc1); /* nothing past y */
   if (overflow) a.bad++, printf("(a quantized x beyond int8)\n");
-  if (kind == LIN_INT4)
-    verdict(&a, "%s M=%lld N=%lld K=%lld group=%lld scales=%s%s", LIN_NAME[kind], (long long)M, (long long)N,
-            (long long)K, (long long)group, f32 ? "f32" : "f16", extreme ? " (extreme values)" : "");
+  if (kind == LIN_INT4 || kind == LIN_INT8G)
+    verdict(&a, "%s M=%lld N=%lld K=%lld group=%lld scales=%s%s%s", LIN_NAME[kind], (long long)M, (long long)N,
+            (long long)K, (long long)group, f32 ? "f32" : "f16", sym ? " symmetric" : "", extreme ? " (extreme values)" : "");
   else
     verdict(&a, "%s M=%lld N=%lld K=%lld%s", LIN_NAME[kind], (long long)M, (long long)N, (long long)K,
             extreme ? " (extreme values)" : "");
@@ -770,19 +823,19 @@ static void test_prefill_attention(int64_t Lq, int64_t Lk, int64_t Hq, int64_t H
 
 /* -- one decoder layer: (1) against the same kernels called one by one as documented (bit for bit), (2) against
  * the composition of the references above, each stage rounded to bf16 as the kernels round it. ------------- */
-static void test_decode_layer(int kind, int64_t group, int f32, int first) {
+static void test_decode_layer(int kind, int64_t group, int f32, int sym, int first) {
   if (kind != LIN_BF16 && !INT_KERNELS) {
     n_skipped++;
     return;
   }
-  rng_seed((uint64_t)(kind * 101 + group * 7 + f32 * 3 + first));
+  rng_seed((uint64_t)(kind * 101 + group * 7 + f32 * 3 + first + sym * 13));
   const int64_t H = 128, Hq = 4, Hkv = 2, D = 64, I = 128, T = 3, ps = 16, nqkv = (Hq + 2 * Hkv) * D;
   const float eps = 1e-6f, scale = 1.0f / sqrtf((float)D);
   Lin qkv, o, gu, down;
-  lin_make(&qkv, kind, nqkv, H, group, f32, 2.0f / sqrtf((float)H));
-  lin_make(&o, kind, H, Hq * D, group, f32, 1.0f / sqrtf((float)(Hq * D)));
-  lin_make(&gu, kind, 2 * I, H, group, f32, 2.0f / sqrtf((float)H));
-  lin_make(&down, kind, H, I, group, f32, 1.0f / sqrtf((float)I));
+  lin_make(&qkv, kind, nqkv, H, group, f32, sym, 2.0f / sqrtf((float)H));
+  lin_make(&o, kind, H, Hq * D, group, f32, sym, 1.0f / sqrtf((float)(Hq * D)));
+  lin_make(&gu, kind, 2 * I, H, group, f32, sym, 2.0f / sqrtf((float)H));
+  lin_make(&down, kind, H, I, group, f32, sym, 1.0f / sqrtf((float)I));
   bf16 *norms = xalloc(sizeof(bf16) * (2 * H + 2 * D));
   fill_bf(norms, 2 * H + 2 * D, 0.5f, 1.5f);
   mili_layer_desc L;
@@ -862,8 +915,9 @@ static void test_decode_layer(int kind, int64_t group, int f32, int first) {
     free(normed), free(x), free(attn), free(ob), free(g), free(act), free(want), free(tol);
   }
   char what[96];
-  if (kind == LIN_INT4)
-    snprintf(what, sizeof what, "int4 group=%lld scales=%s", (long long)group, f32 ? "f32" : "f16");
+  if (kind == LIN_INT4 || kind == LIN_INT8G)
+    snprintf(what, sizeof what, "%s group=%lld scales=%s%s", kind == LIN_INT4 ? "int4" : "int8g", (long long)group,
+             f32 ? "f32" : "f16", sym ? " symmetric" : "");
   else
     snprintf(what, sizeof what, "%s", kind == LIN_INT8 ? "int8" : "bf16");
   Acc a;
@@ -1124,26 +1178,41 @@ int main(void) {
   for (int kind = LIN_BF16; kind <= LIN_INT8; kind++)
     for (int i = 0; i < 5; i++)
       for (int j = 0; j < 3; j++)
-        for (int k = 0; k < 3; k++) test_linear(kind, Ms[i], Ns[j], Ks[k], 0, 0, 0);
-  test_linear(LIN_BF16, 64, 48, 1024, 0, 0, 0); /* (several row tiles; the quantization's parallel loop) */
-  test_linear(LIN_INT8, 64, 48, 1024, 0, 0, 0);
-  test_linear(LIN_INT8, 1, 48, 1024, 0, 0, 1);
-  test_linear(LIN_INT8, 7, 48, 1024, 0, 0, 1);
+        for (int k = 0; k < 3; k++) test_linear(kind, Ms[i], Ns[j], Ks[k], 0, 0, 0, 0);
+  test_linear(LIN_BF16, 64, 48, 1024, 0, 0, 0, 0); /* (several row tiles; the quantization's parallel loop) */
+  test_linear(LIN_INT8, 64, 48, 1024, 0, 0, 0, 0);
+  test_linear(LIN_INT8, 1, 48, 1024, 0, 0, 0, 1);
+  test_linear(LIN_INT8, 7, 48, 1024, 0, 0, 0, 1);
   const int64_t groups[] = {32, 64, 128}, i4_K[] = {128, 1024}, i4_MN[][2] = {{1, 16}, {1, 80}, {2, 48}, {5, 80}, {17, 48}};
   for (int g = 0; g < 3; g++)
     for (int k = 0; k < 2; k++)
       for (int f32 = 0; f32 <= 1; f32++)
-        for (int s = 0; s < 5; s++) test_linear(LIN_INT4, i4_MN[s][0], i4_MN[s][1], i4_K[k], groups[g], f32, 0);
-  test_linear(LIN_INT4, 64, 48, 1024, 64, 0, 0);
-  test_linear(LIN_INT4, 64, 48, 1024, 128, 1, 0);
+        for (int s = 0; s < 5; s++) test_linear(LIN_INT4, i4_MN[s][0], i4_MN[s][1], i4_K[k], groups[g], f32, 0, 0);
+  test_linear(LIN_INT4, 64, 48, 1024, 64, 0, 0, 0);
+  test_linear(LIN_INT4, 64, 48, 1024, 128, 1, 0, 0);
   /* groups of 1, 2, 3, 5 steps of 8 (group % 8 == 0 is all the kernel asks) */
   const int64_t odd_groups[][2] = {{8, 64}, {16, 128}, {24, 96}, {40, 320}};
   for (int g = 0; g < 4; g++)
-    for (int s = 0; s < 5; s++) test_linear(LIN_INT4, i4_MN[s][0], i4_MN[s][1], odd_groups[g][1], odd_groups[g][0], s % 2, 0);
+    for (int s = 0; s < 5; s++) test_linear(LIN_INT4, i4_MN[s][0], i4_MN[s][1], odd_groups[g][1], odd_groups[g][0], s % 2, 0, 0);
   for (int g = 0; g < 3; g++) {
-    test_linear(LIN_INT4, 1, 48, 1024, groups[g], 1, 1);
-    test_linear(LIN_INT4, 7, 48, 1024, groups[g], 0, 1);
+    test_linear(LIN_INT4, 1, 48, 1024, groups[g], 1, 0, 1);
+    test_linear(LIN_INT4, 7, 48, 1024, groups[g], 0, 0, 1);
   }
+  /* int8g: GGUF's groups (Q6_K 16, Q8_0 and Q5_K 32) and more, with and without offsets, fp16 and f32 scales */
+  const int64_t i8g_groups[] = {16, 32, 64}, i8g_MN[][2] = {{1, 16}, {1, 80}, {2, 48}, {3, 16}, {5, 80}, {17, 48}};
+  for (int g = 0; g < 3; g++)
+    for (int k = 0; k < 2; k++)
+      for (int f32 = 0; f32 <= 1; f32++)
+        for (int sym = 0; sym <= 1; sym++)
+          for (int s = 0; s < 6; s++) test_linear(LIN_INT8G, i8g_MN[s][0], i8g_MN[s][1], i4_K[k], i8g_groups[g], f32, sym, 0);
+  test_linear(LIN_INT8G, 64, 48, 1024, 32, 0, 1, 0);
+  test_linear(LIN_INT8G, 64, 48, 1024, 16, 1, 0, 0);
+  for (int s = 0; s < 6; s++) test_linear(LIN_INT8G, i8g_MN[s][0], i8g_MN[s][1], 120, 24, s % 2, s / 3, 0);
+  for (int g = 0; g < 2; g++)
+    for (int sym = 0; sym <= 1; sym++) {
+      test_linear(LIN_INT8G, 1, 48, 1024, i8g_groups[g], 1, sym, 1);
+      test_linear(LIN_INT8G, 7, 48, 1024, i8g_groups[g], 0, sym, 1);
+    }
 
   for (int res = 0; res <= 1; res++) {
     test_rms_norm(1, 16, 0, res);
@@ -1174,11 +1243,13 @@ int main(void) {
   for (int s = 0; s < 7; s++)
     for (int h = 0; h < 4; h++) test_prefill_attention(LqLk[s][0], LqLk[s][1], heads[h][0], heads[h][1], (s + h) % 2 ? 128 : 64);
 
-  test_decode_layer(LIN_BF16, 0, 0, 1);
-  test_decode_layer(LIN_BF16, 0, 0, 0);
-  test_decode_layer(LIN_INT8, 0, 0, 0);
-  test_decode_layer(LIN_INT4, 64, 0, 0);
-  test_decode_layer(LIN_INT4, 32, 1, 1);
+  test_decode_layer(LIN_BF16, 0, 0, 0, 1);
+  test_decode_layer(LIN_BF16, 0, 0, 0, 0);
+  test_decode_layer(LIN_INT8, 0, 0, 0, 0);
+  test_decode_layer(LIN_INT4, 64, 0, 0, 0);
+  test_decode_layer(LIN_INT4, 32, 1, 0, 1);
+  test_decode_layer(LIN_INT8G, 32, 0, 1, 0);
+  test_decode_layer(LIN_INT8G, 16, 1, 0, 1);
 
   const int64_t argN[] = {1, 2, 3, 15, 16, 17, 31, 33, 100, 1001};
   for (int i = 0; i < 10; i++) test_argmax(argN[i]);
@@ -1192,7 +1263,7 @@ int main(void) {
     test_gdn(io, 1, 3, 64, 48, 3, 1);
   }
 
-  if (n_skipped) printf("skipped %d int8 / int4 checks: AVX-512 without VNNI, where the library never runs them\n", n_skipped);
+  if (n_skipped) printf("skipped %d int8 / int4 / int8g checks: AVX-512 without VNNI, where the library never runs them\n", n_skipped);
   printf("%d passed, %d failed\n", n_passed, n_failed);
   return n_failed ? 1 : 0;
 }

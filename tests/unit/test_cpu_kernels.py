@@ -281,6 +281,60 @@ def test_fused_decode_step_is_the_module_path_bit_for_bit(isa, fused_checkpoints
     fused.engine.check_integrity()
 
 
+def _int8g_of(w: torch.Tensor, group: int, symmetric: bool):
+    """w [out, in] as int8g (u, scales, offsets): per group, s (u - 128) with s = amax / 127, or s u + min."""
+    wg = w.float().view(w.shape[0], -1, group)
+    if symmetric:
+        s = wg.abs().amax(dim=2).clamp(min=1e-8) / 127
+        return (torch.round(wg / s[..., None]) + 128).to(torch.uint8).view(w.shape), s, None
+    lo = wg.amin(dim=2)
+    s = ((wg.amax(dim=2) - lo) / 255).clamp(min=1e-8)
+    return torch.round((wg - lo[..., None]) / s[..., None]).clamp(0, 255).to(torch.uint8).view(w.shape), s, lo
+
+
+@needs_kernels
+def test_fused_decode_step_takes_int8g_layers_bit_for_bit(isa, fused_checkpoints, monkeypatch):
+    """A model whose decoder linears are Int8GroupLinear (as a GGUF model's Q8_0 / Q6_K / Q5_K layers will be:
+    symmetric groups of 32 for qkv and gate_up, groups of 16 with offsets for o and down) keeps the fused decode
+    step (one C call a layer, the LinearDesc's int8g flag), and it gives the module path's tokens and logprobs
+    exactly."""
+    from mili.model.cpu_linear import Int8GroupLinear
+    from mili.runtime import model_builder
+
+    swap = model_builder._swap_linears
+
+    def int8g_then_swap(model, plan, quantized):
+        for layer in model.model.layers:
+            for parent, name, group, symmetric in ((layer.self_attn, "qkv_proj", 32, True),
+                                                   (layer.self_attn, "o_proj", 16, False),
+                                                   (layer.mlp, "gate_up_proj", 32, True),
+                                                   (layer.mlp, "down_proj", 16, False)):
+                linear = getattr(parent, name)
+                setattr(parent, name, Int8GroupLinear(*_int8g_of(linear.weight.detach(), group, symmetric),
+                                                      shard_sizes=getattr(linear, "shard_sizes", None)))
+        swap(model, plan, quantized)  # (the rest: the lm_head on the bf16 kernel)
+
+    monkeypatch.setattr(model_builder, "_swap_linears", int8g_then_swap)
+    path = str(fused_checkpoints["gqa_untied"])
+    fused = LLM(path, dtype="bfloat16")
+    eager = LLM(path, dtype="bfloat16", enforce_eager=True)
+    runner = fused.engine.core.runner.cpu_decode
+    assert runner is not None and runner.available and fused.engine.plan.step == "cpu-decode"
+    assert isinstance(fused.apply_model(lambda m: m.model.layers[0].mlp.down_proj), Int8GroupLinear)
+    assert runner.layers[0].qkv.int8g == 1 and not runner.layers[0].qkv.aux and runner.layers[0].down.aux
+    fused_steps, run = [], runner.run
+    runner.run = lambda *args: fused_steps.append(run(*args)) or fused_steps[-1]
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (1, 40)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
+    a, b = (llm.generate(prompts, params, use_tqdm=False) for llm in (fused, eager))
+    for x, y in zip(a, b):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        assert [{t: lp.logprob for t, lp in d.items()} for d in x.outputs[0].logprobs] == \
+               [{t: lp.logprob for t, lp in d.items()} for d in y.outputs[0].logprobs]
+    assert sum(h is not None for h in fused_steps) >= 6  # the decode steps did run fused
+    fused.engine.check_integrity()
+
+
 @needs_kernels
 @pytest.mark.parametrize("n", [1, 15, 16, 17, 1000, 151936])
 def test_argmax_reads_bf16_rows_and_takes_the_first_of_ties(isa, n):
@@ -387,6 +441,190 @@ def test_int4_scale_and_offset_blocks_map_exactly(isa, m):
         want = x.float() @ dense.T
         got = layer(x).float()
         assert (got - want).norm() / want.norm() < 0.01
+
+
+def int8g_reference(x: torch.Tensor, u: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None) -> torch.Tensor:
+    """What the int8g kernel computes before its bf16 rounding (kernels.c), in float64: x quantized to int8 per row and
+    group (round half to even, times the float32 reciprocal), exact integer sums per group, then sx (s S_u + b xsum),
+    or without offsets sx s (S_u - 128 xsum)."""
+    m, k = x.shape
+    n, groups = scales.shape
+    group = k // groups
+    xg = x.float().view(m, groups, group)
+    sx = xg.abs().amax(dim=2) / 127
+    sx = torch.where(sx > 0, sx, torch.ones_like(sx))
+    xq = torch.round(xg * (1 / sx)[:, :, None]).double()
+    sums = torch.einsum("mgk,ngk->mng", xq, u.double().view(n, groups, group))  # exact integers
+    xsum = xq.sum(dim=2)[:, None, :]
+    if offsets is None:
+        terms = (sums - 128 * xsum) * scales.double()[None]
+    else:
+        terms = sums * scales.double()[None] + offsets.double()[None] * xsum
+    return (terms * sx.double()[:, None, :]).sum(dim=2)
+
+
+def assert_within_a_bf16_ulp(got: torch.Tensor, want: torch.Tensor) -> None:
+    """got (bf16) is want rounded to bf16, to float32's error in the sums: at most one bf16 ulp off."""
+    err = (got.double() - want).abs()
+    bound = want.abs() * 2.0 ** -8 + 1e-6 * want.abs().max()
+    assert (err <= bound).all(), f"{(err > bound).sum().item()} values off, worst {(err / bound).max().item():.3g} x bound"
+
+
+@needs_kernels
+@pytest.mark.parametrize("m", [1, 2, 3, 17, 64])
+@pytest.mark.parametrize("group", [16, 32])
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_int8g_kernel_is_the_integer_product(isa, m, group, symmetric):
+    """8-bit weights per group (u 0..255, w = s u + b, or s (u - 128) without offsets) against the exact integer
+    product of x quantized per row and group, within one bf16 ulp; large |x| and u at both ends of 0..255 (the AVX2
+    layer's |v| x sign(x, v) at v = -128)."""
+    from mili.model.cpu_linear import Int8GroupLinear
+
+    g = torch.Generator().manual_seed(m * 100 + group + symmetric)
+    n, k = 80, 512
+    u = torch.randint(0, 256, (n, k), generator=g, dtype=torch.uint8)
+    u[:, :group] = 0
+    u[:, group:2 * group] = 255
+    scales = (torch.rand(n, k // group, generator=g) * 0.02 + 1e-3) * torch.where(
+        torch.rand(n, k // group, generator=g) < 0.2, -1.0, 1.0)
+    offsets = None if symmetric else -scales * torch.randint(90, 160, scales.shape, generator=g)
+    layer = Int8GroupLinear(u, scales, offsets)
+    assert layer.qweight.shape == (n // 16, k // 4, 16, 4) and (layer.offsets is None) == symmetric
+    x = (torch.randn(m, k, generator=g) * 30).to(BF16)
+    x[0, 5] = 400.0  # an outlier: most of its group's q near 0
+    got = layer(x)
+    assert got.shape == (m, n) and got.dtype == BF16
+    want = int8g_reference(x, u, ops.unblock(layer.scales).float(),
+                           None if symmetric else ops.unblock(layer.offsets).float())
+    assert_within_a_bf16_ulp(got, want)
+    # a row's bits do not depend on the rows beside it (the fused decode's verification rows: cpu_decode.py)
+    assert torch.equal(layer(x[m - 1:]), got[m - 1:])
+
+
+@needs_kernels
+@pytest.mark.parametrize("n,k,group", [(16, 64, 8), (48, 96, 24), (32, 1024, 128)])
+def test_int8g_kernel_other_groups_and_fp16_scales(isa, n, k, group):
+    """Any group of 8 k steps the kernel takes; fp16 scales and offsets where those are exact (kept in fp16: half
+    the bytes), with a bias."""
+    from mili.model.cpu_linear import Int8GroupLinear
+
+    g = torch.Generator().manual_seed(n + k + group)
+    u = torch.randint(0, 256, (n, k), generator=g, dtype=torch.uint8)
+    scales = (torch.rand(n, k // group, generator=g) * 0.01 + 1e-3).half().float()
+    offsets = (-scales * torch.randint(100, 150, scales.shape, generator=g)).half().float()
+    bias = torch.randn(n, generator=g).to(BF16)
+    layer = Int8GroupLinear(u, scales, offsets, bias)
+    assert layer.scales.dtype == layer.offsets.dtype == torch.float16
+    x = torch.randn(3, k, generator=g).to(BF16)
+    want = int8g_reference(x, u, scales, offsets)
+    torch.testing.assert_close(layer(x).float(), (want.to(BF16) + bias).float(), rtol=2e-2, atol=2e-2)
+    assert_within_a_bf16_ulp(ops.linear_int8g(x, layer.qweight, layer.scales, layer.offsets), want)
+
+
+def test_int8g_supported_shapes():
+    """The kernel takes N % 16 == 0 and K in whole groups of a multiple of 8; the rest is refused. The layer pads its
+    rows to 16 and raises on other groups."""
+    assert ops.int8g_supported(48, 256, 16) and ops.int8g_supported(16, 64, 32) and ops.int8g_supported(32, 96, 24)
+    assert not ops.int8g_supported(40, 256, 32)  # N not a multiple of 16
+    assert not ops.int8g_supported(48, 250, 32)  # K not in whole groups
+    assert not ops.int8g_supported(48, 240, 12)  # a group not a multiple of 8
+    assert not ops.int8g_supported(48, 256, 0)
+    from mili.model.cpu_linear import Int8GroupLinear
+
+    u = torch.zeros(40, 240, dtype=torch.uint8)
+    assert Int8GroupLinear(u, torch.ones(40, 10)).qweight.shape == (3, 60, 16, 4)  # (rows padded to 48)
+    for groups in (20, 7):  # groups of 12; of 240 / 7
+        with pytest.raises(ValueError, match="multiple of 8"):
+            Int8GroupLinear(u, torch.ones(40, groups))
+
+
+def _gguf_blocks(kind: str, rows: int, cols: int, g: torch.Generator):
+    """Random valid GGUF blocks of ``kind`` for a [rows, cols] tensor (raw bytes, as a file holds them) and their
+    int8g form (u, scales, offsets or None), unpacked with gguf's own bit layout: q read back through
+    gguf.quants.dequantize of the blocks with every scale set to 1 and every min to 0."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as T
+    from gguf import quants
+
+    qtype = getattr(T, kind)
+    block, size = quants.GGML_QUANT_SIZES[qtype]
+    nb = rows * cols // block
+    raw = torch.randint(0, 256, (nb, size), generator=g, dtype=torch.uint8).numpy()
+
+    def fp16(shape, lo, hi):  # d and dmin: either sign, in fp16's normal range
+        v = (torch.rand(shape, generator=g) * (hi - lo) + lo) * torch.where(torch.rand(shape, generator=g) < 0.5, -1, 1)
+        return v.half().numpy()
+
+    def q_of(blocks):  # q as dequantize gives it with unit scales: [rows, cols] float32
+        return quants.dequantize(blocks.reshape(-1), qtype).reshape(rows, cols)
+
+    if kind == "Q8_0":  # d (fp16), 32 int8
+        raw[:, :2] = fp16(nb, 1e-3, 2e-2).view(np.uint8).reshape(nb, 2)
+        raw[0, 2:6] = np.array([0x80, 0x7F, 0, 0xFF], dtype=np.uint8)  # -128, 127, 0, -1
+        unit = raw.copy()
+        unit[:, :2] = np.array([1.0], dtype=np.float16).view(np.uint8)
+        u = q_of(unit) + 128
+        scales, offsets = raw[:, :2].copy().view(np.float16).astype(np.float32).reshape(rows, -1), None
+    elif kind == "Q6_K":  # ql 128, qh 64, 16 int8 scales, d (fp16)
+        raw[:, 208:] = fp16(nb, 1e-4, 2e-3).view(np.uint8).reshape(nb, 2)
+        unit = raw.copy()
+        unit[:, 192:208] = 1
+        unit[:, 208:] = np.array([1.0], dtype=np.float16).view(np.uint8)
+        u = q_of(unit) + 128  # (q - 32) + 128
+        d = raw[:, 208:].copy().view(np.float16).astype(np.float32)
+        scales, offsets = (d * raw[:, 192:208].view(np.int8).astype(np.float32)).reshape(rows, -1), None
+    else:  # Q5_K: d, dmin (fp16), 12 bytes of 6-bit scales and mins, qh 32, qs 128
+        raw[:, :2] = fp16(nb, 1e-4, 2e-3).view(np.uint8).reshape(nb, 2)
+        raw[:, 2:4] = fp16(nb, 1e-4, 2e-3).view(np.uint8).reshape(nb, 2)
+        sc, mins = quants.Q4_K.get_scale_min(raw[:, 4:16].copy())
+        unit = raw.copy()
+        unit[:, :2] = np.array([1.0], dtype=np.float16).view(np.uint8)
+        unit[:, 2:4] = 0
+        unit[:, 4:16] = np.array([1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1], dtype=np.uint8)  # every sc 1, every min 0
+        u = q_of(unit)
+        d, dmin = (raw[:, i:i + 2].copy().view(np.float16).astype(np.float32) for i in (0, 2))
+        scales = (d * sc.astype(np.float32)).reshape(rows, -1)
+        offsets = -(dmin * mins.astype(np.float32)).reshape(rows, -1)
+    want = torch.from_numpy(quants.dequantize(raw.reshape(-1), qtype).reshape(rows, cols))
+    u = torch.from_numpy(u)
+    assert u.min() >= 0 and u.max() <= 255 and torch.equal(u, u.round())
+    return (u.to(torch.uint8), torch.from_numpy(scales), None if offsets is None else torch.from_numpy(offsets),
+            want)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", ["Q8_0", "Q6_K", "Q5_K"])
+def test_int8g_gguf_blocks_map_exactly(isa, kind):
+    """GGUF's 8-bit-able blocks on the int8g kernel (issue 45): Q8_0 (d q: s = d, u = q + 128, no offsets), Q6_K
+    (d sc (q - 32): s = d sc, u = q + 96, no offsets) and Q5_K (d sc q - dmin m: s = d sc, u = q, b = -dmin m). The
+    layer's dequantize() is gguf.quants.dequantize of the same blocks bit for bit (float32), and the kernel's
+    product is the integer product over exactly those weights (x quantized per group)."""
+    pytest.importorskip("gguf")
+    from mili.model.cpu_linear import Int8GroupLinear
+
+    g = torch.Generator().manual_seed(len(kind))
+    rows, cols = 48, 512
+    u, scales, offsets, want = _gguf_blocks(kind, rows, cols, g)
+    layer = Int8GroupLinear(u, scales, offsets)
+    assert layer.group == {"Q8_0": 32, "Q6_K": 16, "Q5_K": 32}[kind]
+    assert layer.scales.dtype == (torch.float16 if kind == "Q8_0" else torch.float32)  # (d sc: not exact in fp16)
+    dense = layer.dequantize()
+    assert dense.dtype == torch.float32 and torch.equal(dense.view(torch.int32), want.view(torch.int32))
+    x = (torch.randn(5, cols, generator=g) * 4).to(BF16)
+    assert_within_a_bf16_ulp(layer(x), int8g_reference(x, u, scales, offsets))
+
+
+def test_int4_dequantize_is_scale_times_q_plus_offset():
+    """Int4Linear.dequantize(): the packed nibbles, scales and offsets back, s q + b in float32 (Q4_0's d (q - 8)
+    and Q4_K's d sc q - dmin m equal gguf's dequantize as values: each product is exact)."""
+    from mili.model.cpu_linear import Int4Linear
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (40, 128), generator=g, dtype=torch.uint8)
+    s, b = torch.rand(40, 4, generator=g) * 0.01, torch.randn(40, 4, generator=g) * 0.05
+    dense = Int4Linear(q, s, b).dequantize()
+    assert dense.shape == (40, 128) and dense.dtype == torch.float32
+    assert torch.equal(dense, q.float() * s.repeat_interleave(32, 1) + b.repeat_interleave(32, 1))
 
 
 @needs_kernels

@@ -1,6 +1,7 @@
-"""MILI's CPU kernels (``kernels.c``): matrix multiplies over packed bf16, int8 and int4 weights, fused RMSNorm,
-q/k-norm + RoPE, SwiGLU, paged decode and prefill attention, the Gated DeltaNet decode step, argmax and the
-grammar bitmask; one C source over a thin per-ISA layer (``isa_avx512.h``, ``isa_avx2.h``, ``isa_neon.h``).
+"""MILI's CPU kernels (``kernels.c``): matrix multiplies over packed bf16, int8, int4 and grouped 8-bit (int8g)
+weights, fused RMSNorm, q/k-norm + RoPE, SwiGLU, paged decode and prefill attention, the Gated DeltaNet decode
+step, argmax and the grammar bitmask; one C source over a thin per-ISA layer (``isa_avx512.h``, ``isa_avx2.h``,
+``isa_neon.h``).
 
 Why C: decoding one token must stream every weight once, and the fastest path torch offers on a CPU (oneDNN on
 prepacked weights) streams well below what the memory gives; the kernels here stream near read speed
@@ -60,6 +61,7 @@ SIGNATURES = {  # name -> argument types (all return void but mili_amx_init, mil
     "mili_linear": [_P, _P, _P, _I, _I, _I, ctypes.c_int],
     "mili_linear_int8": [_P, _P, _P, _P, _P, _I, _I, _I, ctypes.c_int],
     "mili_linear_int4": [_P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int, ctypes.c_int],
+    "mili_linear_int8g": [_P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int, ctypes.c_int],
     "mili_use_amx": [ctypes.c_int],
     "mili_uses_amx": [],
     "mili_isa": [],
@@ -334,7 +336,7 @@ def why() -> str:
 
 
 def int8_available() -> bool:
-    """The int8 and int4 kernels: every ISA but AVX-512 without VNNI (Skylake-X: there aten's weight-only int8
+    """The int8, int4 and int8g kernels: every ISA but AVX-512 without VNNI (Skylake-X: there aten's weight-only int8
     runs, and AWQ layers are dequantized), where they passed their check at load."""
     lib = load()[0]
     return lib is not None and not lib.mili_int_check

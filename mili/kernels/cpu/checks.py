@@ -66,7 +66,7 @@ def check_core(lib) -> str:
 
 
 def check_int(lib) -> str:
-    """The int8 and int4 linears of ``lib`` against their dequantized weights: "" or what failed."""
+    """The int8, int4 and int8g linears of ``lib`` against their dequantized weights: "" or what failed."""
     from mili.kernels.cpu import ops
 
     try:
@@ -87,6 +87,15 @@ def check_int(lib) -> str:
             why = _close(got, x.float() @ dense.T, 3e-2)
             if why:
                 return f"int4 linear: {why}"
+            u = torch.randint(0, 256, (32, 128), generator=g, dtype=torch.uint8)
+            s8 = torch.rand(32, 4, generator=g) * 0.01
+            for b8 in (torch.randn(32, 4, generator=g), None):  # (None: w = s (u - 128))
+                got = ops.linear_int8g(x, *ops.pack_int8g(u, s8, b8))
+                dense = s8.repeat_interleave(32, dim=1) * (u.float() - 128 if b8 is None else u.float())
+                dense = dense if b8 is None else dense + b8.repeat_interleave(32, dim=1)
+                why = _close(got, x.float() @ dense.T, 3e-2)
+                if why:
+                    return f"int8g linear{' (symmetric)' if b8 is None else ''}: {why}"
     except Exception as exc:  # noqa: BLE001
         return f"{type(exc).__name__}: {exc}"
     return ""

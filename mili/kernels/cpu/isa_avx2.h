@@ -203,6 +203,34 @@ static inline vi i4_flush(vi acc, i4acc t) {
   VI2(_mm256_add_epi32(acc.a, _mm256_madd_epi16(t.a, one)), _mm256_add_epi32(acc.b, _mm256_madd_epi16(t.b, one)));
 }
 #endif
+/* int8g (8-bit weights per group, kernels.c): with VNNI, u unsigned (0..255) times x signed in one vpdpbusd.
+ * Without it vpmaddubsw would saturate (a pair of 255 x 127 is past int16), so the sums are of x v, v = u - 128
+ * (the top bit flipped): |v| x sign(x, v), llama.cpp's order (|v| <= 128 is exact unsigned, where sign(v, x)
+ * would wrap at v = -128); a pair is then at most 2 x 128 x 127 = 32512, within int16. */
+#define I8G_MR 2
+#define I8G_NB 1
+#define I8G_NB_ONE 2
+#if ISA_VNNI
+#define I8G_SIGNED 0 /* the sums are of x u */
+typedef wrow8 wrowg;
+static inline wrowg w_int8g(const uint8_t *p) { return w_int8(p); }
+static inline vi dot_int8g(vi acc, xq4 x, wrowg w) { VI2(DPBUSD(acc.a, w.a, x.x), DPBUSD(acc.b, w.b, x.x)); }
+#else
+#define I8G_SIGNED 1 /* the sums are of x (u - 128) */
+typedef struct { __m256i a, b, aa, ab; } wrowg; /* v, and |v| */
+static inline wrowg w_int8g(const uint8_t *p) {
+  const __m256i top = _mm256_set1_epi8((char)0x80);
+  wrowg r;
+  r.a = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)p), top);
+  r.b = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(p + 32)), top);
+  r.aa = _mm256_abs_epi8(r.a);
+  r.ab = _mm256_abs_epi8(r.b);
+  return r;
+}
+static inline vi dot_int8g(vi acc, xq4 x, wrowg w) {
+  VI2(dot_u8s8(acc.a, w.aa, _mm256_sign_epi8(x.x, w.a)), dot_u8s8(acc.b, w.ab, _mm256_sign_epi8(x.x, w.b)));
+}
+#endif
 static inline void w_int4(const uint8_t *p, wrow8 *lo, wrow8 *hi, int in_place) {
   const __m256i low = _mm256_set1_epi8(0x0F), high = _mm256_set1_epi8((char)0xF0);
   const __m256i a = _mm256_loadu_si256((const __m256i *)p), b = _mm256_loadu_si256((const __m256i *)(p + 32));

@@ -4,7 +4,7 @@
  * (Skylake-X to Ice Lake) they are emulated in AVX-512F: a bf16 is the top half of a float32, so widening is
  * a shift, the dot product of a pair is two FMAs (the odd element first, as vdpbf16ps adds them), narrowing
  * rounds to nearest even, NaNs kept quiet. AVX-512 VNNI gives vpdpbusd (u8 x s8 into int32); without it
- * the int8 and int4 layers run aten's kernels instead (kernels.int8_available), and these functions are
+ * the int8, int4 and int8g layers run aten's kernels instead (kernels.int8_available), and these functions are
  * compiled but never called. AMX (the linear layers' tiles) lives in kernels.c, built with this layer. */
 #include <immintrin.h>
 
@@ -109,6 +109,14 @@ typedef vi i4acc; /* int4's running sums between flushes (see isa_avx2.h): int32
 static inline i4acc i4_zero(void) { return vi_zero(); }
 INT8_TARGET static inline i4acc i4_dot(i4acc t, xq4 x0, wrow8 lo, xq4 x1, wrow8 hi) { return dot_int4(dot_int4(t, x0, lo), x1, hi); }
 static inline vi i4_flush(vi acc, i4acc t) { return vi_add(acc, t); }
+/* int8g (8-bit weights per group, kernels.c): u unsigned (0..255) times x signed, as int4's nibbles */
+#define I8G_SIGNED 0 /* the sums are of x u */
+#define I8G_MR 2
+#define I8G_NB 4
+#define I8G_NB_ONE 4
+typedef __m512i wrowg;
+static inline wrowg w_int8g(const uint8_t *p) { return _mm512_loadu_si512(p); }
+INT8_TARGET static inline vi dot_int8g(vi acc, xq4 x, wrowg w) { return _mm512_dpbusd_epi32(acc, w, x); }
 
 /* -- optional specializations kernels.c takes when defined ------------------------------------------------ */
 #define ISA_HAS_PV_SLICE 1

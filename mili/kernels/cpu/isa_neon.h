@@ -156,6 +156,19 @@ typedef vi i4acc; /* int4's running sums between flushes (see isa_avx2.h): int32
 static inline i4acc i4_zero(void) { return vi_zero(); }
 static inline i4acc i4_dot(i4acc t, xq4 x0, wrow8 lo, xq4 x1, wrow8 hi) { return dot_int4(dot_int4(t, x0, lo), x1, hi); }
 static inline vi i4_flush(vi acc, i4acc t) { return vi_add(acc, t); }
+/* int8g (8-bit weights per group, kernels.c): sdot is signed x signed, so the sums are of x v, v = u - 128 (the
+ * top bit flipped), as are smull's without the dot product (|x v| <= 127 x 128 fits int16) */
+#define I8G_SIGNED 1
+#define I8G_MR 2
+#define I8G_NB 1
+#define I8G_NB_ONE 2
+typedef wrow8 wrowg;
+static inline wrowg w_int8g(const uint8_t *p) {
+  wrowg r;
+  for (int i = 0; i < 4; i++) r.v[i] = vreinterpretq_s8_u8(veorq_u8(vld1q_u8(p + 16 * i), vdupq_n_u8(0x80)));
+  return r;
+}
+static inline vi dot_int8g(vi acc, xq4 x, wrowg w) { VI4(dot4(acc.v[i_], w.v[i_], x)); }
 static inline void w_int4(const uint8_t *p, wrow8 *lo, wrow8 *hi, int in_place) {
   (void)in_place; /* (INT4_APART is 0: never asked) */
   for (int i = 0; i < 4; i++) {

@@ -10,8 +10,8 @@
  *  - vf / vi: 16 float32 / int32 lanes (one zmm, two ymm, four NEON q registers), with loads, stores,
  *    arithmetic, reductions, bf16 and fp16 conversions (bf16 rounded to nearest even, as torch rounds);
  *  - the linear layers' operands over one 64-byte row of a packed weight block: dot_bf16 (16 columns x a pair
- *    of k), dot_int8 (x 4 k), dot_int4 (x 4 k of nibbles), and the tile shapes (MR_MAX rows x NB_MAX blocks
- *    of sums) that fit that ISA's registers;
+ *    of k), dot_int8 (x 4 k), dot_int4 (x 4 k of nibbles), dot_int8g (x 4 k of unsigned bytes), and the tile
+ *    shapes (MR_MAX rows x NB_MAX blocks of sums) that fit that ISA's registers;
  *  - optional specializations (ISA_HAS_PV_SLICE, ISA_HAS_ARGMAX, ISA_HAS_AMX) where AVX-512 does better than
  *    the generic code below.
  * Everything else is written once, here.
@@ -51,6 +51,7 @@ static inline float bf16_to_float(bf16 v) {
 
 #define NB_CAP (NB_MAX > NB_ONE ? NB_MAX : NB_ONE)
 #define I4_NB_CAP (I4_NB > I4_NB_ONE ? I4_NB : I4_NB_ONE)
+#define I8G_NB_CAP (I8G_NB > I8G_NB_ONE ? I8G_NB : I8G_NB_ONE)
 #define PF_DIST 1024 /* bytes ahead in each weight stream (few rows: the weights come from memory) */
 
 const char *mili_isa(void) { return ISA_NAME; }
@@ -640,6 +641,117 @@ void mili_linear_int4(const uint8_t *w, const void *ws, const void *wb, const bf
   free(xsum);
 }
 
+/* -- int8g: 8-bit weights w = s u + b, a scale and an offset per group of input channels ----------------------
+ * u in 0..255 (the int4 kernel's form with 8-bit values). GGUF's blocks map onto it exactly: Q5_K's sub-blocks
+ * d sc q - dmin m are s = d sc, u = q, b = -dmin m; without offsets (wb NULL) b is -128 s, which stores none and
+ * takes one multiply-add a group less: Q8_0's d q is s = d, u = q + 128, and Q6_K's d sc (q - 32) is s = d sc,
+ * u = q + 96. Each s u there is exact in float32 (an 11-bit fp16 mantissa times at most 8 + 8 bits), so s u + b,
+ * or s (u - 128), rounds as gguf's dequantize rounds d q - dm, or d q. u is packed as the int8 kernel's weights,
+ * [N/16][K/4][16][4]; scales and offsets (fp16, or float32 with scale_f32) [N/16][G][16] as the int4 kernel's.
+ * x is quantized to int8 per row and group (sx, with each group's sum of q, xsum). The ISA's dot product gives a
+ * group's S_u = sum xq u (vpdpbusd: u unsigned, x signed), or where it is signed x signed (I8G_SIGNED: AVX2
+ * without VNNI, NEON) S_v over v = u - 128; S_u = S_v + 128 xsum. Both exact integers, so every ISA has the
+ * same sums and the same float32 steps after them: sum_k x w = sx (s S_u + b xsum), or symmetric sx s S_v. */
+INT8_TARGET static inline __attribute__((always_inline)) void int8g_micro(
+    const uint8_t *w, int64_t wblock, const void *ws, const void *wb, int f32, int64_t G, int64_t k4_per_group,
+    const int8_t *xq, int64_t K, const float *sx, const int32_t *xsum, bf16 *y, int64_t ldy, const int MR,
+    const int NB, const int sym, int pf) {
+  vf f[I8G_MR][I8G_NB_CAP];
+  for (int i = 0; i < MR; i++)
+    for (int j = 0; j < NB; j++) f[i][j] = vf_zero();
+  for (int64_t g = 0; g < G; g++) {
+    vi acc[I8G_MR][I8G_NB_CAP];
+    for (int i = 0; i < MR; i++)
+      for (int j = 0; j < NB; j++) acc[i][j] = vi_zero();
+    for (int64_t p = g * k4_per_group; p < (g + 1) * k4_per_group; p++) {
+      wrowg wv[I8G_NB_CAP];
+      for (int j = 0; j < NB; j++) {
+        const uint8_t *wp = w + j * wblock + p * 64;
+        if (pf) prefetch(wp + PF_DIST, 0);
+        wv[j] = w_int8g(wp);
+      }
+      for (int i = 0; i < MR; i++) {
+        const xq4 xb = x_int8(xq + i * K + p * 4);
+        for (int j = 0; j < NB; j++) acc[i][j] = dot_int8g(acc[i][j], xb, wv[j]);
+      }
+    }
+    for (int j = 0; j < NB; j++) {
+      const int64_t at = j * G * 16 + g * 16;
+      const vf s = load_scales(ws, at, f32);
+      for (int i = 0; i < MR; i++) {
+        const float scale = sx[i * G + g];
+        vi sum = acc[i][j]; /* to S_v (symmetric) or S_u */
+        if (sym && !I8G_SIGNED) sum = vi_sub(sum, vi_set1(128 * xsum[i * G + g]));
+        if (!sym && I8G_SIGNED) sum = vi_add(sum, vi_set1(128 * xsum[i * G + g]));
+        f[i][j] = vf_fmadd(vi_to_vf(sum), vf_mul(s, vf_set1(scale)), f[i][j]);
+        if (!sym) f[i][j] = vf_fmadd(load_scales(wb, at, f32), vf_set1(scale * (float)xsum[i * G + g]), f[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < MR; i++)
+    for (int j = 0; j < NB; j++) vf_store_bf16(y + i * ldy + j * 16, f[i][j]);
+}
+
+#define I8G(MR, NB) int8g_micro(w, wblock, ws, wb, f32, G, k4g, xq, K, sx, xsum, y, ldy, MR, NB, sym, pf)
+#define I8G_NB_CASE(MR)                                 \
+  switch (nb) {                                         \
+    case 1: I8G(MR, 1); break;                          \
+    case 2: if (I8G_NB_CAP >= 2) I8G(MR, 2); break;     \
+    case 3: if (I8G_NB_CAP >= 3) I8G(MR, 3); break;     \
+    default: if (I8G_NB_CAP >= 4) I8G(MR, 4); break;    \
+  }
+#define I8G_MR_CASE          \
+  if (mr == 1) {             \
+    I8G_NB_CASE(1);          \
+  } else {                   \
+    I8G_NB_CASE(2);          \
+  }
+INT8_TARGET static void int8g_micro_any(const uint8_t *w, int64_t wblock, const void *ws, const void *wb, int f32,
+                                        int64_t G, int64_t k4g, const int8_t *xq, int64_t K, const float *sx,
+                                        const int32_t *xsum, bf16 *y, int64_t ldy, int mr, int nb, int pf) {
+  if (wb) { /* (sym a constant in each instance: its branches fold away) */
+    const int sym = 0;
+    I8G_MR_CASE
+  } else {
+    const int sym = 1;
+    I8G_MR_CASE
+  }
+}
+
+/* y[M, N] = x[M, K] @ W^T for int8g W (layout above; wb NULL: symmetric). N % 16 == 0, K % group == 0,
+ * group % 8 == 0. */
+void mili_linear_int8g(const uint8_t *w, const void *ws, const void *wb, const bf16 *x, bf16 *y, int64_t M, int64_t N,
+                       int64_t K, int64_t group, int scale_f32, int nthreads) {
+  const int64_t G = K / group, nblocks = N / 16, per = M == 1 ? I8G_NB_ONE : I8G_NB_CAP,
+                ngroups = (nblocks + per - 1) / per, wblock = K * 16;
+  int8_t *xq = malloc(M * K);
+  float *sx = malloc(M * G * sizeof(float));
+  int32_t *xsum = malloc(M * G * sizeof(int32_t));
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (M * K >= 65536)
+  for (int64_t r = 0; r < M * G; r++) { /* one group of one row */
+    const int64_t at = (r / G) * K + (r % G) * group;
+    sx[r] = quantize_int8(x + at, group, xq + at, 0, xsum + r);
+  }
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (ngroups > 1)
+  for (int64_t c = 0; c < ngroups; c++) {
+    const int64_t nb0 = c * per, nbs = nblocks - nb0 < per ? nblocks - nb0 : per;
+    for (int64_t m0 = 0; m0 < M; m0 += I8G_MR) {
+      const int mr = M - m0 < I8G_MR ? (int)(M - m0) : I8G_MR;
+      for (int64_t b = 0; b < nbs;) {
+        const int64_t cap = mr == 1 ? I8G_NB_ONE : I8G_NB, n = nbs - b < cap ? nbs - b : cap;
+        const int64_t at = (nb0 + b) * G * 16, size = scale_f32 ? 4 : 2;
+        int8g_micro_any(w + (nb0 + b) * wblock, wblock, (const uint8_t *)ws + at * size,
+                        wb ? (const uint8_t *)wb + at * size : NULL, scale_f32, G, group / 4, xq + m0 * K, K,
+                        sx + m0 * G, xsum + m0 * G, y + m0 * N + (nb0 + b) * 16, N, mr, (int)n, M <= 8);
+        b += n;
+      }
+    }
+  }
+  free(xq);
+  free(sx);
+  free(xsum);
+}
+
 /* -- norms, RoPE, SwiGLU --------------------------------------------------------------------------------- */
 
 /* One row of RMSNorm as torch rounds it: out = bf16(w * bf16(s / sqrt(mean(s^2) + eps))). D % 16 == 0. */
@@ -921,10 +1033,11 @@ void mili_prefill_attention(const bf16 *q, int64_t ldq, const bf16 *k, int64_t l
 typedef struct {
   const void *w;       /* packed weight */
   const void *scales;  /* int8: float per output column; int4: per column and group (fp16, or float32) */
-  const void *aux;     /* int8: column sums (int32); int4: offsets (as the scales) */
+  const void *aux;     /* int8: column sums (int32); int4, int8g: offsets (as the scales; int8g: NULL, symmetric) */
   int64_t n, k; /* output (a multiple of 16: no padding) and input features */
-  int64_t group; /* int4: input features per scale, else 0 */
-  int64_t scale_f32; /* int4: scales and offsets in float32 (else fp16) */
+  int64_t group; /* int4, int8g: input features per scale, else 0 */
+  int64_t scale_f32; /* int4, int8g: scales and offsets in float32 (else fp16) */
+  int64_t int8g; /* 8-bit weights per group (mili_linear_int8g), else int4 where group is set */
 } mili_linear_desc;
 
 typedef struct {
@@ -935,7 +1048,8 @@ typedef struct {
 } mili_layer_desc;
 
 static void run_linear(const mili_linear_desc *l, const bf16 *x, bf16 *y, int64_t M, int nthreads) {
-  if (l->group) mili_linear_int4(l->w, l->scales, l->aux, x, y, M, l->n, l->k, l->group, (int)l->scale_f32, nthreads);
+  if (l->int8g) mili_linear_int8g(l->w, l->scales, l->aux, x, y, M, l->n, l->k, l->group, (int)l->scale_f32, nthreads);
+  else if (l->group) mili_linear_int4(l->w, l->scales, l->aux, x, y, M, l->n, l->k, l->group, (int)l->scale_f32, nthreads);
   else if (l->scales) mili_linear_int8(l->w, l->scales, l->aux, x, y, M, l->n, l->k, nthreads);
   else mili_linear(l->w, x, y, M, l->n, l->k, nthreads);
 }

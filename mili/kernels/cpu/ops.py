@@ -133,6 +133,49 @@ def linear_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, off
         _threads()))
 
 
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """:func:`pack_int4`'s q back: [N, K] uint8 (0..15)."""
+    nb, k8, _ = packed.shape
+    cols = packed.view(nb, k8, 16, 4)
+    q = torch.stack([cols & 0x0F, cols >> 4], dim=2)  # [N/16, K/8, lo|hi, 16, 4]
+    return q.permute(0, 3, 1, 2, 4).reshape(nb * 16, k8 * 8)
+
+
+def unblock(t: torch.Tensor) -> torch.Tensor:
+    """Scales or offsets [N/16, groups, 16] (:func:`pack_int4`, :func:`pack_int8g`) back to [N, groups]."""
+    return t.transpose(1, 2).reshape(-1, t.shape[1])
+
+
+def pack_int8g(q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
+               scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """8-bit weights w = scale * q + offset (int8g, kernels.c): q [N, K] (uint8 values 0..255; N % 16 == 0) with a
+    scale and an offset per output row and group of K, [N, groups]; ``offsets`` None: w = scale * (q - 128) (GGUF's
+    Q8_0 and Q6_K, none stored) -> the kernel's layout: q [N/16, K/4, 16, 4] (the int8 kernel's), scales and
+    offsets [N/16, groups, 16] in ``scale_dtype`` (float32, or float16 where that holds them exactly)."""
+    assert q.dtype == torch.uint8 and q.shape[0] % 16 == 0, (q.dtype, q.shape)
+
+    def blocked(t):
+        return None if t is None else t.to(scale_dtype).reshape(q.shape[0] // 16, 16, -1).transpose(1, 2).contiguous()
+
+    return pack_weight(q), blocked(scales), blocked(offsets)
+
+
+def int8g_supported(out_features: int, in_features: int, group: int) -> bool:
+    return out_features % 16 == 0 and group > 0 and in_features % group == 0 and group % 8 == 0
+
+
+def linear_int8g(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                 offsets: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] @ W^T for int8g W (:func:`pack_int8g`), x quantized to int8 per row and group in the kernel:
+    [M, padded N]."""
+    group = packed.shape[1] * 4 // scales.shape[1]
+    assert scales.dtype in (torch.float16, torch.float32) and (offsets is None or offsets.dtype == scales.dtype)
+    f32 = int(scales.dtype == torch.float32)
+    return _packed_product(x, packed, packed.shape[0] * 16, lambda x, y, m, n, k: _lib().mili_linear_int8g(
+        packed.data_ptr(), scales.data_ptr(), None if offsets is None else offsets.data_ptr(), x.data_ptr(),
+        y.data_ptr(), m, n, k, group, f32, _threads()))
+
+
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """The first index of each row's largest value (torch.argmax(dim=-1)), read straight from bf16."""
     if logits.dtype != BF16 or logits.dim() != 2 or logits.stride(-1) != 1 or not logits.shape[1]:
