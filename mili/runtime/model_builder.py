@@ -16,7 +16,8 @@ from mili.kernels import gated_delta_fla
 from mili.kernels.reference import TorchOps
 from mili.kernels.cpu import ops as cpu_ops
 from mili.model import quant
-from mili.model.cpu_linear import Int4Linear, fp8_round_trip_linears, int4_layer, swap_linears, swap_lm_head
+from mili.model.cpu_linear import (Int4Linear, Int8GroupLinear, fp8_round_trip_linears, int4_layer, swap_linears,
+                                   swap_lm_head)
 from mili.model.loader import load_weights
 from mili.model.qwen3 import Qwen3ForCausalLM
 from mili.model.qwen3_5 import GatedDeltaNet, Qwen3_5ForCausalLM
@@ -100,13 +101,22 @@ def _swap_linears(model, plan: ExecutionPlan, quantized: dict) -> None:
 
 
 def _quantized_cpu_layer(parts, bias, shard_sizes):
-    """A layer kept as stored on the CPU's kernels: AWQ's and GGUF's 4-bit quants on the int4 kernel; None (the
-    dequantized weights on the bf16 kernel) where the kernel can't take the shape or the quants."""
+    """A layer kept as stored on the CPU's kernels: AWQ's and GGUF's 4-bit quants on the int4 kernel, GGUF's 8-bit
+    ones on the int8g kernel (symmetric q as u = q + 128, or q 0..255 with offsets); None (the dequantized weights on
+    the bf16 kernel) where the kernel can't take the shape, or a fused layer mixes symmetric signed rows with rows
+    that have offsets (Q4_K_M's q and v: no exact form holds both)."""
     if not isinstance(parts, quant.GroupParts):
         return int4_layer(parts, bias, shard_sizes)
     out, k = parts.q.shape
-    if parts.bits == 4 and cpu_ops.int4_supported(out, k, k // parts.scales.shape[1]):
+    group = k // parts.scales.shape[1]
+    if parts.bits == 4 and cpu_ops.int4_supported(out, k, group):
         return Int4Linear(parts.q.to(torch.uint8), parts.scales, parts.offsets, bias, shard_sizes)
+    if not cpu_ops.int8g_supported(out, k, group):
+        return None
+    if not parts.offsets.any():
+        return Int8GroupLinear((parts.q.to(torch.int16) + 128).to(torch.uint8), parts.scales, None, bias, shard_sizes)
+    if parts.q.min() >= 0:
+        return Int8GroupLinear(parts.q.to(torch.uint8), parts.scales, parts.offsets, bias, shard_sizes)
     return None
 
 

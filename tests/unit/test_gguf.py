@@ -82,11 +82,18 @@ def test_float32_greedy_matches_hf_on_the_dequantized_tensors(gguf_model, kind, 
     assert_drained(llm)
 
 
+def _gguf_dequantized(path, *names):
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    return torch.cat([torch.from_numpy(gguf.quants.dequantize(tensors[n].data, tensors[n].tensor_type)).reshape(
+        [int(d) for d in reversed(tensors[n].shape)]) for n in names])
+
+
 def test_bf16_runs_the_blocks_on_the_kernels_as_stored(gguf_model):
-    """On MILI's CPU kernels the 4-bit types compute as stored (the int4 kernel), whose dequantized weights are
-    gguf-py's; the model's tokens follow the float32 run's (W4A8 quantizes activations: within its error)."""
+    """On MILI's CPU kernels the blocks compute as stored: Q4_K on the int4 kernel, Q6_K on the int8g kernel, whose
+    dequantized weights are gguf-py's; the fused decode step takes both. The tokens follow the float32 run's (the
+    kernels quantize activations: within their error)."""
     from mili.kernels import cpu as cpu_kernels
-    from mili.model.cpu_linear import Int4Linear
+    from mili.model.cpu_linear import Int4Linear, Int8GroupLinear
 
     path, _ = gguf_model("q4_k_m")
     llm = LLM(str(path), dtype="bfloat16")
@@ -94,9 +101,13 @@ def test_bf16_runs_the_blocks_on_the_kernels_as_stored(gguf_model):
         assert "dequantized to bfloat16" in llm.engine.plan.weight_format, llm.engine.plan.weight_format
         return
     assert "on the int4 and int8 kernels" in llm.engine.plan.weight_format
-    gate_up = llm.apply_model(lambda m: m.model.layers[0].mlp.gate_up_proj)
-    assert isinstance(gate_up, Int4Linear)
-    assert cpu_kernels.available()
+    gate_up, down, head = llm.apply_model(lambda m: (m.model.layers[0].mlp.gate_up_proj, m.model.layers[0].mlp.down_proj,
+                                                     m.lm_head))
+    assert isinstance(gate_up, Int4Linear) and isinstance(down, Int8GroupLinear) and isinstance(head, Int8GroupLinear)
+    assert torch.equal(gate_up.dequantize(), _gguf_dequantized(path, "blk.0.ffn_gate.weight", "blk.0.ffn_up.weight"))
+    assert torch.equal(down.dequantize(), _gguf_dequantized(path, "blk.0.ffn_down.weight"))
+    assert torch.equal(head.dequantize(), _gguf_dequantized(path, "output.weight"))
+    assert llm.engine.plan.step == "cpu-decode" and cpu_kernels.available()
     float32 = LLM(str(path), dtype="float32")
     prompts = [{"prompt_token_ids": p} for p in _prompts(seed=3)]
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -207,3 +218,18 @@ def test_unknown_arch_odd_types_and_wrong_shapes(gguf_model, tmp_path):
         LLM(str(_rewrite(path, tmp_path / "iq.gguf", type_of="blk.0.attn_q.weight")))
     with pytest.raises(ModelLoadError, match="blk.1.ffn_up.weight"):
         LLM(str(_rewrite(path, tmp_path / "shape.gguf", shape_of="blk.1.ffn_up.weight")))
+
+
+@pytest.mark.parametrize("kind,layer", [("q8_0", "Int8GroupLinear"), ("q4_0", "Int4Linear"),
+                                        ("q5_k", "Int8GroupLinear")])
+def test_each_type_on_its_kernel_is_gguf_dequantize(gguf_model, kind, layer):
+    path, _ = gguf_model(kind)
+    llm = LLM(str(path), dtype="bfloat16")
+    if not llm.engine.plan.int8_kernels:  # (AVX-512 without VNNI: dequantized, on the bf16 kernel)
+        return
+    down = llm.apply_model(lambda m: m.model.layers[1].mlp.down_proj)
+    assert type(down).__name__ == layer
+    assert torch.equal(down.dequantize(), _gguf_dequantized(path, "blk.1.ffn_down.weight"))
+    out = llm.generate([{"prompt_token_ids": p} for p in _prompts()], GREEDY, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == MAX_TOKENS for o in out)
+    assert_drained(llm)
