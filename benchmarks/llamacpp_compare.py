@@ -13,6 +13,9 @@ under ``~/.cache/mili/bench`` (``MILI_BENCH_CACHE``).
                                           [--output-len 32] [--repeat 3] [--llama-cpp-python 0.3.36]
                                           [--cpu-isa native]
 
+``--same-file`` has both engines read the same GGUF files (Q8_0, Q4_0 and Q4_K_M from ``llama-quantize``): MILI
+through its GGUF loader, the blocks as stored on its int4 and int8g kernels.
+
 ``--cpu-isa avx2`` measures both engines as they would run on an AVX2-only CPU (a Zen 3, say) on a newer one:
 llama.cpp built a second time (``build-avx2``) with ``GGML_NATIVE=OFF`` and only the AVX2-class flags (SSE4.2,
 AVX, AVX2, FMA, F16C, BMI2; no AVX-512, AVX-VNNI or AMX, checked on the binary: no zmm register), and MILI
@@ -69,6 +72,8 @@ PAIRS = [  # (label, MILI: (checkpoint kind, --quantization), llama.cpp GGUF typ
     ("int8 / Q8_0", ("dense", "int8"), "Q8_0"),
     ("AWQ int4 / Q4_0", ("awq", None), "Q4_0"),
 ]
+# --same-file: both engines read the same GGUF file (MILI's GGUF loader, its blocks on the int4 / int8g kernels)
+SAME_FILE_PAIRS = [(f"GGUF {kind}", ("gguf", None), kind) for kind in ("Q8_0", "Q4_0", "Q4_K_M")]
 
 
 def llama_cpp(version: str, isa: str = "native") -> Path:
@@ -173,22 +178,24 @@ def run_mili(path: str, quantization: str | None, args) -> tuple[float, float, i
 def compare(spec: str, bin_dir: Path, args) -> None:
     name, _, layers = spec.partition(":")
     dense = qwen3_checkpoint(name, layers=int(layers) if layers else None)
-    checkpoints = {"dense": dense, "awq": _quantized_copy(dense, "awq")}
-    models = {kind: gguf(dense, kind, bin_dir) for _, _, kind in PAIRS}
-    figures = {label: {"mili": [], "llama": []} for label, _, _ in PAIRS}
+    pairs = SAME_FILE_PAIRS if args.same_file else PAIRS
+    models = {kind: gguf(dense, kind, bin_dir) for _, _, kind in pairs}
+    checkpoints = {"dense": dense} if args.same_file else {"dense": dense, "awq": _quantized_copy(dense, "awq")}
+    figures = {label: {"mili": [], "llama": []} for label, _, _ in pairs}
     steps = {}
     for run in range(2):  # pass 1: MILI first; pass 2: llama.cpp first
         for engine in (("mili", "llama") if run == 0 else ("llama", "mili")):
-            for label, (ckpt, quantization), kind in PAIRS:
+            for label, (ckpt, quantization), kind in pairs:
                 if engine == "mili":
-                    prefill, decode, steps[label] = run_mili(checkpoints[ckpt], quantization, args)
+                    path = str(models[kind]) if ckpt == "gguf" else checkpoints[ckpt]
+                    prefill, decode, steps[label] = run_mili(path, quantization, args)
                 else:
                     prefill, decode = run_llama(bin_dir, models[kind], args)
                 figures[label][engine].append((prefill, decode))
     torch.set_num_threads(args.threads)
     bandwidth = memory_bandwidth()
     rows = []
-    for label, _, kind in PAIRS:
+    for label, _, kind in pairs:
         mili, llama = figures[label]["mili"], figures[label]["llama"]
         mili_decode, llama_decode = (statistics.median(d for _, d in x) for x in (mili, llama))
         mili_prefill, llama_prefill = (statistics.median(p for p, _ in x) for x in (mili, llama))
@@ -222,6 +229,9 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--llama-cpp-python", default="0.3.36", help="the sdist whose vendored llama.cpp is built")
+    p.add_argument("--same-file", action="store_true",
+                   help="both engines read the same GGUF files (Q8_0, Q4_0, Q4_K_M from llama-quantize), MILI "
+                        "through its GGUF loader")
     p.add_argument("--cpu-isa", choices=list(LLAMA_ISA), default="native",
                    help="native: each engine's best path; avx2: both held to AVX2 (run with MILI_CPU_ISA=avx2 "
                         "ATEN_CPU_CAPABILITY=avx2 in the environment)")
