@@ -152,12 +152,14 @@ class Int4Linear(_SwappedLinear):
 
 
 class Int8GroupLinear(_SwappedLinear):
-    def __init__(self, q, scales, offsets=None, bias=None, shard_sizes=None):
+    def __init__(self, q, scales, offsets=None, bias=None, shard_sizes=None, signed: bool = False):
         """8-bit weights per group (kernels.c, int8g): ``q`` [out, in] (uint8 0..255), ``scales`` and ``offsets``
         [out, in / group]: w = scale q + offset; ``offsets`` None: w = scale (q - 128), none stored (GGUF's Q8_0 as
-        q + 128 with scale d, Q6_K as q + 96 with scale d sc; Q5_K is q, d sc and -dmin m). Scales and offsets are
-        kept in float16 where that holds them exactly, else float32."""
+        q + 128 with scale d, Q6_K as q + 96 with scale d sc; Q5_K is q, d sc and -dmin m); ``signed`` with offsets:
+        w = scale (q - 128) + offset (a fused layer whose parts mix those forms). Scales and offsets are kept in
+        float16 where that holds them exactly, else float32."""
         super().__init__(q, bias, shard_sizes)
+        self.signed = signed and offsets is not None
         self.group = q.shape[1] // scales.shape[1]
         if self.group * scales.shape[1] != q.shape[1] or not cpu_ops.int8g_supported(16, q.shape[1], self.group):
             raise ValueError(f"the int8g kernel takes groups of a multiple of 8 input features: not {q.shape[1]} "
@@ -172,7 +174,7 @@ class Int8GroupLinear(_SwappedLinear):
         self.register_buffer("offsets", offsets)  # (None: symmetric)
 
     def _matmul(self, x2d):
-        out = cpu_ops.linear_int8g(x2d, self.qweight, self.scales, self.offsets)[:, :self.out_features]
+        out = cpu_ops.linear_int8g(x2d, self.qweight, self.scales, self.offsets, self.signed)[:, :self.out_features]
         return out if self.bias is None else out + self.bias
 
     def dequantize(self) -> torch.Tensor:
@@ -181,6 +183,8 @@ class Int8GroupLinear(_SwappedLinear):
         q = cpu_ops.unpack_rows(self.qweight, torch.arange(self.out_features)).float()
         if self.offsets is None:
             return _per_group(self.scales, q) * (q - 128)
+        if self.signed:
+            return _per_group(self.scales, q) * (q - 128) + _per_group(self.offsets, q)
         return _per_group(self.scales, q) * q + _per_group(self.offsets, q)
 
 

@@ -50,7 +50,7 @@ def _linear_desc(layer) -> LinearDesc | None:
         offsets = None if layer.offsets is None else layer.offsets.data_ptr()  # (int8g: None when symmetric)
         return LinearDesc(layer.qweight.data_ptr(), layer.scales.data_ptr(), offsets, layer.out_features,
                           layer.in_features, layer.group, int(layer.scales.dtype == torch.float32),
-                          int(isinstance(layer, Int8GroupLinear)))
+                          (2 if layer.signed else 1) if isinstance(layer, Int8GroupLinear) else 0)
     return None
 
 

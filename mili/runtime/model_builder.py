@@ -102,9 +102,8 @@ def _swap_linears(model, plan: ExecutionPlan, quantized: dict) -> None:
 
 def _quantized_cpu_layer(parts, bias, shard_sizes):
     """A layer kept as stored on the CPU's kernels: AWQ's and GGUF's 4-bit quants on the int4 kernel, GGUF's 8-bit
-    ones on the int8g kernel (symmetric q as u = q + 128, or q 0..255 with offsets); None (the dequantized weights on
-    the bf16 kernel) where the kernel can't take the shape, or a fused layer mixes symmetric signed rows with rows
-    that have offsets (Q4_K_M's q and v: no exact form holds both)."""
+    ones (and a fused layer whose parts mix types) on the int8g kernel; None (the dequantized weights on the bf16
+    kernel) where the kernel can't take the shape."""
     if not isinstance(parts, quant.GroupParts):
         return int4_layer(parts, bias, shard_sizes)
     out, k = parts.q.shape
@@ -113,11 +112,13 @@ def _quantized_cpu_layer(parts, bias, shard_sizes):
         return Int4Linear(parts.q.to(torch.uint8), parts.scales, parts.offsets, bias, shard_sizes)
     if not cpu_ops.int8g_supported(out, k, group):
         return None
-    if not parts.offsets.any():
+    if not parts.offsets.any():  # Q8_0, Q6_K: w = s q, stored as u = q + 128 with no offsets
         return Int8GroupLinear((parts.q.to(torch.int16) + 128).to(torch.uint8), parts.scales, None, bias, shard_sizes)
-    if parts.q.min() >= 0:
+    if parts.q.min() >= 0:  # Q5_K (and Q4_K beside it): w = s q + b, u = q
         return Int8GroupLinear(parts.q.to(torch.uint8), parts.scales, parts.offsets, bias, shard_sizes)
-    return None
+    # both (Q4_K_M's q and k beside a Q6_K v): w = s (u - 128) + b, every part's exact form
+    return Int8GroupLinear((parts.q.to(torch.int16) + 128).to(torch.uint8), parts.scales, parts.offsets, bias,
+                           shard_sizes, signed=True)
 
 
 def _release_freed_memory() -> None:

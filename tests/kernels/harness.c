@@ -322,7 +322,7 @@ static void lin_run(const Lin *l, const bf16 *x, bf16 *y, int64_t M) {
   if (l->kind == LIN_BF16) mili_linear(l->packed, x, y, M, l->n, l->k, NT);
   else if (l->kind == LIN_INT8) mili_linear_int8(l->packed, l->sw, l->colsum, x, y, M, l->n, l->k, NT);
   else if (l->kind == LIN_INT4) mili_linear_int4(l->packed, l->scales, l->aux, x, y, M, l->n, l->k, l->group, (int)l->f32, NT);
-  else mili_linear_int8g(l->packed, l->scales, l->aux, x, y, M, l->n, l->k, l->group, (int)l->f32, NT);
+  else mili_linear_int8g(l->packed, l->scales, l->aux, x, y, M, l->n, l->k, l->group, (int)l->f32, 0, NT);
 }
 static mili_linear_desc lin_desc(const Lin *l) {
   mili_linear_desc d;

@@ -443,10 +443,11 @@ def test_int4_scale_and_offset_blocks_map_exactly(isa, m):
         assert (got - want).norm() / want.norm() < 0.01
 
 
-def int8g_reference(x: torch.Tensor, u: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None) -> torch.Tensor:
+def int8g_reference(x: torch.Tensor, u: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
+                    signed: bool = False) -> torch.Tensor:
     """What the int8g kernel computes before its bf16 rounding (kernels.c), in float64: x quantized to int8 per row and
     group (round half to even, times the float32 reciprocal), exact integer sums per group, then sx (s S_u + b xsum),
-    or without offsets sx s (S_u - 128 xsum)."""
+    or without offsets sx s (S_u - 128 xsum); ``signed`` with offsets: sx (s (S_u - 128 xsum) + b xsum)."""
     m, k = x.shape
     n, groups = scales.shape
     group = k // groups
@@ -458,6 +459,8 @@ def int8g_reference(x: torch.Tensor, u: torch.Tensor, scales: torch.Tensor, offs
     xsum = xq.sum(dim=2)[:, None, :]
     if offsets is None:
         terms = (sums - 128 * xsum) * scales.double()[None]
+    elif signed:
+        terms = (sums - 128 * xsum) * scales.double()[None] + offsets.double()[None] * xsum
     else:
         terms = sums * scales.double()[None] + offsets.double()[None] * xsum
     return (terms * sx.double()[:, None, :]).sum(dim=2)
@@ -519,6 +522,28 @@ def test_int8g_kernel_other_groups_and_fp16_scales(isa, n, k, group):
     want = int8g_reference(x, u, scales, offsets)
     torch.testing.assert_close(layer(x).float(), (want.to(BF16) + bias).float(), rtol=2e-2, atol=2e-2)
     assert_within_a_bf16_ulp(ops.linear_int8g(x, layer.qweight, layer.scales, layer.offsets), want)
+
+
+@needs_kernels
+@pytest.mark.parametrize("m", [1, 3, 17])
+def test_int8g_kernel_signed_with_offsets(isa, m):
+    """w = s (u - 128) + b: one fused layer holding parts of both forms (GGUF's Q4_K_M q and k beside a Q6_K v), each
+    part exact: the symmetric rows' b is 0, the offset rows' u is q + 128. The integer product within a bf16 ulp,
+    the same through the fused decode layer's dispatch flag (int8g 2), and dequantize() the parts' weights."""
+    from mili.model.cpu_linear import Int8GroupLinear
+
+    g = torch.Generator().manual_seed(7 + m)
+    n, k, group = 48, 256, 16
+    q = torch.cat([torch.randint(-32, 32, (32, k), generator=g), torch.randint(0, 16, (16, k), generator=g)])
+    scales = torch.rand(n, k // group, generator=g) * 0.02 + 1e-3
+    offsets = torch.cat([torch.zeros(32, k // group), -torch.rand(16, k // group, generator=g) * 0.1])
+    u = (q + 128).to(torch.uint8)
+    layer = Int8GroupLinear(u, scales, offsets, signed=True)
+    x = (torch.randn(m, k, generator=g) * 10).to(BF16)
+    want = int8g_reference(x, u, ops.unblock(layer.scales).float(), ops.unblock(layer.offsets).float(), signed=True)
+    assert_within_a_bf16_ulp(layer(x), want)
+    weights = scales.repeat_interleave(group, 1) * q.float() + offsets.repeat_interleave(group, 1)
+    assert torch.equal(layer.dequantize(), weights)
 
 
 def test_int8g_supported_shapes():

@@ -108,6 +108,18 @@ def test_bf16_runs_the_blocks_on_the_kernels_as_stored(gguf_model):
     assert torch.equal(down.dequantize(), _gguf_dequantized(path, "blk.0.ffn_down.weight"))
     assert torch.equal(head.dequantize(), _gguf_dequantized(path, "output.weight"))
     assert llm.engine.plan.step == "cpu-decode" and cpu_kernels.available()
+    # q and k Q4_K beside a Q6_K v: one int8g layer, each part in its exact form
+    qkv = llm.apply_model(lambda m: m.model.layers[0].self_attn.qkv_proj)
+    assert isinstance(qkv, Int8GroupLinear) and qkv.signed
+    assert torch.equal(qkv.dequantize(), _gguf_dequantized(path, *(f"blk.0.attn_{p}.weight" for p in "qkv")))
+    # the fused decode layer runs these layers as the modules do, bit for bit
+    eager = LLM(str(path), dtype="bfloat16", enforce_eager=True)
+    prompts = [{"prompt_token_ids": p} for p in _prompts(seed=5)]
+    fused_out, eager_out = (e.generate(prompts, GREEDY, use_tqdm=False) for e in (llm, eager))
+    for a, b in zip(fused_out, eager_out):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert [lp[t].logprob for lp, t in zip(a.outputs[0].logprobs, a.outputs[0].token_ids)] == \
+            [lp[t].logprob for lp, t in zip(b.outputs[0].logprobs, b.outputs[0].token_ids)]
     float32 = LLM(str(path), dtype="float32")
     prompts = [{"prompt_token_ids": p} for p in _prompts(seed=3)]
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)

@@ -61,7 +61,7 @@ SIGNATURES = {  # name -> argument types (all return void but mili_amx_init, mil
     "mili_linear": [_P, _P, _P, _I, _I, _I, ctypes.c_int],
     "mili_linear_int8": [_P, _P, _P, _P, _P, _I, _I, _I, ctypes.c_int],
     "mili_linear_int4": [_P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int, ctypes.c_int],
-    "mili_linear_int8g": [_P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int, ctypes.c_int],
+    "mili_linear_int8g": [_P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int, ctypes.c_int, ctypes.c_int],
     "mili_use_amx": [ctypes.c_int],
     "mili_uses_amx": [],
     "mili_isa": [],

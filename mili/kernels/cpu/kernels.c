@@ -651,11 +651,14 @@ void mili_linear_int4(const uint8_t *w, const void *ws, const void *wb, const bf
  * x is quantized to int8 per row and group (sx, with each group's sum of q, xsum). The ISA's dot product gives a
  * group's S_u = sum xq u (vpdpbusd: u unsigned, x signed), or where it is signed x signed (I8G_SIGNED: AVX2
  * without VNNI, NEON) S_v over v = u - 128; S_u = S_v + 128 xsum. Both exact integers, so every ISA has the
- * same sums and the same float32 steps after them: sum_k x w = sx (s S_u + b xsum), or symmetric sx s S_v. */
+ * same sums and the same float32 steps after them: sum_k x w = sx (s S_u + b xsum), or symmetric sx s S_v.
+ * Signed with offsets (sgn and wb: w = s (u - 128) + b) is the two at once, sx (s S_v + b xsum): the rows of one
+ * fused layer whose parts mix symmetric blocks (Q6_K, Q8_0) with blocks that have offsets (Q4_K, Q5_K) keep
+ * each part's exact form (a symmetric part's b is 0, an offset part's u is q + 128). */
 INT8_TARGET static inline __attribute__((always_inline)) void int8g_micro(
     const uint8_t *w, int64_t wblock, const void *ws, const void *wb, int f32, int64_t G, int64_t k4_per_group,
     const int8_t *xq, int64_t K, const float *sx, const int32_t *xsum, bf16 *y, int64_t ldy, const int MR,
-    const int NB, const int sym, int pf) {
+    const int NB, const int sgn, const int offs, int pf) {
   vf f[I8G_MR][I8G_NB_CAP];
   for (int i = 0; i < MR; i++)
     for (int j = 0; j < NB; j++) f[i][j] = vf_zero();
@@ -680,11 +683,11 @@ INT8_TARGET static inline __attribute__((always_inline)) void int8g_micro(
       const vf s = load_scales(ws, at, f32);
       for (int i = 0; i < MR; i++) {
         const float scale = sx[i * G + g];
-        vi sum = acc[i][j]; /* to S_v (symmetric) or S_u */
-        if (sym && !I8G_SIGNED) sum = vi_sub(sum, vi_set1(128 * xsum[i * G + g]));
-        if (!sym && I8G_SIGNED) sum = vi_add(sum, vi_set1(128 * xsum[i * G + g]));
+        vi sum = acc[i][j]; /* to S_v (signed) or S_u */
+        if (sgn && !I8G_SIGNED) sum = vi_sub(sum, vi_set1(128 * xsum[i * G + g]));
+        if (!sgn && I8G_SIGNED) sum = vi_add(sum, vi_set1(128 * xsum[i * G + g]));
         f[i][j] = vf_fmadd(vi_to_vf(sum), vf_mul(s, vf_set1(scale)), f[i][j]);
-        if (!sym) f[i][j] = vf_fmadd(load_scales(wb, at, f32), vf_set1(scale * (float)xsum[i * G + g]), f[i][j]);
+        if (offs) f[i][j] = vf_fmadd(load_scales(wb, at, f32), vf_set1(scale * (float)xsum[i * G + g]), f[i][j]);
       }
     }
   }
@@ -692,7 +695,7 @@ INT8_TARGET static inline __attribute__((always_inline)) void int8g_micro(
     for (int j = 0; j < NB; j++) vf_store_bf16(y + i * ldy + j * 16, f[i][j]);
 }
 
-#define I8G(MR, NB) int8g_micro(w, wblock, ws, wb, f32, G, k4g, xq, K, sx, xsum, y, ldy, MR, NB, sym, pf)
+#define I8G(MR, NB) int8g_micro(w, wblock, ws, wb, f32, G, k4g, xq, K, sx, xsum, y, ldy, MR, NB, sgn, offs, pf)
 #define I8G_NB_CASE(MR)                                 \
   switch (nb) {                                         \
     case 1: I8G(MR, 1); break;                          \
@@ -708,20 +711,24 @@ INT8_TARGET static inline __attribute__((always_inline)) void int8g_micro(
   }
 INT8_TARGET static void int8g_micro_any(const uint8_t *w, int64_t wblock, const void *ws, const void *wb, int f32,
                                         int64_t G, int64_t k4g, const int8_t *xq, int64_t K, const float *sx,
-                                        const int32_t *xsum, bf16 *y, int64_t ldy, int mr, int nb, int pf) {
-  if (wb) { /* (sym a constant in each instance: its branches fold away) */
-    const int sym = 0;
+                                        const int32_t *xsum, bf16 *y, int64_t ldy, int mr, int nb, int pf,
+                                        int signed_q) {
+  if (wb && !signed_q) { /* (sgn and offs constants in each instance: their branches fold away) */
+    const int sgn = 0, offs = 1;
+    I8G_MR_CASE
+  } else if (wb) {
+    const int sgn = 1, offs = 1;
     I8G_MR_CASE
   } else {
-    const int sym = 1;
+    const int sgn = 1, offs = 0;
     I8G_MR_CASE
   }
 }
 
-/* y[M, N] = x[M, K] @ W^T for int8g W (layout above; wb NULL: symmetric). N % 16 == 0, K % group == 0,
- * group % 8 == 0. */
+/* y[M, N] = x[M, K] @ W^T for int8g W (layout above; wb NULL: symmetric, w = s (u - 128); signed_q with wb:
+ * w = s (u - 128) + b). N % 16 == 0, K % group == 0, group % 8 == 0. */
 void mili_linear_int8g(const uint8_t *w, const void *ws, const void *wb, const bf16 *x, bf16 *y, int64_t M, int64_t N,
-                       int64_t K, int64_t group, int scale_f32, int nthreads) {
+                       int64_t K, int64_t group, int scale_f32, int signed_q, int nthreads) {
   const int64_t G = K / group, nblocks = N / 16, per = M == 1 ? I8G_NB_ONE : I8G_NB_CAP,
                 ngroups = (nblocks + per - 1) / per, wblock = K * 16;
   int8_t *xq = malloc(M * K);
@@ -742,7 +749,7 @@ void mili_linear_int8g(const uint8_t *w, const void *ws, const void *wb, const b
         const int64_t at = (nb0 + b) * G * 16, size = scale_f32 ? 4 : 2;
         int8g_micro_any(w + (nb0 + b) * wblock, wblock, (const uint8_t *)ws + at * size,
                         wb ? (const uint8_t *)wb + at * size : NULL, scale_f32, G, group / 4, xq + m0 * K, K,
-                        sx + m0 * G, xsum + m0 * G, y + m0 * N + (nb0 + b) * 16, N, mr, (int)n, M <= 8);
+                        sx + m0 * G, xsum + m0 * G, y + m0 * N + (nb0 + b) * 16, N, mr, (int)n, M <= 8, signed_q);
         b += n;
       }
     }
@@ -1037,7 +1044,7 @@ typedef struct {
   int64_t n, k; /* output (a multiple of 16: no padding) and input features */
   int64_t group; /* int4, int8g: input features per scale, else 0 */
   int64_t scale_f32; /* int4, int8g: scales and offsets in float32 (else fp16) */
-  int64_t int8g; /* 8-bit weights per group (mili_linear_int8g), else int4 where group is set */
+  int64_t int8g; /* 8-bit weights per group (mili_linear_int8g; 2: signed with offsets), else int4 where group is set */
 } mili_linear_desc;
 
 typedef struct {
@@ -1048,7 +1055,9 @@ typedef struct {
 } mili_layer_desc;
 
 static void run_linear(const mili_linear_desc *l, const bf16 *x, bf16 *y, int64_t M, int nthreads) {
-  if (l->int8g) mili_linear_int8g(l->w, l->scales, l->aux, x, y, M, l->n, l->k, l->group, (int)l->scale_f32, nthreads);
+  if (l->int8g)
+    mili_linear_int8g(l->w, l->scales, l->aux, x, y, M, l->n, l->k, l->group, (int)l->scale_f32, l->int8g == 2,
+                      nthreads);
   else if (l->group) mili_linear_int4(l->w, l->scales, l->aux, x, y, M, l->n, l->k, l->group, (int)l->scale_f32, nthreads);
   else if (l->scales) mili_linear_int8(l->w, l->scales, l->aux, x, y, M, l->n, l->k, nthreads);
   else mili_linear(l->w, x, y, M, l->n, l->k, nthreads);

@@ -165,15 +165,15 @@ def int8g_supported(out_features: int, in_features: int, group: int) -> bool:
 
 
 def linear_int8g(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
-                 offsets: torch.Tensor | None) -> torch.Tensor:
+                 offsets: torch.Tensor | None, signed: bool = False) -> torch.Tensor:
     """x [M, K] @ W^T for int8g W (:func:`pack_int8g`), x quantized to int8 per row and group in the kernel:
-    [M, padded N]."""
+    [M, padded N]. ``signed`` (with offsets): w = scale * (q - 128) + offset."""
     group = packed.shape[1] * 4 // scales.shape[1]
     assert scales.dtype in (torch.float16, torch.float32) and (offsets is None or offsets.dtype == scales.dtype)
     f32 = int(scales.dtype == torch.float32)
     return _packed_product(x, packed, packed.shape[0] * 16, lambda x, y, m, n, k: _lib().mili_linear_int8g(
         packed.data_ptr(), scales.data_ptr(), None if offsets is None else offsets.data_ptr(), x.data_ptr(),
-        y.data_ptr(), m, n, k, group, f32, _threads()))
+        y.data_ptr(), m, n, k, group, f32, int(signed and offsets is not None), _threads()))
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
