@@ -324,9 +324,11 @@ def _load_gguf(model: Qwen3ForCausalLM, path: str, files: list[str], params: dic
             named = [(f"{prefix}.{e}.{proj}.weight", tensor[e]) for e in range(tensor.shape[0])]
         else:
             named = [(stem, tensor)]
-            if keep_quantized and weights.type_name(gguf_name) in BLOCK_TYPES and tensor.dim() == 2 \
-                    and stem != "model.embed_tokens.weight":
-                kept[stem] = weights.group_parts(gguf_name)
+            if keep_quantized and weights.type_name(gguf_name) in BLOCK_TYPES and tensor.dim() == 2:
+                if stem != "model.embed_tokens.weight":
+                    kept[stem] = weights.group_parts(gguf_name)
+                elif cfg.tie_word_embeddings:  # the head reads the table's blocks as stored, as llama.cpp's does
+                    kept["lm_head.weight"] = weights.group_parts(gguf_name)
         for name, value in named:
             if _skipped(model, name):
                 continue

@@ -48,6 +48,21 @@ def prompt_logprobs(llm, prompt: list[int]) -> torch.Tensor:
 NEAR_TIE = 1e-3  # greedy paths may part only where HF's own top-2 logits are closer than this
 
 
+def hf_greedy(model, prompts: list[list[int]], max_tokens: int) -> list[tuple[list[int], torch.Tensor]]:
+    """HF ``model``'s greedy continuation of each prompt: (tokens, raw logits [steps, V]), what
+    ``assert_greedy_matches_hf`` compares against. Its own eos ids do not stop it (as ignore_eos)."""
+    model.generation_config.eos_token_id = None
+    results = []
+    for ids in prompts:
+        with torch.no_grad():
+            # an explicit mask: otherwise HF masks every prompt token equal to pad_token_id
+            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 max_new_tokens=max_tokens, do_sample=False, output_scores=True,
+                                 return_dict_in_generate=True, pad_token_id=0)
+        results.append((out.sequences[0, len(ids):].tolist(), torch.stack(out.scores)[:, 0]))
+    return results
+
+
 def assert_greedy_matches_hf(outs, reference, max_tokens: int, logprobs: bool = True) -> None:
     """MILI's greedy outputs against HF's (tokens, [steps, V] scores) per prompt: the same tokens, or a parting
     only at a step where HF itself had a near-tie; the logprob of every shared token within 1e-4 of HF's own

@@ -19,7 +19,7 @@ from mili.model.quant import concat_parts  # noqa: E402
 from support.checkpoints import QWEN3_TOKENIZER, build_checkpoint  # noqa: E402
 from support.engine_state import assert_drained  # noqa: E402
 from support.gguf_files import _encode, build_gguf_model, dequantized_state_dict, write_gguf  # noqa: E402
-from support.parity import assert_greedy_matches_hf  # noqa: E402
+from support.parity import assert_greedy_matches_hf, hf_greedy  # noqa: E402
 
 MAX_TOKENS = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
@@ -41,16 +41,7 @@ def _hf_reference(files, checkpoint, prompts, tmp_path):
     shutil.copy(checkpoint / "config.json", folder / "config.json")
     save_file({k: v.contiguous() for k, v in dequantized_state_dict(files, checkpoint).items()},
               folder / "model.safetensors")
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    results = []
-    for ids in prompts:
-        with torch.no_grad():
-            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                 max_new_tokens=MAX_TOKENS, do_sample=False, output_scores=True,
-                                 return_dict_in_generate=True, pad_token_id=0)
-        results.append((out.sequences[0, len(ids):].tolist(), torch.stack(out.scores)[:, 0]))
-    return results
+    return hf_greedy(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(), prompts, MAX_TOKENS)
 
 
 @pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K"])
@@ -242,6 +233,10 @@ def test_each_type_on_its_kernel_is_gguf_dequantize(gguf_model, kind, layer):
     down = llm.apply_model(lambda m: m.model.layers[1].mlp.down_proj)
     assert type(down).__name__ == layer
     assert torch.equal(down.dequantize(), _gguf_dequantized(path, "blk.1.ffn_down.weight"))
+    if kind == "q8_0":  # tied: the head reads the token table's blocks as stored, as llama.cpp's does
+        head = llm.apply_model(lambda m: m.lm_head)
+        assert type(head).__name__ == "Int8GroupLinear"
+        assert torch.equal(head.dequantize(), _gguf_dequantized(path, "token_embd.weight"))
     out = llm.generate([{"prompt_token_ids": p} for p in _prompts()], GREEDY, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == MAX_TOKENS for o in out)
     assert_drained(llm)

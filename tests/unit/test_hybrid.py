@@ -12,7 +12,7 @@ import torch
 
 from support.engine_state import assert_drained
 from support.hybrid import hf_reference
-from support.parity import assert_greedy_matches_hf
+from support.parity import assert_greedy_matches_hf, hf_greedy
 from mili import LLM, SamplingParams
 from mili.config import ModelConfig
 from mili.errors import InvalidRequest, ModelLoadError
@@ -38,14 +38,7 @@ def references(hybrid_checkpoint):
         key = (kind, tuple(map(tuple, prompts)))
         if key not in cache:
             model = hf_reference(hybrid_checkpoint(kind), REFERENCE_KIND.get(kind, kind))
-            results = []
-            for ids in prompts:
-                with torch.no_grad():
-                    out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                         max_new_tokens=MAX_TOKENS, do_sample=False, output_scores=True,
-                                         return_dict_in_generate=True, pad_token_id=0)
-                results.append((out.sequences[0, len(ids):].tolist(), torch.stack(out.scores)[:, 0]))
-            cache[key] = results
+            cache[key] = hf_greedy(model, prompts, MAX_TOKENS)
         return cache[key]
 
     return get

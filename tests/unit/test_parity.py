@@ -7,7 +7,7 @@ import torch
 from transformers import Qwen3ForCausalLM as HFQwen3
 
 from support.engine_state import assert_drained
-from support.parity import assert_greedy_matches_hf
+from support.parity import assert_greedy_matches_hf, hf_greedy
 from mili import LLM, SamplingParams
 from mili.config import ModelConfig
 from mili.model.checkpoint import load_hf_config
@@ -26,18 +26,7 @@ def _prompts(vocab: int, seed: int = 1) -> list[list[int]]:
 
 
 def _hf_greedy(path, prompts):
-    model = HFQwen3.from_pretrained(path, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None  # as ignore_eos: a checkpoint's own eos ids must not stop HF early
-    results = []
-    for ids in prompts:
-        with torch.no_grad():
-            # an explicit mask: otherwise HF masks every prompt token equal to pad_token_id
-            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                 max_new_tokens=MAX_TOKENS, do_sample=False, output_scores=True,
-                                 return_dict_in_generate=True, pad_token_id=0)
-        tokens = out.sequences[0, len(ids):].tolist()
-        results.append((tokens, torch.stack(out.scores)[:, 0]))  # scores: [steps, V] raw logits
-    return results
+    return hf_greedy(HFQwen3.from_pretrained(path, dtype=torch.float32).eval(), prompts, MAX_TOKENS)
 
 
 @pytest.mark.parametrize("shape", ["gqa_untied", "mha_tied", "gqa4_realvocab"])
