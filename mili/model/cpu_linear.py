@@ -124,13 +124,16 @@ class Fp8Linear(_SwappedLinear):
 
 class Int4Linear(_SwappedLinear):
     def __init__(self, q, scales, offsets, bias=None, shard_sizes=None):
-        """``q`` [out, in] (values 0..15), ``scales`` and ``offsets`` [out, in / group]: w = scale q + offset. They
-        are kept in float16 where that holds them exactly, else float32."""
+        """``q`` [out, in] (values 0..15), ``scales`` and ``offsets`` [out, in / group]: w = scale q + offset;
+        ``offsets`` None: w = scale (q - 8), none stored (GGUF's Q4_0). They are kept in float16 where that holds
+        them exactly, else float32."""
         super().__init__(q, bias, shard_sizes)
         self.group = q.shape[1] // scales.shape[1]
-        pad = -q.shape[0] % 16  # (padded rows are all zero: their outputs are cut off)
-        q, scales, offsets = (F.pad(t, (0, 0, 0, pad)) for t in (q, scales, offsets))
-        dtype = torch.float16 if cpu_ops.exact_in_fp16(scales, offsets) else torch.float32
+        pad = -q.shape[0] % 16  # (padded rows are all zero scales: their outputs are cut off)
+        q, scales = (F.pad(t, (0, 0, 0, pad)) for t in (q, scales))
+        offsets = None if offsets is None else F.pad(offsets, (0, 0, 0, pad))
+        dtype = torch.float16 if cpu_ops.exact_in_fp16(scales, *(() if offsets is None else (offsets,))) \
+            else torch.float32
         packed, scales, offsets = cpu_ops.pack_int4(q, scales, offsets, dtype)
         self.register_buffer("qweight", packed)
         self.register_buffer("scales", scales)
@@ -146,8 +149,10 @@ class Int4Linear(_SwappedLinear):
 
     def dequantize(self) -> torch.Tensor:
         """The weights the kernel multiplies by, [out, in] float32: scale * q + offset (two roundings, as gguf's
-        dequantize of Q4_0 and Q4_K: each product is exact there)."""
+        dequantize of Q4_K: each product is exact there), or scale * (q - 8) (gguf's Q4_0, bit for bit)."""
         q = cpu_ops.unpack_int4(self.qweight)[:self.out_features].float()
+        if self.offsets is None:
+            return _per_group(self.scales, q) * (q - 8)
         return _per_group(self.scales, q) * q + _per_group(self.offsets, q)
 
 

@@ -4,12 +4,12 @@ offset, computed in that order, gives the values of ``gguf.quants.dequantize`` e
 products gguf-py itself forms first (d * sc, exact in float32) and an offset is its subtracted term.
 
     Q8_0  32 int8 q, fp16 d                      w = d q                  8-bit, group 32
-    Q4_0  32 4-bit q, fp16 d                     w = d q + (-8 d)         4-bit, group 32
+    Q4_0  32 4-bit q, fp16 d                     w = d (q - 8)            4-bit, group 32
     Q4_K  256: 8 x 32 4-bit q, 6-bit sc and m    w = (d sc) q + (-dmin m)  4-bit, group 32
     Q5_K  256: 8 x 32 5-bit q, 6-bit sc and m    w = (d sc) q + (-dmin m)  8-bit, group 32
     Q6_K  256: 16 x 16 6-bit q - 32, int8 sc     w = (d sc) q             8-bit, group 16
 
-(Q4_0's -8 d is exact, and d q - 8 d = d (q - 8) holds to the bit: both are exact, at most 15 significant bits.)
+Q4_0's q is kept as q - 8 (-8..7): the int4 kernel stores q and no offsets (w = d (q - 8)), as the file does.
 """
 
 from __future__ import annotations
@@ -51,9 +51,9 @@ def split_blocks(blocks: np.ndarray, type_name: str) -> tuple[np.ndarray, np.nda
     if type_name == "Q8_0":
         d = _f16(blocks[:, :2])
         return blocks[:, 2:].view(np.int8), d, np.zeros_like(d), 32, 8
-    if type_name == "Q4_0":
+    if type_name == "Q4_0":  # (symmetric: the int4 kernel's w = d (q - 8), no offsets stored)
         d = _f16(blocks[:, :2])
-        return _nibbles(blocks[:, 2:], 16).astype(np.int8), d, -8 * d, 32, 4
+        return _nibbles(blocks[:, 2:], 16).astype(np.int8) - np.int8(8), d, np.zeros_like(d), 32, 4
     if type_name in ("Q4_K", "Q5_K"):
         d, dmin = _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
         sc, mn = _scale_min_k4(blocks[:, 4:16])

@@ -44,7 +44,7 @@ class Int4Parts(NamedTuple):
 class GroupParts(NamedTuple):
     """Quants with a scale and an offset per group of input channels, w = scale q + offset (GGUF's block types,
     ``gguf_blocks.py``): ``q`` [out, in] int8, ``scales`` and ``offsets`` [out, in / group] float32; ``bits`` 4
-    (q in 0..15: the int4 kernel) or 8 (any int8 q)."""
+    (q in 0..15 with offsets, or -8..7 without: the int4 kernel) or 8 (any int8 q)."""
 
     q: torch.Tensor
     scales: torch.Tensor

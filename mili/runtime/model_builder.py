@@ -110,11 +110,15 @@ def _quantized_cpu_layer(parts, bias, shard_sizes):
         return int4_layer(parts, bias, shard_sizes)
     out, k = parts.q.shape
     group = k // parts.scales.shape[1]
+    symmetric = not parts.offsets.any()
     if parts.bits == 4 and cpu_ops.int4_supported(out, k, group):
-        return Int4Linear(parts.q.to(torch.uint8), parts.scales, parts.offsets, bias, shard_sizes)
+        if symmetric and parts.q.min() >= -8 and parts.q.max() <= 7:  # Q4_0: w = d (q - 8), no offsets stored
+            return Int4Linear((parts.q + 8).to(torch.uint8), parts.scales, None, bias, shard_sizes)
+        if parts.q.min() >= 0:  # Q4_K: w = (d sc) q - dmin m
+            return Int4Linear(parts.q.to(torch.uint8), parts.scales, parts.offsets, bias, shard_sizes)
     if not cpu_ops.int8g_supported(out, k, group):
         return None
-    if not parts.offsets.any():  # Q8_0, Q6_K: w = s q, stored as u = q + 128 with no offsets
+    if symmetric:  # Q8_0, Q6_K: w = s q, stored as u = q + 128 with no offsets
         return Int8GroupLinear((parts.q.to(torch.int16) + 128).to(torch.uint8), parts.scales, None, bias, shard_sizes)
     if parts.q.min() >= 0:  # Q5_K (and Q4_K beside it): w = s q + b, u = q
         return Int8GroupLinear(parts.q.to(torch.uint8), parts.scales, parts.offsets, bias, shard_sizes)

@@ -419,6 +419,33 @@ def test_int4_kernel_is_the_integer_product(isa, m, n, k, group):
 
 
 @needs_kernels
+@pytest.mark.parametrize("m", [1, 2, 5, 17])
+def test_int4_symmetric_is_the_integer_product(isa, m):
+    """Without offsets (GGUF's Q4_0 as stored: w = d (q - 8)): the integer product of x quantized per row and group
+    with q - 8, times d, within a bf16 rounding; the same as the offset form s q - 8 s; dequantize() is d (q - 8)."""
+    from mili.model.cpu_linear import Int4Linear
+
+    g = torch.Generator().manual_seed(40 + m)
+    n, k, group = 48, 256, 32
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    d = ((torch.rand(n, k // group, generator=g) * 0.05 + 0.01) * torch.where(
+        torch.rand(n, k // group, generator=g) < 0.3, -1.0, 1.0)).half().float()
+    layer = Int4Linear(q, d, None)
+    assert layer.offsets is None and layer.scales.dtype == torch.float16
+    x = (torch.randn(m, k, generator=g) * 20).to(BF16)
+    xg = x.float().view(m, k // group, group)
+    sx = xg.abs().amax(dim=2) / 127
+    xq = torch.round(xg * (1 / sx)[:, :, None])
+    sums = torch.einsum("mgk,ngk->mng", xq.double(), (q.double() - 8).view(n, k // group, group))
+    want = (sums * sx[:, None, :].double() * d.double()[None]).sum(dim=2)
+    got = layer(x)
+    torch.testing.assert_close(got.double(), want.to(BF16).double(), rtol=1e-2, atol=1e-6)
+    offset_form = Int4Linear(q, d, -8 * d)
+    torch.testing.assert_close(got.float(), offset_form(x).float(), rtol=1e-2, atol=1e-2)
+    assert torch.equal(layer.dequantize(), d.repeat_interleave(group, 1) * (q.float() - 8))
+
+
+@needs_kernels
 @pytest.mark.parametrize("m", [1, 3])
 def test_int4_scale_and_offset_blocks_map_exactly(isa, m):
     """GGUF's int4 blocks as w = s q + b: Q4_0 (d (q - 8): s = d, b = -8 d, kept in fp16 since exact there) and

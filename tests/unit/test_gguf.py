@@ -55,7 +55,8 @@ def test_each_block_type_splits_into_exactly_gguf_dequantize(type_name):
     assert np.array_equal(parts.dequantize().numpy(), want)  # (no tolerance)
     assert parts.bits == (4 if type_name in ("Q4_0", "Q4_K") else 8)
     if parts.bits == 4:
-        assert 0 <= parts.q.min() and parts.q.max() <= 15
+        low, high = (-8, 7) if type_name == "Q4_0" else (0, 15)  # (Q4_0: symmetric, no offsets)
+        assert low <= parts.q.min() and parts.q.max() <= high and (type_name != "Q4_0" or not parts.offsets.any())
     # shards of one fused layer in two types (Q4_K_M's q and v): joined at the smaller group, the wider quants
     other = group_parts(*_encode(w[:16], "Q6_K", rng)[:1], "Q6_K", (16, 512))
     joined = concat_parts([parts, other])
@@ -231,7 +232,7 @@ def test_each_type_on_its_kernel_is_gguf_dequantize(gguf_model, kind, layer):
     if not llm.engine.plan.int8_kernels:  # (AVX-512 without VNNI: dequantized, on the bf16 kernel)
         return
     down = llm.apply_model(lambda m: m.model.layers[1].mlp.down_proj)
-    assert type(down).__name__ == layer
+    assert type(down).__name__ == layer and (down.offsets is None) == (kind != "q5_k")  # (symmetric types: none)
     assert torch.equal(down.dequantize(), _gguf_dequantized(path, "blk.1.ffn_down.weight"))
     if kind == "q8_0":  # tied: the head reads the token table's blocks as stored, as llama.cpp's does
         head = llm.apply_model(lambda m: m.lm_head)

@@ -524,7 +524,8 @@ void mili_linear_int8(const int8_t *w, const float *sw, const int32_t *colsum, c
  * its low nibble and at k0 + 4 + j in its high one, so masking and shifting a 64-byte load gives two of the
  * int8 kernel's [16 columns][4 k] operands. Scales and offsets (fp16, or float32 with scale_f32) are
  * [N/16][G][16]. x is quantized to int8 per row and group (sx), and each group's sum of q (xsum) carries the
- * offsets: sum_k x w = sx (s sum_k xq q + b sum_k xq). */
+ * offsets: sum_k x w = sx (s sum_k xq q + b sum_k xq). Without offsets (wb NULL) w = s (q - 8), none stored: GGUF's
+ * Q4_0 d (q - 8) as it is (its bits, a zero's sign too), sx s (sum_k xq q - 8 sum_k xq). */
 static inline __attribute__((always_inline)) vf load_scales(const void *p, int64_t at, int f32) {
   return f32 ? vf_load((const float *)p + at) : vf_load_f16((const uint16_t *)p + at);
 }
@@ -532,7 +533,7 @@ static inline __attribute__((always_inline)) vf load_scales(const void *p, int64
 INT8_TARGET static inline __attribute__((always_inline)) void int4_micro(
     const uint8_t *w, int64_t wblock, const void *ws, const void *wb, int f32, int64_t G, int64_t k8_per_group,
     const int8_t *xq, int64_t K, const float *sx, const int32_t *xsum, bf16 *y, int64_t ldy, const int MR,
-    const int NB, int pf) {
+    const int NB, const int sym, int pf) {
   vf f[I4_MR][I4_NB_CAP];
   for (int i = 0; i < MR; i++)
     for (int j = 0; j < NB; j++) f[i][j] = vf_zero();
@@ -576,12 +577,13 @@ INT8_TARGET static inline __attribute__((always_inline)) void int4_micro(
     }
     for (int j = 0; j < NB; j++) {
       const int64_t at = j * G * 16 + g * 16;
-      const vf s = load_scales(ws, at, f32), b = load_scales(wb, at, f32);
+      const vf s = load_scales(ws, at, f32);
       for (int i = 0; i < MR; i++) {
-        const vi sum = apart ? vi_add(acc[i][j], vi_sra(acc16[i][j], 4)) : acc[i][j];
+        vi sum = apart ? vi_add(acc[i][j], vi_sra(acc16[i][j], 4)) : acc[i][j];
         const float scale = sx[i * G + g];
+        if (sym) sum = vi_sub(sum, vi_set1(8 * xsum[i * G + g]));
         f[i][j] = vf_fmadd(vi_to_vf(sum), vf_mul(s, vf_set1(scale)), f[i][j]);
-        f[i][j] = vf_fmadd(b, vf_set1(scale * (float)xsum[i * G + g]), f[i][j]);
+        if (!sym) f[i][j] = vf_fmadd(load_scales(wb, at, f32), vf_set1(scale * (float)xsum[i * G + g]), f[i][j]);
       }
     }
   }
@@ -589,7 +591,7 @@ INT8_TARGET static inline __attribute__((always_inline)) void int4_micro(
     for (int j = 0; j < NB; j++) vf_store_bf16(y + i * ldy + j * 16, f[i][j]);
 }
 
-#define I4(MR, NB) int4_micro(w, wblock, ws, wb, f32, G, k8g, xq, K, sx, xsum, y, ldy, MR, NB, pf)
+#define I4(MR, NB) int4_micro(w, wblock, ws, wb, f32, G, k8g, xq, K, sx, xsum, y, ldy, MR, NB, sym, pf)
 #define I4_NB_CASE(MR)                                  \
   switch (nb) {                                         \
     case 1: I4(MR, 1); break;                           \
@@ -600,14 +602,25 @@ INT8_TARGET static inline __attribute__((always_inline)) void int4_micro(
 INT8_TARGET static void int4_micro_any(const uint8_t *w, int64_t wblock, const void *ws, const void *wb, int f32,
                                        int64_t G, int64_t k8g, const int8_t *xq, int64_t K, const float *sx,
                                        const int32_t *xsum, bf16 *y, int64_t ldy, int mr, int nb, int pf) {
-  if (mr == 1) {
-    I4_NB_CASE(1);
+  if (wb) { /* (sym a constant in each instance: its branches fold away) */
+    const int sym = 0;
+    if (mr == 1) {
+      I4_NB_CASE(1);
+    } else {
+      I4_NB_CASE(2);
+    }
   } else {
-    I4_NB_CASE(2);
+    const int sym = 1;
+    if (mr == 1) {
+      I4_NB_CASE(1);
+    } else {
+      I4_NB_CASE(2);
+    }
   }
 }
 
-/* y[M, N] = x[M, K] @ W^T for int4 W (layout above). N % 16 == 0, K % group == 0, group % 8 == 0. */
+/* y[M, N] = x[M, K] @ W^T for int4 W (layout above; wb NULL: symmetric, w = s (q - 8)). N % 16 == 0,
+ * K % group == 0, group % 8 == 0. */
 void mili_linear_int4(const uint8_t *w, const void *ws, const void *wb, const bf16 *x, bf16 *y, int64_t M, int64_t N,
                       int64_t K, int64_t group, int scale_f32, int nthreads) {
   const int64_t G = K / group, nblocks = N / 16, per = M == 1 ? I4_NB_ONE : I4_NB_CAP,
@@ -629,7 +642,8 @@ void mili_linear_int4(const uint8_t *w, const void *ws, const void *wb, const bf
         const int64_t cap = mr == 1 ? I4_NB_ONE : I4_NB, n = nbs - b < cap ? nbs - b : cap;
         const int64_t at = (nb0 + b) * G * 16;
         const void *ws_at = scale_f32 ? (const void *)((const float *)ws + at) : (const void *)((const uint16_t *)ws + at);
-        const void *wb_at = scale_f32 ? (const void *)((const float *)wb + at) : (const void *)((const uint16_t *)wb + at);
+        const void *wb_at = !wb ? NULL : scale_f32 ? (const void *)((const float *)wb + at)
+                                                   : (const void *)((const uint16_t *)wb + at);
         int4_micro_any(w + (nb0 + b) * wblock, wblock, ws_at, wb_at, scale_f32, G, group / 8, xq + m0 * K, K,
                        sx + m0 * G, xsum + m0 * G, y + m0 * N + (nb0 + b) * 16, N, mr, (int)n, M <= 8);
         b += n;

@@ -93,12 +93,13 @@ def linear_int8(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, col
         _threads()))
 
 
-def pack_int4(q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, scale_dtype: torch.dtype = torch.float32,
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def pack_int4(q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
+              scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """int4 weights w = scale * q + offset: q [N, K] (uint8 values 0..15; N % 16 == 0, K % 8 == 0) with a scale
     and an offset per output row and group of K, [N, groups] -> the int4 kernel's layout (kernels.c): q
     [N/16, K/8, 64] bytes (byte 4c + j: column c at k0 + j low, k0 + 4 + j high), scales and offsets
-    [N/16, groups, 16] in ``scale_dtype`` (float32, or float16 where that holds them exactly)."""
+    [N/16, groups, 16] in ``scale_dtype`` (float32, or float16 where that holds them exactly). ``offsets`` None:
+    w = scale * (q - 8), none stored (GGUF's Q4_0)."""
     n, k = q.shape
     cols = q.view(n // 16, 16, k // 8, 2, 4).permute(0, 2, 3, 1, 4)  # [N/16, K/8, lo|hi, 16, 4]
     packed = (cols[:, :, 0] | (cols[:, :, 1] << 4)).reshape(n // 16, k // 8, 64).contiguous()
@@ -106,7 +107,7 @@ def pack_int4(q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, scal
     def blocked(t):
         return t.to(scale_dtype).reshape(n // 16, 16, -1).transpose(1, 2).contiguous()
 
-    return packed, blocked(scales), blocked(offsets)
+    return packed, blocked(scales), None if offsets is None else blocked(offsets)
 
 
 def awq_scales_offsets(zeros: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,14 +124,16 @@ def int4_supported(out_features: int, in_features: int, group: int) -> bool:
     return out_features % 16 == 0 and in_features % group == 0 and group % 8 == 0
 
 
-def linear_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ W^T for int4 W (:func:`pack_int4`), x quantized to int8 per row and group in the kernel."""
+def linear_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                offsets: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] @ W^T for int4 W (:func:`pack_int4`; ``offsets`` None: symmetric), x quantized to int8 per row and
+    group in the kernel."""
     group = packed.shape[1] * 8 // scales.shape[1]
-    assert scales.dtype == offsets.dtype in (torch.float16, torch.float32), (scales.dtype, offsets.dtype)
+    assert scales.dtype in (torch.float16, torch.float32) and (offsets is None or offsets.dtype == scales.dtype)
     f32 = int(scales.dtype == torch.float32)
     return _packed_product(x, packed, packed.shape[0] * 16, lambda x, y, m, n, k: _lib().mili_linear_int4(
-        packed.data_ptr(), scales.data_ptr(), offsets.data_ptr(), x.data_ptr(), y.data_ptr(), m, n, k, group, f32,
-        _threads()))
+        packed.data_ptr(), scales.data_ptr(), None if offsets is None else offsets.data_ptr(), x.data_ptr(),
+        y.data_ptr(), m, n, k, group, f32, _threads()))
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
