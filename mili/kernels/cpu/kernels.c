@@ -517,6 +517,31 @@ void mili_linear_int8(const int8_t *w, const float *sw, const int32_t *colsum, c
   free(sx);
 }
 
+/* x [M, K] quantized to int8 per row and group of K, for the int4 and int8g kernels: the quants xq, each group's
+ * scale sx and its sum of quants xsum ([M][K / group] each). */
+typedef struct {
+  int8_t *xq;
+  float *sx;
+  int32_t *xsum;
+} grouped_x;
+
+static grouped_x quantize_groups(const bf16 *x, int64_t M, int64_t K, int64_t group, int nthreads) {
+  const int64_t G = K / group;
+  const grouped_x gx = {malloc(M * K), malloc(M * G * sizeof(float)), malloc(M * G * sizeof(int32_t))};
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (M * K >= 65536)
+  for (int64_t r = 0; r < M * G; r++) { /* one group of one row */
+    const int64_t at = (r / G) * K + (r % G) * group;
+    gx.sx[r] = quantize_int8(x + at, group, gx.xq + at, 0, gx.xsum + r);
+  }
+  return gx;
+}
+
+static void free_groups(grouped_x gx) {
+  free(gx.xq);
+  free(gx.sx);
+  free(gx.xsum);
+}
+
 /* -- int4 weights: w = s q + b, a scale and an offset per group of input channels ----------------------------
  * q in 0..15. AWQ's (q - z) s is s q + (-z s); GGUF's Q4_0 d (q - 8) is d q + (-8 d); its Q4_K sub-blocks
  * d sc q - dmin m are (d sc) q + (-dmin m): each maps onto this exactly with float32 scales and offsets (fp16
@@ -625,14 +650,10 @@ void mili_linear_int4(const uint8_t *w, const void *ws, const void *wb, const bf
                       int64_t K, int64_t group, int scale_f32, int nthreads) {
   const int64_t G = K / group, nblocks = N / 16, per = M == 1 ? I4_NB_ONE : I4_NB_CAP,
                 ngroups = (nblocks + per - 1) / per, wblock = K * 8;
-  int8_t *xq = malloc(M * K);
-  float *sx = malloc(M * G * sizeof(float));
-  int32_t *xsum = malloc(M * G * sizeof(int32_t));
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (M * K >= 65536)
-  for (int64_t r = 0; r < M * G; r++) { /* one group of one row */
-    const int64_t at = (r / G) * K + (r % G) * group;
-    sx[r] = quantize_int8(x + at, group, xq + at, 0, xsum + r);
-  }
+  const grouped_x gx = quantize_groups(x, M, K, group, nthreads);
+  const int8_t *xq = gx.xq;
+  const float *sx = gx.sx;
+  const int32_t *xsum = gx.xsum;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (ngroups > 1)
   for (int64_t c = 0; c < ngroups; c++) {
     const int64_t nb0 = c * per, nbs = nblocks - nb0 < per ? nblocks - nb0 : per;
@@ -640,19 +661,15 @@ void mili_linear_int4(const uint8_t *w, const void *ws, const void *wb, const bf
       const int mr = M - m0 < I4_MR ? (int)(M - m0) : I4_MR;
       for (int64_t b = 0; b < nbs;) {
         const int64_t cap = mr == 1 ? I4_NB_ONE : I4_NB, n = nbs - b < cap ? nbs - b : cap;
-        const int64_t at = (nb0 + b) * G * 16;
-        const void *ws_at = scale_f32 ? (const void *)((const float *)ws + at) : (const void *)((const uint16_t *)ws + at);
-        const void *wb_at = !wb ? NULL : scale_f32 ? (const void *)((const float *)wb + at)
-                                                   : (const void *)((const uint16_t *)wb + at);
-        int4_micro_any(w + (nb0 + b) * wblock, wblock, ws_at, wb_at, scale_f32, G, group / 8, xq + m0 * K, K,
+        const int64_t at = (nb0 + b) * G * 16, size = scale_f32 ? 4 : 2;
+        int4_micro_any(w + (nb0 + b) * wblock, wblock, (const uint8_t *)ws + at * size,
+                       wb ? (const uint8_t *)wb + at * size : NULL, scale_f32, G, group / 8, xq + m0 * K, K,
                        sx + m0 * G, xsum + m0 * G, y + m0 * N + (nb0 + b) * 16, N, mr, (int)n, M <= 8);
         b += n;
       }
     }
   }
-  free(xq);
-  free(sx);
-  free(xsum);
+  free_groups(gx);
 }
 
 /* -- int8g: 8-bit weights w = s u + b, a scale and an offset per group of input channels ----------------------
@@ -745,14 +762,10 @@ void mili_linear_int8g(const uint8_t *w, const void *ws, const void *wb, const b
                        int64_t K, int64_t group, int scale_f32, int signed_q, int nthreads) {
   const int64_t G = K / group, nblocks = N / 16, per = M == 1 ? I8G_NB_ONE : I8G_NB_CAP,
                 ngroups = (nblocks + per - 1) / per, wblock = K * 16;
-  int8_t *xq = malloc(M * K);
-  float *sx = malloc(M * G * sizeof(float));
-  int32_t *xsum = malloc(M * G * sizeof(int32_t));
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (M * K >= 65536)
-  for (int64_t r = 0; r < M * G; r++) { /* one group of one row */
-    const int64_t at = (r / G) * K + (r % G) * group;
-    sx[r] = quantize_int8(x + at, group, xq + at, 0, xsum + r);
-  }
+  const grouped_x gx = quantize_groups(x, M, K, group, nthreads);
+  const int8_t *xq = gx.xq;
+  const float *sx = gx.sx;
+  const int32_t *xsum = gx.xsum;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (ngroups > 1)
   for (int64_t c = 0; c < ngroups; c++) {
     const int64_t nb0 = c * per, nbs = nblocks - nb0 < per ? nblocks - nb0 : per;
@@ -768,9 +781,7 @@ void mili_linear_int8g(const uint8_t *w, const void *ws, const void *wb, const b
       }
     }
   }
-  free(xq);
-  free(sx);
-  free(xsum);
+  free_groups(gx);
 }
 
 /* -- norms, RoPE, SwiGLU --------------------------------------------------------------------------------- */
