@@ -77,7 +77,10 @@ FP8_MAX = 448.0  # the largest float8_e4m3fn
 
 
 def to_fp8(x: torch.Tensor, scale: float | torch.Tensor = 1.0) -> torch.Tensor:
-    """x / scale rounded to float8_e4m3fn (nearest even), saturating at +-448: an FP8 KV page's entries."""
+    """x / scale rounded to float8_e4m3fn (nearest even), saturating at +-448: an FP8 KV page's entries. (A
+    true division, as the kernels': torch on CUDA multiplies by the reciprocal of a Python number, which can
+    differ in the last bit, so the scale is always a tensor on x's device.)"""
+    scale = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
@@ -86,7 +89,8 @@ def per_token_group_quant_fp8(x: torch.Tensor, group: int = 128) -> tuple[torch.
     magnitude / 448 (at least 1e-10 / 448)."""
     m, k = x.shape
     groups = F.pad(x.float(), (0, -k % group)).view(m, -1, group)
-    scales = groups.abs().amax(dim=-1).clamp(min=1e-10) / FP8_MAX
+    amax = groups.abs().amax(dim=-1).clamp(min=1e-10)
+    scales = amax / torch.full_like(amax, FP8_MAX)  # (a true division on CUDA too: see to_fp8)
     return to_fp8(groups, scales[..., None]).view(m, -1)[:, :k], scales
 
 

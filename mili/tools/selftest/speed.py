@@ -81,7 +81,8 @@ def _measure_one(path: Path, device: str, quick: bool, label: str, extra: dict, 
                  f"{step_bytes / 2**20:.1f} MiB ({engine.core.runner.weight_format})"))
     vocab = engine.core.runner.model_config.vocab_size
     g = torch.Generator().manual_seed(0)
-    _run(engine, [torch.randint(0, min(vocab, 256), (8,), generator=g).tolist()], [4])  # warm-up
+    for length in (8, prefill_len):  # warm-up: the kernels a decode and the prefill launch compile first
+        _run(engine, [torch.randint(0, min(vocab, 256), (length,), generator=g).tolist()], [4])
     prompt = torch.randint(0, min(vocab, 256), (prefill_len,), generator=g).tolist()
     _, seconds = _run(engine, [prompt], [1])
     rows.append((f"{label}: prefill {prefill_len} tokens", f"{prefill_len / seconds:.0f} tok/s"))
