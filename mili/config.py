@@ -302,7 +302,8 @@ class EngineConfig:
         help=f"local checkpoint folder, hub id (e.g. Qwen/Qwen3-0.6B), '{DEMO_MODEL}' (default: a small Qwen3 trained "
              f"on the King James Bible, shipped with MILI), '{DEMO_HYBRID_MODEL}' (its Qwen3.5 twin, also shipped) or "
              f"'{DEMO_RANDOM_MODEL}' (a tiny random-weight model built offline)", cli_default=DEMO_MODEL)
-    tokenizer: str | None = option(None, "the tokenizer's folder or hub id (default: the model's)", cli=False)
+    tokenizer: str | None = option(None, "an HF tokenizer's folder or hub id, used instead of the model's (a GGUF "
+                                         "file's: instead of the one its metadata makes)")
     # (device before dtype, page_size before num_kv_pages: the config file's sections list their keys in this order)
     device: str = option("auto", "auto | cpu | cuda | cuda:N", section="inference.device")
     dtype: str = option("auto", "weights and activations dtype (auto: the checkpoint's)",

@@ -106,6 +106,10 @@ def tensor_names(path: str) -> list[str]:
     """Every tensor name of a checkpoint folder (read from the index or the files' headers, no data)."""
     from safetensors import safe_open
 
+    from mili.model.gguf import checkpoint_names, gguf_folder_files
+
+    if gguf_folder_files(path) is not None:
+        return checkpoint_names(path)
     index = Path(path) / "model.safetensors.index.json"
     if index.is_file():
         return list(json.loads(index.read_text())["weight_map"])

@@ -267,8 +267,9 @@ def swap_linears(model: nn.Module, kind: str, kernels: bool = False, quantized: 
         return PackedLinear(weight, bias, shard_sizes) if prepack_available(weight.dtype) else None
 
     def make_from_parts(name, child):
+        stacked = getattr(model, "stacked_params", STACKED_PARAMS)  # (the hybrids': the linear attention's too)
         shards = [f"{name.rsplit('.', 1)[0]}.{ckpt}.weight" for ckpt, (fused, _) in
-                  sorted(STACKED_PARAMS.items(), key=lambda kv: kv[1][1]) if name.endswith(f".{fused}")]
+                  sorted(stacked.items(), key=lambda kv: kv[1][1]) if name.endswith(f".{fused}")]
         parts = [quantized.get(n) for n in shards or [f"{name}.weight"]]
         if None in parts:
             return None

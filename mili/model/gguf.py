@@ -8,8 +8,15 @@ tensors from the file (``GGUFWeights``): float types as they are, block types de
 weights, and, where a kernel computes with them as stored, as quants with a scale and an offset per group
 (``gguf_blocks.py``).
 
-What MILI runs: the architectures ``qwen3`` and ``qwen3moe``; the types F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K
-and Q6_K. Anything else is refused by name before a weight loads.
+What MILI runs: the architectures ``qwen3`` and ``qwen3moe``, and the hybrids ``qwen3next``, ``qwen35`` and
+``qwen35moe`` (with the MTP head where the file carries it); the types F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K and
+Q6_K. Anything else is refused by name before a weight loads.
+
+The hybrids: transformers' GGUF conversion does not cover them, so their config is read here from the file's
+``{arch}.*`` keys (``ssm.*`` for the Gated DeltaNet layers), and llama.cpp's converter's changes to the
+tensors are undone as they load (``_to_checkpoint``): ``ssm_a`` holds -exp(A_log), the zero-centred norms hold
+1 + w, ``ssm_conv1d`` is squeezed, Qwen3-Next's ``ssm_ba`` interleaves b and a per key head, and Qwen3.5's value
+heads are tiled (``[v0 of each key head, v1 of each, ...]``) where HF groups them by key head.
 """
 
 from __future__ import annotations
@@ -28,8 +35,14 @@ from mili.errors import ModelLoadError
 
 log = logging.getLogger("mili")
 
-FORMAT_VERSION = "gguf-v2"  # bump when the derived folder's contents change, so stale ones are rebuilt
-ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
+FORMAT_VERSION = "gguf-v3"  # bump when the derived folder's contents change, so stale ones are rebuilt
+ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM", "qwen3next": "Qwen3NextForCausalLM",
+                 "qwen35": "Qwen3_5ForCausalLM", "qwen35moe": "Qwen3_5MoeForCausalLM"}
+HYBRIDS = {"qwen3next": "qwen3_next", "qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text"}  # (HF model types)
+TILED_V_HEADS = ("qwen35", "qwen35moe")  # llama.cpp reorders their value heads (not Qwen3-Next's)
+# Qwen3.5's pre-tokenizer (llama.cpp's "qwen35"): Qwen2's, with marks (\p{M}) kept in words
+QWEN35_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|"
+                r"\s*[\r\n]+|\s+(?!\S)|\s+")
 FLOAT_TYPES = ("F32", "F16", "BF16")
 BLOCK_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
 _SPLIT = re.compile(r"^(?P<stem>.*)-(?P<part>\d{5})-of-(?P<count>\d{5})\.gguf$")
@@ -150,14 +163,62 @@ def prepare(files: list[Path]) -> str:
 
 
 def _write_folder(files: list[Path], folder: Path) -> None:
-    from transformers import AutoConfig, AutoTokenizer
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    from transformers import AutoConfig
 
     arch, types, shapes, index, reader = _inspect(files)  # (one parse of the metadata: ~10 s for a 150k vocabulary)
+    embed = shapes.get("token_embd.weight")
+    if embed is None:
+        raise ModelLoadError(f"the GGUF file {files[0].name} has no token_embd.weight")
+    tied = "output.weight" not in types
+    if arch in HYBRIDS:
+        fields, mtp_layers = _hybrid_config(arch, reader, embed[0], tied, files[0].name)
+        model_type = HYBRIDS[arch]
+    else:
+        model_type, fields = _dense_config(arch, files[0], reader, embed[0], tied)
+        mtp_layers = 0
     try:
-        parsed = load_gguf_checkpoint(str(files[0]), return_tensors=False)
+        config = AutoConfig.for_model(model_type, **fields)
     except Exception as e:
-        raise ModelLoadError(f"transformers cannot read the GGUF metadata of {files[0]}: {type(e).__name__}: "
+        raise ModelLoadError(f"the GGUF metadata of {files[0].name} does not make a {model_type} config: "
+                             f"{type(e).__name__}: {e}") from e
+    config.architectures = [ARCHITECTURES[arch]]
+    config.dtype = "bfloat16"
+    raw = config.to_dict()
+    counts = Counter(types.values())
+    raw["quantization_config"] = {"quant_method": "gguf", "file_type": _file_type(counts),
+                                  "tensor_types": dict(counts)}
+    (folder / "config.json").write_text(json.dumps(raw, indent=2))
+    tokenizer_error = None
+    try:
+        tokenizer = _tokenizer(files[0], reader, arch)
+    except ModelLoadError as e:  # (the folder is still a model: --tokenizer may name an HF tokenizer for it)
+        tokenizer_error = str(e)
+        log.warning("%s", e)
+    else:
+        template = _field(reader, "tokenizer.chat_template")
+        if template and not getattr(tokenizer, "chat_template", None):
+            tokenizer.chat_template = template
+        tokenizer.save_pretrained(folder)
+        if _field(reader, "tokenizer.ggml.pre") == "qwen35":  # (Qwen2Tokenizer's class would put Qwen2's split back)
+            spec = folder / "tokenizer_config.json"
+            spec.write_text(json.dumps({**json.loads(spec.read_text()), "tokenizer_class": "PreTrainedTokenizerFast"},
+                                       indent=2))
+    # the tensors' places in the files, so a load need not parse the metadata again (gguf-py reads a 150k-token
+    # vocabulary's strings one by one: ~10 s)
+    (folder / "gguf.json").write_text(json.dumps({"files": [str(f.resolve()) for f in files], "arch": arch,
+                                                  "mtp_layers": mtp_layers, "tokenizer_error": tokenizer_error,
+                                                  "tensors": index}))
+    log.info("GGUF %s: %s, tensors %s", files[0].name, arch, describe_types(counts))
+
+
+def _dense_config(arch: str, file: Path, reader, vocab: int, tied: bool) -> tuple[str, dict]:
+    """(model type, config fields) of a qwen3 / qwen3moe file: transformers' own GGUF conversion, completed."""
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    try:
+        parsed = load_gguf_checkpoint(str(file), return_tensors=False)
+    except Exception as e:
+        raise ModelLoadError(f"transformers cannot read the GGUF metadata of {file}: {type(e).__name__}: "
                              f"{e}") from e
     fields = dict(parsed["config"])
     model_type = fields.pop("model_type")
@@ -171,33 +232,94 @@ def _write_folder(files: list[Path], folder: Path) -> None:
         fields["norm_topk_prob"] = True
         fields.setdefault("moe_intermediate_size", _field(reader, f"{arch}.expert_feed_forward_length"))
         fields["decoder_sparse_step"], fields["mlp_only_layers"] = 1, []
-    fields["tie_word_embeddings"] = "output.weight" not in types
-    embed = shapes.get("token_embd.weight")
-    if embed is None:
-        raise ModelLoadError(f"the GGUF file {files[0].name} has no token_embd.weight")
-    fields["vocab_size"] = embed[0]
-    config = AutoConfig.for_model(model_type, **fields)
-    config.architectures = [ARCHITECTURES[arch]]
-    config.dtype = "bfloat16"
-    raw = config.to_dict()
-    counts = Counter(types.values())
-    raw["quantization_config"] = {"quant_method": "gguf", "file_type": _file_type(counts),
-                                  "tensor_types": dict(counts)}
-    (folder / "config.json").write_text(json.dumps(raw, indent=2))
+    fields["tie_word_embeddings"] = tied
+    fields["vocab_size"] = vocab
+    return model_type, fields
+
+
+def _hybrid_config(arch: str, reader, vocab: int, tied: bool, name: str) -> tuple[dict, int]:
+    """(config fields, MTP layers) of a qwen3next / qwen35 / qwen35moe file, from its metadata as llama.cpp's
+    converter writes it (block_count counts the MTP layers, ``nextn_predict_layers`` of them at the end)."""
+    def need(key):
+        value = _field(reader, f"{arch}.{key}")
+        if value is None:
+            raise ModelLoadError(f"the GGUF file {name} lacks the metadata key {arch}.{key}")
+        return value
+
+    mtp = int(_field(reader, f"{arch}.nextn_predict_layers", 0) or 0)
+    layers = int(need("block_count")) - mtp
+    head_dim = int(need("attention.key_length"))
+    value_heads = int(need("ssm.time_step_rank"))
+    recurrent = _field(reader, f"{arch}.attention.recurrent_layers")
+    interval = int(_field(reader, f"{arch}.full_attention_interval", 4))
+    if recurrent is not None:
+        layer_types = ["linear_attention" if r else "full_attention" for r in list(recurrent)[:layers]]
+    else:
+        layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
+    fields = dict(
+        vocab_size=vocab, hidden_size=int(need("embedding_length")), num_hidden_layers=layers,
+        num_attention_heads=int(need("attention.head_count")), num_key_value_heads=int(need("attention.head_count_kv")),
+        head_dim=head_dim, rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+        max_position_embeddings=int(need("context_length")),
+        rope_parameters={"rope_type": "default", "rope_theta": float(need("rope.freq_base")),
+                         "partial_rotary_factor": int(need("rope.dimension_count")) / head_dim},
+        linear_conv_kernel_dim=int(need("ssm.conv_kernel")), linear_key_head_dim=int(need("ssm.state_size")),
+        linear_num_key_heads=int(need("ssm.group_count")), linear_num_value_heads=value_heads,
+        linear_value_head_dim=int(need("ssm.inner_size")) // value_heads, layer_types=layer_types,
+        full_attention_interval=interval, tie_word_embeddings=tied, bos_token_id=None, eos_token_id=None,
+        pad_token_id=None)
+    ffn = _field(reader, f"{arch}.feed_forward_length")
+    if ffn:
+        fields["intermediate_size"] = int(ffn)
+    experts = _field(reader, f"{arch}.expert_count")
+    if experts:
+        fields.update(num_experts=int(experts), num_experts_per_tok=int(need("expert_used_count")),
+                      moe_intermediate_size=int(need("expert_feed_forward_length")),
+                      shared_expert_intermediate_size=int(need("expert_shared_feed_forward_length")))
+    if arch == "qwen3next":  # (every layer MoE, the chosen experts' weights renormalized, as llama.cpp runs it)
+        fields.update(norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+    if mtp:
+        fields["mtp_num_hidden_layers"] = mtp
+    return fields, mtp
+
+
+def _tokenizer(file: Path, reader, arch: str):
+    """The tokenizer, by transformers' GGUF conversion. It converts a tokenizer for the archs whose config it
+    converts, so for the hybrids the file's ``tokenizer.*`` keys are copied into a file of arch qwen3 (the same
+    BPE vocabulary kind) and converted from there; llama.cpp's "qwen35" pre-tokenizer then gets its own split."""
+    from transformers import AutoTokenizer
+
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(files[0].parent), gguf_file=files[0].name)
+        if arch not in HYBRIDS:
+            tokenizer = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
+        else:
+            with tempfile.TemporaryDirectory() as tmp:
+                _copy_tokenizer_keys(reader, Path(tmp) / "tokenizer.gguf")
+                tokenizer = AutoTokenizer.from_pretrained(tmp, gguf_file="tokenizer.gguf")
     except Exception as e:
-        raise ModelLoadError(f"transformers cannot build the tokenizer of {files[0]}: {type(e).__name__}: {e} "
+        raise ModelLoadError(f"transformers cannot build the tokenizer of {file}: {type(e).__name__}: {e} "
                              "(or pass --tokenizer with an HF tokenizer)") from e
-    template = _field(reader, "tokenizer.chat_template")
-    if template and not getattr(tokenizer, "chat_template", None):
-        tokenizer.chat_template = template
-    tokenizer.save_pretrained(folder)
-    # the tensors' places in the files, so a load need not parse the metadata again (gguf-py reads a 150k-token
-    # vocabulary's strings one by one: ~10 s)
-    (folder / "gguf.json").write_text(json.dumps({"files": [str(f.resolve()) for f in files], "arch": arch,
-                                                  "tensors": index}))
-    log.info("GGUF %s: %s, tensors %s", files[0].name, arch, describe_types(counts))
+    if _field(reader, "tokenizer.ggml.pre") == "qwen35":
+        from tokenizers import Regex, pre_tokenizers
+
+        tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(QWEN35_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    return tokenizer
+
+
+def _copy_tokenizer_keys(reader, out: Path) -> None:
+    gguf = _gguf()
+    writer = gguf.GGUFWriter(out, "qwen3")
+    for key, field in reader.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), vtype, sub_type=sub)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
 
 
 def _file_type(counts: Counter) -> str:
@@ -217,6 +339,21 @@ def gguf_folder_files(path: str) -> list[str] | None:
     return json.loads(spec.read_text())["files"]
 
 
+def tokenizer_error(folder: str) -> str | None:
+    """Why the GGUF model's metadata made no tokenizer (None: it made one, or the folder is no GGUF model's)."""
+    spec = Path(folder) / "gguf.json"
+    return json.loads(spec.read_text()).get("tokenizer_error") if spec.is_file() else None
+
+
+def checkpoint_names(folder: str) -> list[str]:
+    """The checkpoint names of a GGUF model's tensors (the folder ``prepare`` made), read from its index."""
+    spec = json.loads((Path(folder) / "gguf.json").read_text())
+    config = json.loads((Path(folder) / "config.json").read_text())
+    names = hf_names(spec["arch"], config["num_hidden_layers"], config.get("num_experts", 0) or 0,
+                     spec.get("mtp_layers", 0))
+    return [names[t] for t in spec["tensors"] if t in names]
+
+
 class _Tensor:
     """One tensor of the index, its data memory-mapped: float types typed, block types as bytes [rows, bytes]."""
 
@@ -225,27 +362,56 @@ class _Tensor:
         self.tensor_type = _gguf().GGMLQuantizationType[type_name]
 
 
-def hf_names(arch: str, num_layers: int, num_experts: int) -> dict[str, str]:
+_LAYER_NAMES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "self_attn.q_norm",
+                "self_attn.k_norm", "input_layernorm", "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj",
+                "mlp.down_proj")
+_MOE_NAMES = ("mlp.gate", "mlp.experts.gate_proj", "mlp.experts.up_proj", "mlp.experts.down_proj")
+_HYBRID_NAMES = ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.in_proj_a", "linear_attn.in_proj_b",
+                 "linear_attn.in_proj_qkvz", "linear_attn.in_proj_ba", "linear_attn.conv1d", "linear_attn.A_log",
+                 "linear_attn.norm", "linear_attn.out_proj", "mlp.shared_expert.gate_proj",
+                 "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj", "mlp.shared_expert_gate")
+# the MTP head's own tensors (llama.cpp's nextn.*, at the first MTP block) and their checkpoint names
+_NEXTN = {"eh_proj": "mtp.fc.weight", "enorm": "mtp.pre_fc_norm_embedding.weight",
+          "hnorm": "mtp.pre_fc_norm_hidden.weight", "shared_head_norm": "mtp.norm.weight"}
+
+
+def hf_names(arch: str, num_layers: int, num_experts: int, mtp_layers: int = 0) -> dict[str, str]:
     """{GGUF tensor name: the checkpoint name MILI's loader takes}, for every tensor a model of ``arch`` has
-    (gguf-py's TensorNameMap, read backwards); stacked experts map to their stem (split per expert on load)."""
+    (gguf-py's TensorNameMap, read backwards); stacked experts map to their stem (split per expert on load);
+    the MTP blocks (after the model's) map to ``mtp.*``."""
     gguf = _gguf()
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], num_layers)
-    candidates = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
-    for i in range(num_layers):
-        p = f"model.layers.{i}"
-        candidates += [f"{p}.{n}.weight" for n in (
-            "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "self_attn.q_norm",
-            "self_attn.k_norm", "input_layernorm", "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj",
-            "mlp.down_proj")]
-        if num_experts:
-            candidates += [f"{p}.mlp.gate.weight"] + [f"{p}.mlp.experts.{n}.weight" for n in ("gate_proj", "up_proj",
-                                                                                              "down_proj")]
+    blocks = num_layers + mtp_layers
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], blocks)
+    hybrid = arch in HYBRIDS
     out = {}
-    for name in candidates:
-        gguf_name = names.get_name(name, try_suffixes=(".weight",))
-        if gguf_name is not None:
-            out[gguf_name] = name
+    for name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+        out[names.get_name(name, try_suffixes=(".weight",))] = name
+    for i in range(blocks):
+        p = f"model.layers.{i}"
+        stems = _LAYER_NAMES + (_MOE_NAMES if num_experts else ()) + (_HYBRID_NAMES if hybrid else ())
+        mine = {}
+        for stem in stems:
+            name = f"{p}.{stem}" + ("" if stem.endswith("A_log") else ".weight")
+            gguf_name = names.get_name(name, try_suffixes=(".weight",))
+            if gguf_name is not None:
+                mine[gguf_name] = name
+        if hybrid:
+            mine[f"blk.{i}.ssm_dt.bias"] = f"{p}.linear_attn.dt_bias"
+        if i >= num_layers:  # an MTP block: its layer under mtp.layers.{j}, and the head's own tensors
+            mine = {g: n.replace(f"{p}.", f"mtp.layers.{i - num_layers}.") for g, n in mine.items()}
+            if i == num_layers:
+                mine.update({f"blk.{i}.nextn.{k}.weight": v for k, v in _NEXTN.items()})
+        out.update(mine)
+    out.pop(None, None)
     return out
+
+
+def _untile(n: int, num_k_heads: int, head_dim: int) -> "torch.Tensor":
+    """For each of ``n`` value rows in HF's order (grouped by key head: [k0's v0, v1, .., k1's v0, ..]) the row
+    that holds it in llama.cpp's tiled order ([v0 of each key head, v1 of each, ..])."""
+    import torch
+
+    return torch.arange(n).view(n // (num_k_heads * head_dim), num_k_heads, head_dim).permute(1, 0, 2).reshape(-1)
 
 
 class GGUFWeights:
@@ -257,8 +423,9 @@ class GGUFWeights:
 
         gguf = _gguf()
         spec = json.loads((Path(folder) / "gguf.json").read_text())
-        arch = spec["arch"]
-        self.names = hf_names(arch, num_layers, num_experts)
+        self.arch = arch = spec["arch"]
+        self.config = json.loads((Path(folder) / "config.json").read_text())
+        self.names = hf_names(arch, num_layers, num_experts, spec.get("mtp_layers", 0))
         maps = []
         for f in spec["files"]:
             try:
@@ -307,3 +474,83 @@ class GGUFWeights:
 
         t = self.tensors[gguf_name]
         return group_parts(t.data, t.type_name, t.shape)
+
+    def items(self, keep_quantized: bool):
+        """Each tensor as the checkpoint MILI loads would hold it: (GGUF name, checkpoint name, float32 tensor,
+        its ``GroupParts`` or None). ``keep_quantized``: the parts of block-typed matrices too (not of stacked
+        experts, nor of a matrix whose columns llama.cpp moved). The converter's changes are undone
+        (module docstring); a tied head gets the token table's parts as ``lm_head.weight``."""
+        tied = self.config.get("tie_word_embeddings", False)
+        for gguf_name, stem in self.names.items():
+            if gguf_name not in self.tensors:
+                continue
+            tensor = self.dequantized(gguf_name)
+            if tensor.dim() == 3 and ".mlp.experts." in stem:  # stacked: one tensor a expert
+                prefix, proj = stem.removesuffix(".weight").rsplit(".", 1)
+                for e in range(tensor.shape[0]):
+                    yield gguf_name, f"{prefix}.{e}.{proj}.weight", tensor[e], None
+                continue
+            parts = None
+            if keep_quantized and self.type_name(gguf_name) in BLOCK_TYPES and tensor.dim() == 2:
+                parts = self.group_parts(gguf_name)
+            if self.arch in HYBRIDS:
+                yield from ((gguf_name, *found) for found in self._to_checkpoint(stem, tensor, parts))
+                continue
+            if stem == "model.embed_tokens.weight":  # the head reads the table's blocks as stored, as llama.cpp's
+                if parts is not None and tied:
+                    yield gguf_name, "lm_head.weight", None, parts
+                parts = None
+            yield gguf_name, stem, tensor, parts
+
+    def _to_checkpoint(self, stem: str, tensor, parts):
+        """A hybrid's tensor with llama.cpp's converter's changes undone: (checkpoint name, tensor, parts)."""
+        import torch
+
+        cfg = self.config
+        if stem == "model.embed_tokens.weight":
+            if parts is not None and cfg.get("tie_word_embeddings"):
+                yield "lm_head.weight", None, parts
+            yield stem, tensor, None
+            return
+        nk, hk, hv = cfg["linear_num_key_heads"], cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+        nv = cfg["linear_num_value_heads"]
+        tiled = self.arch in TILED_V_HEADS and nk != nv
+        last = stem.rsplit(".", 2)[-2] if stem.endswith((".weight", ".bias")) else stem.rsplit(".", 1)[-1]
+
+        def rows(index):
+            return tensor[index], None if parts is None else parts.take_rows(index)
+
+        if "norm" in last and not stem.endswith(".linear_attn.norm.weight"):  # zero-centred: the file holds 1 + w
+            yield stem, tensor - 1, None
+        elif last == "A_log":  # the file holds -exp(A_log)
+            a = tensor[_untile(nv, nk, 1)] if tiled else tensor
+            yield stem, torch.log(-a), None
+        elif last == "dt_bias":
+            yield stem, tensor[_untile(nv, nk, 1)] if tiled else tensor, None
+        elif last == "conv1d":  # [channels, kernel] of q | k | v -> [channels, 1, kernel]
+            if tiled:
+                qk = 2 * nk * hk
+                tensor = torch.cat([tensor[:qk], tensor[qk:][_untile(nv * hv, nk, hv)]])
+            yield stem, tensor.unsqueeze(1), None
+        elif last == "in_proj_qkv" and tiled:
+            qk = 2 * nk * hk
+            yield (stem, *rows(torch.cat([torch.arange(qk), qk + _untile(nv * hv, nk, hv)])))
+        elif last == "in_proj_z" and tiled:
+            yield (stem, *rows(_untile(nv * hv, nk, hv)))
+        elif last in ("in_proj_a", "in_proj_b") and tiled:
+            yield (stem, *rows(_untile(nv, nk, 1)))
+        elif last == "in_proj_ba":  # Qwen3-Next's: [b of the group's value heads, a of them] per key head
+            rep = nv // nk
+            order = torch.arange(2 * nv).view(nk, 2, rep)
+            base = stem.removesuffix("in_proj_ba.weight")
+            yield (base + "in_proj_b.weight", *rows(order[:, 0].reshape(-1)))
+            yield (base + "in_proj_a.weight", *rows(order[:, 1].reshape(-1)))
+        elif last == "in_proj_qkvz":  # (older Qwen3-Next files: ssm_in, q | k | v | z of all heads)
+            qkv = 2 * nk * hk + nv * hv
+            base = stem.removesuffix("in_proj_qkvz.weight")
+            yield (base + "in_proj_qkv.weight", *rows(torch.arange(qkv)))
+            yield (base + "in_proj_z.weight", *rows(torch.arange(qkv, tensor.shape[0])))
+        elif last == "out_proj" and tiled:  # columns moved: dequantized (the blocks run along them)
+            yield stem, tensor[:, _untile(nv * hv, nk, hv)], None
+        else:
+            yield stem, tensor, parts

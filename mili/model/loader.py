@@ -315,32 +315,22 @@ def _load_gguf(model: Qwen3ForCausalLM, path: str, files: list[str], params: dic
     cfg = model.config
     weights = GGUFWeights(path, cfg.num_hidden_layers, getattr(cfg, "num_experts", 0) or 0)
     kept, loaded = {}, set()
-    for gguf_name, stem in weights.names.items():
-        if gguf_name not in weights.tensors:
+    for gguf_name, name, value, parts in weights.items(keep_quantized):
+        if _skipped(model, name) and name != "lm_head.weight":
             continue
-        tensor = weights.dequantized(gguf_name)
-        if stem.endswith(tuple(f".mlp.experts.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj"))):
-            prefix, proj = stem.removesuffix(".weight").rsplit(".", 1)  # stacked: one tensor a expert
-            named = [(f"{prefix}.{e}.{proj}.weight", tensor[e]) for e in range(tensor.shape[0])]
-        else:
-            named = [(stem, tensor)]
-            if keep_quantized and weights.type_name(gguf_name) in BLOCK_TYPES and tensor.dim() == 2:
-                if stem != "model.embed_tokens.weight":
-                    kept[stem] = weights.group_parts(gguf_name)
-                elif cfg.tie_word_embeddings:  # the head reads the table's blocks as stored, as llama.cpp's does
-                    kept["lm_head.weight"] = weights.group_parts(gguf_name)
-        for name, value in named:
-            if _skipped(model, name):
-                continue
-            target = _target(model, name, params)
-            if target is None:
-                raise ModelLoadError(f"GGUF tensor {gguf_name} ({name}) is not a weight of this model")
-            keys, dest = target
-            if value.shape != dest.shape:
-                raise ModelLoadError(f"GGUF tensor {gguf_name} has shape {tuple(value.shape)}, the metadata implies "
-                                     f"{tuple(dest.shape)}")
-            dest.copy_(value)
-            loaded.update(keys)
+        if parts is not None:
+            kept[name] = parts
+        if value is None:  # (a tied head's parts: the table itself loads as the embedding)
+            continue
+        target = _target(model, _param_name(model, name), params)
+        if target is None:
+            raise ModelLoadError(f"GGUF tensor {gguf_name} ({name}) is not a weight of this model")
+        keys, dest = target
+        if value.shape != dest.shape:
+            raise ModelLoadError(f"GGUF tensor {gguf_name} has shape {tuple(value.shape)}, the metadata implies "
+                                 f"{tuple(dest.shape)}")
+        dest.copy_(value)
+        loaded.update(keys)
     missing = sorted({n for n, *_ in expected - loaded})
     if missing:
         raise ModelLoadError(f"the GGUF model {files[0]!r} lacks {len(missing)} weights, e.g. {missing[:3]}")

@@ -57,6 +57,10 @@ class GroupParts(NamedTuple):
         group = self.q.shape[1] // self.scales.shape[1]
         return (self.q.float() * self.scales.repeat_interleave(group, 1)).add_(self.offsets.repeat_interleave(group, 1))
 
+    def take_rows(self, index: torch.Tensor) -> "GroupParts":
+        """These output rows, in ``index``'s order (a row's groups move with it)."""
+        return GroupParts(self.q[index], self.scales[index], self.offsets[index], self.bits)
+
 
 def fp8_parts(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> Fp8Parts:
     """A checkpoint's FP8 weight and scale: per 128 x 128 block (``block``), else per channel or per tensor

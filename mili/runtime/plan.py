@@ -301,7 +301,7 @@ def _linears(config, quant, dtype, device, hybrid, tp, triton_linears, fp8_act, 
         if config.quantization:
             raise InvalidRequest(f"--quantization {config.quantization} is not supported for hybrid models yet",
                                  param="quantization")
-        if quant:
+        if quant and not (quant.method == "gguf" and cpu_kernels):  # (GGUF's blocks run on the CPU's kernels)
             return "plain", f"{quant.describe()}, dequantized", False
     if config.quantization and quant is not None:
         raise InvalidRequest(f"--quantization {config.quantization}: the checkpoint is already quantized "

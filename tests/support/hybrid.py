@@ -22,30 +22,32 @@ MOE = dict(moe_intermediate_size=32, shared_expert_intermediate_size=48, num_exp
 KINDS = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "qwen3_5_hub", "qwen3_5_moe_fused")
 
 
-def _model(kind: str):
+def _model(kind: str, shape: dict | None = None):
+    """``shape``: config fields that replace the defaults (TEXT, MOE and each kind's own)."""
     import transformers as tf
 
+    shape = shape or {}
     if kind in ("qwen3_5", "qwen3_5_hub"):
-        text = dict(TEXT, intermediate_size=128)
+        text = {**TEXT, "intermediate_size": 128, **shape}
         if kind == "qwen3_5":
             return tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(**text))
         vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
         return tf.Qwen3_5ForConditionalGeneration(tf.Qwen3_5Config(text_config=text, vision_config=vision,
                                                                    tie_word_embeddings=False))
     if kind in ("qwen3_5_moe", "qwen3_5_moe_fused"):
-        return tf.Qwen3_5MoeForCausalLM(tf.Qwen3_5MoeTextConfig(**TEXT, **MOE))
+        return tf.Qwen3_5MoeForCausalLM(tf.Qwen3_5MoeTextConfig(**{**TEXT, **MOE, **shape}))
     # Qwen3-Next: layer 1 dense (mlp_only_layers), the others MoE with normalised top-k
-    return tf.Qwen3NextForCausalLM(tf.Qwen3NextConfig(**TEXT, **MOE, intermediate_size=96, mlp_only_layers=[1],
-                                                      norm_topk_prob=True))
+    return tf.Qwen3NextForCausalLM(tf.Qwen3NextConfig(**{**TEXT, **MOE, "intermediate_size": 96,
+                                                         "mlp_only_layers": [1], "norm_topk_prob": True, **shape}))
 
 
 def build_hybrid_checkpoint(path: Path, kind: str, seed: int = 0, weight_scale: float = 4.0,
-                            mtp: bool = False) -> Path:
+                            mtp: bool = False, shape: dict | None = None) -> Path:
     """A random checkpoint folder of ``kind`` (see KINDS). Matrices are scaled up and norm weights randomised
     so logits are not flat (as checkpoints.build_checkpoint does). ``mtp``: random ``mtp.*`` tensors too (the hub
     layout has them always), the MoE head where the model is MoE (Qwen3-Next's config names no MTP layer)."""
     torch.manual_seed(seed)
-    model = _model(kind).float().eval()
+    model = _model(kind, shape).float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "visual" in name:

@@ -241,3 +241,17 @@ def test_each_type_on_its_kernel_is_gguf_dequantize(gguf_model, kind, layer):
     out = llm.generate([{"prompt_token_ids": p} for p in _prompts()], GREEDY, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == MAX_TOKENS for o in out)
     assert_drained(llm)
+
+
+def test_a_file_without_a_tokenizer_takes_one_from_the_tokenizer_option(gguf_model, tmp_path):
+    """A file whose metadata makes no tokenizer is refused by name, pointing at --tokenizer; with an HF tokenizer
+    named there it serves (vLLM's --tokenizer)."""
+    from mili.model.demo import demo_checkpoint
+
+    _, checkpoint = gguf_model("q8_0")
+    path = write_gguf(checkpoint, tmp_path / "bare.gguf", "Q8_0", pre=None)
+    with pytest.raises(ModelLoadError, match="--tokenizer"):
+        LLM(str(path))
+    llm = LLM(str(path), dtype="float32", tokenizer=demo_checkpoint())
+    out = llm.generate(["In the beginning"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4 and out[0].outputs[0].text

@@ -23,7 +23,7 @@ OPTIONS = options.options(EngineConfig)
 
 # The engine's flags as users type them (a contract: a renamed field must not rename its flag unnoticed)
 ENGINE_FLAGS = {
-    "--dtype", "--device", "--max-model-len", "--kv-cache-memory", "--num-kv-pages", "--page-size",
+    "--tokenizer", "--dtype", "--device", "--max-model-len", "--kv-cache-memory", "--num-kv-pages", "--page-size",
     "--num-state-slots", "--num-state-snapshots", "--max-num-seqs", "--max-num-batched-tokens", "--seed",
     "--num-threads", "--attention-backend", "--enforce-eager", "--gpu-memory-utilization", "--quantization",
     "--lm-head-dtype", "--kv-cache-dtype", "--tensor-parallel-size", "-tp", "--no-cpu-kernels",
@@ -46,8 +46,8 @@ def test_every_field_is_an_option_and_the_flags_are_the_ones_users_type():
     assert set(OPTIONS) == {f.name for f in dataclasses.fields(EngineConfig)}
     for command in ("serve", "generate"):
         actions = _engine_actions(_subparser(command)[1])
-        # every field has its flag but the two only LLM() takes (no flag was ever written for them)
-        assert set(OPTIONS) - set(actions) == {"tokenizer", "encoder_cache_tokens"}
+        # every field has its flag but the one only LLM() takes (no flag was ever written for it)
+        assert set(OPTIONS) - set(actions) == {"encoder_cache_tokens"}
         assert {o for a in actions.values() for o in a.option_strings} == ENGINE_FLAGS
         assert actions["model"].option_strings == [] and actions["model"].default == "demo"
         for name, action in actions.items():
@@ -118,7 +118,7 @@ def test_config_file_mistakes_name_the_key(tmp_path):
         ("allowed_media_domains: [1]\n", "allowed_media_domains must be a list of host names"),
         ("kv_cache_dtype: fp8\nkv_cache:\n  dtype: auto\n",
          "kv_cache.dtype and kv_cache_dtype both set kv_cache_dtype"),
-        ("tokenizer: x\n", "unknown key 'tokenizer'"),
+        ("encoder_cache_tokens: 4\n", "unknown key 'encoder_cache_tokens'"),
     ]:
         (tmp_path / "bad.yaml").write_text(text)
         with pytest.raises(ConfigFileError) as e:
