@@ -367,7 +367,7 @@ _LAYER_NAMES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "sel
                 "mlp.down_proj")
 _MOE_NAMES = ("mlp.gate", "mlp.experts.gate_proj", "mlp.experts.up_proj", "mlp.experts.down_proj")
 _HYBRID_NAMES = ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.in_proj_a", "linear_attn.in_proj_b",
-                 "linear_attn.in_proj_qkvz", "linear_attn.in_proj_ba", "linear_attn.conv1d", "linear_attn.A_log",
+                 "linear_attn.in_proj_ba", "linear_attn.conv1d", "linear_attn.A_log",
                  "linear_attn.norm", "linear_attn.out_proj", "mlp.shared_expert.gate_proj",
                  "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj", "mlp.shared_expert_gate")
 # the MTP head's own tensors (llama.cpp's nextn.*, at the first MTP block) and their checkpoint names
@@ -545,11 +545,6 @@ class GGUFWeights:
             base = stem.removesuffix("in_proj_ba.weight")
             yield (base + "in_proj_b.weight", *rows(order[:, 0].reshape(-1)))
             yield (base + "in_proj_a.weight", *rows(order[:, 1].reshape(-1)))
-        elif last == "in_proj_qkvz":  # (older Qwen3-Next files: ssm_in, q | k | v | z of all heads)
-            qkv = 2 * nk * hk + nv * hv
-            base = stem.removesuffix("in_proj_qkvz.weight")
-            yield (base + "in_proj_qkv.weight", *rows(torch.arange(qkv)))
-            yield (base + "in_proj_z.weight", *rows(torch.arange(qkv, tensor.shape[0])))
         elif last == "out_proj" and tiled:  # columns moved: dequantized (the blocks run along them)
             yield stem, tensor[:, _untile(nv * hv, nk, hv)], None
         else:
