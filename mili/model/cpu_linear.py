@@ -278,16 +278,37 @@ def swap_linears(model: nn.Module, kind: str, kernels: bool = False, quantized: 
         return make_quantized(type(parts)(*(t.to(device) if torch.is_tensor(t) else t for t in parts)),
                               child.bias, getattr(child, "shard_sizes", None))
 
+    def expert_parts(module_name, e, projections):
+        parts = [(quantized or {}).get(f"{module_name}.{e}.{p}.weight") for p in projections]
+        return None if None in parts else quant.concat_parts(parts) if len(parts) > 1 else parts[0]
+
+    def expert_layer(module_name, e, projections, weight, shard_sizes):
+        """Expert ``e``'s layer: from its parts where the loader kept them (it then left the stacked weight
+        unwritten), else from its slice of the stacked weight. Parts a kernel can't take fill that slice."""
+        parts = expert_parts(module_name, e, projections)
+        layer = None if parts is None else make_quantized(parts, None, shard_sizes)
+        if layer is None and parts is not None:
+            weight.copy_(parts.dequantize())
+        return layer if layer is not None else make(weight, None, shard_sizes)
+
     for module_name, module in list(model.named_modules()):
         if isinstance(module, FusedExperts) and kind == "plain":
             continue
         if isinstance(module, FusedExperts):  # each expert's slices of the stacked weights, then drop those
             inter = module.inter
             linears = [linear for e in range(module.num_experts)
-                       for linear in (make(module.w13[e], None, [inter, inter]), make(module.w2[e]))]
-            if None not in linears:  # (else the experts stay stacked, on torch's path)
+                       for linear in (expert_layer(module_name, e, ("gate_proj", "up_proj"), module.w13[e],
+                                                   [inter, inter]),
+                                      expert_layer(module_name, e, ("down_proj",), module.w2[e], None))]
+            if None not in linears:
                 module.linears = nn.ModuleList(linears)
                 module.w13 = module.w2 = None
+            else:  # the experts stay stacked, on torch's path: every slice the loader left to the parts, filled
+                for e in range(module.num_experts):
+                    for projections, weight in ((("gate_proj", "up_proj"), module.w13[e]), (("down_proj",), module.w2[e])):
+                        parts = expert_parts(module_name, e, projections)
+                        if parts is not None:
+                            weight.copy_(parts.dequantize())
             continue
         for child_name, child in list(module.named_children()):
             name = f"{module_name}.{child_name}" if module_name else child_name

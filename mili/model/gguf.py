@@ -484,12 +484,10 @@ class GGUFWeights:
         for gguf_name, stem in self.names.items():
             if gguf_name not in self.tensors:
                 continue
-            tensor = self.dequantized(gguf_name)
-            if tensor.dim() == 3 and ".mlp.experts." in stem:  # stacked: one tensor a expert
-                prefix, proj = stem.removesuffix(".weight").rsplit(".", 1)
-                for e in range(tensor.shape[0]):
-                    yield gguf_name, f"{prefix}.{e}.{proj}.weight", tensor[e], None
+            if len(self.shape(gguf_name)) == 3 and ".mlp.experts." in stem:  # stacked: one tensor a expert
+                yield from self._experts(gguf_name, stem, keep_quantized)
                 continue
+            tensor = self.dequantized(gguf_name)
             parts = None
             if keep_quantized and self.type_name(gguf_name) in BLOCK_TYPES and tensor.dim() == 2:
                 parts = self.group_parts(gguf_name)
@@ -501,6 +499,23 @@ class GGUFWeights:
                     yield gguf_name, "lm_head.weight", None, parts
                 parts = None
             yield gguf_name, stem, tensor, parts
+
+    def _experts(self, gguf_name: str, stem: str, keep_quantized: bool):
+        """A stacked expert tensor, one expert at a time: with ``keep_quantized`` a block type's parts alone (the
+        model's stacked float weights are then left unwritten: the CPU's expert layers are made from the parts),
+        else dequantized."""
+        from mili.model.gguf_blocks import group_parts
+
+        t = self.tensors[gguf_name]
+        prefix, proj = stem.removesuffix(".weight").rsplit(".", 1)
+        keep = keep_quantized and t.type_name in BLOCK_TYPES
+        tensor = None if keep else self.dequantized(gguf_name)
+        for e in range(t.shape[0]):
+            name = f"{prefix}.{e}.{proj}.weight"
+            if keep:
+                yield gguf_name, name, None, group_parts(t.data[e], t.type_name, t.shape[1:])
+            else:
+                yield gguf_name, name, tensor[e], None
 
     def _to_checkpoint(self, stem: str, tensor, parts):
         """A hybrid's tensor with llama.cpp's converter's changes undone: (checkpoint name, tensor, parts)."""

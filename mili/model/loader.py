@@ -320,11 +320,13 @@ def _load_gguf(model: Qwen3ForCausalLM, path: str, files: list[str], params: dic
             continue
         if parts is not None:
             kept[name] = parts
-        if value is None:  # (a tied head's parts: the table itself loads as the embedding)
-            continue
         target = _target(model, _param_name(model, name), params)
-        if target is None:
+        if target is None and name != "lm_head.weight":
             raise ModelLoadError(f"GGUF tensor {gguf_name} ({name}) is not a weight of this model")
+        if value is None:  # a tied head's parts (the table loads as the embedding), or an expert's parts alone
+            if target is not None:  # (the expert: its layer is made from the parts, model_builder._swap_linears)
+                loaded.update(target[0])
+            continue
         keys, dest = target
         if value.shape != dest.shape:
             raise ModelLoadError(f"GGUF tensor {gguf_name} has shape {tuple(value.shape)}, the metadata implies "

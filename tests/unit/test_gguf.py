@@ -255,3 +255,31 @@ def test_a_file_without_a_tokenizer_takes_one_from_the_tokenizer_option(gguf_mod
     llm = LLM(str(path), dtype="float32", tokenizer=demo_checkpoint())
     out = llm.generate(["In the beginning"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4 and out[0].outputs[0].text
+
+
+def test_moe_experts_run_as_stored(gguf_model):
+    """A MoE file's stacked experts (Q4_K gate and up, Q6_K down) become one kernel layer per expert, made from the
+    blocks as stored (the model's stacked bf16 weights are never written): each expert's weights are gguf-py's
+    dequantize of its slice, and the run follows the float32 one."""
+    from mili.model.cpu_linear import Int4Linear, Int8GroupLinear
+
+    path, _ = gguf_model("moe")
+    llm = LLM(str(path), dtype="bfloat16")
+    if not llm.engine.plan.int8_kernels:  # (AVX-512 without VNNI: the blocks dequantized, on the bf16 kernel)
+        return
+    experts = llm.apply_model(lambda m: m.model.layers[1].mlp.experts)
+    assert experts.w13 is None and len(experts.linears) == 2 * experts.num_experts
+    stacked = {n: _gguf_dequantized(path, f"blk.1.ffn_{n}_exps.weight").reshape(experts.num_experts, -1, 256)
+               for n in ("gate", "up")}
+    down = _gguf_dequantized(path, "blk.1.ffn_down_exps.weight").reshape(experts.num_experts, 256, -1)
+    for e in (0, experts.num_experts - 1):
+        gate_up, down_layer = experts.linears[2 * e], experts.linears[2 * e + 1]
+        assert isinstance(gate_up, Int4Linear) and isinstance(down_layer, Int8GroupLinear)
+        assert torch.equal(gate_up.dequantize(), torch.cat([stacked["gate"][e], stacked["up"][e]]))
+        assert torch.equal(down_layer.dequantize(), down[e])
+    prompts = [{"prompt_token_ids": p} for p in _prompts(seed=4)]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    want = [o.outputs[0].token_ids for o in LLM(str(path), dtype="float32").generate(prompts, params, use_tqdm=False)]
+    assert sum(g[0] == w[0] for g, w in zip(got, want)) >= len(prompts) - 1
+    assert_drained(llm)
