@@ -280,7 +280,10 @@ def swap_linears(model: nn.Module, kind: str, kernels: bool = False, quantized: 
 
     def expert_parts(module_name, e, projections):
         parts = [(quantized or {}).get(f"{module_name}.{e}.{p}.weight") for p in projections]
-        return None if None in parts else quant.concat_parts(parts) if len(parts) > 1 else parts[0]
+        if None in parts:
+            return None
+        parts = [p() if callable(p) else p for p in parts]  # (GGUF's experts: made here, one expert at a time)
+        return quant.concat_parts(parts) if len(parts) > 1 else parts[0]
 
     def expert_layer(module_name, e, projections, weight, shard_sizes):
         """Expert ``e``'s layer: from its parts where the loader kept them (it then left the stacked weight

@@ -501,9 +501,11 @@ class GGUFWeights:
             yield gguf_name, stem, tensor, parts
 
     def _experts(self, gguf_name: str, stem: str, keep_quantized: bool):
-        """A stacked expert tensor, one expert at a time: with ``keep_quantized`` a block type's parts alone (the
-        model's stacked float weights are then left unwritten: the CPU's expert layers are made from the parts),
-        else dequantized."""
+        """A stacked expert tensor, one expert at a time: with ``keep_quantized`` a block type's parts alone, made
+        when asked (a callable: the CPU's expert layers are made from them one expert at a time, and the model's
+        stacked float weights are left unwritten), else dequantized."""
+        from functools import partial
+
         from mili.model.gguf_blocks import group_parts
 
         t = self.tensors[gguf_name]
@@ -513,7 +515,7 @@ class GGUFWeights:
         for e in range(t.shape[0]):
             name = f"{prefix}.{e}.{proj}.weight"
             if keep:
-                yield gguf_name, name, None, group_parts(t.data[e], t.type_name, t.shape[1:])
+                yield gguf_name, name, None, partial(group_parts, t.data[e], t.type_name, t.shape[1:])
             else:
                 yield gguf_name, name, tensor[e], None
 
