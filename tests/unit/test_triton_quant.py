@@ -96,6 +96,24 @@ def test_int4_gemm(dtype, group, rows, split_k):
     torch.testing.assert_close(got.float().cpu(), ref.int4_linear(x, values, zeros, scales).float(), **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,split_k", [(1, None), (3, None), (8, None), (5, 3), (200, None)])
+def test_int8_gemm(dtype, rows, split_k):
+    """Weight-only int8, a float32 scale per output channel: decode rows (1 to 8, K split), a prefill's (one
+    part), N and K not multiples of the tiles (K's last step masked)."""
+    n, k = 136, 700  # N: 2 tiles of 64 and 8 columns; K: 5 steps of 128 and 60
+    g = torch.Generator().manual_seed(rows)
+    values = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scale = torch.rand(n, generator=g) * 0.01 + 1e-4
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    if rows <= qg.SPLIT_K_MAX_ROWS and split_k is None:
+        assert qg.split_k_for(rows, n, 6, 16, 64) > 1  # decode really splits K
+    got = qg.int8_linear(x.to(DEVICE), values.to(DEVICE), scale.to(DEVICE), split_k=split_k)
+    want = ref.int8_linear(x, values, scale)
+    assert got.dtype == dtype and got.shape == (rows, n)
+    torch.testing.assert_close(got.float().cpu(), want.float(), **TOL[dtype])
+
+
 # -- the layers, and which one a device gets ---------------------------------------------------------------------
 def test_layers_compute_the_dequantized_weights():
     """A fused layer from three shards (q|k|v, k and v not whole 128-row blocks: their scales become per row),
