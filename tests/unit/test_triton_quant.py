@@ -179,10 +179,23 @@ def _block_fp8(weights: dict) -> tuple[dict, dict]:
     return out, dequantized
 
 
+def _int8_channels(weights: dict) -> dict:
+    """The weights ``--quantization int8`` computes with: every linear's (the untied lm_head's too) through int8
+    per output channel and back, in float32 (a fused layer's rows are its shards' rows: the same scales)."""
+    out = {}
+    for name, w in weights.items():
+        if name.endswith(tuple(f"{p}.weight" for p in QUANT_LINEARS)) or name == "lm_head.weight":
+            q, scales = quant.quantize_int8_per_channel(w.float())
+            w = q.float() * scales[:, None]
+        out[name] = w
+    return out
+
+
 @pytest.fixture(scope="module")
 def quantized(tmp_path_factory, tiny_checkpoint):
     """The tiny dense model (q|k|v shards of 128, 64, 64 rows: partial 128 x 128 blocks), its block FP8 and AWQ
-    (groups of 64) versions, and each one's dequantized weights as a plain checkpoint (the reference)."""
+    (groups of 64) versions, and each one's dequantized weights as a plain checkpoint (the reference); int8: the
+    dense model itself (quantized as it loads) and its int8 weights dequantized."""
     root, dense = tmp_path_factory.mktemp("triton_quant"), tiny_checkpoint
     weights = load_file(dense / "model.safetensors")
     made = {}
@@ -195,21 +208,27 @@ def quantized(tmp_path_factory, tiny_checkpoint):
         shutil.copytree(dense, plain)
         save_file({k: v.contiguous() for k, v in dequantized.items()}, plain / "model.safetensors")
         made[name] = (path, plain)
+    plain = root / "int8_dequantized"
+    shutil.copytree(dense, plain)
+    save_file({k: v.contiguous() for k, v in _int8_channels(weights).items()}, plain / "model.safetensors")
+    made["int8"] = (dense, plain)
     return made
 
 
-@pytest.mark.parametrize("fmt,layer", [("fp8", gpu_linear.BlockFp8Linear), ("awq", gpu_linear.AwqLinear)])
+@pytest.mark.parametrize("fmt,layer", [("fp8", gpu_linear.BlockFp8Linear), ("awq", gpu_linear.AwqLinear),
+                                       ("int8", gpu_linear.TritonInt8Linear)])
 def test_engine_float32_matches_the_dequantized_model(quantized, fmt, layer):
-    """float32: FP8 weight-only and AWQ compute with the stored weights exactly as the dequantized model does
-    (up to summation order): HF's greedy tokens on those weights."""
+    """float32: FP8 weight-only, AWQ and --quantization int8 compute with the stored (int8: the quantized) weights
+    exactly as the dequantized model does (up to summation order): HF's greedy tokens on those weights."""
     from transformers import Qwen3ForCausalLM
 
     path, plain = quantized[fmt]
-    llm = LLM(str(path), dtype="float32", **ENGINE)
+    llm = LLM(str(path), dtype="float32", quantization="int8" if fmt == "int8" else None, **ENGINE)
     runner = llm.engine.core.runner
     attn, mlp = runner.model.model.layers[0].self_attn, runner.model.model.layers[1].mlp
     assert isinstance(attn.qkv_proj, layer) and isinstance(mlp.down_proj, layer)
-    assert attn.qkv_proj.shard_sizes == [128, 64, 64] and isinstance(runner.model.lm_head, torch.nn.Linear)
+    head = gpu_linear.TritonInt8Linear if fmt == "int8" else torch.nn.Linear  # (int8: the head too, as on the CPU)
+    assert attn.qkv_proj.shard_sizes == [128, 64, 64] and type(runner.model.lm_head) is head
     assert "Triton" in runner.weight_format and ("weight-only" in runner.weight_format or fmt == "awq")
     reference = Qwen3ForCausalLM.from_pretrained(plain, dtype=torch.float32).eval()
     greedy_matches(llm, reference, PROMPTS, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
