@@ -111,9 +111,10 @@ def _part_steps(steps_per_split, k_steps):
 
 
 @triton.jit
-def _byte_tiles(A, W, rows, cols, rmask, cmask, k, K, stride_am, stride_wn):
-    """The activations [BLOCK_M, BLOCK_K] and one byte a weight [BLOCK_K, BLOCK_N] (W [N, K]) at K indices ``k``,
+def _byte_tiles(A, W, rows, cols, rmask, cmask, step, K, stride_am, stride_wn, BLOCK_K: tl.constexpr):
+    """K step ``step``'s activations [BLOCK_M, BLOCK_K] and weights [BLOCK_K, BLOCK_N], a byte each (W [N, K]),
     zeros past the edges."""
+    k = step * BLOCK_K + tl.arange(0, BLOCK_K)
     kmask = k < K
     a = tl.load(A + rows[:, None] * stride_am + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
     w = tl.load(W + cols[None, :] * stride_wn + k[:, None], mask=cmask[None, :] & kmask[:, None], other=0.0)
@@ -135,11 +136,10 @@ def _fp8_gemm_kernel(A, A_SCALE, W, W_SCALE, K, stride_am, stride_asm, stride_wn
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EXACT: tl.constexpr):
     """One BLOCK_M x BLOCK_N tile of C over one part of K; every K step lies in one weight scale block."""
     rows, cols, rmask, cmask = _tile(M, N, BLOCK_M, BLOCK_N)
-    ks = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     first, last = _part_steps(steps_per_split, tl.cdiv(K, BLOCK_K))
     for step in range(first, last):
-        a, w = _byte_tiles(A, W, rows, cols, rmask, cmask, step * BLOCK_K + ks, K, stride_am, stride_wn)
+        a, w = _byte_tiles(A, W, rows, cols, rmask, cmask, step, K, stride_am, stride_wn, BLOCK_K)
         w_scale = tl.load(W_SCALE + (cols // SCALE_N) * stride_wsn + (step * BLOCK_K // SCALE_K) * stride_wsk,
                           mask=cmask, other=0.0)
         if FP8_ACT:  # fp8 x fp8, each side's scale applied to the step's float32 product
@@ -248,11 +248,10 @@ def _int8_gemm_kernel(A, W, W_SCALE, K, stride_am, stride_wn,
     """One BLOCK_M x BLOCK_N tile of C over one part of K: the int8 values converted (exactly) to the
     activations' dtype, multiplied with them, and each column's float32 sum by its channel's scale."""
     rows, cols, rmask, cmask = _tile(M, N, BLOCK_M, BLOCK_N)
-    ks = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     first, last = _part_steps(steps_per_split, tl.cdiv(K, BLOCK_K))
     for step in range(first, last):
-        a, w = _byte_tiles(A, W, rows, cols, rmask, cmask, step * BLOCK_K + ks, K, stride_am, stride_wn)
+        a, w = _byte_tiles(A, W, rows, cols, rmask, cmask, step, K, stride_am, stride_wn, BLOCK_K)
         # (via float32: the interpreter's int -> bf16 cast reinterprets the bits)
         acc += _dot(a, w.to(tl.float32).to(A.dtype.element_ty), EXACT)
     scale = tl.load(W_SCALE + cols, mask=cmask, other=0.0)
