@@ -11,7 +11,8 @@ the CPU's (the Triton GEMMs' layers are in gpu_linear.py).
   stored once.
 * ``Int8Linear``: int8 weights with one scale per output channel (symmetric, round to nearest): MILI's
   kernel (activations quantized per row too: AMX-INT8 or AVX-512 VNNI), or aten's weight-only
-  ``_weight_int8pack_mm``: half the bytes of bf16 per decode step.
+  ``_weight_int8pack_mm``: half the bytes of bf16 per decode step. (CUDA runs the same weights on the Triton
+  int8 GEMM, ``gpu_linear.TritonInt8Linear``; this layer only where that cannot run: no triton, before SM 8.0.)
 * ``Fp8Linear``: FP8 e4m3 weights with one scale per output channel and activations quantized per token,
   through ``torch._scaled_mm`` (GPUs with FP8, SM 89+; the CPU has it too, but ~100x slower than the int8
   kernel, so the CPU maps FP8 weights onto Int8Linear instead).
