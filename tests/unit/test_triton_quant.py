@@ -234,6 +234,19 @@ def test_engine_float32_matches_the_dequantized_model(quantized, fmt, layer):
     greedy_matches(llm, reference, PROMPTS, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
 
 
+def test_int8_gives_a_tied_head_its_own_int8_copy(qwen3_checkpoint):
+    """A tied model under --quantization int8 on the Triton path: the embedding keeps its table for the lookup,
+    the head computes with the table's int8 copy on the int8 GEMM (the CPU's int8 head does the same)."""
+    llm = LLM(str(qwen3_checkpoint("mha_tied")), dtype="float32", quantization="int8", **ENGINE)
+    model = llm.engine.core.runner.model
+    head, table = model.lm_head, model.model.embed_tokens.weight
+    assert isinstance(head, gpu_linear.TritonInt8Linear) and table.dtype == torch.float32
+    q, scales = quant.quantize_int8_per_channel(table)
+    assert torch.equal(head.qweight, q) and torch.equal(head.scales, scales)
+    hidden = torch.randn(3, table.shape[1])
+    torch.testing.assert_close(head(hidden), hidden @ (q.float() * scales[:, None]).T, **TOL[torch.float32])
+
+
 def test_engine_bf16_fp8_is_w8a8_within_its_rounding_budget(quantized):
     """bf16 on an H100's path: FP8 weights times FP8 activations. Against the float32 dequantized model, the
     next-token distributions' mean KL divergence after every position of a prompt is bounded as for the
