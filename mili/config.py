@@ -336,8 +336,9 @@ class EngineConfig:
     gpu_memory_utilization: float = option(
         0.9, "CUDA: share of the GPU's memory for weights, activations and the KV cache")
     quantization: str | None = option(
-        None, "quantize an unquantized checkpoint as it loads, one scale per output channel: int8, or fp8 (e4m3; FP8 "
-              "GEMMs on CUDA SM 89+, int8 kernels on the CPU in bf16). Quantized checkpoints (FP8, AWQ) need no flag; "
+        None, "quantize an unquantized checkpoint as it loads, one scale per output channel: int8 (a Triton "
+              "weight-only GEMM on CUDA, MILI's int8 kernels on the CPU), or fp8 (e4m3; FP8 GEMMs on CUDA SM 89+, "
+              "int8 before; int8 kernels on the CPU in bf16). Quantized checkpoints (FP8, AWQ) need no flag; "
               "default: none", choices=("int8", "fp8"))
     lm_head_dtype: str = option(
         "auto", "the lm_head's weights on the CPU: int8 (per output channel, on MILI's int8 kernel), bf16 (the model's "

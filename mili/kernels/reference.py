@@ -113,3 +113,8 @@ def int4_linear(x: torch.Tensor, q: torch.Tensor, zeros: torch.Tensor, scales: t
     group = q.shape[1] // zeros.shape[1]
     w = (q.float() - zeros.float().repeat_interleave(group, 1)) * scales.float().repeat_interleave(group, 1)
     return (x.float() @ w.T).to(x.dtype)
+
+
+def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x @ W^T, W [N, K] = q (int8) * scale, one scale per output channel; in float32, then x's dtype."""
+    return (x.float() @ (q.float() * scale.float()[:, None]).T).to(x.dtype)

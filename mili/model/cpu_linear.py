@@ -11,7 +11,8 @@ the CPU's (the Triton GEMMs' layers are in gpu_linear.py).
   stored once.
 * ``Int8Linear``: int8 weights with one scale per output channel (symmetric, round to nearest): MILI's
   kernel (activations quantized per row too: AMX-INT8 or AVX-512 VNNI), or aten's weight-only
-  ``_weight_int8pack_mm``: half the bytes of bf16 per decode step.
+  ``_weight_int8pack_mm``: half the bytes of bf16 per decode step. (CUDA runs the same weights on the Triton
+  int8 GEMM, ``gpu_linear.TritonInt8Linear``; this layer only where that cannot run: no triton, before SM 8.0.)
 * ``Fp8Linear``: FP8 e4m3 weights with one scale per output channel and activations quantized per token,
   through ``torch._scaled_mm`` (GPUs with FP8, SM 89+; the CPU has it too, but ~100x slower than the int8
   kernel, so the CPU maps FP8 weights onto Int8Linear instead).
@@ -82,9 +83,7 @@ class PackedEmbedding(nn.Module):
 class Int8Linear(_SwappedLinear):
     def __init__(self, weight, bias=None, shard_sizes=None, kernels: bool = False):
         super().__init__(weight, bias, shard_sizes)
-        w = weight.detach().float()
-        scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
-        qweight = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+        qweight, scales = quant.quantize_int8_per_channel(weight.detach())
         # MILI's int8 kernel (activations quantized per row too), or aten's weight-only kernel
         self.kernel = kernels and self.in_features % 64 == 0
         if self.kernel:
@@ -247,18 +246,23 @@ def swap_lm_head(model: nn.Module, dtype: str, kernels: bool) -> None:
 def swap_linears(model: nn.Module, kind: str, kernels: bool = False, quantized: dict | None = None,
                  make_quantized=None, skip_head: bool = False) -> None:
     """Replace every nn.Linear of ``model`` (and its lm_head, tied or not) with ``kind``: kernel | packed |
-    int8 | fp8 | plain (left as it is). With kernel, a layer the kernel can't take (in_features not a multiple
-    of 32) is packed instead; int8 uses MILI's int8 kernel when ``kernels``; fp8 (CUDA) quantizes per channel,
-    the lm_head aside. ``quantized``: a checkpoint's layers kept quantized by the loader (weight name ->
+    int8 | triton-int8 | fp8 | plain (left as it is). With kernel, a layer the kernel can't take (in_features not a
+    multiple of 32) is packed instead; int8 uses MILI's int8 kernel when ``kernels``; triton-int8 the same int8
+    weights on the Triton int8 GEMM (``gpu_linear.TritonInt8Linear``); fp8 (CUDA) quantizes per channel, the
+    lm_head aside. ``quantized``: a checkpoint's layers kept quantized by the loader (weight name ->
     parts); a layer whose shards all have parts becomes ``make_quantized(parts, bias, shard_sizes)`` (a fused
     layer's joined by ``quant.concat_parts``), unless that returns None; the other layers become ``kind``.
     ``skip_head``: the lm_head (and a tied table) left as it is, for ``swap_lm_head``."""
-    if kind not in ("kernel", "packed", "int8", "fp8", "plain"):
+    if kind not in ("kernel", "packed", "int8", "triton-int8", "fp8", "plain"):
         raise InvalidRequest(f"unknown linear kind {kind!r}", param="quantization")
 
     def make(weight, bias=None, shard_sizes=None):
         if kind == "int8":
             return Int8Linear(weight, bias, shard_sizes, kernels=kernels)
+        if kind == "triton-int8":
+            from mili.model.gpu_linear import TritonInt8Linear  # (triton's import: only where its GEMMs run)
+
+            return TritonInt8Linear(weight, bias, shard_sizes)
         if kind == "fp8":
             return Fp8Linear(weight, bias, shard_sizes)
         if kind == "kernel" and cpu_ops.linear_supported(weight):
@@ -327,6 +331,8 @@ def swap_linears(model: nn.Module, kind: str, kernels: bool = False, quantized: 
         return
     if kind == "int8":  # int8 halves the bytes the head reads: it gets its own (smaller) copy
         swap_lm_head(model, "int8", kernels)
+    elif kind == "triton-int8":  # likewise, on the Triton GEMM
+        model.lm_head = make(model.model.embed_tokens.weight)
     elif kind == "kernel":  # the table, stored once, packed (where the kernel takes it)
         swap_lm_head(model, "bf16", kernels=True)
     # Otherwise a tied head stays on the plain table: a packed copy would cost another vocab x hidden

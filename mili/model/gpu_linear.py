@@ -1,12 +1,15 @@
-"""A quantized checkpoint's linear layers on the Triton GEMMs (mili/kernels/triton/quant_gemm.py), the weights
-kept as the checkpoint stores them: on CUDA, and on the CPU under TRITON_INTERPRET=1 (the Triton backend's
-path, for tests).
+"""Linear layers on the Triton GEMMs (mili/kernels/triton/quant_gemm.py): a quantized checkpoint's, the weights
+kept as the checkpoint stores them, and ``--quantization int8``'s: on CUDA, and on the CPU under
+TRITON_INTERPRET=1 (the Triton backend's path, for tests).
 
 * ``BlockFp8Linear``: FP8 e4m3 weights with a float32 scale per block (Qwen's 128 x 128, or per output
   channel); W8A8 (activations quantized per token and group of 128) on GPUs with FP8, weight-only elsewhere.
 * ``AwqLinear``: AWQ's int4 weights (a zero point and scale per group of input channels), dequantized in
   the GEMM.
 * Per-channel FP8 (compressed-tensors) on GPUs with FP8: ``cpu_linear.Fp8Linear`` (torch._scaled_mm).
+* ``TritonInt8Linear``: ``--quantization int8`` (and ``fp8`` before SM 89, through FP8 and back first): int8
+  weights quantized as they load, one float32 scale per output channel (as ``cpu_linear.Int8Linear``'s), on the
+  weight-only int8 GEMM.
 
 ``quantized_layer`` picks the layer for one checkpoint layer's parts (``swap_linears`` calls it). A fused
 layer (q|k|v, gate|up) is one layer over its shards' parts, each shard's scales kept (``quant.concat_parts``).
@@ -18,6 +21,7 @@ import torch
 
 from mili.kernels.triton import quant_gemm
 from mili.kernels.triton.quant_gemm import fp8_activations
+from mili.model import quant
 from mili.model.checks import WeightQuant
 from mili.model.cpu_linear import Fp8Linear, _SwappedLinear
 from mili.model.quant import Fp8Parts, Int4Parts
@@ -49,6 +53,18 @@ class AwqLinear(_SwappedLinear):
 
     def _matmul(self, x2d):
         out = quant_gemm.int4_linear(_rows(x2d), self.qweight, self.zeros, self.scales)
+        return out if self.bias is None else out + self.bias
+
+
+class TritonInt8Linear(_SwappedLinear):
+    def __init__(self, weight, bias=None, shard_sizes=None):
+        super().__init__(weight, bias, shard_sizes)
+        qweight, scales = quant.quantize_int8_per_channel(weight.detach())
+        self.register_buffer("qweight", qweight.contiguous())  # [out, in] int8
+        self.register_buffer("scales", scales.contiguous())  # [out] float32
+
+    def _matmul(self, x2d):
+        out = quant_gemm.int8_linear(_rows(x2d), self.qweight, self.scales)
         return out if self.bias is None else out + self.bias
 
 

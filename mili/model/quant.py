@@ -111,6 +111,14 @@ def quantize_fp8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return (w.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
 
+def quantize_int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 weights in -127..127, float32 scales [out]) with one scale per output channel (symmetric): round to
+    nearest."""
+    w = w.float()
+    scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+    return torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8), scales
+
+
 def quantize_fp8_blocks(w: torch.Tensor, block: tuple[int, int] = (128, 128),
                         scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """Qwen's block FP8, as its quantizer writes it: (float8_e4m3fn [out, in], ``weight_scale_inv``

@@ -92,6 +92,8 @@ def _swap_linears(model, plan: ExecutionPlan, quantized: dict) -> None:
         swap_linears(model, "fp8")
     elif plan.linears == "int8":
         swap_linears(model, "int8", kernels=plan.int8_kernels, skip_head=skip_head)
+    elif plan.linears == "triton-int8":
+        swap_linears(model, "triton-int8", skip_head=skip_head)
     elif plan.linears == "kernel":
         if model.lm_head is None and "lm_head.weight" in quantized and not skip_head:  # a tied head kept as stored
             model.lm_head = _quantized_cpu_layer(quantized["lm_head.weight"], None, None)  # (None: the table's)

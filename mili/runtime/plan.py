@@ -23,7 +23,8 @@ import torch
 from mili.config import _DTYPES, EngineConfig, ModelConfig
 from mili.errors import InvalidRequest
 from mili.kernels.cpu import family_paths
-from mili.kernels.triton.launch import INTERPRETER, DeviceSpec, GemmConfig, check_device, gemm_config
+from mili.kernels.triton.launch import (INTERPRETER, MIN_CAPABILITY, DeviceSpec, GemmConfig, check_device,
+                                        gemm_config)
 from mili.model.checks import weight_quant
 
 
@@ -128,7 +129,9 @@ class ExecutionPlan:
     max_model_len: int  # the asked or the checkpoint's (the KV pool may lower it)
     attention: str  # torch | cpu (MILI's C kernels) | triton: the back-end, and the ops table of that name
     kv_dtype: torch.dtype
-    linears: str  # the body's layers: plain | packed (oneDNN) | kernel (MILI's C) | int8 | fp8 | triton
+    # the body's layers: plain | packed (oneDNN) | kernel (MILI's C) | int8 (the CPU's kernel, or aten's weight-only
+    # int8) | triton-int8 (--quantization int8 on the Triton int8 GEMM) | fp8 | triton (a quantized checkpoint's)
+    linears: str
     int8_kernels: bool  # int8 layers on MILI's W8A8 kernel (else aten's weight-only int8)
     fp8_activations: bool  # the Triton FP8 GEMMs take FP8 activations (W8A8: SM 89+ in a 16-bit model)
     keep_quantized: bool  # the loader keeps a quantized checkpoint's layers as stored (Triton GEMMs, CPU int4)
@@ -225,10 +228,13 @@ def plan(config: EngineConfig, model_config: ModelConfig, device: DeviceInfo) ->
         raise InvalidRequest("--lm-head-dtype int8 runs on the CPU's linear layers (not on CUDA or the Triton "
                              "layers)", param="lm_head_dtype")
     int8_kernels = cpu_kernels and device.int8_kernels
+    # where --quantization int8 runs on the Triton int8 GEMM: CUDA (SM 8.0+, triton installed), and the Triton
+    # backend under TRITON_INTERPRET (tests); elsewhere the CPU's int8 paths (MILI's kernel, aten's weight-only)
+    int8_gemm = device.triton and (attention == "triton" or (on_cuda and device.capability >= MIN_CAPABILITY))
     keep_quantized = triton_linears or (int8_kernels and method in ("awq", "gguf"))
     fp8_act = triton_linears and _fp8_activations(device, dtype)
     linears, weight_format, fp8_round_trip = _linears(config, quant, dtype, device, hybrid, tp, triton_linears,
-                                                      fp8_act, cpu_kernels, int8_kernels, keep_quantized,
+                                                      fp8_act, cpu_kernels, int8_kernels, int8_gemm, keep_quantized,
                                                       model_config.is_moe)
     lm_head = _lm_head(config, on_cpu and tp == 1 and not triton_linears, keep_quantized and cpu_kernels and
                        not hybrid and config.quantization is None and method == "awq")
@@ -244,7 +250,7 @@ def plan(config: EngineConfig, model_config: ModelConfig, device: DeviceInfo) ->
     threads = config.num_threads or (max(1, device.cpu_count // tp) if tp > 1 else None) if on_cpu else None
     return ExecutionPlan(device, dtype, max_model_len, attention, kv_dtype, linears, int8_kernels, fp8_act,
                          keep_quantized, fp8_round_trip, lm_head, weight_format, gated_delta, step, step_why,
-                         speculative, memory, paths, _gemm_tiles(device, dtype) if triton_linears else {}, tp,
+                         speculative, memory, paths, _gemm_tiles(device, dtype, linears), tp,
                          config.takes_images(model_config), threads, "inverse-cdf" if on_cpu else "exponential-race")
 
 
@@ -293,7 +299,7 @@ def _kv_dtype(config: EngineConfig, attention: str, dtype: torch.dtype, device: 
 
 
 def _linears(config, quant, dtype, device, hybrid, tp, triton_linears, fp8_act, cpu_kernels, int8_kernels,
-             keep_quantized, moe) -> tuple[str, str, bool]:
+             int8_gemm, keep_quantized, moe) -> tuple[str, str, bool]:
     """(the body's linear format, what the weights compute as, whether fp8 weights round-trip first)."""
     name = str(dtype).removeprefix("torch.")
     dequantized = f"{quant.describe()}, dequantized to {name}" if quant else "unquantized"
@@ -322,8 +328,10 @@ def _linears(config, quant, dtype, device, hybrid, tp, triton_linears, fp8_act, 
     if config.quantization in ("int8", "fp8") or (quant is not None and quant.method not in ("awq", "gguf")
                                                   and cpu_bf16):
         origin = quant.describe() if quant else ("fp8 values" if fp8 else "")
-        return "int8", (f"int8 per channel ({'W8A8 kernel' if int8_kernels else 'weight-only'})"
-                        + (f", requantized from {origin}" if origin else "")), fp8
+        triton = int8_gemm and config.quantization is not None  # (not a checkpoint's: those took the Triton GEMMs)
+        how = "Triton, weight-only" if triton else "W8A8 kernel" if int8_kernels else "weight-only"
+        return "triton-int8" if triton else "int8", (f"int8 per channel ({how})"
+                                                     + (f", requantized from {origin}" if origin else "")), fp8
     if cpu_kernels:
         kernels = "the int4 and int8 kernels (W4A8, W8A8)" if method == "gguf" else "the int4 kernel (W4A8)"
         return "kernel", f"{quant.describe()} on {kernels}" if keep_quantized else dequantized, False
@@ -388,9 +396,11 @@ def _memory(config: EngineConfig, device: DeviceInfo, attention: str, hybrid: bo
                       device.type == "cpu")
 
 
-def _gemm_tiles(device: DeviceInfo, dtype: torch.dtype) -> dict[str, GemmConfig]:
-    """The quantized GEMMs' tiles on this device for a decode row and a full prefill chunk (what the wrappers pick
-    at launch from the same function; ``check_device`` has made sure each kind has one)."""
+def _gemm_tiles(device: DeviceInfo, dtype: torch.dtype, linears: str) -> dict[str, GemmConfig]:
+    """The Triton GEMMs' tiles on this device for a decode row and a full prefill chunk (what the wrappers pick
+    at launch from the same function; ``check_device`` has made sure each kind has one): a quantized
+    checkpoint's FP8 and int4 GEMMs, or the int8 GEMM; none for other linears."""
+    kinds = {"triton": (("fp8", 1), ("int4", 0.5)), "triton-int8": (("int8", 1),)}.get(linears, ())
     a_bytes, exact = dtype.itemsize, dtype == torch.float32
     return {f"{kind} {phase}": gemm_config(m, 128, a_bytes, w, exact, device.spec)
-            for kind, w in (("fp8", 1), ("int4", 0.5)) for phase, m in (("decode", 1), ("prefill", 2048))}
+            for kind, w in kinds for phase, m in (("decode", 1), ("prefill", 2048))}

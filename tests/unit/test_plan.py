@@ -95,6 +95,39 @@ def test_int8_and_awq_follow_the_int8_kernels():
     assert set(gpu.gemm_tiles) == {"fp8 decode", "fp8 prefill", "int4 decode", "int4 prefill"}
 
 
+@pytest.mark.parametrize("device,linears,weights,step", [
+    (H100, "triton-int8", "int8 per channel (Triton, weight-only)", "cuda-graphs"),
+    (A100, "triton-int8", "int8 per channel (Triton, weight-only)", "cuda-graphs"),
+    (L4, "triton-int8", "int8 per channel (Triton, weight-only)", "cuda-graphs"),
+    (INTERPRETER, "int8", "int8 per channel (W8A8 kernel)", "cpu-decode"),  # the CPU's paths stay as they were
+    (ZEN3, "int8", "int8 per channel (W8A8 kernel)", "cpu-decode"),
+    (SKYLAKE_X, "int8", "int8 per channel (weight-only)", "eager"),
+])
+def test_int8_on_cuda_runs_the_triton_gemm(device, linears, weights, step):
+    p = plan(engine(quantization="int8"), qwen3(), device)
+    assert (p.linears, p.weight_format, p.step, p.int8_kernels) == (linears, weights, step, device.type == "cpu"
+                                                                     and not device.int8_kernels_why)
+    assert set(p.gemm_tiles) == ({"int8 decode", "int8 prefill"} if device.type == "cuda" else set())
+    assert p.lm_head is None and not p.keep_quantized  # (the swap quantizes the head as the body)
+
+
+def test_int8_off_the_triton_gemm_where_it_cannot_run():
+    """The Triton backend under TRITON_INTERPRET runs the GEMM (the tests' path); CUDA without triton, or before SM
+    8.0 (V100, the torch backend), keeps aten's weight-only int8; tensor parallelism and hybrids are refused."""
+    interpreted = plan(engine(quantization="int8", attention_backend="triton"), qwen3(), INTERPRETER)
+    assert (interpreted.linears, interpreted.weight_format) == ("triton-int8", "int8 per channel (Triton, weight-only)")
+    for device, kw in ((dataclasses.replace(H100, triton=False), {}), (V100, {"attention_backend": "torch"})):
+        p = plan(engine(quantization="int8", **kw), qwen3(), device)
+        assert (p.linears, p.weight_format, p.gemm_tiles) == ("int8", "int8 per channel (weight-only)", {})
+    f32 = plan(engine(quantization="int8", dtype="float32"), qwen3(), H100)  # float32 models: IEEE dots, small tiles
+    assert f32.linears == "triton-int8" and f32.gemm_tiles["int8 prefill"].block_m == 16
+    with pytest.raises(InvalidRequest, match="quantization with tensor parallelism"):
+        plan(engine(quantization="int8", tensor_parallel_size=2), qwen3(), H100)
+    hybrid = dataclasses.replace(qwen3(), layer_types=["linear_attention", "full_attention"])
+    with pytest.raises(InvalidRequest, match="--quantization int8 is not supported for hybrid models"):
+        plan(engine(quantization="int8"), hybrid, H100)
+
+
 def test_the_gemm_tiles_fit_each_device():
     """A float32 model's AWQ prefill on an L4 (99 KiB a block) takes a tile that fits, not an H100's."""
     from mili.kernels.triton.launch import gemm_smem_bound
@@ -111,7 +144,8 @@ def test_the_gemm_tiles_fit_each_device():
 def test_fp8_and_the_kv_cache():
     assert plan(engine(quantization="fp8"), qwen3(), H100).linears == "fp8"
     a100 = plan(engine(quantization="fp8"), qwen3(), A100)  # no FP8 GEMM before SM 8.9: int8 from FP8 values
-    assert a100.linears == "int8" and a100.fp8_round_trip and "requantized from fp8 values" in a100.weight_format
+    assert a100.linears == "triton-int8" and a100.fp8_round_trip
+    assert a100.weight_format == "int8 per channel (Triton, weight-only), requantized from fp8 values"
     assert plan(engine(kv_cache_dtype="fp8"), qwen3(), H100).kv_dtype == torch.float8_e4m3fn
     with pytest.raises(InvalidRequest, match="FP8 \\(compute capability 8.9"):
         plan(engine(kv_cache_dtype="fp8"), qwen3(), A100)

@@ -96,6 +96,24 @@ def test_int4_gemm(dtype, group, rows, split_k):
     torch.testing.assert_close(got.float().cpu(), ref.int4_linear(x, values, zeros, scales).float(), **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,split_k", [(1, None), (3, None), (8, None), (5, 3), (200, None)])
+def test_int8_gemm(dtype, rows, split_k):
+    """Weight-only int8, a float32 scale per output channel: decode rows (1 to 8, K split), a prefill's (one
+    part), N and K not multiples of the tiles (K's last step masked)."""
+    n, k = 136, 700  # N: 2 tiles of 64 and 8 columns; K: 5 steps of 128 and 60
+    g = torch.Generator().manual_seed(rows)
+    values = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scale = torch.rand(n, generator=g) * 0.01 + 1e-4
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    if rows <= qg.SPLIT_K_MAX_ROWS and split_k is None:
+        assert qg.split_k_for(rows, n, 6, 16, 64) > 1  # decode really splits K
+    got = qg.int8_linear(x.to(DEVICE), values.to(DEVICE), scale.to(DEVICE), split_k=split_k)
+    want = ref.int8_linear(x, values, scale)
+    assert got.dtype == dtype and got.shape == (rows, n)
+    torch.testing.assert_close(got.float().cpu(), want.float(), **TOL[dtype])
+
+
 # -- the layers, and which one a device gets ---------------------------------------------------------------------
 def test_layers_compute_the_dequantized_weights():
     """A fused layer from three shards (q|k|v, k and v not whole 128-row blocks: their scales become per row),
@@ -161,10 +179,23 @@ def _block_fp8(weights: dict) -> tuple[dict, dict]:
     return out, dequantized
 
 
+def _int8_channels(weights: dict) -> dict:
+    """The weights ``--quantization int8`` computes with: every linear's (the untied lm_head's too) through int8
+    per output channel and back, in float32 (a fused layer's rows are its shards' rows: the same scales)."""
+    out = {}
+    for name, w in weights.items():
+        if name.endswith(tuple(f"{p}.weight" for p in QUANT_LINEARS)) or name == "lm_head.weight":
+            q, scales = quant.quantize_int8_per_channel(w.float())
+            w = q.float() * scales[:, None]
+        out[name] = w
+    return out
+
+
 @pytest.fixture(scope="module")
 def quantized(tmp_path_factory, tiny_checkpoint):
     """The tiny dense model (q|k|v shards of 128, 64, 64 rows: partial 128 x 128 blocks), its block FP8 and AWQ
-    (groups of 64) versions, and each one's dequantized weights as a plain checkpoint (the reference)."""
+    (groups of 64) versions, and each one's dequantized weights as a plain checkpoint (the reference); int8: the
+    dense model itself (quantized as it loads) and its int8 weights dequantized."""
     root, dense = tmp_path_factory.mktemp("triton_quant"), tiny_checkpoint
     weights = load_file(dense / "model.safetensors")
     made = {}
@@ -177,24 +208,43 @@ def quantized(tmp_path_factory, tiny_checkpoint):
         shutil.copytree(dense, plain)
         save_file({k: v.contiguous() for k, v in dequantized.items()}, plain / "model.safetensors")
         made[name] = (path, plain)
+    plain = root / "int8_dequantized"
+    shutil.copytree(dense, plain)
+    save_file({k: v.contiguous() for k, v in _int8_channels(weights).items()}, plain / "model.safetensors")
+    made["int8"] = (dense, plain)
     return made
 
 
-@pytest.mark.parametrize("fmt,layer", [("fp8", gpu_linear.BlockFp8Linear), ("awq", gpu_linear.AwqLinear)])
+@pytest.mark.parametrize("fmt,layer", [("fp8", gpu_linear.BlockFp8Linear), ("awq", gpu_linear.AwqLinear),
+                                       ("int8", gpu_linear.TritonInt8Linear)])
 def test_engine_float32_matches_the_dequantized_model(quantized, fmt, layer):
-    """float32: FP8 weight-only and AWQ compute with the stored weights exactly as the dequantized model does
-    (up to summation order): HF's greedy tokens on those weights."""
+    """float32: FP8 weight-only, AWQ and --quantization int8 compute with the stored (int8: the quantized) weights
+    exactly as the dequantized model does (up to summation order): HF's greedy tokens on those weights."""
     from transformers import Qwen3ForCausalLM
 
     path, plain = quantized[fmt]
-    llm = LLM(str(path), dtype="float32", **ENGINE)
+    llm = LLM(str(path), dtype="float32", quantization="int8" if fmt == "int8" else None, **ENGINE)
     runner = llm.engine.core.runner
     attn, mlp = runner.model.model.layers[0].self_attn, runner.model.model.layers[1].mlp
     assert isinstance(attn.qkv_proj, layer) and isinstance(mlp.down_proj, layer)
-    assert attn.qkv_proj.shard_sizes == [128, 64, 64] and isinstance(runner.model.lm_head, torch.nn.Linear)
+    head = gpu_linear.TritonInt8Linear if fmt == "int8" else torch.nn.Linear  # (int8: the head too, as on the CPU)
+    assert attn.qkv_proj.shard_sizes == [128, 64, 64] and type(runner.model.lm_head) is head
     assert "Triton" in runner.weight_format and ("weight-only" in runner.weight_format or fmt == "awq")
     reference = Qwen3ForCausalLM.from_pretrained(plain, dtype=torch.float32).eval()
     greedy_matches(llm, reference, PROMPTS, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+
+
+def test_int8_gives_a_tied_head_its_own_int8_copy(qwen3_checkpoint):
+    """A tied model under --quantization int8 on the Triton path: the embedding keeps its table for the lookup,
+    the head computes with the table's int8 copy on the int8 GEMM (the CPU's int8 head does the same)."""
+    llm = LLM(str(qwen3_checkpoint("mha_tied")), dtype="float32", quantization="int8", **ENGINE)
+    model = llm.engine.core.runner.model
+    head, table = model.lm_head, model.model.embed_tokens.weight
+    assert isinstance(head, gpu_linear.TritonInt8Linear) and table.dtype == torch.float32
+    q, scales = quant.quantize_int8_per_channel(table)
+    assert torch.equal(head.qweight, q) and torch.equal(head.scales, scales)
+    hidden = torch.randn(3, table.shape[1])
+    torch.testing.assert_close(head(hidden), hidden @ (q.float() * scales[:, None]).T, **TOL[torch.float32])
 
 
 def test_engine_bf16_fp8_is_w8a8_within_its_rounding_budget(quantized):

@@ -1,4 +1,4 @@
-"""GEMMs over quantized weights in Triton: ``y = x @ W^T`` with W stored as FP8 e4m3 or as AWQ's int4.
+"""GEMMs over quantized weights in Triton: ``y = x @ W^T`` with W stored as FP8 e4m3, as AWQ's int4 or as int8.
 
 * FP8 with a float32 scale per ``scale_n x scale_k`` block of W (Qwen's 128 x 128 ``weight_scale_inv``; per
   output channel is the block ``1 x K``). W8A8 (GPUs with FP8, SM 89+): the activations are quantized per
@@ -9,13 +9,17 @@
 * AWQ int4, dequantized in the kernel: MILI's layout packs 8 values of a row per int32 along K (word j of
   row n holds K indices 8j .. 8j+7, low nibble first), a uint8 zero point and an fp16 scale per group of
   input channels: ``w[n, k] = (q[n, k] - z[n, k // G]) * s[n, k // G]``.
+* int8 weight-only (``--quantization int8`` on CUDA), one float32 scale per output channel:
+  ``w[n, k] = q[n, k] * s[n]``; the int8 values are converted (exactly) to the activations' dtype, and the
+  scale multiplies each output column's float32 sum once.
 
-Both kernels take a split of K as a third grid dimension: small batches (decode, M <= 8) leave most of the
+The kernels take a split of K as a third grid dimension: small batches (decode, M <= 8) leave most of the
 GPU idle with one program per output tile, so K is split and the float32 partial sums are added after
 (no atomics: the same result every run, eager or under a CUDA graph). Tiles and stages are fixed by the
 rows and the device's shared memory (``launch.gemm_config``; no autotuning: nothing is timed inside a graph
-capture). Each kernel's torch reference is in
-``mili/kernels/reference.py``. Their speed is unmeasured: they were written and tested without a GPU.
+capture). The three share the tile's rows and columns, the K steps of a part and the store (``_tile``,
+``_part_steps``, ``_store_part``). Each kernel's torch reference is in ``mili/kernels/reference.py``. Their speed
+is unmeasured: they were written and tested without a GPU.
 """
 
 from __future__ import annotations
@@ -91,6 +95,39 @@ def _launch(kernel, x, a_dtype, w_bytes_per_k: float, n: int, k_steps: int, out_
     return out[0] if split == 1 else out.sum(0).to(out_dtype)
 
 
+@triton.jit
+def _tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's output rows and columns and their masks (grid: N tiles, M tiles, K parts)."""
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return rows, cols, rows < M, cols < N
+
+
+@triton.jit
+def _part_steps(steps_per_split, k_steps):
+    """The K steps [first, last) of this program's part of K."""
+    first = tl.program_id(2) * steps_per_split
+    return first, tl.minimum(first + steps_per_split, k_steps)
+
+
+@triton.jit
+def _byte_tiles(A, W, rows, cols, rmask, cmask, step, K, stride_am, stride_wn, BLOCK_K: tl.constexpr):
+    """K step ``step``'s activations [BLOCK_M, BLOCK_K] and weights [BLOCK_K, BLOCK_N], a byte each (W [N, K]),
+    zeros past the edges."""
+    k = step * BLOCK_K + tl.arange(0, BLOCK_K)
+    kmask = k < K
+    a = tl.load(A + rows[:, None] * stride_am + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+    w = tl.load(W + cols[None, :] * stride_wn + k[:, None], mask=cmask[None, :] & kmask[:, None], other=0.0)
+    return a, w
+
+
+@triton.jit
+def _store_part(C, acc, rows, cols, rmask, cmask, stride_cs, stride_cm):
+    """The tile's sum over this program's part of K: into C[part] (float32 partials), or C itself (one part)."""
+    c = C + tl.program_id(2) * stride_cs + rows[:, None] * stride_cm + cols[None, :]
+    tl.store(c, acc.to(C.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+
+
 # -- FP8 weights -------------------------------------------------------------------------------------------
 @triton.jit
 def _fp8_gemm_kernel(A, A_SCALE, W, W_SCALE, K, stride_am, stride_asm, stride_wn, stride_wsn, stride_wsk,
@@ -98,18 +135,11 @@ def _fp8_gemm_kernel(A, A_SCALE, W, W_SCALE, K, stride_am, stride_asm, stride_wn
                      SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, FP8_ACT: tl.constexpr, BLOCK_K: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EXACT: tl.constexpr):
     """One BLOCK_M x BLOCK_N tile of C over one part of K; every K step lies in one weight scale block."""
-    pid_n, pid_m, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rmask, cmask = rows < M, cols < N
-    ks = tl.arange(0, BLOCK_K)
+    rows, cols, rmask, cmask = _tile(M, N, BLOCK_M, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    first = part * steps_per_split
-    for step in range(first, tl.minimum(first + steps_per_split, tl.cdiv(K, BLOCK_K))):
-        k = step * BLOCK_K + ks
-        kmask = k < K
-        a = tl.load(A + rows[:, None] * stride_am + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-        w = tl.load(W + cols[None, :] * stride_wn + k[:, None], mask=cmask[None, :] & kmask[:, None], other=0.0)
+    first, last = _part_steps(steps_per_split, tl.cdiv(K, BLOCK_K))
+    for step in range(first, last):
+        a, w = _byte_tiles(A, W, rows, cols, rmask, cmask, step, K, stride_am, stride_wn, BLOCK_K)
         w_scale = tl.load(W_SCALE + (cols // SCALE_N) * stride_wsn + (step * BLOCK_K // SCALE_K) * stride_wsk,
                           mask=cmask, other=0.0)
         if FP8_ACT:  # fp8 x fp8, each side's scale applied to the step's float32 product
@@ -117,8 +147,7 @@ def _fp8_gemm_kernel(A, A_SCALE, W, W_SCALE, K, stride_am, stride_asm, stride_wn
             acc += _dot(a, w, EXACT) * a_scale[:, None] * w_scale[None, :]
         else:  # weight-only: the bytes decoded (exactly) to the activations' dtype
             acc += _dot(a, fp8_bits_to_float(w).to(A.dtype.element_ty), EXACT) * w_scale[None, :]
-    c = C + part * stride_cs + rows[:, None] * stride_cm + cols[None, :]
-    tl.store(c, acc.to(C.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+    _store_part(C, acc, rows, cols, rmask, cmask, stride_cs, stride_cm)
 
 
 def fp8_block_size(scale_block: tuple[int, int], k: int) -> int | None:
@@ -156,16 +185,13 @@ def _int4_gemm_kernel(A, QW, ZEROS, SCALES, K, stride_am, stride_qn, stride_zn, 
                       GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       EXACT: tl.constexpr):
     """One BLOCK_M x BLOCK_N tile of C over one part of K; every K step lies in one group."""
-    pid_n, pid_m, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rmask, cmask = rows < M, cols < N
+    rows, cols, rmask, cmask = _tile(M, N, BLOCK_M, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     js = tl.arange(0, BLOCK_K // 8)
     shifts = tl.arange(0, 8) * 4
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    first = part * steps_per_split
-    for step in range(first, tl.minimum(first + steps_per_split, K // BLOCK_K)):
+    first, last = _part_steps(steps_per_split, K // BLOCK_K)
+    for step in range(first, last):
         k = step * BLOCK_K + ks
         a = tl.load(A + rows[:, None] * stride_am + k[None, :], mask=rmask[:, None], other=0.0)
         words = tl.load(QW + cols[None, :] * stride_qn + (step * BLOCK_K // 8 + js)[:, None], mask=cmask[None, :],
@@ -179,8 +205,7 @@ def _int4_gemm_kernel(A, QW, ZEROS, SCALES, K, stride_am, stride_qn, stride_zn, 
         # float32: the interpreter's int -> bf16 cast reinterprets the bits)
         w = (q - zero[None, :]).to(tl.float32).to(A.dtype.element_ty)
         acc += _dot(a, w, EXACT) * scale[None, :]
-    c = C + part * stride_cs + rows[:, None] * stride_cm + cols[None, :]
-    tl.store(c, acc.to(C.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+    _store_part(C, acc, rows, cols, rmask, cmask, stride_cs, stride_cm)
 
 
 def int4_block_size(group: int, k: int) -> int | None:
@@ -210,6 +235,39 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, sca
     args = (x, qweight, zeros, scales, k, x.stride(0), qweight.stride(0), zeros.stride(0), scales.stride(0))
     return _launch(_int4_gemm_kernel, x, x.dtype, 0.5, n, k // block_k, x.dtype, split_k, args, GROUP=group,
                    BLOCK_K=block_k)
+
+
+# -- int8 weights, one scale per output channel ---------------------------------------------------------------
+INT8_BLOCK_K = 128  # the int8 GEMM's K step (K need not be a multiple: the last step is masked)
+
+
+@triton.jit
+def _int8_gemm_kernel(A, W, W_SCALE, K, stride_am, stride_wn,
+                      C, M, N, steps_per_split, stride_cs, stride_cm,
+                      BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EXACT: tl.constexpr):
+    """One BLOCK_M x BLOCK_N tile of C over one part of K: the int8 values converted (exactly) to the
+    activations' dtype, multiplied with them, and each column's float32 sum by its channel's scale."""
+    rows, cols, rmask, cmask = _tile(M, N, BLOCK_M, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    first, last = _part_steps(steps_per_split, tl.cdiv(K, BLOCK_K))
+    for step in range(first, last):
+        a, w = _byte_tiles(A, W, rows, cols, rmask, cmask, step, K, stride_am, stride_wn, BLOCK_K)
+        # (via float32: the interpreter's int -> bf16 cast reinterprets the bits)
+        acc += _dot(a, w.to(tl.float32).to(A.dtype.element_ty), EXACT)
+    scale = tl.load(W_SCALE + cols, mask=cmask, other=0.0)
+    _store_part(C, acc * scale[None, :], rows, cols, rmask, cmask, stride_cs, stride_cm)
+
+
+def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                split_k: int | None = None) -> torch.Tensor:
+    """x [M, K] @ (weight [N, K] int8 x weight_scale [N] float32, one per output channel)^T -> [M, N] in x's
+    dtype (weight-only: the activations are multiplied as they are)."""
+    n, k = weight.shape
+    assert weight.dtype == torch.int8 and weight.stride(1) == 1 and weight_scale.dtype == torch.float32
+    assert weight_scale.shape == (n,) and weight_scale.stride(0) == 1 and x.shape[1] == k and x.stride(1) == 1
+    args = (x, weight, weight_scale, k, x.stride(0), weight.stride(0))
+    return _launch(_int8_gemm_kernel, x, x.dtype, 1, n, triton.cdiv(k, INT8_BLOCK_K), x.dtype, split_k, args,
+                   BLOCK_K=INT8_BLOCK_K)
 
 
 def fp8_activations(device_type: str, capability: tuple[int, int] | None, dtype: torch.dtype) -> bool:

@@ -1,6 +1,6 @@
 """The device's kernels against their torch references (``mili/kernels/reference.py``), at the Qwen3 head
 dim (128) and GQA: on CUDA the Triton kernels (norms, RoPE, the KV store, paged decode and prefill, FP8 KV
-pages on SM 89+, the FP8 and AWQ GEMMs with and without split K, fused MoE experts); on the CPU MILI's C
+pages on SM 89+, the FP8, AWQ and int8 GEMMs with and without split K, fused MoE experts); on the CPU MILI's C
 kernels where they build (they need AVX-512 BF16), else nothing (the torch path is the reference itself)."""
 
 from __future__ import annotations
@@ -89,6 +89,7 @@ def _attention_checks(dev, dtype, kv_fp8: bool) -> list[tuple[str, bool, str]]:
 
 def _gemm_checks(dev, dtype, fp8_act: bool) -> list[tuple[str, bool, str]]:
     from mili.kernels.triton import quant_gemm as qg
+    from mili.model.quant import quantize_int8_per_channel
 
     g = torch.Generator().manual_seed(2)
     n, k = 1024, 1024
@@ -99,6 +100,7 @@ def _gemm_checks(dev, dtype, fp8_act: bool) -> list[tuple[str, bool, str]]:
     zeros = torch.randint(0, 16, (n, k // 128), generator=g, dtype=torch.uint8)
     scales = (torch.rand(n, k // 128, generator=g) * 0.01).half()
     packed = qg.pack_int4(values).to(dev)
+    q8, scales8 = (t.to(dev) for t in quantize_int8_per_channel(w))
     out = []
     for rows, phase in ((1, "decode, split K"), (200, "prefill")):
         x = torch.randn(rows, k, generator=g).to(dtype).to(dev)
@@ -110,6 +112,8 @@ def _gemm_checks(dev, dtype, fp8_act: bool) -> list[tuple[str, bool, str]]:
         want = ref.int4_linear(x.cpu(), values, zeros, scales)
         tol = (0.05, 0.02) if dtype != torch.float32 else (1e-4, 1e-4)
         out.append((f"AWQ int4 GEMM ({phase})", *_close(got, want, tol)))
+        got, want = qg.int8_linear(x, q8, scales8), ref.int8_linear(x, q8, scales8)
+        out.append((f"int8 GEMM weight-only ({phase})", *_close(got, want, TOL[dtype])))
     return out
 
 

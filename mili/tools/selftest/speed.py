@@ -44,7 +44,8 @@ def build_06b(path: Path) -> Path:
 
 def formats(quick: bool) -> list[tuple[str, dict]]:
     """(label, engine arguments) of the weight formats measured: bf16; and, but for ``quick``, the
-    checkpoint quantized as it loads (FP8 per channel: torch._scaled_mm on SM 89+; int8)."""
+    checkpoint quantized as it loads (FP8 per channel: torch._scaled_mm on SM 89+; int8: the Triton int8 GEMM on
+    CUDA)."""
     found = [("bf16", {})]
     return found if quick else found + [("fp8", {"quantization": "fp8"}), ("int8", {"quantization": "int8"})]
 

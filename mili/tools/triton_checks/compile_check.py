@@ -31,6 +31,7 @@ CONFIGS = Path(__file__).resolve().parents[3] / "tests" / "data" / "qwen3_config
 SPILL_BOUNDS = {
     "quant_gemm._fp8_gemm_kernel": 8192,
     "quant_gemm._int4_gemm_kernel": 8192,
+    "quant_gemm._int8_gemm_kernel": 8192,
     "attention._decode_kernel": 4096,
     "attention._prefill_kernel": 16384,
 }

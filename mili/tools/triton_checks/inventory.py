@@ -1,8 +1,9 @@
 """Every distinct Triton launch the runner makes for a set of model shapes on one target, derived by calling
 the wrappers' own configuration functions (``*_meta``, ``quant_gemm.gemm_plan``) with the shapes, dtypes and
 phases the runner sees: model dtypes bf16 / fp16 / float32, FP8 block and per-channel weights (W8A8 on SM 89+,
-weight-only elsewhere and in float32), AWQ int4, FP8 KV pages (SM 89+); decode (batches of 1 to 512 rows,
-split K), prefill (chunks up to 2048 tokens).
+weight-only elsewhere and in float32), AWQ int4, ``--quantization int8`` (weight-only, every linear and the
+lm_head, MoE experts one by one), FP8 KV pages (SM 89+); decode (batches of 1 to 512 rows, split K), prefill
+(chunks up to 2048 tokens).
 
 Must be called where ``TRITON_INTERPRET`` is unset (``exact_dots`` reads it: the GPU's choice is wanted).
 """
@@ -21,7 +22,7 @@ ROWS = (1, 4, 8, 16, 32, 64, 256, 2048)  # decode batches (CUDA graphs' ladder) 
 PAGE_SIZES = (16, 32, 64)  # what the Triton backend accepts (config.py)
 MAX_MODEL_LENS = (256, 4096, 40960)  # fixes the decode split count, hence the reduce kernel's BLOCK_S
 AWQ_GROUPS = (128, 64, 32)
-F32, I32, I64, F8, U8 = torch.float32, torch.int32, torch.int64, torch.float8_e4m3fn, torch.uint8
+F32, I32, I64, F8, U8, I8 = torch.float32, torch.int32, torch.int64, torch.float8_e4m3fn, torch.uint8, torch.int8
 
 
 def _ptrs(**kw) -> tuple:
@@ -72,6 +73,16 @@ def linear_shapes(cfg: dict) -> list[tuple[int, int]]:
     return [(qkv, h), (h, cfg["num_attention_heads"] * d), (2 * inter, h), (h, inter)]
 
 
+def int8_shapes(cfg: dict) -> list[tuple[int, int]]:
+    """(N, K) of what ``--quantization int8`` puts on the int8 GEMM: the linears, the lm_head (tied or not: an
+    int8 copy), and a MoE model's experts (each one's gate|up and down)."""
+    h, shapes = cfg["hidden_size"], linear_shapes(cfg) + [(cfg["vocab_size"], cfg["hidden_size"])]
+    if cfg.get("num_experts"):
+        inter = cfg["moe_intermediate_size"]
+        shapes += [(2 * inter, h), (h, inter)]
+    return shapes
+
+
 def _phase(m: int, split: int) -> str:
     return "split-K" if split > 1 else ("decode" if m <= 16 else "prefill")
 
@@ -103,6 +114,15 @@ def _gemms(cfg: dict, dtype, spec: DeviceSpec, awq_groups) -> list[Launch]:
                                   _ptrs(A=dtype, QW=I32, ZEROS=U8, SCALES=torch.float16, C=F32 if split > 1 else dtype),
                                   aligned=("K", "stride_am", "stride_qn", "stride_cs", "stride_cm"),
                                   num_warps=gc.num_warps, num_stages=gc.num_stages))
+    block_k = quant_gemm.INT8_BLOCK_K
+    for n, k in int8_shapes(cfg):
+        for m in ROWS:
+            gc, split, _ = quant_gemm.gemm_plan(m, n, -(-k // block_k), block_k, dtype, 1, dtype == F32, spec)
+            meta = dict(BLOCK_K=block_k, BLOCK_M=gc.block_m, BLOCK_N=gc.block_n, EXACT=attention.exact_dots(dtype))
+            out.append(Launch("quant_gemm._int8_gemm_kernel", _phase(m, split), _consts(meta),
+                              _ptrs(A=dtype, W=I8, W_SCALE=F32, C=F32 if split > 1 else dtype),
+                              aligned=("K", "stride_am", "stride_wn", "stride_cs", "stride_cm"),
+                              num_warps=gc.num_warps, num_stages=gc.num_stages))
     if fp8_act:
         out.append(Launch("quant_gemm._group_quant_kernel", "any", (("GROUP", quant_gemm.FP8_GROUP),),
                           _ptrs(X=dtype, Q=F8, S=F32), aligned=("K", "stride_xm", "stride_qm"), needs_fp8=True))
