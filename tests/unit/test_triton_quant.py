@@ -66,7 +66,11 @@ def test_fp8_gemm(dtype, fp8_activations, rows, split_k):
     got = qg.fp8_linear(x, q, scale, block, fp8_activations, split_k=split_k)
     want = ref.fp8_linear(x, q, scale, block, fp8_activations)
     assert got.dtype == dtype and got.shape == (rows, n)
-    torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+    tol = dict(TOL[dtype])
+    if fp8_activations and DEVICE == "cuda":  # Hopper's FP8 MMA sums each 128-wide K step in reduced precision
+        # (as vLLM's and SGLang's block-FP8 GEMMs, same design): on an H200, up to ~2e-4 of the outputs' scale
+        tol["atol"] = max(tol["atol"], 1e-3 * want.float().abs().max().item())
+    torch.testing.assert_close(got.float(), want.float(), **tol)
     if fp8_activations:  # and the activations really were quantized
         assert (want.float() - ref.fp8_linear(x, q, scale, block, False).float()).abs().max() > 1e-2
 
@@ -243,7 +247,7 @@ def test_int8_gives_a_tied_head_its_own_int8_copy(qwen3_checkpoint):
     assert isinstance(head, gpu_linear.TritonInt8Linear) and table.dtype == torch.float32
     q, scales = quant.quantize_int8_per_channel(table)
     assert torch.equal(head.qweight, q) and torch.equal(head.scales, scales)
-    hidden = torch.randn(3, table.shape[1])
+    hidden = torch.randn(3, table.shape[1]).to(table.device)
     torch.testing.assert_close(head(hidden), hidden @ (q.float() * scales[:, None]).T, **TOL[torch.float32])
 
 
