@@ -754,6 +754,25 @@ def test_k_quants_keep_their_two_level_scales(isa, kind, layer_type):
                                                       signed=getattr(layer, "signed", False)))
 
 
+@needs_kernels
+def test_int4_symmetric_takes_two_level_scales(isa):
+    """The one kernel form no GGUF type gives (the int4 kernel without offsets, w = s (q - 8), with two-level scales)
+    is the float32 form's bits too."""
+    from mili.model.cpu_linear import Int4Linear
+    from mili.model.quant import TwoLevel
+
+    g = torch.Generator().manual_seed(9)
+    q = torch.randint(0, 16, (32, 512), generator=g, dtype=torch.uint8)
+    levels = TwoLevel((torch.randn(32, 2, generator=g) * 1e-3).half().float(),
+                      torch.randint(-64, 64, (32, 16), generator=g, dtype=torch.int8))
+    two, f32 = Int4Linear(q, levels, None), Int4Linear(q, levels.values(), None)
+    assert two.scales.dtype == torch.uint8 and f32.scales.dtype == torch.float32
+    assert torch.equal(two.dequantize(), f32.dequantize())
+    for m in (1, 3):
+        x = (torch.randn(m, 512, generator=g) * 4).to(BF16)
+        assert torch.equal(two(x), f32(x))
+
+
 def test_two_level_scales_pack_and_unpack():
     """ops.pack_scales of two levels (d [N, S] fp16 values, sc [N, G] int8): per block of 16 rows and super-block,
     the rows' d as fp16 then each group's 16 sc; group_values gives d sc back (float32, exact); scale_form reads the

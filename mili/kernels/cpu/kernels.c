@@ -572,31 +572,37 @@ static inline scale_form scale_form_of(int mode, int64_t G, int64_t sub) {
 }
 
 /* Where group g's values lie in a block: at (its values, or SCALES_K its sub-scales) and d_at (SCALES_K: its
- * super-block's d), in bytes. Worked out once a group, for every block. */
+ * super-block's d), in bytes, and whether g starts a super-block. Worked out once a group, for every block. */
 typedef struct {
   int64_t at, d_at;
+  int first;
 } scale_at;
 
 static inline scale_at scale_place(scale_form f, int64_t g) {
-  if (f.mode != SCALES_K) return (scale_at){g * 16 * (f.mode == SCALES_F32 ? 4 : 2), 0};
+  if (f.mode != SCALES_K) return (scale_at){g * 16 * (f.mode == SCALES_F32 ? 4 : 2), 0, 0};
   const int64_t s = g / f.sub, d_at = s * (32 + 16 * f.sub);
-  return (scale_at){d_at + 32 + 16 * (g - s * f.sub), d_at};
+  return (scale_at){d_at + 32 + 16 * (g - s * f.sub), d_at, g == s * f.sub};
 }
 
-/* The 16 columns' values of a group (block: the block's scales or offsets) */
-static inline __attribute__((always_inline)) vf load_scales(const uint8_t *block, scale_at a, int mode) {
+/* The 16 columns' values of a group (block: the block's scales or offsets). SCALES_K: *d holds the block's d as
+ * float32, converted once a super-block (at its first group) and kept for the others. */
+static inline __attribute__((always_inline)) vf load_scales(const uint8_t *block, scale_at a, int mode, vf *d) {
   if (mode == SCALES_F32) return vf_load((const float *)(block + a.at));
   if (mode == SCALES_F16) return vf_load_f16((const uint16_t *)(block + a.at));
-  return vf_mul(vf_load_f16((const uint16_t *)(block + a.d_at)), vi_to_vf(vi_load_i8((const int8_t *)(block + a.at))));
+  if (a.first) *d = vf_load_f16((const uint16_t *)(block + a.d_at));
+  return vf_mul(*d, vi_to_vf(vi_load_i8((const int8_t *)(block + a.at))));
 }
 
 INT8_TARGET static inline __attribute__((always_inline)) void int4_micro(
     const uint8_t *w, int64_t wblock, const uint8_t *ws, const uint8_t *wb, scale_form sf, int64_t G, int64_t k8_per_group,
     const int8_t *xq, int64_t K, const float *sx, const int32_t *xsum, bf16 *y, int64_t ldy, const int MR,
-    const int NB, const int sym, int pf) {
-  vf f[I4_MR][I4_NB_CAP];
-  for (int i = 0; i < MR; i++)
-    for (int j = 0; j < NB; j++) f[i][j] = vf_zero();
+    const int NB, const int sym, const int two, int pf) {
+  const int mode = two ? SCALES_K : sf.mode == SCALES_F32 ? SCALES_F32 : SCALES_F16; /* (two: SCALES_K, a constant) */
+  vf f[I4_MR][I4_NB_CAP], ds[I4_NB_CAP], db[I4_NB_CAP]; /* (ds, db: SCALES_K's d of the scales and offsets) */
+  for (int j = 0; j < NB; j++) {
+    ds[j] = db[j] = vf_zero();
+    for (int i = 0; i < MR; i++) f[i][j] = vf_zero();
+  }
   for (int64_t g = 0; g < G; g++) {
     /* One row (decode) where the ISA allows (INT4_APART: vpdpbusd on AVX-512), the high nibbles are used in
      * place (masked, not shifted: one instruction less a load) and their products summed apart, 16 times too
@@ -637,7 +643,8 @@ INT8_TARGET static inline __attribute__((always_inline)) void int4_micro(
     }
     const scale_at at = scale_place(sf, g);
     for (int j = 0; j < NB; j++) {
-      const vf s = load_scales(ws + j * sf.stride, at, sf.mode), b = sym ? s : load_scales(wb + j * sf.stride, at, sf.mode);
+      const vf s = load_scales(ws + j * sf.stride, at, mode, &ds[j]);
+      const vf b = sym ? s : load_scales(wb + j * sf.stride, at, mode, &db[j]);
       for (int i = 0; i < MR; i++) {
         vi sum = apart ? vi_add(acc[i][j], vi_sra(acc16[i][j], 4)) : acc[i][j];
         const float scale = sx[i * G + g];
@@ -651,7 +658,7 @@ INT8_TARGET static inline __attribute__((always_inline)) void int4_micro(
     for (int j = 0; j < NB; j++) vf_store_bf16(y + i * ldy + j * 16, f[i][j]);
 }
 
-#define I4(MR, NB) int4_micro(w, wblock, ws, wb, sf, G, k8g, xq, K, sx, xsum, y, ldy, MR, NB, sym, pf)
+#define I4(MR, NB) int4_micro(w, wblock, ws, wb, sf, G, k8g, xq, K, sx, xsum, y, ldy, MR, NB, sym, two, pf)
 #define I4_NB_CASE(MR)                                  \
   switch (nb) {                                         \
     case 1: I4(MR, 1); break;                           \
@@ -662,20 +669,26 @@ INT8_TARGET static inline __attribute__((always_inline)) void int4_micro(
 INT8_TARGET static void int4_micro_any(const uint8_t *w, int64_t wblock, const uint8_t *ws, const uint8_t *wb, scale_form sf,
                                        int64_t G, int64_t k8g, const int8_t *xq, int64_t K, const float *sx,
                                        const int32_t *xsum, bf16 *y, int64_t ldy, int mr, int nb, int pf) {
-  if (wb) { /* (sym a constant in each instance: its branches fold away) */
-    const int sym = 0;
-    if (mr == 1) {
-      I4_NB_CASE(1);
-    } else {
-      I4_NB_CASE(2);
-    }
+#define I4_MR_CASE \
+  if (mr == 1) {   \
+    I4_NB_CASE(1); \
+  } else {         \
+    I4_NB_CASE(2); \
+  }
+#define I4_SYM_CASE    \
+  if (wb) {            \
+    const int sym = 0; \
+    I4_MR_CASE         \
+  } else {             \
+    const int sym = 1; \
+    I4_MR_CASE         \
+  }
+  if (sf.mode == SCALES_K) { /* (sym and two constants in each instance: their branches fold away) */
+    const int two = 1;
+    I4_SYM_CASE
   } else {
-    const int sym = 1;
-    if (mr == 1) {
-      I4_NB_CASE(1);
-    } else {
-      I4_NB_CASE(2);
-    }
+    const int two = 0;
+    I4_SYM_CASE
   }
 }
 
@@ -727,10 +740,13 @@ void mili_linear_int4(const uint8_t *w, const void *ws, const void *wb, const bf
 INT8_TARGET static inline __attribute__((always_inline)) void int8g_micro(
     const uint8_t *w, int64_t wblock, const uint8_t *ws, const uint8_t *wb, scale_form sf, int64_t G, int64_t k4_per_group,
     const int8_t *xq, int64_t K, const float *sx, const int32_t *xsum, bf16 *y, int64_t ldy, const int MR,
-    const int NB, const int sgn, const int offs, int pf) {
-  vf f[I8G_MR][I8G_NB_CAP];
-  for (int i = 0; i < MR; i++)
-    for (int j = 0; j < NB; j++) f[i][j] = vf_zero();
+    const int NB, const int sgn, const int offs, const int two, int pf) {
+  const int mode = two ? SCALES_K : sf.mode == SCALES_F32 ? SCALES_F32 : SCALES_F16; /* (two: SCALES_K, a constant) */
+  vf f[I8G_MR][I8G_NB_CAP], ds[I8G_NB_CAP], db[I8G_NB_CAP]; /* (ds, db: SCALES_K's d of the scales and offsets) */
+  for (int j = 0; j < NB; j++) {
+    ds[j] = db[j] = vf_zero();
+    for (int i = 0; i < MR; i++) f[i][j] = vf_zero();
+  }
   for (int64_t g = 0; g < G; g++) {
     vi acc[I8G_MR][I8G_NB_CAP];
     for (int i = 0; i < MR; i++)
@@ -749,7 +765,8 @@ INT8_TARGET static inline __attribute__((always_inline)) void int8g_micro(
     }
     const scale_at at = scale_place(sf, g);
     for (int j = 0; j < NB; j++) {
-      const vf s = load_scales(ws + j * sf.stride, at, sf.mode), b = offs ? load_scales(wb + j * sf.stride, at, sf.mode) : s;
+      const vf s = load_scales(ws + j * sf.stride, at, mode, &ds[j]);
+      const vf b = offs ? load_scales(wb + j * sf.stride, at, mode, &db[j]) : s;
       for (int i = 0; i < MR; i++) {
         const float scale = sx[i * G + g];
         vi sum = acc[i][j]; /* to S_v (signed) or S_u */
@@ -764,7 +781,7 @@ INT8_TARGET static inline __attribute__((always_inline)) void int8g_micro(
     for (int j = 0; j < NB; j++) vf_store_bf16(y + i * ldy + j * 16, f[i][j]);
 }
 
-#define I8G(MR, NB) int8g_micro(w, wblock, ws, wb, sf, G, k4g, xq, K, sx, xsum, y, ldy, MR, NB, sgn, offs, pf)
+#define I8G(MR, NB) int8g_micro(w, wblock, ws, wb, sf, G, k4g, xq, K, sx, xsum, y, ldy, MR, NB, sgn, offs, two, pf)
 #define I8G_NB_CASE(MR)                                 \
   switch (nb) {                                         \
     case 1: I8G(MR, 1); break;                          \
@@ -782,15 +799,23 @@ INT8_TARGET static void int8g_micro_any(const uint8_t *w, int64_t wblock, const 
                                         int64_t G, int64_t k4g, const int8_t *xq, int64_t K, const float *sx,
                                         const int32_t *xsum, bf16 *y, int64_t ldy, int mr, int nb, int pf,
                                         int signed_q) {
-  if (wb && !signed_q) { /* (sgn and offs constants in each instance: their branches fold away) */
-    const int sgn = 0, offs = 1;
-    I8G_MR_CASE
-  } else if (wb) {
-    const int sgn = 1, offs = 1;
-    I8G_MR_CASE
+#define I8G_FORM_CASE                \
+  if (wb && !signed_q) {             \
+    const int sgn = 0, offs = 1;     \
+    I8G_MR_CASE                      \
+  } else if (wb) {                   \
+    const int sgn = 1, offs = 1;     \
+    I8G_MR_CASE                      \
+  } else {                           \
+    const int sgn = 1, offs = 0;     \
+    I8G_MR_CASE                      \
+  }
+  if (sf.mode == SCALES_K) { /* (sgn, offs and two constants in each instance: their branches fold away) */
+    const int two = 1;
+    I8G_FORM_CASE
   } else {
-    const int sgn = 1, offs = 0;
-    I8G_MR_CASE
+    const int two = 0;
+    I8G_FORM_CASE
   }
 }
 
