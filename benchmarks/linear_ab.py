@@ -5,17 +5,18 @@ alternating, so that a shared machine's minutes hit them alike. A version is a s
 
     python benchmarks/linear_ab.py OLD.c NEW.c [--shapes 0.6B 4B:8] [--formats int4 int8 bf16] [--repeat 10]
     python benchmarks/linear_ab.py mili/kernels/cpu/kernels.c@avx512 mili/kernels/cpu/kernels.c@avx2
-    python benchmarks/linear_ab.py mili/kernels/cpu/kernels.c --shapes 0.6B --formats int8 q8_0 q6_k q5_k int4
+    python benchmarks/linear_ab.py mili/kernels/cpu/kernels.c --shapes 0.6B --formats int8 q8_0 q6_k q5_k int4 q4_k
 
 The formats: bf16; int8 (a float32 scale per output channel); int4 (AWQ's groups of 128, float32 scales and
-offsets); and the int8g kernel's GGUF forms: q8_0 (groups of 32, fp16 scales, no offsets), q6_k (groups of 16,
-float32 scales d sc, no offsets), q5_k (groups of 32, float32 scales and offsets). GB counts every byte a format
-reads (weights, scales, offsets, column sums).
+offsets); q4_k (the int4 kernel, groups of 32, scales and offsets in GGUF's two levels: fp16 d per 256, int8 sc per
+group); and the int8g kernel's GGUF forms: q8_0 (groups of 32, fp16 scales, no offsets), q6_k (groups of 16,
+two-level scales, no offsets), q5_k (groups of 32, two-level scales and offsets). q4_k-f32 and q6_k-f32: the same
+with float32 scales d sc (and offsets), as MILI kept them before. GB counts every byte a format reads (weights,
+scales, offsets, column sums).
 
 e.g. ``git show HEAD~1:mili/kernels/cpu/kernels.c > /tmp/old.c`` against the working tree's file (its ISA headers
-are the working tree's). The calls are today's: a version from before the int4 kernel took scales and offsets
-(w = s q + b, issue 42) reads them as its zero points and takes ``scale_f32`` for its thread count, so its int4
-figures mean nothing; its bf16 and int8 ones stand. Each version is built like the library (cc -O3, the ISA's flags alone, -fopenmp) under
+are the working tree's). The calls are today's (scale_mode and sub: the two-level scales): a version from before
+them takes its arguments shifted, so its int4 and int8g figures mean nothing; its bf16 and int8 ones stand. Each version is built like the library (cc -O3, the ISA's flags alone, -fopenmp) under
 /tmp, keyed by its source and flags. Per thread count
 (1, 2): the median and the minimum (the trials that had the cores) of a sweep's time, its GB/s of weights,
 the minimum's share of a 1 GiB copy (read + write, the best of 6, same threads) and each version's ratio to
@@ -35,14 +36,17 @@ import torch
 from common import machine, print_table
 
 from mili.kernels.cpu import HERE, SIGNATURES, best_isa, compile_flags
-from mili.kernels.cpu.ops import int8_column_sums, pack_int4, pack_int8g, pack_weight
+from mili.kernels.cpu.ops import int8_column_sums, pack_int4, pack_int8g, pack_weight, scale_form
 
 # (out, in) of qkv, o, gate_up, down; decoder layers
 SHAPES = {"0.6B": ([(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)], 28),
           "4B:8": ([(6144, 2560), (2560, 4096), (19456, 2560), (2560, 9728)], 8)}
 GROUP = 128  # AWQ's group size in Qwen's releases
-# the int8g formats: (group, scales' dtype, with offsets)
-INT8G = {"q8_0": (32, torch.float16, False), "q6_k": (16, torch.float32, False), "q5_k": (32, torch.float32, True)}
+# the int4 and int8g formats: (kernel, group, scales' form: float16, float32 or "k" (two levels), with offsets)
+GROUPED = {"int4": ("int4", GROUP, torch.float32, True), "q4_k": ("int4", 32, "k", True),
+           "q4_k-f32": ("int4", 32, torch.float32, True), "q8_0": ("int8g", 32, torch.float16, False),
+           "q6_k": ("int8g", 16, "k", False), "q6_k-f32": ("int8g", 16, torch.float32, False),
+           "q5_k": ("int8g", 32, "k", True)}
 
 
 def build(version: str) -> ctypes.CDLL:
@@ -66,19 +70,21 @@ def weights(shape: str, fmt: str) -> list[tuple[int, int, tuple[torch.Tensor, ..
     out = []
     for _ in range(layers):
         for n, k in mats:
-            if fmt == "int4":  # AWQ's group, float32 scales and offsets (as an AWQ checkpoint loads)
-                q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
-                scales = torch.rand(n, k // GROUP, generator=g) * 0.01
-                out.append((n, k, pack_int4(q, scales, -scales * torch.randint(0, 16, scales.shape, generator=g))))
+            if fmt in GROUPED:  # (int4: AWQ's group, float32 scales and offsets, as an AWQ checkpoint loads)
+                kernel, group, form, offsets = GROUPED[fmt]
+                q = torch.randint(0, 16 if kernel == "int4" else 256, (n, k), dtype=torch.uint8, generator=g)
+                if form == "k":  # d (fp16) per 256, sc (int8) per group; offsets -dmin, m
+                    d = (torch.rand(2, n, k // 256, generator=g) * 1e-3).half().float()
+                    sc = torch.randint(0, 64, (2, n, k // group), dtype=torch.int8, generator=g)
+                    scales, zeros = (d[0], sc[0]), (-d[1], sc[1])
+                else:
+                    scales = torch.rand(n, k // group, generator=g) * 0.01
+                    zeros = -scales * torch.randint(0, 16, scales.shape, generator=g)
+                pack = pack_int4 if kernel == "int4" else pack_int8g
+                packed = pack(q, scales, zeros if offsets else None, torch.float32 if form == "k" else form)
+                out.append((n, k, tuple(t for t in packed if t is not None)))
             elif fmt == "bf16":
                 out.append((n, k, (pack_weight(torch.randn(n, k, generator=g).to(torch.bfloat16)),)))
-            elif fmt in INT8G:
-                group, dtype, offsets = INT8G[fmt]
-                u = torch.randint(0, 256, (n, k), dtype=torch.uint8, generator=g)
-                scales = torch.rand(n, k // group, generator=g) * 0.01
-                packed = pack_int8g(u, scales, -scales * torch.randint(0, 32, scales.shape, generator=g)
-                                    if offsets else None, dtype)
-                out.append((n, k, tuple(t for t in packed if t is not None)))
             else:
                 packed = pack_weight(torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g))
                 out.append((n, k, (packed, torch.rand(n) * 0.01, int8_column_sums(packed))))
@@ -89,12 +95,14 @@ def sweep(lib, fmt: str, mats, threads: int, xs: dict, ys: dict) -> float:
     start = time.perf_counter()
     for n, k, tensors in mats:
         x, y, w = xs[k].data_ptr(), ys[n].data_ptr(), tensors[0].data_ptr()
-        if fmt == "int4":
-            lib.mili_linear_int4(w, tensors[1].data_ptr(), tensors[2].data_ptr(), x, y, 1, n, k, GROUP, 1, threads)
-        elif fmt in INT8G:
-            group, dtype, offsets = INT8G[fmt]
-            lib.mili_linear_int8g(w, tensors[1].data_ptr(), tensors[2].data_ptr() if offsets else None, x, y, 1, n, k,
-                                  group, int(dtype == torch.float32), threads)
+        if fmt in GROUPED:
+            kernel, group, _, offsets = GROUPED[fmt]
+            mode, sub, _ = scale_form(tensors[1])
+            b = tensors[2].data_ptr() if offsets else None
+            if kernel == "int4":
+                lib.mili_linear_int4(w, tensors[1].data_ptr(), b, x, y, 1, n, k, group, mode, sub, threads)
+            else:
+                lib.mili_linear_int8g(w, tensors[1].data_ptr(), b, x, y, 1, n, k, group, mode, sub, 0, threads)
         elif fmt == "bf16":
             lib.mili_linear(w, x, y, 1, n, k, threads)
         else:
@@ -119,13 +127,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("sources", nargs="+", help="kernels.c versions (SOURCE[@ISA]); ratios are to the first")
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    p.add_argument("--formats", nargs="+", default=["int4"], choices=["int4", "int8", "bf16", *INT8G])
+    p.add_argument("--formats", nargs="+", default=["int4"], choices=["int8", "bf16", *GROUPED])
     p.add_argument("--repeat", type=int, default=10, help="rounds; each times 3 sweeps of every version")
     args = p.parse_args()
     libs = [build(s) for s in args.sources]
     older = [s for s, lib in zip(args.sources, libs) if not hasattr(lib, "mili_linear_int8g")]
-    if older and set(args.formats) & set(INT8G):
-        p.error(f"{', '.join(older)} has no int8g kernel: leave out {', '.join(INT8G)}")
+    int8g = [f for f, spec in GROUPED.items() if spec[0] == "int8g"]
+    if older and set(args.formats) & set(int8g):
+        p.error(f"{', '.join(older)} has no int8g kernel: leave out {', '.join(int8g)}")
     rows = []
     for shape in args.shapes:
         for fmt in args.formats:

@@ -20,6 +20,10 @@ the CPU's (the Triton GEMMs' layers are in gpu_linear.py).
   checkpoint's (q - z) s as stored, b = -z s), on MILI's int4 kernel: a quarter of bf16's bytes.
 * ``Int8GroupLinear``: 8-bit weights w = s q + b (q 0..255) with a scale and an offset per group of input channels,
   or w = s (q - 128) without offsets, on MILI's int8g kernel: GGUF's Q8_0, Q6_K and Q5_K blocks as they are.
+
+Both take scales and offsets as float values [out, groups] (kept in float16 where that holds them exactly, else
+float32) or, GGUF's K-quants, in the two levels the file stores (``quant.TwoLevel``: fp16 d per super-block times an
+int8 sc per group), which the kernels read as they are: Q4_K at ~0.58 bytes a weight where float32 took 0.75.
 """
 
 from __future__ import annotations
@@ -121,19 +125,37 @@ class Fp8Linear(_SwappedLinear):
                                 out_dtype=x2d.dtype)
 
 
+def _groups(values) -> int:
+    return (values.sc if isinstance(values, quant.TwoLevel) else values).shape[1]
+
+
+def _pack_grouped(pack, q: torch.Tensor, scales, offsets):
+    """q [out, in], scales and offsets [out, groups] (float values, or both ``quant.TwoLevel``) padded to whole
+    blocks of 16 rows (padded rows have zero scales: their outputs are cut off) and packed by ``pack``
+    (``pack_int4`` / ``pack_int8g``): float values in float16 where that holds them exactly, else float32."""
+    pad = -q.shape[0] % 16
+
+    def padded(t):
+        if isinstance(t, quant.TwoLevel):
+            return quant.TwoLevel(*(F.pad(u, (0, 0, 0, pad)) for u in t))
+        return None if t is None else F.pad(t, (0, 0, 0, pad))
+
+    two_level = isinstance(scales, quant.TwoLevel)
+    if offsets is not None and isinstance(offsets, quant.TwoLevel) != two_level:
+        raise ValueError("scales and offsets must take the same form (both float values, or both two-level)")
+    q, scales, offsets = padded(q), padded(scales), padded(offsets)
+    exact = not two_level and cpu_ops.exact_in_fp16(scales, *(() if offsets is None else (offsets,)))
+    return pack(q, scales, offsets, torch.float16 if exact else torch.float32)
+
+
 class Int4Linear(_SwappedLinear):
     def __init__(self, q, scales, offsets, bias=None, shard_sizes=None):
         """``q`` [out, in] (values 0..15), ``scales`` and ``offsets`` [out, in / group]: w = scale q + offset;
-        ``offsets`` None: w = scale (q - 8), none stored (GGUF's Q4_0). They are kept in float16 where that holds
-        them exactly, else float32."""
+        ``offsets`` None: w = scale (q - 8), none stored (GGUF's Q4_0). Float values are kept in float16 where that
+        holds them exactly, else float32; two-level ones (``quant.TwoLevel``, GGUF's Q4_K) as they are."""
         super().__init__(q, bias, shard_sizes)
-        self.group = q.shape[1] // scales.shape[1]
-        pad = -q.shape[0] % 16  # (padded rows are all zero scales: their outputs are cut off)
-        q, scales = (F.pad(t, (0, 0, 0, pad)) for t in (q, scales))
-        offsets = None if offsets is None else F.pad(offsets, (0, 0, 0, pad))
-        dtype = torch.float16 if cpu_ops.exact_in_fp16(scales, *(() if offsets is None else (offsets,))) \
-            else torch.float32
-        packed, scales, offsets = cpu_ops.pack_int4(q, scales, offsets, dtype)
+        self.group = q.shape[1] // _groups(scales)
+        packed, scales, offsets = _pack_grouped(cpu_ops.pack_int4, q, scales, offsets)
         self.register_buffer("qweight", packed)
         self.register_buffer("scales", scales)
         self.register_buffer("offsets", offsets)
@@ -160,19 +182,17 @@ class Int8GroupLinear(_SwappedLinear):
         """8-bit weights per group (kernels.c, int8g): ``q`` [out, in] (uint8 0..255), ``scales`` and ``offsets``
         [out, in / group]: w = scale q + offset; ``offsets`` None: w = scale (q - 128), none stored (GGUF's Q8_0 as
         q + 128 with scale d, Q6_K as q + 96 with scale d sc; Q5_K is q, d sc and -dmin m); ``signed`` with offsets:
-        w = scale (q - 128) + offset (a fused layer whose parts mix those forms). Scales and offsets are kept in
-        float16 where that holds them exactly, else float32."""
+        w = scale (q - 128) + offset (a fused layer whose parts mix those forms). Float scales and offsets are kept in
+        float16 where that holds them exactly, else float32; two-level ones (``quant.TwoLevel``, GGUF's Q6_K and
+        Q5_K) as they are."""
         super().__init__(q, bias, shard_sizes)
         self.signed = signed and offsets is not None
-        self.group = q.shape[1] // scales.shape[1]
-        if self.group * scales.shape[1] != q.shape[1] or not cpu_ops.int8g_supported(16, q.shape[1], self.group):
+        groups = _groups(scales)
+        self.group = q.shape[1] // groups
+        if self.group * groups != q.shape[1] or not cpu_ops.int8g_supported(16, q.shape[1], self.group):
             raise ValueError(f"the int8g kernel takes groups of a multiple of 8 input features: not {q.shape[1]} "
-                             f"in {scales.shape[1]} groups")
-        pad = -q.shape[0] % 16  # (padded rows are all zero scales: their outputs are cut off)
-        q, scales = (F.pad(t, (0, 0, 0, pad)) for t in (q, scales))
-        offsets = None if offsets is None else F.pad(offsets, (0, 0, 0, pad))
-        exact = cpu_ops.exact_in_fp16(scales, *(() if offsets is None else (offsets,)))
-        packed, scales, offsets = cpu_ops.pack_int8g(q, scales, offsets, torch.float16 if exact else torch.float32)
+                             f"in {groups} groups")
+        packed, scales, offsets = _pack_grouped(cpu_ops.pack_int8g, q, scales, offsets)
         self.register_buffer("qweight", packed)
         self.register_buffer("scales", scales)
         self.register_buffer("offsets", offsets)  # (None: symmetric)
@@ -193,8 +213,8 @@ class Int8GroupLinear(_SwappedLinear):
 
 
 def _per_group(blocked: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """Scales or offsets as packed ([N/16, groups, 16]) to q's shape [out, in], float32."""
-    t = cpu_ops.unblock(blocked)[:q.shape[0]].float()
+    """Scales or offsets as packed (any form) to q's shape [out, in], float32: the values the kernels form."""
+    t = cpu_ops.group_values(blocked)[:q.shape[0]]
     return t.repeat_interleave(q.shape[1] // t.shape[1], dim=1)
 
 

@@ -6,8 +6,9 @@
   output columns' 4-bit values in AWQ's interleaved order, and fp16 ``scales`` [in / group, out]:
   ``w[k, n] = (q[k, n] - z[k // group, n]) * s[k // group, n]`` (transposed to MILI's [out, in]).
 
-A layer the linears compute with as it is stored is kept (by the loader) as its parts: ``Fp8Parts`` or
-``Int4Parts``; a fused layer (q|k|v, gate|up) joins its shards' parts with ``concat_parts``.
+A layer the linears compute with as it is stored is kept (by the loader) as its parts: ``Fp8Parts``, ``Int4Parts``
+or ``GroupParts`` (GGUF's blocks; the K-quants' scales in two levels, ``TwoLevel``, as the file stores them); a fused
+layer (q|k|v, gate|up) joins its shards' parts with ``concat_parts``.
 """
 
 from __future__ import annotations
@@ -41,15 +42,37 @@ class Int4Parts(NamedTuple):
     scales: torch.Tensor
 
 
+class TwoLevel(NamedTuple):
+    """Values per group of input channels in two levels, as GGUF's K-quants store their scales: ``d`` [out,
+    super-blocks] float32 (fp16 values), one per super-block of groups, and ``sc`` [out, groups] int8, one per group.
+    A group's value is d sc, exact in float32 (an 11-bit mantissa times at most 8 bits): Q4_K's and Q5_K's scales
+    (d, sc) and offsets (-dmin, m), Q6_K's scales (d, sc), sc signed there."""
+
+    d: torch.Tensor
+    sc: torch.Tensor
+
+    def values(self) -> torch.Tensor:
+        """[out, groups] float32: d sc, as gguf-py forms it (d * sc.astype(float32), exact)."""
+        return self.d.float().repeat_interleave(self.sc.shape[1] // self.d.shape[1], 1) * self.sc.float()
+
+    def regroup(self, times: int) -> TwoLevel:
+        """The same values at groups ``times`` smaller (each sub-scale repeated)."""
+        return TwoLevel(self.d, self.sc.repeat_interleave(times, 1))
+
+
 class GroupParts(NamedTuple):
     """Quants with a scale and an offset per group of input channels, w = scale q + offset (GGUF's block types,
     ``gguf_blocks.py``): ``q`` [out, in] int8, ``scales`` and ``offsets`` [out, in / group] float32; ``bits`` 4
-    (q in 0..15 with offsets, or -8..7 without: the int4 kernel) or 8 (any int8 q)."""
+    (q in 0..15 with offsets, or -8..7 without: the int4 kernel) or 8 (any int8 q). ``scales_k`` and ``offsets_k``:
+    the same scales and offsets as the K-quants store them (``TwoLevel``; offsets_k None: none, zeros), which the
+    kernels read as they are; None for the other types."""
 
     q: torch.Tensor
     scales: torch.Tensor
     offsets: torch.Tensor
     bits: int
+    scales_k: TwoLevel | None = None
+    offsets_k: TwoLevel | None = None
 
     def dequantize(self) -> torch.Tensor:
         """float32 scale q + offset, in that order: the values of gguf.quants.dequantize of the same blocks, exactly
@@ -58,8 +81,12 @@ class GroupParts(NamedTuple):
         return (self.q.float() * self.scales.repeat_interleave(group, 1)).add_(self.offsets.repeat_interleave(group, 1))
 
     def take_rows(self, index: torch.Tensor) -> "GroupParts":
-        """These output rows, in ``index``'s order (a row's groups move with it)."""
-        return GroupParts(self.q[index], self.scales[index], self.offsets[index], self.bits)
+        """These output rows, in ``index``'s order (a row's groups, and its super-blocks' d, move with it)."""
+        def rows(two: TwoLevel | None) -> TwoLevel | None:
+            return None if two is None else TwoLevel(two.d[index], two.sc[index])
+
+        return GroupParts(self.q[index], self.scales[index], self.offsets[index], self.bits, rows(self.scales_k),
+                          rows(self.offsets_k))
 
 
 def fp8_parts(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> Fp8Parts:
@@ -82,13 +109,32 @@ def concat_parts(parts: list) -> Fp8Parts | Int4Parts | GroupParts:
             return t.repeat_interleave(p.q.shape[1] // p.scales.shape[1] // group, 1)
 
         return GroupParts(torch.cat([p.q for p in parts]), torch.cat([regroup(p.scales, p) for p in parts]),
-                          torch.cat([regroup(p.offsets, p) for p in parts]), max(p.bits for p in parts))
+                          torch.cat([regroup(p.offsets, p) for p in parts]), max(p.bits for p in parts),
+                          *_concat_two_level(parts, group))
     rows, cols = parts[0].block
     assert all(p.block[1] == cols for p in parts)
     if len({p.block for p in parts}) == 1 and all(p.q.shape[0] % rows == 0 for p in parts[:-1]):
         return Fp8Parts(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), (rows, cols))
     scale = torch.cat([p.scale.repeat_interleave(p.block[0], 0)[:p.q.shape[0]] for p in parts])
     return Fp8Parts(torch.cat([p.q for p in parts]), scale, (1, cols))
+
+
+def _concat_two_level(parts: list[GroupParts], group: int) -> tuple[TwoLevel | None, TwoLevel | None]:
+    """The joined layer's ``scales_k`` and ``offsets_k``, at groups of ``group``: where every shard has two-level
+    scales over the same super-blocks (a shard without offsets gets -0 ones where another has them), else None."""
+    if any(p.scales_k is None for p in parts) or len({p.scales_k.d.shape[1] for p in parts}) > 1:
+        return None, None
+
+    def times(p):
+        return p.q.shape[1] // p.scales.shape[1] // group
+
+    scales = [p.scales_k.regroup(times(p)) for p in parts]
+    joined = TwoLevel(torch.cat([t.d for t in scales]), torch.cat([t.sc for t in scales]))
+    if all(p.offsets_k is None for p in parts):
+        return joined, None
+    offsets = [p.offsets_k.regroup(times(p)) if p.offsets_k is not None else  # (-0 d: s q + b keeps s q's bits)
+               TwoLevel(torch.full_like(t.d, -0.0), torch.zeros_like(t.sc)) for p, t in zip(parts, scales)]
+    return joined, TwoLevel(torch.cat([t.d for t in offsets]), torch.cat([t.sc for t in offsets]))
 
 
 def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:

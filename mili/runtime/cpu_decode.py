@@ -16,7 +16,7 @@ import ctypes
 import torch
 
 from mili.kernels.cpu import load
-from mili.kernels.cpu.ops import decode_metadata
+from mili.kernels.cpu.ops import decode_metadata, scale_form
 from mili.model.cpu_linear import Int4Linear, Int8GroupLinear, Int8Linear, KernelLinear
 from mili.model.batch import ForwardBatch
 
@@ -26,8 +26,8 @@ MAX_QUERY = 16
 
 
 class LinearDesc(ctypes.Structure):
-    _fields_ = [("w", _P), ("scales", _P), ("aux", _P), ("n", _I), ("k", _I), ("group", _I), ("scale_f32", _I),
-                ("int8g", _I)]
+    _fields_ = [("w", _P), ("scales", _P), ("aux", _P), ("n", _I), ("k", _I), ("group", _I), ("scale_mode", _I),
+                ("sub", _I), ("int8g", _I)]
 
 
 class LayerDesc(ctypes.Structure):
@@ -47,9 +47,10 @@ def _linear_desc(layer) -> LinearDesc | None:
         return LinearDesc(layer.qweight.data_ptr(), layer.scales.data_ptr(), layer.column_sums.data_ptr(),
                           layer.out_features, layer.in_features, 0, 0)
     if isinstance(layer, (Int4Linear, Int8GroupLinear)):
-        offsets = None if layer.offsets is None else layer.offsets.data_ptr()  # (int8g: None when symmetric)
+        offsets = None if layer.offsets is None else layer.offsets.data_ptr()  # (None when symmetric)
+        mode, sub, _ = scale_form(layer.scales)  # (float16, float32 or two-level scales and offsets)
         return LinearDesc(layer.qweight.data_ptr(), layer.scales.data_ptr(), offsets, layer.out_features,
-                          layer.in_features, layer.group, int(layer.scales.dtype == torch.float32),
+                          layer.in_features, layer.group, mode, sub,
                           (2 if layer.signed else 1) if isinstance(layer, Int8GroupLinear) else 0)
     return None
 

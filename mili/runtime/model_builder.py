@@ -113,19 +113,23 @@ def _quantized_cpu_layer(parts, bias, shard_sizes):
     out, k = parts.q.shape
     group = k // parts.scales.shape[1]
     symmetric = not parts.offsets.any()
+    # the K-quants' scales and offsets in their two levels, as the file stores them; the others' float values
+    two_level = parts.scales_k is not None and (symmetric or parts.offsets_k is not None)
+    scales = parts.scales_k if two_level else parts.scales
+    offsets = None if symmetric else parts.offsets_k if two_level else parts.offsets
     if parts.bits == 4 and cpu_ops.int4_supported(out, k, group):
         if symmetric and parts.q.min() >= -8 and parts.q.max() <= 7:  # Q4_0: w = d (q - 8), no offsets stored
-            return Int4Linear((parts.q + 8).to(torch.uint8), parts.scales, None, bias, shard_sizes)
+            return Int4Linear((parts.q + 8).to(torch.uint8), scales, None, bias, shard_sizes)
         if parts.q.min() >= 0:  # Q4_K: w = (d sc) q - dmin m
-            return Int4Linear(parts.q.to(torch.uint8), parts.scales, parts.offsets, bias, shard_sizes)
+            return Int4Linear(parts.q.to(torch.uint8), scales, offsets, bias, shard_sizes)
     if not cpu_ops.int8g_supported(out, k, group):
         return None
     if symmetric:  # Q8_0, Q6_K: w = s q, stored as u = q + 128 with no offsets
-        return Int8GroupLinear((parts.q.to(torch.int16) + 128).to(torch.uint8), parts.scales, None, bias, shard_sizes)
+        return Int8GroupLinear((parts.q.to(torch.int16) + 128).to(torch.uint8), scales, None, bias, shard_sizes)
     if parts.q.min() >= 0:  # Q5_K (and Q4_K beside it): w = s q + b, u = q
-        return Int8GroupLinear(parts.q.to(torch.uint8), parts.scales, parts.offsets, bias, shard_sizes)
+        return Int8GroupLinear(parts.q.to(torch.uint8), scales, offsets, bias, shard_sizes)
     # both (Q4_K_M's q and k beside a Q6_K v): w = s (u - 128) + b, every part's exact form
-    return Int8GroupLinear((parts.q.to(torch.int16) + 128).to(torch.uint8), parts.scales, parts.offsets, bias,
+    return Int8GroupLinear((parts.q.to(torch.int16) + 128).to(torch.uint8), scales, offsets, bias,
                            shard_sizes, signed=True)
 
 

@@ -23,7 +23,10 @@ ROOT = Path(__file__).resolve().parents[2]
 # The engine tests the lower paths run once more (the kernel tests take every path in-process already)
 ENGINE_TESTS = ["tests/unit/test_cpu_linear.py", "tests/unit/test_loader.py", "tests/unit/test_lm_head_dtype.py",
                 "tests/unit/test_quantized_checkpoints.py", "tests/unit/test_selftest.py",
-                "tests/unit/test_kv_cache_fp8.py", "tests/unit/test_engine.py", "tests/unit/test_speculative.py"]
+                "tests/unit/test_kv_cache_fp8.py", "tests/unit/test_engine.py", "tests/unit/test_speculative.py",
+                # GGUF's blocks as stored (Q4_K_M's two-level scales) through the loader and the fused decode step
+                "tests/unit/test_gguf.py::test_bf16_runs_the_blocks_on_the_kernels_as_stored",
+                "tests/unit/test_gguf.py::test_each_type_on_its_kernel_is_gguf_dequantize"]
 
 PROMPT = ["generate", "--prompt", "Hello", "--max-tokens", "8"]
 
@@ -91,8 +94,8 @@ LOWER_PATHS = [isa for isa in cpu.runnable_isas() if isa != cpu.best_isa()][:2]
 
 
 def test_engine_tests_on_the_lower_paths(tmp_path):
-    """The engine's tests (loading every checkpoint layout, bf16/int8/AWQ/FP8 linears, the lm_head's dtype, the FP8 KV
-    cache, selftest) once more as a CPU without the better ISA runs them: torch's ops alone (none, oneDNN's bf16 held
+    """The engine's tests (loading every checkpoint layout, bf16/int8/AWQ/FP8 linears, GGUF's blocks as stored, the
+    lm_head's dtype, the FP8 KV cache, selftest) once more as a CPU without the better ISA runs them: torch's ops alone (none, oneDNN's bf16 held
     off) and the lowest kernel ISA (avx2 on x86-64), each in a pytest of its own with MILI_CPU_ISA set. The two run
     at once (each is mostly one busy thread), each with its own temporary folder."""
     runs = {}

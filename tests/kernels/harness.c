@@ -100,6 +100,11 @@ static uint16_t h_f2h(float f) { /* float to half, nearest even, for values in h
   if (r == 1024) r = 0, e++;
   return (uint16_t)(sign | (uint16_t)(e << 10) | (uint16_t)r);
 }
+static uint16_t h_f2h_any(float f) { /* float to half, subnormals too (GGUF's small d's are): nearest even */
+  if (fabsf(f) >= 0x1p-14f) return h_f2h(f);
+  const uint16_t m = (uint16_t)nearbyintf(fabsf(f) * 0x1p24f); /* (m x 2^-24; 1024 is the smallest normal) */
+  return (uint16_t)((f < 0 ? 0x8000u : 0u) | m);
+}
 static void fill_bf(bf16 *p, int64_t n, float lo, float hi) {
   for (int64_t i = 0; i < n; i++) p[i] = h_f2bf(rng_uniform(lo, hi));
 }
@@ -215,20 +220,47 @@ static const char *const LIN_NAME[] = {"linear", "linear_int8", "linear_int4", "
 
 typedef struct {
   int kind, sym;          /* sym: int8g without offsets (w = s (u - 128)) */
-  int64_t n, k, group, f32;
+  int64_t n, k, group, mode, sub; /* int4, int8g: mode SCALES_F16, _F32 or _K (sub groups a super-block) */
   float *wf;            /* bf16: W [n][k] (the bf16 values) */
   int8_t *w8;           /* int8: W [n][k] */
   float *sw;            /* int8: each column's scale [n] */
   int32_t *colsum;      /* int8: each column's sum of W [n] */
   uint8_t *q4;          /* int4: q [n][k], 0..15; int8g: u [n][k], 0..255 */
-  float *s4, *b4;       /* int4, int8g: scale and offset [n][G] (the values the kernel reads; sym: b = -128 s) */
+  float *s4, *b4;       /* int4, int8g: scale and offset [n][G] (the values the kernel forms; sym: b = -128 s) */
   void *packed, *scales, *aux; /* the kernel's operands */
 } Lin;
 
+/* int4's and int8g's scales (or offsets) in the kernel's form `mode`: SCALES_F16 / _F32 [N/16][G][16] values;
+ * SCALES_K two levels, [N/16][G / sub][32 + 16 sub] bytes: per row and super-block an fp16 d (subnormal where small,
+ * as GGUF's can be), per group an int8 sc, the value d sc. scale_buffer allocates one, scale_put stores row r's group g (dh: its super-block's d, as fp16
+ * bits; one level: the value v) and returns the value the kernel forms (exact in float32). */
+static int64_t scale_sub(int64_t K, int64_t group) { /* GGUF's super-blocks of 256 where K holds them, else one a row */
+  return K % 256 == 0 && 256 % group == 0 ? 256 / group : K / group;
+}
+static void *scale_buffer(int mode, int64_t n, int64_t G, int64_t sub) {
+  return xalloc(mode == SCALES_K ? (size_t)(n * G / sub * 2 + n * G) : (size_t)((mode == SCALES_F32 ? 4 : 2) * n * G));
+}
+static float scale_put(void *buf, int mode, int64_t G, int64_t sub, int64_t r, int64_t g, float v, uint16_t dh, int8_t sc) {
+  if (mode == SCALES_K) {
+    uint8_t *at = (uint8_t *)buf + (r / 16) * (G / sub) * (32 + 16 * sub) + (g / sub) * (32 + 16 * sub);
+    memcpy(at + 2 * (r % 16), &dh, 2);
+    at[32 + 16 * (g % sub) + r % 16] = (uint8_t)sc;
+    return h_h2f(dh) * (float)sc;
+  }
+  const int64_t at = (r / 16) * G * 16 + g * 16 + r % 16;
+  if (mode == SCALES_F32) {
+    ((float *)buf)[at] = v;
+    return v;
+  }
+  ((uint16_t *)buf)[at] = h_f2h(v);
+  return h_h2f(h_f2h(v));
+}
+
 /* random weights of about wscale, packed as ops.py packs them */
-static void lin_make(Lin *l, int kind, int64_t n, int64_t k, int64_t group, int f32, int sym, float wscale) {
+static void lin_make(Lin *l, int kind, int64_t n, int64_t k, int64_t group, int mode, int sym, float wscale) {
   memset(l, 0, sizeof *l);
-  l->kind = kind, l->n = n, l->k = k, l->group = group, l->f32 = f32, l->sym = sym;
+  l->kind = kind, l->n = n, l->k = k, l->group = group, l->mode = mode, l->sym = sym;
+  l->sub = group ? scale_sub(k, group) : 0;
   if (kind == LIN_BF16) { /* [N/16][K/2][16][2] */
     l->wf = xalloc(sizeof(float) * n * k);
     bf16 *p = xalloc(sizeof(bf16) * n * k);
@@ -266,21 +298,18 @@ static void lin_make(Lin *l, int kind, int64_t n, int64_t k, int64_t group, int 
         l->q4[r * k + c] = v;
         p[((r / 16) * (k / 4) + c / 4) * 64 + (r % 16) * 4 + c % 4] = v;
       }
-    void *s = xalloc((f32 ? 4 : 2) * n * G), *b = sym ? NULL : xalloc((f32 ? 4 : 2) * n * G);
+    const int64_t sub = l->sub;
+    void *s = scale_buffer(mode, n, G, sub), *b = sym ? NULL : scale_buffer(mode, n, G, sub);
+    uint16_t dh = 0, mh = 0;
     for (int64_t r = 0; r < n; r++)
       for (int64_t g = 0; g < G; g++) { /* w = s (u - z): z in 100..156 (sym: 128) */
         float sv = rng_uniform(0.5f, 1.5f) * wscale / 128.0f, bv = sym ? 0.0f : -sv * rng_uniform(100.0f, 156.0f);
         if (rng_int(0, 15) == 0) sv = -sv; /* (Q6_K's sub-block scales take either sign) */
-        const int64_t at = (r / 16) * G * 16 + g * 16 + r % 16;
-        if (f32) {
-          ((float *)s)[at] = sv;
-          if (b) ((float *)b)[at] = bv;
-        } else {
-          const uint16_t sh = h_f2h(sv), bh = h_f2h(bv);
-          ((uint16_t *)s)[at] = sh;
-          if (b) ((uint16_t *)b)[at] = bh;
-          sv = h_h2f(sh), bv = h_h2f(bh);
-        }
+        if (mode == SCALES_K && g % sub == 0) /* a super-block's d (s = d sc, sc ~ 32) and -dmin (b = -dmin m, m ~ 48) */
+          dh = h_f2h_any(rng_uniform(0.5f, 1.5f) * wscale / 128.0f / 32.0f), mh = h_f2h_any(-rng_uniform(0.8f, 1.2f) * wscale / 48.0f);
+        const int8_t sc = (int8_t)((sv < 0 ? -1 : 1) * rng_int(16, 48)), m = (int8_t)rng_int(32, 63);
+        sv = scale_put(s, mode, G, sub, r, g, sv, dh, sc);
+        if (b) bv = scale_put(b, mode, G, sub, r, g, bv, mh, m);
         l->s4[r * G + g] = sv, l->b4[r * G + g] = sym ? -128.0f * sv : bv;
       }
     l->packed = p, l->scales = s, l->aux = b;
@@ -296,19 +325,18 @@ static void lin_make(Lin *l, int kind, int64_t n, int64_t k, int64_t group, int 
         l->q4[r * k + c] = v;
         p[((r / 16) * (k / 8) + c / 8) * 64 + (r % 16) * 4 + (c % 8) % 4] |= (uint8_t)(c % 8 >= 4 ? v << 4 : v);
       }
-    void *s = xalloc((f32 ? 4 : 2) * n * G), *b = xalloc((f32 ? 4 : 2) * n * G);
+    const int64_t sub = l->sub;
+    void *s = scale_buffer(mode, n, G, sub), *b = scale_buffer(mode, n, G, sub);
+    uint16_t dh = 0, mh = 0;
     for (int64_t r = 0; r < n; r++)
       for (int64_t g = 0; g < G; g++) { /* w = s q + b = s (q - z): centred on a zero point z in 6..9 */
         float sv = rng_uniform(0.5f, 1.5f) * wscale * 2.0f / 15.0f, bv = -sv * rng_uniform(6.0f, 9.0f);
-        if (rng_int(0, 15) == 0) bv = 0.0f;
-        const int64_t at = (r / 16) * G * 16 + g * 16 + r % 16;
-        if (f32) {
-          ((float *)s)[at] = sv, ((float *)b)[at] = bv;
-        } else {
-          const uint16_t sh = h_f2h(sv), bh = h_f2h(bv);
-          ((uint16_t *)s)[at] = sh, ((uint16_t *)b)[at] = bh;
-          sv = h_h2f(sh), bv = h_h2f(bh);
-        }
+        const int zero = rng_int(0, 15) == 0;
+        if (zero) bv = 0.0f;
+        if (mode == SCALES_K && g % sub == 0) /* Q4_K's d (s = d sc, sc in 16..48) and -dmin (b = -dmin m) */
+          dh = h_f2h_any(rng_uniform(0.5f, 1.5f) * wscale * 2.0f / 15.0f / 32.0f), mh = h_f2h_any(-rng_uniform(4.0f, 6.0f) * h_h2f(dh));
+        sv = scale_put(s, mode, G, sub, r, g, sv, dh, (int8_t)rng_int(16, 48));
+        bv = scale_put(b, mode, G, sub, r, g, bv, mh, (int8_t)(zero ? 0 : rng_int(32, 63)));
         l->s4[r * G + g] = sv, l->b4[r * G + g] = bv;
       }
     l->packed = p, l->scales = s, l->aux = b;
@@ -321,15 +349,16 @@ static void lin_free(Lin *l) {
 static void lin_run(const Lin *l, const bf16 *x, bf16 *y, int64_t M) {
   if (l->kind == LIN_BF16) mili_linear(l->packed, x, y, M, l->n, l->k, NT);
   else if (l->kind == LIN_INT8) mili_linear_int8(l->packed, l->sw, l->colsum, x, y, M, l->n, l->k, NT);
-  else if (l->kind == LIN_INT4) mili_linear_int4(l->packed, l->scales, l->aux, x, y, M, l->n, l->k, l->group, (int)l->f32, NT);
-  else mili_linear_int8g(l->packed, l->scales, l->aux, x, y, M, l->n, l->k, l->group, (int)l->f32, 0, NT);
+  else if (l->kind == LIN_INT4)
+    mili_linear_int4(l->packed, l->scales, l->aux, x, y, M, l->n, l->k, l->group, (int)l->mode, l->sub, NT);
+  else mili_linear_int8g(l->packed, l->scales, l->aux, x, y, M, l->n, l->k, l->group, (int)l->mode, l->sub, 0, NT);
 }
 static mili_linear_desc lin_desc(const Lin *l) {
   mili_linear_desc d;
   memset(&d, 0, sizeof d);
   d.w = l->packed, d.n = l->n, d.k = l->k;
   if (l->kind != LIN_BF16) d.scales = l->scales, d.aux = l->aux;
-  if (l->kind == LIN_INT4 || l->kind == LIN_INT8G) d.group = l->group, d.scale_f32 = l->f32;
+  if (l->kind == LIN_INT4 || l->kind == LIN_INT8G) d.group = l->group, d.scale_mode = l->mode, d.sub = l->sub;
   d.int8g = l->kind == LIN_INT8G;
   return d;
 }
@@ -572,14 +601,16 @@ static void test_isa(void) {
 /* extreme: every weight at its largest (int8 +-127, int4 q = 15, int8g u = 0 or 255: v = u - 128 = -128 or 127)
  * and x rows of +-1 (q = +-127): the sums at their bounds (the int16 intermediate sums of the AVX2 layer without
  * VNNI) */
-static void test_linear(int kind, int64_t M, int64_t N, int64_t K, int64_t group, int f32, int sym, int extreme) {
+static const char *const SCALE_NAME[] = {"f16", "f32", "two-level"};
+
+static void test_linear(int kind, int64_t M, int64_t N, int64_t K, int64_t group, int mode, int sym, int extreme) {
   if (kind != LIN_BF16 && !INT_KERNELS) {
     n_skipped++;
     return;
   }
-  rng_seed((uint64_t)(kind * 1000003 + M * 10007 + N * 101 + K * 7 + group * 3 + f32 + extreme * 5 + sym * 11));
+  rng_seed((uint64_t)(kind * 1000003 + M * 10007 + N * 101 + K * 7 + group * 3 + mode + extreme * 5 + sym * 11));
   Lin l;
-  lin_make(&l, kind, N, K, group, f32, sym, 1.0f);
+  lin_make(&l, kind, N, K, group, mode, sym, 1.0f);
   bf16 *x = xalloc(sizeof(bf16) * M * K), *y = xalloc(sizeof(bf16) * (M * N + 64));
   fill_bf(x, M * K, -1.0f, 1.0f);
   if (M >= 5 && !extreme) { /* a row of zeros (scale 1 where quantized) and one with an outlier (most q near 0) */
@@ -621,7 +652,7 @@ static void test_linear(int kind, int64_t M, int64_t N, int64_t K, int64_t group
   if (overflow) a.bad++, printf("(a quantized x beyond int8)\n");
   if (kind == LIN_INT4 || kind == LIN_INT8G)
     verdict(&a, "%s M=%lld N=%lld K=%lld group=%lld scales=%s%s%s", LIN_NAME[kind], (long long)M, (long long)N,
-            (long long)K, (long long)group, f32 ? "f32" : "f16", sym ? " symmetric" : "", extreme ? " (extreme values)" : "");
+            (long long)K, (long long)group, SCALE_NAME[mode], sym ? " symmetric" : "", extreme ? " (extreme values)" : "");
   else
     verdict(&a, "%s M=%lld N=%lld K=%lld%s", LIN_NAME[kind], (long long)M, (long long)N, (long long)K,
             extreme ? " (extreme values)" : "");
@@ -823,19 +854,19 @@ static void test_prefill_attention(int64_t Lq, int64_t Lk, int64_t Hq, int64_t H
 
 /* -- one decoder layer: (1) against the same kernels called one by one as documented (bit for bit), (2) against
  * the composition of the references above, each stage rounded to bf16 as the kernels round it. ------------- */
-static void test_decode_layer(int kind, int64_t group, int f32, int sym, int first) {
+static void test_decode_layer(int kind, int64_t group, int mode, int sym, int first) {
   if (kind != LIN_BF16 && !INT_KERNELS) {
     n_skipped++;
     return;
   }
-  rng_seed((uint64_t)(kind * 101 + group * 7 + f32 * 3 + first + sym * 13));
+  rng_seed((uint64_t)(kind * 101 + group * 7 + mode * 3 + first + sym * 13 + (mode == SCALES_K) * 17));
   const int64_t H = 128, Hq = 4, Hkv = 2, D = 64, I = 128, T = 3, ps = 16, nqkv = (Hq + 2 * Hkv) * D;
   const float eps = 1e-6f, scale = 1.0f / sqrtf((float)D);
   Lin qkv, o, gu, down;
-  lin_make(&qkv, kind, nqkv, H, group, f32, sym, 2.0f / sqrtf((float)H));
-  lin_make(&o, kind, H, Hq * D, group, f32, sym, 1.0f / sqrtf((float)(Hq * D)));
-  lin_make(&gu, kind, 2 * I, H, group, f32, sym, 2.0f / sqrtf((float)H));
-  lin_make(&down, kind, H, I, group, f32, sym, 1.0f / sqrtf((float)I));
+  lin_make(&qkv, kind, nqkv, H, group, mode, sym, 2.0f / sqrtf((float)H));
+  lin_make(&o, kind, H, Hq * D, group, mode, sym, 1.0f / sqrtf((float)(Hq * D)));
+  lin_make(&gu, kind, 2 * I, H, group, mode, sym, 2.0f / sqrtf((float)H));
+  lin_make(&down, kind, H, I, group, mode, sym, 1.0f / sqrtf((float)I));
   bf16 *norms = xalloc(sizeof(bf16) * (2 * H + 2 * D));
   fill_bf(norms, 2 * H + 2 * D, 0.5f, 1.5f);
   mili_layer_desc L;
@@ -917,7 +948,7 @@ static void test_decode_layer(int kind, int64_t group, int f32, int sym, int fir
   char what[96];
   if (kind == LIN_INT4 || kind == LIN_INT8G)
     snprintf(what, sizeof what, "%s group=%lld scales=%s%s", kind == LIN_INT4 ? "int4" : "int8g", (long long)group,
-             f32 ? "f32" : "f16", sym ? " symmetric" : "");
+             SCALE_NAME[mode], sym ? " symmetric" : "");
   else
     snprintf(what, sizeof what, "%s", kind == LIN_INT8 ? "int8" : "bf16");
   Acc a;
@@ -1186,32 +1217,37 @@ int main(void) {
   const int64_t groups[] = {32, 64, 128}, i4_K[] = {128, 1024}, i4_MN[][2] = {{1, 16}, {1, 80}, {2, 48}, {5, 80}, {17, 48}};
   for (int g = 0; g < 3; g++)
     for (int k = 0; k < 2; k++)
-      for (int f32 = 0; f32 <= 1; f32++)
-        for (int s = 0; s < 5; s++) test_linear(LIN_INT4, i4_MN[s][0], i4_MN[s][1], i4_K[k], groups[g], f32, 0, 0);
+      for (int mode = SCALES_F16; mode <= SCALES_K; mode++)
+        for (int s = 0; s < 5; s++) test_linear(LIN_INT4, i4_MN[s][0], i4_MN[s][1], i4_K[k], groups[g], mode, 0, 0);
   test_linear(LIN_INT4, 64, 48, 1024, 64, 0, 0, 0);
   test_linear(LIN_INT4, 64, 48, 1024, 128, 1, 0, 0);
-  /* groups of 1, 2, 3, 5 steps of 8 (group % 8 == 0 is all the kernel asks) */
+  test_linear(LIN_INT4, 64, 48, 1024, 32, SCALES_K, 0, 0);
+  /* groups of 1, 2, 3, 5 steps of 8 (group % 8 == 0 is all the kernel asks; two-level: one super-block a row) */
   const int64_t odd_groups[][2] = {{8, 64}, {16, 128}, {24, 96}, {40, 320}};
   for (int g = 0; g < 4; g++)
-    for (int s = 0; s < 5; s++) test_linear(LIN_INT4, i4_MN[s][0], i4_MN[s][1], odd_groups[g][1], odd_groups[g][0], s % 2, 0, 0);
+    for (int s = 0; s < 5; s++) test_linear(LIN_INT4, i4_MN[s][0], i4_MN[s][1], odd_groups[g][1], odd_groups[g][0], s % 3, 0, 0);
   for (int g = 0; g < 3; g++) {
     test_linear(LIN_INT4, 1, 48, 1024, groups[g], 1, 0, 1);
     test_linear(LIN_INT4, 7, 48, 1024, groups[g], 0, 0, 1);
+    test_linear(LIN_INT4, 2, 48, 1024, groups[g], SCALES_K, 0, 1);
   }
-  /* int8g: GGUF's groups (Q6_K 16, Q8_0 and Q5_K 32) and more, with and without offsets, fp16 and f32 scales */
+  /* int8g: GGUF's groups (Q6_K 16, Q8_0 and Q5_K 32) and more, with and without offsets, fp16, f32 and two-level
+   * scales */
   const int64_t i8g_groups[] = {16, 32, 64}, i8g_MN[][2] = {{1, 16}, {1, 80}, {2, 48}, {3, 16}, {5, 80}, {17, 48}};
   for (int g = 0; g < 3; g++)
     for (int k = 0; k < 2; k++)
-      for (int f32 = 0; f32 <= 1; f32++)
+      for (int mode = SCALES_F16; mode <= SCALES_K; mode++)
         for (int sym = 0; sym <= 1; sym++)
-          for (int s = 0; s < 6; s++) test_linear(LIN_INT8G, i8g_MN[s][0], i8g_MN[s][1], i4_K[k], i8g_groups[g], f32, sym, 0);
+          for (int s = 0; s < 6; s++) test_linear(LIN_INT8G, i8g_MN[s][0], i8g_MN[s][1], i4_K[k], i8g_groups[g], mode, sym, 0);
   test_linear(LIN_INT8G, 64, 48, 1024, 32, 0, 1, 0);
   test_linear(LIN_INT8G, 64, 48, 1024, 16, 1, 0, 0);
-  for (int s = 0; s < 6; s++) test_linear(LIN_INT8G, i8g_MN[s][0], i8g_MN[s][1], 120, 24, s % 2, s / 3, 0);
+  test_linear(LIN_INT8G, 64, 48, 1024, 16, SCALES_K, 1, 0);
+  for (int s = 0; s < 6; s++) test_linear(LIN_INT8G, i8g_MN[s][0], i8g_MN[s][1], 120, 24, s % 3, s / 3, 0);
   for (int g = 0; g < 2; g++)
     for (int sym = 0; sym <= 1; sym++) {
       test_linear(LIN_INT8G, 1, 48, 1024, i8g_groups[g], 1, sym, 1);
       test_linear(LIN_INT8G, 7, 48, 1024, i8g_groups[g], 0, sym, 1);
+      test_linear(LIN_INT8G, 2, 48, 1024, i8g_groups[g], SCALES_K, sym, 1);
     }
 
   for (int res = 0; res <= 1; res++) {
@@ -1250,6 +1286,9 @@ int main(void) {
   test_decode_layer(LIN_INT4, 32, 1, 0, 1);
   test_decode_layer(LIN_INT8G, 32, 0, 1, 0);
   test_decode_layer(LIN_INT8G, 16, 1, 0, 1);
+  test_decode_layer(LIN_INT4, 32, SCALES_K, 0, 0); /* (GGUF's K-quants as stored: Q4_K, Q6_K, Q5_K) */
+  test_decode_layer(LIN_INT8G, 16, SCALES_K, 1, 1);
+  test_decode_layer(LIN_INT8G, 32, SCALES_K, 0, 0);
 
   const int64_t argN[] = {1, 2, 3, 15, 16, 17, 31, 33, 100, 1001};
   for (int i = 0; i < 10; i++) test_argmax(argN[i]);

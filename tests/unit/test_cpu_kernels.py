@@ -679,6 +679,117 @@ def test_int4_dequantize_is_scale_times_q_plus_offset():
     assert torch.equal(dense, q.float() * s.repeat_interleave(32, 1) + b.repeat_interleave(32, 1))
 
 
+def _k_quant_parts(kind: str, rows: int, cols: int, seed: int):
+    """Random valid blocks of a K-quant (``kind``, or "Q4_K+Q6_K": a fused layer's Q4_K rows beside Q6_K rows, as
+    Q4_K_M's q|k|v) as the loader keeps them (``gguf_blocks.group_parts``: two-level scales and offsets), with
+    gguf.quants.dequantize of the same blocks. The super-block scales d (and dmin) take either sign, and some are
+    fp16 subnormals, as a real file's small ones are."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as T
+    from gguf import quants
+
+    from mili.model.gguf_blocks import group_parts
+    from mili.model.quant import concat_parts
+
+    if "+" in kind:
+        first, second = kind.split("+")
+        a, wa = _k_quant_parts(first, rows // 2, cols, seed)
+        b, wb = _k_quant_parts(second, rows - rows // 2, cols, seed + 1)
+        return concat_parts([a, b]), torch.cat([wa, wb])
+    rng = np.random.default_rng(seed)
+    qtype = getattr(T, kind)
+    block, size = quants.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(rows * cols // block, size), dtype=np.uint8)
+    for at in ((size - 2,) if kind == "Q6_K" else (0, 2)):  # Q6_K's d last; Q4_K's and Q5_K's d, dmin first
+        d = rng.uniform(2e-5, 1e-3, len(raw)) * rng.choice([-1, 1], len(raw))
+        d[::7] = rng.uniform(1e-7, 6e-5, len(d[::7]))  # fp16 subnormals
+        raw[:, at:at + 2] = d.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    want = quants.dequantize(raw.reshape(-1), qtype).reshape(rows, cols)
+    return group_parts(raw, kind, (rows, cols)), torch.from_numpy(np.array(want, dtype=np.float32))
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind,layer_type", [("Q4_K", "Int4Linear"), ("Q5_K", "Int8GroupLinear"),
+                                             ("Q6_K", "Int8GroupLinear"), ("Q4_K+Q6_K", "Int8GroupLinear")])
+def test_k_quants_keep_their_two_level_scales(isa, kind, layer_type):
+    """GGUF's K-quants on the kernels with their scales as the file stores them (kernels.c, SCALES_K): fp16 d (and
+    -dmin) per super-block of 256, an int8 sc (and m) per group, packed as uint8 and formed in the kernel. The
+    layer (as the model builder makes it from the loader's parts) dequantizes to gguf.quants.dequantize bit for
+    bit; its product is the integer product over those weights within a bf16 ulp (x quantized per group), and
+    the same bits as the layer given the float32 values d sc and -dmin m; its scales take 1 + 2 / sub bytes a
+    group, not 4 (Q4_K: ~0.58 bytes a weight in all)."""
+    pytest.importorskip("gguf")
+    from mili.model.cpu_linear import Int4Linear, Int8GroupLinear
+    from mili.runtime.model_builder import _quantized_cpu_layer
+
+    rows, cols = 48, 1024
+    parts, want = _k_quant_parts(kind, rows, cols, seed=len(kind))
+    layer = _quantized_cpu_layer(parts, None, None)
+    assert type(layer).__name__ == layer_type
+    assert layer.scales.dtype == torch.uint8 and ops.scale_form(layer.scales)[0] == ops.SCALES_K
+    assert (layer.offsets is None) == (kind == "Q6_K") and getattr(layer, "signed", False) == ("+" in kind)
+    dense = layer.dequantize()
+    assert torch.equal(dense.view(torch.int32), want.view(torch.int32))  # (bits: zeros' signs too)
+    group = cols // parts.scales.shape[1]
+    sub = 256 // group
+    scale_bytes = sum(t.numel() for t in (layer.scales, layer.offsets) if t is not None)
+    assert scale_bytes == (1 if layer.offsets is None else 2) * rows * cols // group * (1 + 2 / sub)
+    # the one-level float32 layer of the same values: the same bits out of the kernel
+    make = Int4Linear if layer_type == "Int4Linear" else Int8GroupLinear
+    u = layer.qweight if layer_type == "Int8GroupLinear" else None
+    if u is None:
+        f32 = make(ops.unpack_int4(layer.qweight)[:rows], parts.scales, parts.offsets)
+    else:
+        f32 = make(ops.unpack_rows(u, torch.arange(rows)), parts.scales, None if layer.offsets is None else parts.offsets,
+                   signed=layer.signed)
+    assert f32.scales.dtype == torch.float32
+    g = torch.Generator().manual_seed(3)
+    for m in (1, 2, 5, 17):
+        x = (torch.randn(m, cols, generator=g) * 3).to(BF16)
+        got = layer(x)
+        assert torch.equal(got, f32(x))
+        q = ops.unpack_int4(layer.qweight)[:rows] if u is None else ops.unpack_rows(u, torch.arange(rows))
+        offsets = None if layer.offsets is None else ops.group_values(layer.offsets)[:rows]
+        assert_within_a_bf16_ulp(got, int8g_reference(x, q, ops.group_values(layer.scales)[:rows], offsets,
+                                                      signed=getattr(layer, "signed", False)))
+
+
+@needs_kernels
+def test_int4_symmetric_takes_two_level_scales(isa):
+    """The one kernel form no GGUF type gives (the int4 kernel without offsets, w = s (q - 8), with two-level scales)
+    is the float32 form's bits too."""
+    from mili.model.cpu_linear import Int4Linear
+    from mili.model.quant import TwoLevel
+
+    g = torch.Generator().manual_seed(9)
+    q = torch.randint(0, 16, (32, 512), generator=g, dtype=torch.uint8)
+    levels = TwoLevel((torch.randn(32, 2, generator=g) * 1e-3).half().float(),
+                      torch.randint(-64, 64, (32, 16), generator=g, dtype=torch.int8))
+    two, f32 = Int4Linear(q, levels, None), Int4Linear(q, levels.values(), None)
+    assert two.scales.dtype == torch.uint8 and f32.scales.dtype == torch.float32
+    assert torch.equal(two.dequantize(), f32.dequantize())
+    for m in (1, 3):
+        x = (torch.randn(m, 512, generator=g) * 4).to(BF16)
+        assert torch.equal(two(x), f32(x))
+
+
+def test_two_level_scales_pack_and_unpack():
+    """ops.pack_scales of two levels (d [N, S] fp16 values, sc [N, G] int8): per block of 16 rows and super-block,
+    the rows' d as fp16 then each group's 16 sc; group_values gives d sc back (float32, exact); scale_form reads the
+    mode, the groups a super-block and the groups from the shape. d not held by fp16 is refused."""
+    g = torch.Generator().manual_seed(0)
+    d = (torch.randn(32, 3, generator=g) * 1e-3).half().float()
+    sc = torch.randint(-128, 128, (32, 12), generator=g, dtype=torch.int8)
+    packed = ops.pack_scales((d, sc))
+    assert packed.dtype == torch.uint8 and packed.shape == (2, 3, 32 + 16 * 4)
+    assert ops.scale_form(packed) == (ops.SCALES_K, 4, 12)
+    assert torch.equal(packed[1, 2, :32].contiguous().view(torch.float16).float(), d[16:, 2])
+    assert torch.equal(packed[1, 2, 32 + 16:64].contiguous().view(torch.int8), sc[16:, 9])
+    assert torch.equal(ops.group_values(packed), d.repeat_interleave(4, 1) * sc.float())
+    with pytest.raises(AssertionError, match="fp16"):
+        ops.pack_scales((d + 1e-9, sc))
+
+
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])
 @pytest.mark.parametrize("hk,hv,dk,dv,k", [(2, 4, 16, 16, 4), (1, 3, 128, 128, 4), (2, 2, 64, 32, 2)])

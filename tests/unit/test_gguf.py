@@ -46,14 +46,26 @@ def _hf_reference(files, checkpoint, prompts, tmp_path):
 
 @pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K"])
 def test_each_block_type_splits_into_exactly_gguf_dequantize(type_name):
-    """scale * q + offset per group, in float32, is gguf-py's dequantize of the same blocks, value for value."""
+    """scale * q + offset per group, in float32, is gguf-py's dequantize of the same blocks, value for value (bit for
+    bit but Q4_0's zeros' signs); the K-quants keep their scales' two levels too (fp16 d, -dmin per super-block of 256,
+    int8 sc, m per group), whose products are those scales and offsets."""
     rng = np.random.default_rng(1)
     w = rng.normal(0, 0.2, size=(48, 512)).astype(np.float32)
     data, qtype = _encode(w, type_name, rng)
     parts = group_parts(data, type_name, (48, 512))
     want = gguf.quants.dequantize(data, qtype).reshape(48, 512)
     assert np.array_equal(parts.dequantize().numpy(), want)  # (no tolerance)
+    if type_name != "Q4_0":
+        assert np.array_equal(parts.dequantize().numpy().view(np.int32), want.view(np.int32))
     assert parts.bits == (4 if type_name in ("Q4_0", "Q4_K") else 8)
+    k_quant = type_name.endswith("_K")
+    assert (parts.scales_k is not None) == k_quant and (parts.offsets_k is not None) == (type_name in ("Q4_K", "Q5_K"))
+    if k_quant:
+        assert parts.scales_k.d.shape == (48, 2) and parts.scales_k.sc.dtype == torch.int8
+        assert torch.equal(parts.scales_k.d.half().float(), parts.scales_k.d)  # (fp16 values)
+        assert torch.equal(parts.scales_k.values(), parts.scales)
+        if parts.offsets_k is not None:
+            assert torch.equal(parts.offsets_k.values(), parts.offsets) and parts.offsets_k.sc.min() >= 0
     if parts.bits == 4:
         low, high = (-8, 7) if type_name == "Q4_0" else (0, 15)  # (Q4_0: symmetric, no offsets)
         assert low <= parts.q.min() and parts.q.max() <= high and (type_name != "Q4_0" or not parts.offsets.any())
@@ -61,6 +73,11 @@ def test_each_block_type_splits_into_exactly_gguf_dequantize(type_name):
     other = group_parts(*_encode(w[:16], "Q6_K", rng)[:1], "Q6_K", (16, 512))
     joined = concat_parts([parts, other])
     assert torch.equal(joined.dequantize(), torch.cat([parts.dequantize(), other.dequantize()]))
+    assert (joined.scales_k is not None) == k_quant  # (a K-quant beside a K-quant: still two levels)
+    if k_quant:
+        assert torch.equal(joined.scales_k.values(), joined.scales)
+        assert joined.offsets_k is None if parts.offsets_k is None else torch.equal(joined.offsets_k.values(),
+                                                                                   joined.offsets)
 
 
 @pytest.mark.parametrize("kind", ["q4_k_m", "q8_0", "q4_0", "q5_k", "f16_bf16", "moe"])
@@ -96,13 +113,17 @@ def test_bf16_runs_the_blocks_on_the_kernels_as_stored(gguf_model):
     gate_up, down, head = llm.apply_model(lambda m: (m.model.layers[0].mlp.gate_up_proj, m.model.layers[0].mlp.down_proj,
                                                      m.lm_head))
     assert isinstance(gate_up, Int4Linear) and isinstance(down, Int8GroupLinear) and isinstance(head, Int8GroupLinear)
+    # their scales as the file stores them, in two levels (kernels.c's SCALES_K): fp16 d per 256, int8 sc per group
+    assert all(layer.scales.dtype == torch.uint8 for layer in (gate_up, down, head))
     assert torch.equal(gate_up.dequantize(), _gguf_dequantized(path, "blk.0.ffn_gate.weight", "blk.0.ffn_up.weight"))
     assert torch.equal(down.dequantize(), _gguf_dequantized(path, "blk.0.ffn_down.weight"))
     assert torch.equal(head.dequantize(), _gguf_dequantized(path, "output.weight"))
     assert llm.engine.plan.step == "cpu-decode" and cpu_kernels.available()
     # q and k Q4_K beside a Q6_K v: one int8g layer, each part in its exact form
     qkv = llm.apply_model(lambda m: m.model.layers[0].self_attn.qkv_proj)
-    assert isinstance(qkv, Int8GroupLinear) and qkv.signed
+    assert isinstance(qkv, Int8GroupLinear) and qkv.signed and qkv.scales.dtype == qkv.offsets.dtype == torch.uint8
+    runner = llm.engine.core.runner.cpu_decode
+    assert runner.layers[0].qkv.scale_mode == runner.layers[0].gate_up.scale_mode == 2  # (the fused step's too)
     assert torch.equal(qkv.dequantize(), _gguf_dequantized(path, *(f"blk.0.attn_{p}.weight" for p in "qkv")))
     # the fused decode layer runs these layers as the modules do, bit for bit
     eager = LLM(str(path), dtype="bfloat16", enforce_eager=True)

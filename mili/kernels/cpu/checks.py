@@ -87,6 +87,15 @@ def check_int(lib) -> str:
             why = _close(got, x.float() @ dense.T, 3e-2)
             if why:
                 return f"int4 linear: {why}"
+            # two-level scales (GGUF's K-quants as stored): fp16 d per super-block of 2 groups, int8 sc per group
+            d = (torch.rand(32, 2, generator=g) * 0.01).half().float()
+            sc = torch.randint(-8, 32, (32, 4), generator=g, dtype=torch.int8)
+            got = ops.linear_int4(x, *ops.pack_int4(q4, (d, sc), (-d, sc.abs())))
+            s = d.repeat_interleave(2, dim=1) * sc.float()
+            dense = (q4.float() * s.repeat_interleave(32, dim=1) - s.abs().repeat_interleave(32, dim=1))
+            why = _close(got, x.float() @ dense.T, 3e-2)
+            if why:
+                return f"int4 linear (two-level scales): {why}"
             u = torch.randint(0, 256, (32, 128), generator=g, dtype=torch.uint8)
             s8 = torch.rand(32, 4, generator=g) * 0.01
             for b8 in (torch.randn(32, 4, generator=g), None):  # (None: w = s (u - 128))

@@ -70,8 +70,8 @@ static inline vi vi_set1(int32_t x) { VI2(_mm256_set1_epi32(x), _mm256_set1_epi3
 static inline vi vi_load(const int32_t *p) {
   VI2(_mm256_loadu_si256((const __m256i *)p), _mm256_loadu_si256((const __m256i *)(p + 8)));
 }
-static inline vi vi_load_u8(const uint8_t *p) {
-  VI2(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)), _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8))));
+static inline vi vi_load_i8(const int8_t *p) {
+  VI2(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)), _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8))));
 }
 static inline vi vi_add(vi x, vi y) { VI2(_mm256_add_epi32(x.a, y.a), _mm256_add_epi32(x.b, y.b)); }
 static inline vi vi_sub(vi x, vi y) { VI2(_mm256_sub_epi32(x.a, y.a), _mm256_sub_epi32(x.b, y.b)); }

@@ -43,7 +43,7 @@ static inline vf vf_scale2(vf a, vf n) { return _mm512_scalef_ps(a, n); } /* a 2
 static inline vi vi_zero(void) { return _mm512_setzero_si512(); }
 static inline vi vi_set1(int32_t a) { return _mm512_set1_epi32(a); }
 static inline vi vi_load(const int32_t *p) { return _mm512_loadu_si512(p); }
-static inline vi vi_load_u8(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+static inline vi vi_load_i8(const int8_t *p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }
 static inline vi vi_add(vi a, vi b) { return _mm512_add_epi32(a, b); }
 static inline vi vi_sub(vi a, vi b) { return _mm512_sub_epi32(a, b); }
 static inline vi vi_shl(vi a, int n) { return _mm512_slli_epi32(a, n); }

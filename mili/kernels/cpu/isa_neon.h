@@ -53,14 +53,14 @@ static inline vf vf_scale2(vf x, vf n) { VF4(vmulq_f32(x.v[i_], pow2_4(n.v[i_]))
 static inline vi vi_zero(void) { VI4(vdupq_n_s32(0)); }
 static inline vi vi_set1(int32_t x) { VI4(vdupq_n_s32(x)); }
 static inline vi vi_load(const int32_t *p) { VI4(vld1q_s32(p + 4 * i_)); }
-static inline vi vi_load_u8(const uint8_t *p) {
-  const uint8x16_t b = vld1q_u8(p);
-  const uint16x8_t lo = vmovl_u8(vget_low_u8(b)), hi = vmovl_u8(vget_high_u8(b));
+static inline vi vi_load_i8(const int8_t *p) {
+  const int8x16_t b = vld1q_s8(p);
+  const int16x8_t lo = vmovl_s8(vget_low_s8(b)), hi = vmovl_s8(vget_high_s8(b));
   vi r;
-  r.v[0] = vreinterpretq_s32_u32(vmovl_u16(vget_low_u16(lo)));
-  r.v[1] = vreinterpretq_s32_u32(vmovl_u16(vget_high_u16(lo)));
-  r.v[2] = vreinterpretq_s32_u32(vmovl_u16(vget_low_u16(hi)));
-  r.v[3] = vreinterpretq_s32_u32(vmovl_u16(vget_high_u16(hi)));
+  r.v[0] = vmovl_s16(vget_low_s16(lo));
+  r.v[1] = vmovl_s16(vget_high_s16(lo));
+  r.v[2] = vmovl_s16(vget_low_s16(hi));
+  r.v[3] = vmovl_s16(vget_high_s16(hi));
   return r;
 }
 static inline vi vi_add(vi x, vi y) { VI4(vaddq_s32(x.v[i_], y.v[i_])); }

@@ -547,21 +547,94 @@ static void free_groups(grouped_x gx) {
  * d sc q - dmin m are (d sc) q + (-dmin m): each maps onto this exactly with float32 scales and offsets (fp16
  * where those are exact). q packed [N/16][K/8][64 bytes]: byte 4c + j of a row holds column c's q at k0 + j in
  * its low nibble and at k0 + 4 + j in its high one, so masking and shifting a 64-byte load gives two of the
- * int8 kernel's [16 columns][4 k] operands. Scales and offsets (fp16, or float32 with scale_f32) are
- * [N/16][G][16]. x is quantized to int8 per row and group (sx), and each group's sum of q (xsum) carries the
- * offsets: sum_k x w = sx (s sum_k xq q + b sum_k xq). Without offsets (wb NULL) w = s (q - 8), none stored: GGUF's
- * Q4_0 d (q - 8) as it is (its bits, a zero's sign too), sx s (sum_k xq q - 8 sum_k xq). */
-static inline __attribute__((always_inline)) vf load_scales(const void *p, int64_t at, int f32) {
-  return f32 ? vf_load((const float *)p + at) : vf_load_f16((const uint16_t *)p + at);
+ * int8 kernel's [16 columns][4 k] operands. Scales and offsets are per block of 16 columns and group, in one of the
+ * forms below (scale_mode). x is quantized to int8 per row and group (sx), and each group's sum of q (xsum) carries
+ * the offsets: sum_k x w = sx (s sum_k xq q + b sum_k xq). Without offsets (wb NULL) w = s (q - 8), none stored:
+ * GGUF's Q4_0 d (q - 8) as it is (its bits, a zero's sign too), sx s (sum_k xq q - 8 sum_k xq). */
+
+/* The int4 and int8g kernels' scales (and offsets: the same form), one array each, per block of 16 output columns:
+ *  SCALES_F16, SCALES_F32: [N/16][G][16] fp16 or float32 values;
+ *  SCALES_K: two levels, as GGUF's K-quants store them: per super-block of `sub` groups 16 fp16 d, then sub x 16
+ *    int8 sub-scales sc, [N/16][G / sub][32 + 16 sub] bytes. A group's value is d sc, formed here in float32: the
+ *    product is exact (an 11-bit mantissa times at most 8 bits), so these are the values, and the results the bits,
+ *    of the SCALES_F32 form of d sc, at ~1 + 2 / sub bytes a group instead of 4. Q4_K's and Q5_K's scales are
+ *    (d, sc) and their offsets (-dmin, m): -dmin m = -(dmin m) exactly; Q6_K's scales (d, sc) with sc signed. */
+enum { SCALES_F16 = 0, SCALES_F32 = 1, SCALES_K = 2 };
+typedef struct {
+  int mode;       /* SCALES_F16, SCALES_F32 or SCALES_K */
+  int64_t sub;    /* SCALES_K: groups per super-block */
+  int64_t stride; /* bytes from one block of 16 columns to the next */
+} scale_form;
+
+static inline scale_form scale_form_of(int mode, int64_t G, int64_t sub) {
+  const int64_t stride = mode == SCALES_K ? G / sub * (32 + 16 * sub) : G * 16 * (mode == SCALES_F32 ? 4 : 2);
+  return (scale_form){mode, mode == SCALES_K ? sub : 1, stride};
 }
 
+/* Where group g's values lie in a block: at (its values, or SCALES_K its sub-scales) and d_at (SCALES_K: its
+ * super-block's d), in bytes, and whether g starts a super-block. Worked out once a group, for every block. */
+typedef struct {
+  int64_t at, d_at;
+  int first;
+} scale_at;
+
+static inline scale_at scale_place(scale_form f, int64_t g) {
+  if (f.mode != SCALES_K) return (scale_at){g * 16 * (f.mode == SCALES_F32 ? 4 : 2), 0, 0};
+  const int64_t s = g / f.sub, d_at = s * (32 + 16 * f.sub);
+  return (scale_at){d_at + 32 + 16 * (g - s * f.sub), d_at, g == s * f.sub};
+}
+
+/* The 16 columns' values of a group (block: the block's scales or offsets). SCALES_K: *d holds the block's d as
+ * float32, converted once a super-block (at its first group) and kept for the others. */
+static inline __attribute__((always_inline)) vf load_scales(const uint8_t *block, scale_at a, int mode, vf *d) {
+  if (mode == SCALES_F32) return vf_load((const float *)(block + a.at));
+  if (mode == SCALES_F16) return vf_load_f16((const uint16_t *)(block + a.at));
+  if (a.first) *d = vf_load_f16((const uint16_t *)(block + a.d_at));
+  return vf_mul(*d, vi_to_vf(vi_load_i8((const int8_t *)(block + a.at))));
+}
+
+/* One thread's run of nbs column blocks (from block nb0) of a layer's scales and offsets (b NULL: none), as its
+ * micro-kernel calls read them. With many rows (expand: prefill), SCALES_K values are formed once into float32
+ * (buf, freed by the caller), the SCALES_F32 form of the same values: each pair of rows then reads them as that form
+ * does, where forming them again for every pair cost ~13% of the int4 and int8g kernels' time at 64 rows. A row's
+ * results are the same bits either way. */
+typedef struct {
+  const uint8_t *s, *b;
+  scale_form f;
+  float *buf;
+} run_scales;
+
+static run_scales scales_of_run(const void *ws, const void *wb, scale_form sf, int64_t nb0, int64_t nbs, int64_t G,
+                                int expand) {
+  run_scales r = {(const uint8_t *)ws + nb0 * sf.stride, wb ? (const uint8_t *)wb + nb0 * sf.stride : NULL, sf, NULL};
+  if (!expand || sf.mode != SCALES_K) return r;
+  r.buf = malloc(sizeof(float) * (wb ? 2 : 1) * nbs * G * 16);
+  for (int half = 0; half < (wb ? 2 : 1); half++) {
+    const uint8_t *src = half ? r.b : r.s;
+    float *out = r.buf + half * nbs * G * 16;
+    for (int64_t j = 0; j < nbs; j++) {
+      vf d = vf_zero();
+      for (int64_t g = 0; g < G; g++)
+        vf_store(out + (j * G + g) * 16, load_scales(src + j * sf.stride, scale_place(sf, g), SCALES_K, &d));
+    }
+  }
+  r.f = scale_form_of(SCALES_F32, G, 1);
+  r.s = (const uint8_t *)r.buf;
+  r.b = wb ? (const uint8_t *)(r.buf + nbs * G * 16) : NULL;
+  return r;
+}
+#define EXPAND_ROWS 8 /* more rows than this: SCALES_K expanded (scales_of_run) */
+
 INT8_TARGET static inline __attribute__((always_inline)) void int4_micro(
-    const uint8_t *w, int64_t wblock, const void *ws, const void *wb, int f32, int64_t G, int64_t k8_per_group,
+    const uint8_t *w, int64_t wblock, const uint8_t *ws, const uint8_t *wb, scale_form sf, int64_t G, int64_t k8_per_group,
     const int8_t *xq, int64_t K, const float *sx, const int32_t *xsum, bf16 *y, int64_t ldy, const int MR,
-    const int NB, const int sym, int pf) {
-  vf f[I4_MR][I4_NB_CAP];
-  for (int i = 0; i < MR; i++)
-    for (int j = 0; j < NB; j++) f[i][j] = vf_zero();
+    const int NB, const int sym, const int two, int pf) {
+  const int mode = two ? SCALES_K : sf.mode == SCALES_F32 ? SCALES_F32 : SCALES_F16; /* (two: SCALES_K, a constant) */
+  vf f[I4_MR][I4_NB_CAP], ds[I4_NB_CAP], db[I4_NB_CAP]; /* (ds, db: SCALES_K's d of the scales and offsets) */
+  for (int j = 0; j < NB; j++) {
+    ds[j] = db[j] = vf_zero();
+    for (int i = 0; i < MR; i++) f[i][j] = vf_zero();
+  }
   for (int64_t g = 0; g < G; g++) {
     /* One row (decode) where the ISA allows (INT4_APART: vpdpbusd on AVX-512), the high nibbles are used in
      * place (masked, not shifted: one instruction less a load) and their products summed apart, 16 times too
@@ -600,15 +673,16 @@ INT8_TARGET static inline __attribute__((always_inline)) void int4_micro(
         for (int i = 0; i < MR; i++)
           for (int j = 0; j < NB; j++) acc[i][j] = i4_flush(acc[i][j], t[i][j]);
     }
+    const scale_at at = scale_place(sf, g);
     for (int j = 0; j < NB; j++) {
-      const int64_t at = j * G * 16 + g * 16;
-      const vf s = load_scales(ws, at, f32);
+      const vf s = load_scales(ws + j * sf.stride, at, mode, &ds[j]);
+      const vf b = sym ? s : load_scales(wb + j * sf.stride, at, mode, &db[j]);
       for (int i = 0; i < MR; i++) {
         vi sum = apart ? vi_add(acc[i][j], vi_sra(acc16[i][j], 4)) : acc[i][j];
         const float scale = sx[i * G + g];
         if (sym) sum = vi_sub(sum, vi_set1(8 * xsum[i * G + g]));
         f[i][j] = vf_fmadd(vi_to_vf(sum), vf_mul(s, vf_set1(scale)), f[i][j]);
-        if (!sym) f[i][j] = vf_fmadd(load_scales(wb, at, f32), vf_set1(scale * (float)xsum[i * G + g]), f[i][j]);
+        if (!sym) f[i][j] = vf_fmadd(b, vf_set1(scale * (float)xsum[i * G + g]), f[i][j]);
       }
     }
   }
@@ -616,7 +690,7 @@ INT8_TARGET static inline __attribute__((always_inline)) void int4_micro(
     for (int j = 0; j < NB; j++) vf_store_bf16(y + i * ldy + j * 16, f[i][j]);
 }
 
-#define I4(MR, NB) int4_micro(w, wblock, ws, wb, f32, G, k8g, xq, K, sx, xsum, y, ldy, MR, NB, sym, pf)
+#define I4(MR, NB) int4_micro(w, wblock, ws, wb, sf, G, k8g, xq, K, sx, xsum, y, ldy, MR, NB, sym, two, pf)
 #define I4_NB_CASE(MR)                                  \
   switch (nb) {                                         \
     case 1: I4(MR, 1); break;                           \
@@ -624,32 +698,40 @@ INT8_TARGET static inline __attribute__((always_inline)) void int4_micro(
     case 3: if (I4_NB_CAP >= 3) I4(MR, 3); break;       \
     default: if (I4_NB_CAP >= 4) I4(MR, 4); break;      \
   }
-INT8_TARGET static void int4_micro_any(const uint8_t *w, int64_t wblock, const void *ws, const void *wb, int f32,
+INT8_TARGET static void int4_micro_any(const uint8_t *w, int64_t wblock, const uint8_t *ws, const uint8_t *wb, scale_form sf,
                                        int64_t G, int64_t k8g, const int8_t *xq, int64_t K, const float *sx,
                                        const int32_t *xsum, bf16 *y, int64_t ldy, int mr, int nb, int pf) {
-  if (wb) { /* (sym a constant in each instance: its branches fold away) */
-    const int sym = 0;
-    if (mr == 1) {
-      I4_NB_CASE(1);
-    } else {
-      I4_NB_CASE(2);
-    }
+#define I4_MR_CASE \
+  if (mr == 1) {   \
+    I4_NB_CASE(1); \
+  } else {         \
+    I4_NB_CASE(2); \
+  }
+#define I4_SYM_CASE    \
+  if (wb) {            \
+    const int sym = 0; \
+    I4_MR_CASE         \
+  } else {             \
+    const int sym = 1; \
+    I4_MR_CASE         \
+  }
+  if (sf.mode == SCALES_K) { /* (sym and two constants in each instance: their branches fold away) */
+    const int two = 1;
+    I4_SYM_CASE
   } else {
-    const int sym = 1;
-    if (mr == 1) {
-      I4_NB_CASE(1);
-    } else {
-      I4_NB_CASE(2);
-    }
+    const int two = 0;
+    I4_SYM_CASE
   }
 }
 
-/* y[M, N] = x[M, K] @ W^T for int4 W (layout above; wb NULL: symmetric, w = s (q - 8)). N % 16 == 0,
- * K % group == 0, group % 8 == 0. */
+/* y[M, N] = x[M, K] @ W^T for int4 W (layout above; wb NULL: symmetric, w = s (q - 8)), scales and offsets in the
+ * form scale_mode (SCALES_K: sub groups a super-block). N % 16 == 0, K % group == 0, group % 8 == 0; SCALES_K:
+ * (K / group) % sub == 0. */
 void mili_linear_int4(const uint8_t *w, const void *ws, const void *wb, const bf16 *x, bf16 *y, int64_t M, int64_t N,
-                      int64_t K, int64_t group, int scale_f32, int nthreads) {
+                      int64_t K, int64_t group, int scale_mode, int64_t sub, int nthreads) {
   const int64_t G = K / group, nblocks = N / 16, per = M == 1 ? I4_NB_ONE : I4_NB_CAP,
                 ngroups = (nblocks + per - 1) / per, wblock = K * 8;
+  const scale_form sf = scale_form_of(scale_mode, G, sub);
   const grouped_x gx = quantize_groups(x, M, K, group, nthreads);
   const int8_t *xq = gx.xq;
   const float *sx = gx.sx;
@@ -657,17 +739,18 @@ void mili_linear_int4(const uint8_t *w, const void *ws, const void *wb, const bf
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (ngroups > 1)
   for (int64_t c = 0; c < ngroups; c++) {
     const int64_t nb0 = c * per, nbs = nblocks - nb0 < per ? nblocks - nb0 : per;
+    const run_scales rs = scales_of_run(ws, wb, sf, nb0, nbs, G, M > EXPAND_ROWS);
     for (int64_t m0 = 0; m0 < M; m0 += I4_MR) {
       const int mr = M - m0 < I4_MR ? (int)(M - m0) : I4_MR;
       for (int64_t b = 0; b < nbs;) {
         const int64_t cap = mr == 1 ? I4_NB_ONE : I4_NB, n = nbs - b < cap ? nbs - b : cap;
-        const int64_t at = (nb0 + b) * G * 16, size = scale_f32 ? 4 : 2;
-        int4_micro_any(w + (nb0 + b) * wblock, wblock, (const uint8_t *)ws + at * size,
-                       wb ? (const uint8_t *)wb + at * size : NULL, scale_f32, G, group / 8, xq + m0 * K, K,
-                       sx + m0 * G, xsum + m0 * G, y + m0 * N + (nb0 + b) * 16, N, mr, (int)n, M <= 8);
+        int4_micro_any(w + (nb0 + b) * wblock, wblock, rs.s + b * rs.f.stride, rs.b ? rs.b + b * rs.f.stride : NULL,
+                       rs.f, G, group / 8, xq + m0 * K, K, sx + m0 * G, xsum + m0 * G, y + m0 * N + (nb0 + b) * 16, N,
+                       mr, (int)n, M <= 8);
         b += n;
       }
     }
+    free(rs.buf);
   }
   free_groups(gx);
 }
@@ -678,7 +761,8 @@ void mili_linear_int4(const uint8_t *w, const void *ws, const void *wb, const bf
  * takes one multiply-add a group less: Q8_0's d q is s = d, u = q + 128, and Q6_K's d sc (q - 32) is s = d sc,
  * u = q + 96. Each s u there is exact in float32 (an 11-bit fp16 mantissa times at most 8 + 8 bits), so s u + b,
  * or s (u - 128), rounds as gguf's dequantize rounds d q - dm, or d q. u is packed as the int8 kernel's weights,
- * [N/16][K/4][16][4]; scales and offsets (fp16, or float32 with scale_f32) [N/16][G][16] as the int4 kernel's.
+ * [N/16][K/4][16][4]; scales and offsets in the int4 kernel's forms (scale_form: Q6_K and Q5_K two-level as the file
+ * stores them, SCALES_K).
  * x is quantized to int8 per row and group (sx, with each group's sum of q, xsum). The ISA's dot product gives a
  * group's S_u = sum xq u (vpdpbusd: u unsigned, x signed), or where it is signed x signed (I8G_SIGNED: AVX2
  * without VNNI, NEON) S_v over v = u - 128; S_u = S_v + 128 xsum. Both exact integers, so every ISA has the
@@ -687,12 +771,15 @@ void mili_linear_int4(const uint8_t *w, const void *ws, const void *wb, const bf
  * fused layer whose parts mix symmetric blocks (Q6_K, Q8_0) with blocks that have offsets (Q4_K, Q5_K) keep
  * each part's exact form (a symmetric part's b is 0, an offset part's u is q + 128). */
 INT8_TARGET static inline __attribute__((always_inline)) void int8g_micro(
-    const uint8_t *w, int64_t wblock, const void *ws, const void *wb, int f32, int64_t G, int64_t k4_per_group,
+    const uint8_t *w, int64_t wblock, const uint8_t *ws, const uint8_t *wb, scale_form sf, int64_t G, int64_t k4_per_group,
     const int8_t *xq, int64_t K, const float *sx, const int32_t *xsum, bf16 *y, int64_t ldy, const int MR,
-    const int NB, const int sgn, const int offs, int pf) {
-  vf f[I8G_MR][I8G_NB_CAP];
-  for (int i = 0; i < MR; i++)
-    for (int j = 0; j < NB; j++) f[i][j] = vf_zero();
+    const int NB, const int sgn, const int offs, const int two, int pf) {
+  const int mode = two ? SCALES_K : sf.mode == SCALES_F32 ? SCALES_F32 : SCALES_F16; /* (two: SCALES_K, a constant) */
+  vf f[I8G_MR][I8G_NB_CAP], ds[I8G_NB_CAP], db[I8G_NB_CAP]; /* (ds, db: SCALES_K's d of the scales and offsets) */
+  for (int j = 0; j < NB; j++) {
+    ds[j] = db[j] = vf_zero();
+    for (int i = 0; i < MR; i++) f[i][j] = vf_zero();
+  }
   for (int64_t g = 0; g < G; g++) {
     vi acc[I8G_MR][I8G_NB_CAP];
     for (int i = 0; i < MR; i++)
@@ -709,16 +796,17 @@ INT8_TARGET static inline __attribute__((always_inline)) void int8g_micro(
         for (int j = 0; j < NB; j++) acc[i][j] = dot_int8g(acc[i][j], xb, wv[j]);
       }
     }
+    const scale_at at = scale_place(sf, g);
     for (int j = 0; j < NB; j++) {
-      const int64_t at = j * G * 16 + g * 16;
-      const vf s = load_scales(ws, at, f32);
+      const vf s = load_scales(ws + j * sf.stride, at, mode, &ds[j]);
+      const vf b = offs ? load_scales(wb + j * sf.stride, at, mode, &db[j]) : s;
       for (int i = 0; i < MR; i++) {
         const float scale = sx[i * G + g];
         vi sum = acc[i][j]; /* to S_v (signed) or S_u */
         if (sgn && !I8G_SIGNED) sum = vi_sub(sum, vi_set1(128 * xsum[i * G + g]));
         if (!sgn && I8G_SIGNED) sum = vi_add(sum, vi_set1(128 * xsum[i * G + g]));
         f[i][j] = vf_fmadd(vi_to_vf(sum), vf_mul(s, vf_set1(scale)), f[i][j]);
-        if (offs) f[i][j] = vf_fmadd(load_scales(wb, at, f32), vf_set1(scale * (float)xsum[i * G + g]), f[i][j]);
+        if (offs) f[i][j] = vf_fmadd(b, vf_set1(scale * (float)xsum[i * G + g]), f[i][j]);
       }
     }
   }
@@ -726,7 +814,7 @@ INT8_TARGET static inline __attribute__((always_inline)) void int8g_micro(
     for (int j = 0; j < NB; j++) vf_store_bf16(y + i * ldy + j * 16, f[i][j]);
 }
 
-#define I8G(MR, NB) int8g_micro(w, wblock, ws, wb, f32, G, k4g, xq, K, sx, xsum, y, ldy, MR, NB, sgn, offs, pf)
+#define I8G(MR, NB) int8g_micro(w, wblock, ws, wb, sf, G, k4g, xq, K, sx, xsum, y, ldy, MR, NB, sgn, offs, two, pf)
 #define I8G_NB_CASE(MR)                                 \
   switch (nb) {                                         \
     case 1: I8G(MR, 1); break;                          \
@@ -740,28 +828,38 @@ INT8_TARGET static inline __attribute__((always_inline)) void int8g_micro(
   } else {                   \
     I8G_NB_CASE(2);          \
   }
-INT8_TARGET static void int8g_micro_any(const uint8_t *w, int64_t wblock, const void *ws, const void *wb, int f32,
+INT8_TARGET static void int8g_micro_any(const uint8_t *w, int64_t wblock, const uint8_t *ws, const uint8_t *wb, scale_form sf,
                                         int64_t G, int64_t k4g, const int8_t *xq, int64_t K, const float *sx,
                                         const int32_t *xsum, bf16 *y, int64_t ldy, int mr, int nb, int pf,
                                         int signed_q) {
-  if (wb && !signed_q) { /* (sgn and offs constants in each instance: their branches fold away) */
-    const int sgn = 0, offs = 1;
-    I8G_MR_CASE
-  } else if (wb) {
-    const int sgn = 1, offs = 1;
-    I8G_MR_CASE
+#define I8G_FORM_CASE                \
+  if (wb && !signed_q) {             \
+    const int sgn = 0, offs = 1;     \
+    I8G_MR_CASE                      \
+  } else if (wb) {                   \
+    const int sgn = 1, offs = 1;     \
+    I8G_MR_CASE                      \
+  } else {                           \
+    const int sgn = 1, offs = 0;     \
+    I8G_MR_CASE                      \
+  }
+  if (sf.mode == SCALES_K) { /* (sgn, offs and two constants in each instance: their branches fold away) */
+    const int two = 1;
+    I8G_FORM_CASE
   } else {
-    const int sgn = 1, offs = 0;
-    I8G_MR_CASE
+    const int two = 0;
+    I8G_FORM_CASE
   }
 }
 
 /* y[M, N] = x[M, K] @ W^T for int8g W (layout above; wb NULL: symmetric, w = s (u - 128); signed_q with wb:
- * w = s (u - 128) + b). N % 16 == 0, K % group == 0, group % 8 == 0. */
+ * w = s (u - 128) + b), scales and offsets in the form scale_mode (as mili_linear_int4). N % 16 == 0,
+ * K % group == 0, group % 8 == 0; SCALES_K: (K / group) % sub == 0. */
 void mili_linear_int8g(const uint8_t *w, const void *ws, const void *wb, const bf16 *x, bf16 *y, int64_t M, int64_t N,
-                       int64_t K, int64_t group, int scale_f32, int signed_q, int nthreads) {
+                       int64_t K, int64_t group, int scale_mode, int64_t sub, int signed_q, int nthreads) {
   const int64_t G = K / group, nblocks = N / 16, per = M == 1 ? I8G_NB_ONE : I8G_NB_CAP,
                 ngroups = (nblocks + per - 1) / per, wblock = K * 16;
+  const scale_form sf = scale_form_of(scale_mode, G, sub);
   const grouped_x gx = quantize_groups(x, M, K, group, nthreads);
   const int8_t *xq = gx.xq;
   const float *sx = gx.sx;
@@ -769,17 +867,18 @@ void mili_linear_int8g(const uint8_t *w, const void *ws, const void *wb, const b
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (ngroups > 1)
   for (int64_t c = 0; c < ngroups; c++) {
     const int64_t nb0 = c * per, nbs = nblocks - nb0 < per ? nblocks - nb0 : per;
+    const run_scales rs = scales_of_run(ws, wb, sf, nb0, nbs, G, M > EXPAND_ROWS);
     for (int64_t m0 = 0; m0 < M; m0 += I8G_MR) {
       const int mr = M - m0 < I8G_MR ? (int)(M - m0) : I8G_MR;
       for (int64_t b = 0; b < nbs;) {
         const int64_t cap = mr == 1 ? I8G_NB_ONE : I8G_NB, n = nbs - b < cap ? nbs - b : cap;
-        const int64_t at = (nb0 + b) * G * 16, size = scale_f32 ? 4 : 2;
-        int8g_micro_any(w + (nb0 + b) * wblock, wblock, (const uint8_t *)ws + at * size,
-                        wb ? (const uint8_t *)wb + at * size : NULL, scale_f32, G, group / 4, xq + m0 * K, K,
-                        sx + m0 * G, xsum + m0 * G, y + m0 * N + (nb0 + b) * 16, N, mr, (int)n, M <= 8, signed_q);
+        int8g_micro_any(w + (nb0 + b) * wblock, wblock, rs.s + b * rs.f.stride, rs.b ? rs.b + b * rs.f.stride : NULL,
+                        rs.f, G, group / 4, xq + m0 * K, K, sx + m0 * G, xsum + m0 * G, y + m0 * N + (nb0 + b) * 16,
+                        N, mr, (int)n, M <= 8, signed_q);
         b += n;
       }
     }
+    free(rs.buf);
   }
   free_groups(gx);
 }
@@ -1064,11 +1163,12 @@ void mili_prefill_attention(const bf16 *q, int64_t ldq, const bf16 *k, int64_t l
  * same order, same roundings: the result is bit for bit the module path's. */
 typedef struct {
   const void *w;       /* packed weight */
-  const void *scales;  /* int8: float per output column; int4: per column and group (fp16, or float32) */
-  const void *aux;     /* int8: column sums (int32); int4, int8g: offsets (as the scales; int8g: NULL, symmetric) */
+  const void *scales;  /* int8: float per output column; int4, int8g: per column and group (scale_mode's form) */
+  const void *aux;     /* int8: column sums (int32); int4, int8g: offsets (as the scales; NULL: symmetric) */
   int64_t n, k; /* output (a multiple of 16: no padding) and input features */
   int64_t group; /* int4, int8g: input features per scale, else 0 */
-  int64_t scale_f32; /* int4, int8g: scales and offsets in float32 (else fp16) */
+  int64_t scale_mode; /* int4, int8g: SCALES_F16, SCALES_F32 or SCALES_K */
+  int64_t sub; /* int4, int8g with SCALES_K: groups per super-block */
   int64_t int8g; /* 8-bit weights per group (mili_linear_int8g; 2: signed with offsets), else int4 where group is set */
 } mili_linear_desc;
 
@@ -1081,9 +1181,10 @@ typedef struct {
 
 static void run_linear(const mili_linear_desc *l, const bf16 *x, bf16 *y, int64_t M, int nthreads) {
   if (l->int8g)
-    mili_linear_int8g(l->w, l->scales, l->aux, x, y, M, l->n, l->k, l->group, (int)l->scale_f32, l->int8g == 2,
-                      nthreads);
-  else if (l->group) mili_linear_int4(l->w, l->scales, l->aux, x, y, M, l->n, l->k, l->group, (int)l->scale_f32, nthreads);
+    mili_linear_int8g(l->w, l->scales, l->aux, x, y, M, l->n, l->k, l->group, (int)l->scale_mode, l->sub,
+                      l->int8g == 2, nthreads);
+  else if (l->group)
+    mili_linear_int4(l->w, l->scales, l->aux, x, y, M, l->n, l->k, l->group, (int)l->scale_mode, l->sub, nthreads);
   else if (l->scales) mili_linear_int8(l->w, l->scales, l->aux, x, y, M, l->n, l->k, nthreads);
   else mili_linear(l->w, x, y, M, l->n, l->k, nthreads);
 }

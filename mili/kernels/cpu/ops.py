@@ -93,21 +93,61 @@ def linear_int8(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, col
         _threads()))
 
 
-def pack_int4(q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
-              scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+# The int4 and int8g kernels' forms of scales and offsets (kernels.c, scale_form), told apart by the packed tensor's
+# dtype: float16 or float32 [N/16, groups, 16] (SCALES_F16, SCALES_F32), or uint8 [N/16, super-blocks, 32 + 16 sub]
+# (SCALES_K: per block of 16 rows and super-block of ``sub`` groups, the rows' fp16 d, then each group's int8 sc).
+SCALES_F16, SCALES_F32, SCALES_K = 0, 1, 2
+
+
+def pack_scales(values, scale_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Scales or offsets per output row and group, [N, groups] (N % 16 == 0), in the kernels' layout: in
+    ``scale_dtype`` (float32, or float16 where that holds them exactly), or (``values`` a ``quant.TwoLevel``: d
+    [N, super-blocks] of fp16 values, sc [N, groups] int8) in two levels as they are (SCALES_K)."""
+    if not isinstance(values, tuple):
+        return values.to(scale_dtype).reshape(values.shape[0] // 16, 16, -1).transpose(1, 2).contiguous()
+    d, sc = values
+    n, supers = d.shape
+    sub = sc.shape[1] // supers
+    assert sub * supers == sc.shape[1] and n % 16 == 0 and sc.dtype == torch.int8, (d.shape, sc.shape, sc.dtype)
+    half = d.to(torch.float16)
+    assert torch.equal(half.float(), d.float()), "two-level scales: d must be fp16 values"
+    d_bytes = half.reshape(n // 16, 16, supers).transpose(1, 2).contiguous().view(torch.uint8)  # [N/16, S, 32]
+    sc_bytes = sc.reshape(n // 16, 16, supers, sub).permute(0, 2, 3, 1).reshape(n // 16, supers, 16 * sub)
+    return torch.cat([d_bytes, sc_bytes.view(torch.uint8)], dim=2).contiguous()
+
+
+def scale_form(packed: torch.Tensor) -> tuple[int, int, int]:
+    """(the kernels' scale_mode, groups a super-block (SCALES_K; else 1), groups) of packed scales."""
+    if packed.dtype == torch.uint8:
+        sub = (packed.shape[2] - 32) // 16
+        return SCALES_K, sub, packed.shape[1] * sub
+    assert packed.dtype in (torch.float16, torch.float32), packed.dtype
+    return (SCALES_F32 if packed.dtype == torch.float32 else SCALES_F16), 1, packed.shape[1]
+
+
+def group_values(packed: torch.Tensor) -> torch.Tensor:
+    """Packed scales or offsets back to [N, groups] float32: the values the kernels read (SCALES_K: d sc, formed in
+    float32 as the kernels form them; exact)."""
+    if packed.dtype != torch.uint8:
+        return unblock(packed).float()
+    blocks, supers, _ = packed.shape
+    sub = scale_form(packed)[1]
+    d = packed[:, :, :32].contiguous().view(torch.float16).float()  # [N/16, S, 16]
+    sc = packed[:, :, 32:].contiguous().view(torch.int8).reshape(blocks, supers, sub, 16).float()
+    return unblock((d[:, :, None, :] * sc).reshape(blocks, supers * sub, 16))
+
+
+def pack_int4(q: torch.Tensor, scales, offsets, scale_dtype: torch.dtype = torch.float32
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """int4 weights w = scale * q + offset: q [N, K] (uint8 values 0..15; N % 16 == 0, K % 8 == 0) with a scale
     and an offset per output row and group of K, [N, groups] -> the int4 kernel's layout (kernels.c): q
-    [N/16, K/8, 64] bytes (byte 4c + j: column c at k0 + j low, k0 + 4 + j high), scales and offsets
-    [N/16, groups, 16] in ``scale_dtype`` (float32, or float16 where that holds them exactly). ``offsets`` None:
+    [N/16, K/8, 64] bytes (byte 4c + j: column c at k0 + j low, k0 + 4 + j high), scales and offsets as
+    :func:`pack_scales` packs them (in ``scale_dtype``, or two-level ones as they are). ``offsets`` None:
     w = scale * (q - 8), none stored (GGUF's Q4_0)."""
     n, k = q.shape
     cols = q.view(n // 16, 16, k // 8, 2, 4).permute(0, 2, 3, 1, 4)  # [N/16, K/8, lo|hi, 16, 4]
     packed = (cols[:, :, 0] | (cols[:, :, 1] << 4)).reshape(n // 16, k // 8, 64).contiguous()
-
-    def blocked(t):
-        return t.to(scale_dtype).reshape(n // 16, 16, -1).transpose(1, 2).contiguous()
-
-    return packed, blocked(scales), None if offsets is None else blocked(offsets)
+    return packed, pack_scales(scales, scale_dtype), None if offsets is None else pack_scales(offsets, scale_dtype)
 
 
 def awq_scales_offsets(zeros: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,16 +164,21 @@ def int4_supported(out_features: int, in_features: int, group: int) -> bool:
     return out_features % 16 == 0 and in_features % group == 0 and group % 8 == 0
 
 
+def _scale_args(scales: torch.Tensor, offsets: torch.Tensor | None, k: int) -> tuple[int, int, int]:
+    """(group, scale_mode, sub) of a layer's packed scales and offsets (the same form), K inputs."""
+    mode, sub, groups = scale_form(scales)
+    assert offsets is None or (offsets.dtype, offsets.shape) == (scales.dtype, scales.shape)
+    return k // groups, mode, sub
+
+
 def linear_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
                 offsets: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] @ W^T for int4 W (:func:`pack_int4`; ``offsets`` None: symmetric), x quantized to int8 per row and
     group in the kernel."""
-    group = packed.shape[1] * 8 // scales.shape[1]
-    assert scales.dtype in (torch.float16, torch.float32) and (offsets is None or offsets.dtype == scales.dtype)
-    f32 = int(scales.dtype == torch.float32)
+    group, mode, sub = _scale_args(scales, offsets, packed.shape[1] * 8)
     return _packed_product(x, packed, packed.shape[0] * 16, lambda x, y, m, n, k: _lib().mili_linear_int4(
         packed.data_ptr(), scales.data_ptr(), None if offsets is None else offsets.data_ptr(), x.data_ptr(),
-        y.data_ptr(), m, n, k, group, f32, _threads()))
+        y.data_ptr(), m, n, k, group, mode, sub, _threads()))
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
@@ -145,22 +190,18 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 
 
 def unblock(t: torch.Tensor) -> torch.Tensor:
-    """Scales or offsets [N/16, groups, 16] (:func:`pack_int4`, :func:`pack_int8g`) back to [N, groups]."""
+    """Scales or offsets [N/16, groups, 16] (one level: :func:`pack_scales`) back to [N, groups]."""
     return t.transpose(1, 2).reshape(-1, t.shape[1])
 
 
-def pack_int8g(q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
-               scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def pack_int8g(q: torch.Tensor, scales, offsets, scale_dtype: torch.dtype = torch.float32
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """8-bit weights w = scale * q + offset (int8g, kernels.c): q [N, K] (uint8 values 0..255; N % 16 == 0) with a
     scale and an offset per output row and group of K, [N, groups]; ``offsets`` None: w = scale * (q - 128) (GGUF's
     Q8_0 and Q6_K, none stored) -> the kernel's layout: q [N/16, K/4, 16, 4] (the int8 kernel's), scales and
-    offsets [N/16, groups, 16] in ``scale_dtype`` (float32, or float16 where that holds them exactly)."""
+    offsets as :func:`pack_scales` packs them (in ``scale_dtype``, or two-level ones as they are)."""
     assert q.dtype == torch.uint8 and q.shape[0] % 16 == 0, (q.dtype, q.shape)
-
-    def blocked(t):
-        return None if t is None else t.to(scale_dtype).reshape(q.shape[0] // 16, 16, -1).transpose(1, 2).contiguous()
-
-    return pack_weight(q), blocked(scales), blocked(offsets)
+    return pack_weight(q), pack_scales(scales, scale_dtype), None if offsets is None else pack_scales(offsets, scale_dtype)
 
 
 def int8g_supported(out_features: int, in_features: int, group: int) -> bool:
@@ -171,12 +212,10 @@ def linear_int8g(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
                  offsets: torch.Tensor | None, signed: bool = False) -> torch.Tensor:
     """x [M, K] @ W^T for int8g W (:func:`pack_int8g`), x quantized to int8 per row and group in the kernel:
     [M, padded N]. ``signed`` (with offsets): w = scale * (q - 128) + offset."""
-    group = packed.shape[1] * 4 // scales.shape[1]
-    assert scales.dtype in (torch.float16, torch.float32) and (offsets is None or offsets.dtype == scales.dtype)
-    f32 = int(scales.dtype == torch.float32)
+    group, mode, sub = _scale_args(scales, offsets, packed.shape[1] * 4)
     return _packed_product(x, packed, packed.shape[0] * 16, lambda x, y, m, n, k: _lib().mili_linear_int8g(
         packed.data_ptr(), scales.data_ptr(), None if offsets is None else offsets.data_ptr(), x.data_ptr(),
-        y.data_ptr(), m, n, k, group, f32, int(signed and offsets is not None), _threads()))
+        y.data_ptr(), m, n, k, group, mode, sub, int(signed and offsets is not None), _threads()))
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
