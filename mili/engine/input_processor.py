@@ -11,7 +11,7 @@ from mili.config import EngineConfig, ModelConfig
 from mili.engine.image_inputs import ImageInputs
 from mili.engine.media import check_count
 from mili.engine.messages import AddRequest, Ready
-from mili.errors import ContextLengthExceeded, InvalidRequest
+from mili.errors import ContextLengthExceeded, InvalidRequest, ModelLoadError
 from mili.model.checkpoint import load_generation_defaults, load_hf_config, resolve_model_path
 from mili.sampling_params import SamplingParams
 from mili.structured import check as check_structured
@@ -27,6 +27,12 @@ class InputProcessor:
         hf_config = load_hf_config(self.model_path)
         self.model_config = ModelConfig.from_hf(hf_config)
         config.resolve_max_model_len(self.model_config)  # an impossible max_model_len fails here, early
+        from mili.model.gguf import tokenizer_error  # (a GGUF model's folder: checkpoint.py made it)
+
+        why = None if config.tokenizer else tokenizer_error(self.model_path)
+        if why is not None:
+            raise ModelLoadError(f"{why} (the GGUF file's metadata made no tokenizer: pass --tokenizer with an HF "
+                                 "tokenizer's folder or hub id)", param="tokenizer")
         self.tokenizer = load_tokenizer(config.tokenizer or self.model_path)
         self.eos_token_ids = load_eos_token_ids(self.model_path, self.tokenizer, hf_config)
         self.generation_defaults = load_generation_defaults(self.model_path)  # used by the server

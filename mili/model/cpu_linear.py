@@ -264,11 +264,11 @@ def swap_lm_head(model: nn.Module, dtype: str, kernels: bool) -> None:
 
 
 def swap_linears(model: nn.Module, kind: str, kernels: bool = False, quantized: dict | None = None,
-                 make_quantized=None, skip_head: bool = False) -> None:
+                 make_quantized=None, skip_head: bool = False, make_layer=None) -> None:
     """Replace every nn.Linear of ``model`` (and its lm_head, tied or not) with ``kind``: kernel | packed |
     int8 | triton-int8 | fp8 | plain (left as it is). With kernel, a layer the kernel can't take (in_features not a
     multiple of 32) is packed instead; int8 uses MILI's int8 kernel when ``kernels``; triton-int8 the same int8
-    weights on the Triton int8 GEMM (``gpu_linear.TritonInt8Linear``); fp8 (CUDA) quantizes per channel, the
+    weights on the Triton int8 GEMM (``make_layer``: ``gpu_linear.TritonInt8Linear``); fp8 (CUDA) quantizes per channel, the
     lm_head aside. ``quantized``: a checkpoint's layers kept quantized by the loader (weight name ->
     parts); a layer whose shards all have parts becomes ``make_quantized(parts, bias, shard_sizes)`` (a fused
     layer's joined by ``quant.concat_parts``), unless that returns None; the other layers become ``kind``.
@@ -279,10 +279,8 @@ def swap_linears(model: nn.Module, kind: str, kernels: bool = False, quantized: 
     def make(weight, bias=None, shard_sizes=None):
         if kind == "int8":
             return Int8Linear(weight, bias, shard_sizes, kernels=kernels)
-        if kind == "triton-int8":
-            from mili.model.gpu_linear import TritonInt8Linear  # (triton's import: only where its GEMMs run)
-
-            return TritonInt8Linear(weight, bias, shard_sizes)
+        if kind == "triton-int8":  # (gpu_linear's TritonInt8Linear, passed in: triton's import only where it runs)
+            return make_layer(weight, bias, shard_sizes)
         if kind == "fp8":
             return Fp8Linear(weight, bias, shard_sizes)
         if kind == "kernel" and cpu_ops.linear_supported(weight):

@@ -93,7 +93,9 @@ def _swap_linears(model, plan: ExecutionPlan, quantized: dict) -> None:
     elif plan.linears == "int8":
         swap_linears(model, "int8", kernels=plan.int8_kernels, skip_head=skip_head)
     elif plan.linears == "triton-int8":
-        swap_linears(model, "triton-int8", skip_head=skip_head)
+        from mili.model.gpu_linear import TritonInt8Linear  # (triton's import: only where its GEMMs run)
+
+        swap_linears(model, "triton-int8", skip_head=skip_head, make_layer=TritonInt8Linear)
     elif plan.linears == "kernel":
         if model.lm_head is None and "lm_head.weight" in quantized and not skip_head:  # a tied head kept as stored
             model.lm_head = _quantized_cpu_layer(quantized["lm_head.weight"], None, None)  # (None: the table's)

@@ -24,12 +24,6 @@ def load_tokenizer(path: str):
     """The (fast, ``tokenizers``-backed) Hugging Face tokenizer stored in the folder ``path``."""
     from transformers import AutoTokenizer
 
-    from mili.model.gguf import tokenizer_error
-
-    why = tokenizer_error(path)
-    if why is not None:
-        raise ModelLoadError(f"{why} (the GGUF file's metadata made no tokenizer: pass --tokenizer with an HF "
-                             "tokenizer's folder or hub id)", param="tokenizer")
     try:
         return AutoTokenizer.from_pretrained(path)
     except Exception as e:  # missing files, unknown class, corrupt json: all mean "cannot load"
