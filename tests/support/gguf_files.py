@@ -261,6 +261,17 @@ def _llamacpp_hybrid_tensors(arch: str, config: dict, state: dict):
         yield stem, (stacked, [pattern, "stack"])
 
 
+def _dequantized_file_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
+    """Every tensor of the GGUF ``files`` by its GGUF name: ``gguf.quants.dequantize``, outermost dimension first."""
+    gguf = _gguf()
+    stored = {}
+    for file in files:
+        for t in gguf.GGUFReader(file).tensors:
+            stored[t.name] = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).reshape(
+                [int(d) for d in reversed(t.shape)])
+    return stored
+
+
 def dequantized_state_dict(files: list[Path], checkpoint: Path) -> dict[str, torch.Tensor]:
     """The HF checkpoint's tensors as the GGUF files hold them: ``gguf.quants.dequantize`` of each, under the
     checkpoint's names (stacked experts split back into one tensor per expert)."""
@@ -272,11 +283,7 @@ def dequantized_state_dict(files: list[Path], checkpoint: Path) -> dict[str, tor
     if arch in HYBRID_ARCHS:
         return _hybrid_reference(files, checkpoint)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config["num_hidden_layers"])
-    stored = {}
-    for file in files:
-        for t in gguf.GGUFReader(file).tensors:
-            stored[t.name] = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).reshape(
-                [int(d) for d in reversed(t.shape)])
+    stored = _dequantized_file_tensors(files)
     out = {}
     hf_names = []
     for file in sorted(checkpoint.glob("*.safetensors")):
@@ -298,12 +305,7 @@ def _hybrid_reference(files: list[Path], checkpoint: Path) -> dict[str, torch.Te
     converter's change of value reversed: log(-x) of -exp(A_log), x - 1 of a 1 + w norm, the conv unsqueezed)."""
     from safetensors import safe_open
 
-    gguf = _gguf()
-    stored = {}
-    for file in files:
-        for t in gguf.GGUFReader(file).tensors:
-            stored[t.name] = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).reshape(
-                [int(d) for d in reversed(t.shape)])
+    stored = _dequantized_file_tensors(files)
     shapes = {}
     for file in sorted(checkpoint.glob("*.safetensors")):
         with safe_open(file, "pt") as f:
