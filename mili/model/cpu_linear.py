@@ -268,8 +268,8 @@ def swap_linears(model: nn.Module, kind: str, kernels: bool = False, quantized: 
     """Replace every nn.Linear of ``model`` (and its lm_head, tied or not) with ``kind``: kernel | packed |
     int8 | triton-int8 | fp8 | plain (left as it is). With kernel, a layer the kernel can't take (in_features not a
     multiple of 32) is packed instead; int8 uses MILI's int8 kernel when ``kernels``; triton-int8 the same int8
-    weights on the Triton int8 GEMM (``make_layer``: ``gpu_linear.TritonInt8Linear``); fp8 (CUDA) quantizes per channel, the
-    lm_head aside. ``quantized``: a checkpoint's layers kept quantized by the loader (weight name ->
+    weights on the Triton int8 GEMM (``make_layer``: ``gpu_linear.TritonInt8Linear``); fp8 (CUDA) quantizes per
+    channel, the lm_head aside. ``quantized``: a checkpoint's layers kept quantized by the loader (weight name ->
     parts); a layer whose shards all have parts becomes ``make_quantized(parts, bias, shard_sizes)`` (a fused
     layer's joined by ``quant.concat_parts``), unless that returns None; the other layers become ``kind``.
     ``skip_head``: the lm_head (and a tied table) left as it is, for ``swap_lm_head``."""
@@ -309,12 +309,12 @@ def swap_linears(model: nn.Module, kind: str, kernels: bool = False, quantized: 
 
     def expert_layer(module_name, e, projections, weight, shard_sizes):
         """Expert ``e``'s layer: from its parts where the loader kept them (it then left the stacked weight
-        unwritten), else from its slice of the stacked weight. Parts a kernel can't take fill that slice."""
+        unwritten; parts a kernel can't take, dequantized), else from its slice of the stacked weight."""
         parts = expert_parts(module_name, e, projections)
-        layer = None if parts is None else make_quantized(parts, None, shard_sizes)
-        if layer is None and parts is not None:
-            weight.copy_(parts.dequantize())
-        return layer if layer is not None else make(weight, None, shard_sizes)
+        if parts is None:
+            return make(weight, None, shard_sizes)
+        layer = make_quantized(parts, None, shard_sizes)
+        return layer if layer is not None else make(parts.dequantize().to(weight.dtype), None, shard_sizes)
 
     for module_name, module in list(model.named_modules()):
         if isinstance(module, FusedExperts) and kind == "plain":
@@ -330,7 +330,8 @@ def swap_linears(model: nn.Module, kind: str, kernels: bool = False, quantized: 
                 module.w13 = module.w2 = None
             else:  # the experts stay stacked, on torch's path: every slice the loader left to the parts, filled
                 for e in range(module.num_experts):
-                    for projections, weight in ((("gate_proj", "up_proj"), module.w13[e]), (("down_proj",), module.w2[e])):
+                    for projections, weight in ((("gate_proj", "up_proj"), module.w13[e]),
+                                                (("down_proj",), module.w2[e])):
                         parts = expert_parts(module_name, e, projections)
                         if parts is not None:
                             weight.copy_(parts.dequantize())

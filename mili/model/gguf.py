@@ -477,9 +477,9 @@ class GGUFWeights:
 
     def items(self, keep_quantized: bool):
         """Each tensor as the checkpoint MILI loads would hold it: (GGUF name, checkpoint name, float32 tensor,
-        its ``GroupParts`` or None). ``keep_quantized``: the parts of block-typed matrices too (not of stacked
-        experts, nor of a matrix whose columns llama.cpp moved). The converter's changes are undone
-        (module docstring); a tied head gets the token table's parts as ``lm_head.weight``."""
+        its ``GroupParts`` or None). ``keep_quantized``: the parts of block-typed matrices too (a stacked expert's
+        alone, see ``_experts``; none for a matrix whose columns llama.cpp moved). The converter's changes are
+        undone (module docstring); a tied head gets the token table's parts as ``lm_head.weight``."""
         tied = self.config.get("tie_word_embeddings", False)
         for gguf_name, stem in self.names.items():
             if gguf_name not in self.tensors:
@@ -491,14 +491,14 @@ class GGUFWeights:
             parts = None
             if keep_quantized and self.type_name(gguf_name) in BLOCK_TYPES and tensor.dim() == 2:
                 parts = self.group_parts(gguf_name)
-            if self.arch in HYBRIDS:
-                yield from ((gguf_name, *found) for found in self._to_checkpoint(stem, tensor, parts))
-                continue
             if stem == "model.embed_tokens.weight":  # the head reads the table's blocks as stored, as llama.cpp's
                 if parts is not None and tied:
                     yield gguf_name, "lm_head.weight", None, parts
-                parts = None
-            yield gguf_name, stem, tensor, parts
+                yield gguf_name, stem, tensor, None
+            elif self.arch in HYBRIDS:
+                yield from ((gguf_name, *found) for found in self._to_checkpoint(stem, tensor, parts))
+            else:
+                yield gguf_name, stem, tensor, parts
 
     def _experts(self, gguf_name: str, stem: str, keep_quantized: bool):
         """A stacked expert tensor, one expert at a time: with ``keep_quantized`` a block type's parts alone, made
@@ -524,11 +524,6 @@ class GGUFWeights:
         import torch
 
         cfg = self.config
-        if stem == "model.embed_tokens.weight":
-            if parts is not None and cfg.get("tie_word_embeddings"):
-                yield "lm_head.weight", None, parts
-            yield stem, tensor, None
-            return
         nk, hk, hv = cfg["linear_num_key_heads"], cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
         nv = cfg["linear_num_value_heads"]
         tiled = self.arch in TILED_V_HEADS and nk != nv
