@@ -24,7 +24,7 @@ def first_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
     engine = llm.engine
     request = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1))
     sched = engine.core.scheduler.schedule()
-    logits, _ = engine.core.runner.forward_logits(sched.scheduled)
+    logits, *_ = engine.core.runner.forward_logits(sched.scheduled)
     engine.core.scheduler.after_step(sched.scheduled)
     engine.abort_request(request.request_id)
     return logits[0].float()

@@ -1,4 +1,4 @@
-"""The `mili` command: serve, generate, bench, selftest."""
+"""The `mili` command: serve, generate, embed, rerank, bench, selftest."""
 
 from __future__ import annotations
 
@@ -40,6 +40,40 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if len(prompts) > 1:
             print(f"--- {prompt!r}")
         print(out.outputs[0].text)
+    return 0
+
+
+def cmd_embed(args: argparse.Namespace) -> int:
+    """Embeddings of the texts, for a quick look: each one's size and first values, then their cosine similarities."""
+    from mili.llm import LLM
+
+    kwargs = engine_kwargs(args)
+    kwargs["task"] = "embed" if kwargs.get("task", "auto") == "auto" else kwargs["task"]
+    llm = LLM(kwargs.pop("model"), **kwargs)
+    texts = args.text or ["Hello, my name is"]
+    outs = llm.embed(texts, dimensions=args.dimensions, instruction=args.instruction, use_tqdm=False)
+    vectors = [o.outputs.embedding for o in outs]
+    for i, (text, v) in enumerate(zip(texts, vectors)):
+        head = ", ".join(f"{x:+.4f}" for x in v[:6])
+        print(f"[{i}] {len(v)} dims, {len(outs[i].prompt_token_ids)} tokens: [{head}, ...]  {text[:60]!r}")
+    if len(vectors) > 1:
+        print("cosine similarities:")
+        for i, a in enumerate(vectors):
+            print(f"[{i}] " + " ".join(f"{sum(x * y for x, y in zip(a, b)):+.4f}" for b in vectors))
+    return 0
+
+
+def cmd_rerank(args: argparse.Namespace) -> int:
+    """The documents ranked by a reranker's relevance score for the query."""
+    from mili.llm import LLM
+
+    kwargs = engine_kwargs(args)
+    kwargs["task"] = "rerank" if kwargs.get("task", "auto") == "auto" else kwargs["task"]
+    llm = LLM(kwargs.pop("model"), **kwargs)
+    documents = args.document or []
+    outs = llm.score(args.query, documents, instruction=args.instruction, use_tqdm=False)
+    for rank, i in enumerate(sorted(range(len(outs)), key=lambda i: -outs[i].outputs.score), 1):
+        print(f"{rank}. {outs[i].outputs.score:.4f}  [{i}] {documents[i][:80]!r}")
     return 0
 
 
@@ -150,6 +184,19 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
     gen.add_argument("--stop", action="append", help="a stop string (repeatable)")
     gen.set_defaults(func=cmd_generate)
+
+    emb = sub.add_parser("embed", help="embed texts with an embedding model (Qwen3-Embedding) and print them")
+    add_engine_args(emb)
+    emb.add_argument("--text", action="append", help="a text to embed (repeat for several)")
+    emb.add_argument("--dimensions", type=int, default=None, help="the first N dimensions, renormalised")
+    emb.add_argument("--instruction", default=None, help="the texts are queries for this task")
+    emb.set_defaults(func=cmd_embed)
+    rr = sub.add_parser("rerank", help="rank documents for a query with a reranker (Qwen3-Reranker)")
+    add_engine_args(rr)
+    rr.add_argument("--query", required=True, help="the query")
+    rr.add_argument("--document", action="append", required=True, help="a document (repeat for several)")
+    rr.add_argument("--instruction", default=None, help="the reranker's task (default: web search)")
+    rr.set_defaults(func=cmd_rerank)
 
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible and native HTTP APIs")
     add_engine_args(srv)

@@ -18,6 +18,10 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
            "float": torch.float32}
 SUPPORTED_ARCHITECTURES = {  # -> model_type
     "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
+    # a Qwen3 decoder with a classification head instead of the lm_head (a converted Qwen3-Reranker): --task rerank
+    "Qwen3ForSequenceClassification": "qwen3",
+    # the decoder without a head (what sentence-transformers saves: an embedding model, --task embed)
+    "Qwen3Model": "qwen3",
     # the hybrids (Gated DeltaNet + gated attention, model/qwen3_5.py); the hub's Qwen3.5/3.6 checkpoints are
     # the ForConditionalGeneration ones (the language model under text_config; its vision tower is skipped)
     "Qwen3NextForCausalLM": "qwen3_next", "Qwen3_5ForCausalLM": "qwen3_5_text",
@@ -75,6 +79,9 @@ class ModelConfig:
     # token's id (None for text-only checkpoints)
     vision_config: object = field(repr=False, default=None)
     image_token_id: int | None = None
+    # a sequence-classification checkpoint (Qwen3ForSequenceClassification): its head's outputs (``score.weight``'s
+    # rows); 0: a causal LM
+    num_labels: int = 0
 
     def shard(self, rank: int, size: int) -> "ModelConfig":
         """This config as rank ``rank`` of ``size`` sees it: attention heads, MLP and expert columns split evenly
@@ -89,6 +96,7 @@ class ModelConfig:
             if not ok:
                 raise InvalidRequest(f"tensor_parallel_size {size}: {what}", param="tensor_parallel_size")
 
+        need(not self.num_labels, "a sequence-classification checkpoint runs on one rank")
         need(self.num_attention_heads % size == 0, f"{self.num_attention_heads} attention heads do not split evenly")
         need(kv % size == 0 or size % kv == 0, f"{kv} KV heads neither split evenly nor replicate evenly")
         need(self.intermediate_size % size == 0, f"intermediate_size {self.intermediate_size} does not split evenly")
@@ -108,6 +116,12 @@ class ModelConfig:
             intermediate_size=self.intermediate_size // size, moe_intermediate_size=self.moe_intermediate_size // size,
             shared_expert_intermediate_size=self.shared_expert_intermediate_size // size,
             tp_rank=rank, tp_size=size, total_num_key_value_heads=kv)
+
+    def without_head(self) -> "ModelConfig":
+        """This config for a model that computes no logits (``--task embed``): no lm_head is built or loaded (the
+        hub's Qwen3-Embedding names Qwen3ForCausalLM but holds Qwen3Model's weights, without one); the embedding
+        table stands as a tied head that nothing samples from."""
+        return dataclasses.replace(self, tie_word_embeddings=True)
 
     @property
     def is_moe(self) -> bool:
@@ -154,6 +168,9 @@ class ModelConfig:
                  or torch.float32)
         if isinstance(dtype, str):
             dtype = _DTYPES[dtype]
+        # a classification head instead of the lm_head: no head weights to load (the table stands as the tied head,
+        # which nothing samples from: such a checkpoint only scores)
+        num_labels = hf_config.num_labels if "Qwen3ForSequenceClassification" in archs else 0
         return cls(
             vocab_size=hf_config.vocab_size,
             hidden_size=hf_config.hidden_size,
@@ -164,9 +181,10 @@ class ModelConfig:
             head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
             rms_norm_eps=hf_config.rms_norm_eps,
             max_position_embeddings=hf_config.max_position_embeddings,
-            tie_word_embeddings=bool(getattr(top, "tie_word_embeddings", False)),
+            tie_word_embeddings=bool(getattr(top, "tie_word_embeddings", False)) or bool(num_labels),
             checkpoint_dtype=dtype,
             hf_config=hf_config,
+            num_labels=num_labels,
             **moe,
             **vision,
         )
@@ -304,6 +322,12 @@ class EngineConfig:
              f"'{DEMO_RANDOM_MODEL}' (a tiny random-weight model built offline)", cli_default=DEMO_MODEL)
     tokenizer: str | None = option(None, "an HF tokenizer's folder or hub id, used instead of the model's (a GGUF "
                                          "file's: instead of the one its metadata makes)")
+    task: str = option(
+        "auto", "what the model serves: generate (text), embed (/v1/embeddings: last-token pooling, Qwen3-Embedding) or "
+                "rerank (/v1/rerank and /score: Qwen3-Reranker's P(yes), or a sequence-classification head); auto: embed "
+                "for sentence-transformers files with a Pooling module, rerank for a sequence-classification head, "
+                "else generate (a Qwen3-Reranker is a causal LM: it needs --task rerank)",
+        choices=("auto", "generate", "embed", "rerank"))
     # (device before dtype, page_size before num_kv_pages: the config file's sections list their keys in this order)
     device: str = option("auto", "auto | cpu | cuda | cuda:N", section="inference.device")
     dtype: str = option("auto", "weights and activations dtype (auto: the checkpoint's)",

@@ -11,8 +11,10 @@ from mili import options
 from mili.config import EngineConfig
 from mili.engine.llm_engine import LLMEngine
 from mili.engine.media import ImageRef, MediaPolicy, check_images, template_content
+from mili.engine.pooling import PoolingInputs, check_dimensions, embedding
 from mili.errors import InvalidRequest
-from mili.outputs import RequestOutput
+from mili.outputs import (EmbeddingOutput, EmbeddingRequestOutput, RequestOutput, ScoringOutput,
+                          ScoringRequestOutput)
 from mili.sampling_params import SamplingParams
 from mili.tokenizer.reasoning import constraint_start
 from mili.tokenizer.tokenizer import encode_chat
@@ -110,6 +112,49 @@ class LLM:
         policy = MediaPolicy.from_config(engine.config)
         return [policy.load(ref) for ref in refs]
 
+    def embed(self, texts: str | list[str] | list[int] | list[list[int]], dimensions: int | None = None,
+              instruction: str | None = None, truncate_prompt_tokens: int | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """Embeddings of one text or a list (or token ids), in input order (vLLM's ``LLM.embed``: each
+        ``.outputs.embedding``), on a model run with ``task="embed"`` (Qwen3-Embedding: chosen by itself).
+        ``dimensions``: the first N (Matryoshka), renormalised; ``instruction``: the texts are queries, each sent as
+        ``Instruct: {instruction}\nQuery:{text}``; ``truncate_prompt_tokens``: a longer input keeps its last N
+        tokens (-1: the context length), else it is an InvalidRequest."""
+        engine = self.engine
+        inputs = [texts] if isinstance(texts, str) or (texts and isinstance(texts[0], int)) else list(texts)
+        engine.inputs.check_task("embed")
+        check_dimensions(dimensions, engine.model_config.hidden_size)
+        ids = self._pooling_inputs().embed(inputs, instruction, truncate_prompt_tokens, "texts")
+        outs = self._run([(p, None) for p in ids], [self._pooling_params()] * len(ids), use_tqdm)
+        normalize = engine.inputs.task.normalize
+        return [EmbeddingRequestOutput(o.request_id, EmbeddingOutput(embedding(o.pooled, dimensions, normalize)),
+                                       o.prompt_token_ids, o.num_cached_tokens) for o in outs]
+
+    def score(self, query: str | list[str], documents: str | list[str], instruction: str | None = None,
+              truncate_prompt_tokens: int | None = None, use_tqdm: bool = True) -> list[ScoringRequestOutput]:
+        """Relevance scores in [0, 1] of each document for the query (one query and many documents, or as many
+        queries as documents, pair by pair; vLLM's ``LLM.score``: each ``.outputs.score``), on a model run with
+        ``task="rerank"``. MILI builds the reranker's prompt (Qwen3-Reranker's; ``instruction``: its task, default
+        web search); ``truncate_prompt_tokens``: a longer prompt has its document cut to fit N tokens (-1: the
+        context length), else it is an InvalidRequest."""
+        self.engine.inputs.check_task("rerank")
+        documents = [documents] if isinstance(documents, str) else list(documents)
+        queries = [query] * len(documents) if isinstance(query, str) else list(query)
+        if len(queries) != len(documents):
+            raise InvalidRequest(f"{len(queries)} queries for {len(documents)} documents: one query, or one each",
+                                 param="query")
+        ids = self._pooling_inputs().score(list(zip(queries, documents)), instruction, truncate_prompt_tokens)
+        outs = self._run([(p, None) for p in ids], [self._pooling_params()] * len(ids), use_tqdm)
+        return [ScoringRequestOutput(o.request_id, ScoringOutput(o.pooled[0]), o.prompt_token_ids,
+                                     o.num_cached_tokens) for o in outs]
+
+    def _pooling_inputs(self) -> PoolingInputs:
+        inputs = self.engine.inputs
+        return PoolingInputs(inputs.tokenizer, inputs.task, self.engine.max_model_len)
+
+    def _pooling_params(self) -> SamplingParams:
+        return SamplingParams(max_tokens=0, pooling=self.engine.inputs.task.pooling)
+
     def _run(self, prompts: list, params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine
         ids = []
@@ -121,7 +166,8 @@ class LLM:
                 engine.abort_request(rid)
             raise
         results: dict[str, RequestOutput] = {}
-        with tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm) as bar:
+        desc = "Generating" if params and params[0].pooling is None else "Pooling"
+        with tqdm(total=len(ids), desc=desc, unit="req", disable=not use_tqdm) as bar:
             try:
                 while len(results) < len(ids):
                     for out in engine.step():

@@ -63,3 +63,37 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     # why the request failed while running (every sequence then ends with finish_reason "error"); None if not
     error: str | None = None
+    # a pooling request's answer (SamplingParams.pooling): the last token's final hidden state (embed), or [score]
+    pooled: list[float] | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]  # L2-normalised where the model normalises (Qwen3-Embedding does)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """One input's embedding (vLLM's shape: ``.outputs.embedding``)."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    num_cached_tokens: int = 0
+    finished: bool = True
+
+
+@dataclass
+class ScoringOutput:
+    score: float  # the relevance score in [0, 1] (a reranker's P(yes))
+
+
+@dataclass
+class ScoringRequestOutput:
+    """One (query, document) pair's score (vLLM's shape: ``.outputs.score``)."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    num_cached_tokens: int = 0
+    finished: bool = True

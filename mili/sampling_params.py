@@ -56,6 +56,24 @@ class StructuredOutputsParams:
 
 
 @dataclass
+class PoolingParams:
+    """A pooling request (``/v1/embeddings``, ``/v1/rerank``, ``/score``): its prompt is computed, nothing is
+    generated, and the last token's final hidden state is turned into ``task``'s output.
+
+    ``task``: ``embed`` (that hidden state, as float32; the API side truncates and normalises it) or ``score`` (a
+    relevance score in [0, 1]: with ``score_token_ids`` (no, yes), a causal LM's P(yes) = softmax over the logits
+    of those tokens, as Qwen3-Reranker's recipe computes it; without, the sigmoid of a sequence-classification
+    head's logit)."""
+
+    task: str = "embed"
+    score_token_ids: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.task not in ("embed", "score"):
+            raise InvalidRequest(f"pooling task must be 'embed' or 'score', got {self.task!r}", param="task")
+
+
+@dataclass
 class SamplingParams:
     n: int = 1
     max_tokens: int | None = 16  # None: up to the model's context length; 0: score the prompt only
@@ -75,6 +93,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # None: none; N: each prompt token's logprob, plus the top N
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    # a pooling request (embeddings, scores): the prompt only, its last token pooled (max_tokens 0); None: generate
+    pooling: PoolingParams | None = None
     # Filled by the engine from the checkpoint's generation config; not set by users.
     eos_token_ids: list[int] = field(default_factory=list, repr=False)
 
@@ -97,7 +117,11 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or not 0 <= value <= 20):
                 bad(name, "must be an integer in [0, 20]")
-        least = 0 if self.prompt_logprobs is not None else 1  # 0: score the prompt, generate nothing
+        if self.pooling is not None:
+            if self.max_tokens != 0 or self.n != 1 or self.prompt_logprobs is not None or self.structured_outputs:
+                raise InvalidRequest("a pooling request generates nothing: max_tokens 0, n 1, no prompt logprobs and "
+                                     "no structured outputs", param="pooling")
+        least = 0 if self.prompt_logprobs is not None or self.pooling is not None else 1  # 0: generate nothing
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < least):
             bad("max_tokens", "must be an integer >= 1 (0, to score the prompt without generating, needs prompt "
                 "logprobs: echo with logprobs, or prompt_logprobs)")

@@ -107,3 +107,16 @@ def gguf_model(tmp_path_factory) -> Callable[[str], tuple[Path, Path]]:
         return built[kind]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def retrieval_model(tmp_path_factory) -> Callable[[str], Path]:
+    """``retrieval_model(kind)``: a tiny random Qwen3-Embedding-like (``embed``: sentence-transformers files in the
+    hub's spelling, the tokenizer appending <|endoftext|>), Qwen3-Reranker-like (``rerank``: a causal LM) or converted
+    reranker (``classifier``: Qwen3ForSequenceClassification, one label) on the real vocabulary (support.pooling)."""
+    from support.pooling import build_embedding_checkpoint, build_reranker_checkpoint
+
+    builders = {"embed": build_embedding_checkpoint,
+                "rerank": build_reranker_checkpoint,
+                "classifier": lambda path: build_reranker_checkpoint(path, classifier=True)}
+    return _built_once(tmp_path_factory.mktemp("retrieval"), lambda path, kind: builders[kind](path))

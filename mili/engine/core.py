@@ -239,12 +239,14 @@ class EngineCore:
                     continue
                 deltas.append(delta)
                 self._retire_if_finished(seq.request)
-        for s in sched.scheduled:  # max_tokens 0: the prompt is scored, nothing is generated
+        for s in sched.scheduled:  # max_tokens 0: the prompt is scored (or pooled), nothing is generated
             seq = s.seq
             if seq.params.max_tokens == 0 and seq.num_computed_tokens == seq.num_tokens and not seq.is_finished:
                 for each in seq.request.seqs:
-                    self.scheduler.finish(each, "length")
-                    deltas.append(self._delta(each, [], None, prompt_logprobs.pop(each, None), each.finish_reason))
+                    self.scheduler.finish(each, "length" if each.params.pooling is None else "stop")
+                    delta = self._delta(each, [], None, prompt_logprobs.pop(each, None), each.finish_reason)
+                    delta.pooled = result.pooled.get(each)
+                    deltas.append(delta)
                 self._retire_if_finished(seq.request)
         deltas += [self._delta(seq, [], None, entries) for seq, entries in prompt_logprobs.items()]
         return [d for d in deltas if d.request_id not in failed] if failed else deltas

@@ -11,6 +11,7 @@ from mili.config import EngineConfig, ModelConfig
 from mili.engine.image_inputs import ImageInputs
 from mili.engine.media import check_count
 from mili.engine.messages import AddRequest, Ready
+from mili.engine.pooling import resolve_task
 from mili.errors import ContextLengthExceeded, InvalidRequest, ModelLoadError
 from mili.model.checkpoint import load_generation_defaults, load_hf_config, resolve_model_path
 from mili.sampling_params import SamplingParams
@@ -38,6 +39,11 @@ class InputProcessor:
         self.generation_defaults = load_generation_defaults(self.model_path)  # used by the server
         self.core_info: Ready | None = None  # the loaded core's limits (max_model_len after the KV pool)
         self.images = ImageInputs(self.model_path, self.model_config, config.takes_images(self.model_config))
+        # generate, embed or rerank (engine/pooling.py): what the requests may ask for
+        self.task = resolve_task(config.task, self.model_path, self.model_config, self.tokenizer)
+        config.task = self.task.name  # (the engine core reads the resolved task)
+        if self.task.name == "embed":  # no logits: no head to load
+            self.model_config = self.model_config.without_head()
 
     @property
     def max_model_len(self) -> int:
@@ -47,6 +53,8 @@ class InputProcessor:
                      images: list | None = None) -> AddRequest:
         """Encode and validate one request; raises InvalidRequest / ContextLengthExceeded. ``images``: PIL images,
         one per image placeholder in the prompt (engine/image_inputs.py)."""
+        self.check_task("generate" if params.pooling is None else "embed" if params.pooling.task == "embed"
+                        else "rerank")
         token_ids = encode_prompt(self.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
         vocab = self.model_config.vocab_size
         # (types, then bounds, each in one C pass: this runs per request, over every prompt token)
@@ -72,6 +80,21 @@ class InputProcessor:
         max_total = self._check_length(len(token_ids), params.max_tokens)
         params = dataclasses.replace(params, eos_token_ids=list(self.eos_token_ids))
         return AddRequest(request_id, token_ids, params, max_total, time.monotonic(), images=image_input)
+
+    def check_task(self, asked: str) -> None:
+        """A request the task serves: text generation on a generate engine, embeddings on an embed one, scores on a
+        rerank one; any other is an InvalidRequest naming the task and how to start the one it needs."""
+        task = self.task.name
+        if asked == task:
+            return
+        serves = {"generate": "text generation (completions, chat, messages, responses, /generate)",
+                  "embed": "embeddings (/v1/embeddings)", "rerank": "scores (/v1/rerank, /rerank, /v2/rerank, /score)"}
+        start = {"generate": "--task generate on a chat model",
+                 "embed": "--task embed on an embedding model (such as Qwen3-Embedding)",
+                 "rerank": "--task rerank on a reranker (a Qwen3-Reranker is a Qwen3ForCausalLM, which MILI cannot "
+                           "tell from a chat model: pass --task rerank)"}
+        raise InvalidRequest(f"this model runs the {task} task: it serves {serves[task]}, not {serves[asked]}; for "
+                             f"those, start MILI with {start[asked]}", param="model")
 
     def _check_length(self, prompt_len: int, max_tokens: int | None) -> int:
         limit = self.max_model_len

@@ -70,6 +70,8 @@ class SeqDelta(msgspec.Struct, array_like=True):
     # prompt logprobs (on sequence 0's delta): the prompt tokens scored in this step, in order from the
     # first not sent yet (the prompt's second token first), each as ``logprobs``' entries
     prompt_logprobs: list[tuple[float, int, list[tuple[int, float]]]] | None = None
+    # a pooling request's answer (with its finish): the last token's hidden state (embed) or [score]
+    pooled: list[float] | None = None
 
 
 class SpecDecodeCounts(msgspec.Struct, array_like=True):

@@ -51,6 +51,7 @@ class RequestState:
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
             [None] if add.params.prompt_logprobs is not None else None)
         self.num_cached_tokens = 0
+        self.pooled: list[float] | None = None  # a pooling request's answer, once it came
         self.times = {"arrival_time": add.arrival_time, "first_scheduled_time": None, "first_token_time": None,
                       "finished_time": None}
 
@@ -77,7 +78,7 @@ class RequestState:
         else:
             outputs = [s.output() for s in sorted(self.seqs.values(), key=lambda s: s.index)]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, finished,
-                             self.num_cached_tokens, self.times, self.prompt_logprobs)
+                             self.num_cached_tokens, self.times, self.prompt_logprobs, pooled=self.pooled)
 
 
 class OutputProcessor:
@@ -144,6 +145,8 @@ class OutputProcessor:
             return
         touched[d.request_id] = req
         req.num_cached_tokens = d.num_cached_tokens
+        if d.pooled is not None:
+            req.pooled = d.pooled
         req.times["first_scheduled_time"] = d.first_scheduled_time
         for k, token in enumerate(d.token_ids):
             seq.token_ids.append(token)

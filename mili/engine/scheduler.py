@@ -54,6 +54,13 @@ class ScheduledSeq:
         return (self.seq.num_computed_tokens + self.num_new_tokens - len(self.draft) == self.seq.num_tokens
                 and self.seq.params.max_tokens != 0)
 
+    @property
+    def pools(self) -> bool:
+        """Whether this step computes the last prompt token of a pooling request (embeddings, scores): its final
+        hidden state is the request's answer."""
+        return (self.seq.params.pooling is not None
+                and self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens)
+
 
 @dataclass
 class SchedulerOutput:

@@ -44,6 +44,10 @@ class ForwardBatch:
     # prompt logprobs: the last num_prompt_rows of logits_indices (after the sampling rows) are prompt
     # positions whose logits score the next prompt token (see runtime/prompt_logprobs.py)
     num_prompt_rows: int = 0
+    # pooling requests (embeddings, scores): the num_pool_rows rows of logits_indices after the sampling rows are
+    # their last tokens, pooled as ``pooling`` says (mili.sampling_params.PoolingParams, one a row)
+    num_pool_rows: int = 0
+    pooling: list | None = None
     # hybrid models: each sequence's recurrent-state slot in the runner's state pool ([B], None otherwise)
     state_slots: list[int] | None = None
     # M-RoPE models: the step's image tokens and what replaces their embeddings (None: no image token this step)

@@ -178,8 +178,11 @@ def _skipped(model: Qwen3ForCausalLM, name: str) -> bool:
 
 def _param_name(model, name: str) -> str:
     """The model's name for a checkpoint tensor (the hub's Qwen3.5 keeps its language model under
-    ``model.language_model.``)."""
-    return model.checkpoint_name(name) if hasattr(model, "checkpoint_name") else name
+    ``model.language_model.``; a Qwen3 decoder saved without its head, as sentence-transformers saves Qwen3-Embedding,
+    keeps it at the top: ``layers.0...`` for ``model.layers.0...``)."""
+    if hasattr(model, "checkpoint_name"):
+        return model.checkpoint_name(name)
+    return name if name.startswith(("model.", "lm_head.", "score.")) else f"model.{name}"
 
 
 class _Dequantizer:

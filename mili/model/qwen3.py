@@ -147,6 +147,18 @@ class Qwen3Model(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
 
 
+class ClassifierHead(nn.Module):
+    """A sequence-classification head (transformers' ``score``: a linear layer without bias), its logits computed
+    in float32 from the model's dtype, as the pooler reads them (``mili/runtime/pooler.py``)."""
+
+    def __init__(self, hidden_size: int, num_labels: int, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_labels, hidden_size, dtype=dtype), requires_grad=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden.float(), self.weight.float())
+
+
 class Qwen3ForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, ops=TorchOps):
         super().__init__()
@@ -157,6 +169,8 @@ class Qwen3ForCausalLM(nn.Module):
         self.lm_head = (None if cfg.tie_word_embeddings else nn.Linear(
             cfg.hidden_size, vocab_shard(cfg.vocab_size, cfg.tp_rank, cfg.tp_size)[1], bias=False, dtype=dtype))
         self.rotary: RotaryEmbedding | None = None  # built by init_rotary once weights are on the device
+        # a sequence-classification checkpoint's head (``score.weight``): a plain module, which no linear swap takes
+        self.score = ClassifierHead(cfg.hidden_size, cfg.num_labels, dtype) if cfg.num_labels else None
 
     def init_rotary(self, max_positions: int, device: torch.device) -> None:
         self.rotary = RotaryEmbedding(self.config.hf_config, max_positions, device)

@@ -1,7 +1,7 @@
 """The input-batch builder: a step's ``ForwardBatch`` from the scheduler's ``ScheduledSeq`` list: token ids and
-positions (drafts included), each token's KV slot through its sequence's page table, the rows whose logits are
-wanted (sampled tokens, verified drafts, scored prompt positions), the recurrent-state slots of a hybrid, and the
-image rows and M-RoPE positions of a step with images."""
+positions (drafts included), each token's KV slot through its sequence's page table, the rows whose final hidden
+states are wanted (sampled tokens, verified drafts, pooling requests' last tokens, scored prompt positions), the
+recurrent-state slots of a hybrid, and the image rows and M-RoPE positions of a step with images."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ class InputBatchBuilder:
         """Batch tensors for a list of ``ScheduledSeq`` (decodes first), built once per step; and the
         prompt positions each sequence scores in it (prompt logprobs): [(sequence, positions)]."""
         input_ids, positions, query_lens, context_lens, logits_indices = [], [], [], [], []
-        prompt_rows, scoring = [], []
+        pool_rows, pooling, prompt_rows, scoring = [], [], [], []
         num_decodes = 0
         # M-RoPE positions and image rows, only when a request with images is in the step
         images = StepImages(self.model, self.encoder_cache, self.tokens_per_call) \
@@ -43,6 +43,9 @@ class InputBatchBuilder:
             num_decodes += n == 1
             if s.samples:  # logits only where a token is sampled (and each draft verified), and where a
                 logits_indices += range(len(input_ids) - len(s.draft) - 1, len(input_ids))  # prompt token is scored
+            elif s.pools:  # (and where a pooling request's last token is)
+                pool_rows.append(len(input_ids) - 1)
+                pooling.append(seq.params.pooling)
             unscored = seq.request.unscored(start, start + n)
             if unscored:
                 prompt_rows += range(first_row + unscored.start - start, first_row + unscored.stop - start)
@@ -51,8 +54,8 @@ class InputBatchBuilder:
         batch = self.forward_batch(
             [s.seq.page_table for s in scheduled], positions, query_lens, context_lens,
             torch.tensor(input_ids, dtype=torch.long, device=dev), num_decodes=num_decodes,
-            logits_indices=torch.tensor(logits_indices + prompt_rows, dtype=torch.long, device=dev),
-            num_prompt_rows=len(prompt_rows),
+            logits_indices=torch.tensor(logits_indices + pool_rows + prompt_rows, dtype=torch.long, device=dev),
+            num_prompt_rows=len(prompt_rows), num_pool_rows=len(pool_rows), pooling=pooling or None,
             state_slots=[s.seq.state_slot for s in scheduled] if self.hybrid else None)
         if images is not None:  # (the slots stay the tokens' indices; the rotary takes M-RoPE's positions)
             batch.positions, batch.images = images.batch_fields(dev)

@@ -21,6 +21,7 @@ from mili.runtime.input_batch import InputBatchBuilder
 from mili.runtime.memory import CacheMemory
 from mili.runtime.model_builder import attention_and_ops, build_model
 from mili.runtime.plan import DeviceInfo, ExecutionPlan, plan
+from mili.runtime.pooler import pool
 from mili.runtime.prompt_logprobs import PromptScorer, rows_per_slice
 from mili.runtime.sampler import DRAWS, Sampler
 from mili.runtime.sampling import sample_step
@@ -33,12 +34,14 @@ log = logging.getLogger("mili")
 @dataclass
 class StepResult:
     """What a step gives back to the engine core: the sampled tokens (None if no sequence samples), the prompt
-    logprobs it scored (``forward_logits``), and per sequence that verified drafts, the positions of the step that
-    stay uncomputed (``rejected_positions``), which the scheduler accounts."""
+    logprobs it scored (``forward_logits``), per sequence that verified drafts, the positions of the step that stay
+    uncomputed (``rejected_positions``), which the scheduler accounts, and the answers of pooling requests
+    (``pooler.py``)."""
 
     tokens: StepTokens | None = None
     scored: list[tuple] = field(default_factory=list)
     num_rejected: dict = field(default_factory=dict)
+    pooled: dict = field(default_factory=dict)  # pooling requests whose prompt completed: sequence -> its answer
 
 
 class ModelRunner:
@@ -134,47 +137,55 @@ class ModelRunner:
         return self.model(batch, self.kv_caches)
 
     @torch.inference_mode()
-    def forward_logits(self, scheduled) -> tuple[torch.Tensor, list[tuple]]:
+    def forward_logits(self, scheduled) -> tuple[torch.Tensor, list[tuple], dict]:
         """Run the model over a step: the last-token logits of each sequence that samples ([S, V], in the
         model's dtype; the sampler takes a float32 copy where it needs one; with CUDA graphs it may be a
-        view of the graph's output buffer, valid until the next step), and the prompt logprobs the step
-        scored: [(sequence, its ``Scored`` entries in position order)]."""
+        view of the graph's output buffer, valid until the next step), the prompt logprobs the step
+        scored: [(sequence, its ``Scored`` entries in position order)], and the pooling requests' answers
+        {sequence: [floats]}."""
         batch, scoring = self.batches.prepare(scheduled)
         if self.tp_size > 1:  # every rank runs the same batch
             parallel.broadcast(("step", batch))
-        if self.graphs is not None and not batch.num_prompt_rows and self.mtp is None:
+        if self.graphs is not None and not batch.num_prompt_rows and not batch.num_pool_rows and self.mtp is None:
             logits = self.graphs.run(batch)  # all rows of a decode batch; None when no graph fits
             if logits is not None:
                 sampling = [i for i, s in enumerate(scheduled) if s.samples]
                 if len(sampling) != len(scheduled):
                     logits = logits[torch.tensor(sampling, device=self.device)]
-                return logits, []
+                return logits, [], {}
         verifying = all(s.num_new_tokens == 1 or s.draft for s in scheduled)  # (decodes and verifications)
         hidden = self.cpu_decode.run(batch, self.kv_caches, verifying) if self.cpu_decode is not None else None
         if hidden is None:
             hidden = self.run_model(batch)
         if self.mtp is not None:  # the MTP head's pairs of every position computed
             self.mtp.write(batch, scheduled)
+        scorer = None
+        if scoring:
+            scorer = PromptScorer([seq.token_ids[p + 1] for seq, rows in scoring for p in rows],
+                                  [seq.params.prompt_logprobs for seq, rows in scoring for _ in rows],
+                                  self.model_config.vocab_size, self.device)
+        logits, pooled = self._logits(hidden, batch, scorer)
+        pooled = dict(zip([s.seq for s in scheduled if s.pools], pooled))
         if not scoring:
-            return self._logits(hidden, 0), []
-        scorer = PromptScorer([seq.token_ids[p + 1] for seq, rows in scoring for p in rows],
-                              [seq.params.prompt_logprobs for seq, rows in scoring for _ in rows],
-                              self.model_config.vocab_size, self.device)
-        logits = self._logits(hidden, batch.num_prompt_rows, scorer)
-        return logits, list(zip([seq for seq, _ in scoring], scorer.split([len(rows) for _, rows in scoring])))
+            return logits, [], pooled
+        return logits, list(zip([seq for seq, _ in scoring], scorer.split([len(rows) for _, rows in scoring]))), pooled
 
-    def _logits(self, hidden: torch.Tensor, num_prompt_rows: int, scorer: PromptScorer | None = None) -> torch.Tensor:
-        """The logits of the sampling rows of ``hidden``; its last ``num_prompt_rows`` rows (prompt
-        positions) have theirs made a slice at a time and handed to ``scorer``. Every tensor-parallel
-        rank makes the same calls (each gathers the vocabulary shards)."""
-        num_sampling = hidden.shape[0] - num_prompt_rows
+    def _logits(self, hidden: torch.Tensor, batch, scorer: PromptScorer | None = None) -> tuple[torch.Tensor, list]:
+        """The logits of the sampling rows of ``hidden``, and the answers of its pooling rows (``pooler.py``); its
+        last ``num_prompt_rows`` rows (prompt positions) have theirs made a slice at a time and handed to
+        ``scorer``. Every tensor-parallel rank makes the same calls (each gathers the vocabulary shards)."""
+        num_prompt_rows, num_pool_rows = batch.num_prompt_rows, batch.num_pool_rows
+        num_sampling = hidden.shape[0] - num_prompt_rows - num_pool_rows
         logits = self.model.compute_logits(hidden[:num_sampling])
+        pooled = pool(self.model, hidden[num_sampling:num_sampling + num_pool_rows], batch.pooling) \
+            if num_pool_rows else []
+        first = num_sampling + num_pool_rows
         step = rows_per_slice(self.model_config.vocab_size)
         for start in range(0, num_prompt_rows, step):
-            part = self.model.compute_logits(hidden[num_sampling + start:num_sampling + start + step])
+            part = self.model.compute_logits(hidden[first + start:first + start + step])
             if scorer is not None:
                 scorer(start, part)
-        return logits
+        return logits, pooled
 
     @torch.inference_mode()
     def serve_steps(self) -> None:
@@ -188,7 +199,7 @@ class ModelRunner:
             elif msg[0] == "states":
                 self.copy_states(msg[1])
             else:
-                self._logits(self.run_model(msg[1]), msg[1].num_prompt_rows)
+                self._logits(self.run_model(msg[1]), msg[1])
 
     def check_workers(self) -> None:
         """Raise if another rank's process has exited (the model cannot run without it)."""
@@ -220,12 +231,12 @@ class ModelRunner:
         drafting = [s for s in scheduled if s.draft]
         if self.hybrid:  # a hybrid's state before its drafts, kept in a spare row (as many as drafting)
             self.copy_states([(s.seq.state_slot, row) for s, row in zip(drafting, self.states.spare_rows)])
-        logits, scored = self.forward_logits(scheduled)
+        logits, scored, pooled = self.forward_logits(scheduled)
         self.copy_states(sched_out.state_copies)  # forked sequences take their parent's state as it now is
         if not sched_out.sample_rows:
             if self.mtp is not None:
                 self.mtp.keep(scheduled, [], {}, {})
-            return StepResult(None, scored)
+            return StepResult(None, scored, pooled=pooled)
         rows, logits_rows = verification_rows(scheduled, sched_out.sample_rows)
         if logits_rows != list(range(logits.shape[0])):
             logits = logits.index_select(0, torch.tensor(logits_rows, device=self.device))
@@ -238,7 +249,7 @@ class ModelRunner:
                               if rejected.get(s.seq)])
         if self.mtp is not None:
             self.mtp.keep(scheduled, sched_out.sample_rows, by_seq, rejected)
-        return StepResult(tokens, scored, rejected)
+        return StepResult(tokens, scored, rejected, pooled)
 
 
 def worker_main(config, model_config, path: str, rank: int, address: str, parent_pid: int) -> None:

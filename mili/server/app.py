@@ -14,7 +14,7 @@ from starlette.datastructures import Headers
 
 import mili
 from mili.engine.async_llm import AsyncLLM
-from mili.server import anthropic, native, openai, responses, utility
+from mili.server import anthropic, native, openai, pooling, responses, utility
 from mili.server.errors import APIError, error_response, install_error_handlers
 from mili.server.openapi import document
 from mili.server.state import ServerState
@@ -80,6 +80,6 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
 
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
-    for module in (utility, openai, anthropic, responses, native):
+    for module in (utility, openai, anthropic, responses, native, pooling):
         app.include_router(module.router)
     return app

@@ -23,11 +23,11 @@ _ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3,
 
 
 class Metrics:
-    def __init__(self, model_name: str, count_engine_totals: bool = True):
+    def __init__(self, model_name: str, count_engine_totals: bool = True, task: str = "generate"):
         self.registry = r = CollectorRegistry()
         self.count_engine_totals = count_engine_totals
         self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
-        labels = {"model_name": model_name}
+        labels = {"model_name": model_name, "task": task}
         once = "mostrecent"  # (several API processes: the engine's gauges, reported once, not summed)
         self.running = Gauge("mili:num_requests_running", "Requests in the running batch", registry=r,
                              multiprocess_mode=once)
@@ -61,6 +61,13 @@ class Metrics:
                                              "Draft tokens accepted, by position in the draft", ["position"],
                                              registry=r)
         self._spec_seen = None
+        # pooling (embed, rerank): API requests, the inputs (texts, pairs) they carried, and their prompt tokens
+        self.pooling_requests = Counter("mili:pooling_requests", "Pooling API requests (embeddings, rerank, score)",
+                                        ["task"], registry=r)
+        self.pooling_inputs = Counter("mili:pooling_inputs", "Inputs pooled (texts embedded, pairs scored)", ["task"],
+                                      registry=r)
+        self.pooling_tokens = Counter("mili:pooling_prompt_tokens", "Prompt tokens of pooled inputs", ["task"],
+                                      registry=r)
         self.info = Gauge("mili:model_info", "The model served", list(labels), registry=r, multiprocess_mode=once)
         self.info.labels(**labels).set(1)
         self._seen: dict[str, tuple[int, float]] = {}  # request id -> (tokens counted, last token time)
@@ -133,6 +140,12 @@ class Metrics:
                          reason)
         self.generation_tokens.inc(generated)  # once a step, not once a request
         observe_each(self.itl, itls)
+
+    def count_pooling(self, task: str, finals) -> None:
+        """One pooling API request that answered, with its inputs' final outputs."""
+        self.pooling_requests.labels(task=task).inc()
+        self.pooling_inputs.labels(task=task).inc(len(finals))
+        self.pooling_tokens.labels(task=task).inc(sum(len(f.prompt_token_ids) for f in finals))
 
     def render(self) -> bytes:
         if self.multiprocess:  # every API process's series

@@ -18,6 +18,7 @@ router = APIRouter()
 ENDPOINTS = ["GET /", "GET /health", "GET /version", "GET /metrics", "POST /generate", "GET /status/{request_id}",
              "POST /tokenize", "POST /detokenize", "GET /v1/models", "POST /v1/completions",
              "POST /v1/chat/completions", "POST /v1/responses", "POST /v1/messages", "POST /v1/messages/count_tokens",
+             "POST /v1/embeddings", "POST /v1/rerank", "POST /rerank", "POST /v2/rerank", "POST /score", "POST /v1/score",
              "GET /ui"]
 
 
@@ -41,6 +42,7 @@ async def health(http: Request):
             "max_seq_length": engine.max_model_len, "device": engine.info.device, "dtype": engine.info.dtype,
             "quantization": engine.info.quantization, "kv_cache_dtype": engine.info.kv_cache_dtype,
             "prefix_caching": engine.info.prefix_caching, "tool_call_parser": st.tool_call_parser,
+            "task": engine.inputs.task.name,
             "execution_plan": engine.info.plan,
             "engine_core_pid": engine.core_pid, "api_server_pid": os.getpid(),
             # every API process (mili serve --api-server-count): their CPU is the server's

@@ -26,7 +26,8 @@ async def models(http: Request):
     return {"object": "list", "data": [{
         "id": st.model_name, "object": "model", "created": st.created, "owned_by": "mili",
         "root": st.engine.model_path, "max_model_len": st.engine.max_model_len,
-        "quantization": st.engine.info.quantization, "kv_cache_dtype": st.engine.info.kv_cache_dtype}]}
+        "quantization": st.engine.info.quantization, "kv_cache_dtype": st.engine.info.kv_cache_dtype,
+        "task": st.engine.inputs.task.name}]}
 
 
 def _usage(finals: list[RequestOutput]) -> dict:

@@ -363,3 +363,71 @@ class TokenizeRequest(Strict):
 
 class DetokenizeRequest(Strict):
     tokens: Annotated[token_ids(), OnField]
+
+
+# -- pooling: embeddings, rerank, score (mili/server/pooling.py) -------------------------------------------------
+_TRUNCATE = integer(ge=-1, description="an input longer than N tokens is cut to N (embeddings: its last N tokens; a "
+                                       "rerank or score pair: its document); -1: to the context length; default: "
+                                       "a longer input is a 400")
+_INSTRUCTION = Field(None, min_length=1, description="the task, in words: embeddings: the inputs are queries, each "
+                                                     "sent as 'Instruct: {instruction}\\nQuery:{input}'; rerank and "
+                                                     "score: the reranker's <Instruct> (default: web search)")
+
+
+class EmbeddingRequest(Strict):
+    """OpenAI's ``/v1/embeddings``, with vLLM's ``truncate_prompt_tokens`` and MILI's query ``instruction``."""
+
+    model: ModelName | None = None
+    input: Annotated[Text | Annotated[list[Text], Field(min_length=1)] | PromptIds
+                     | Annotated[list[PromptIds], Field(min_length=1)], OnField]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: integer(ge=1) | None = Field(None, description="the first N dimensions, renormalised "
+                                                               "(Matryoshka); at most the model's hidden size")
+    user: str | None = None
+    instruction: str | None = _INSTRUCTION
+    truncate_prompt_tokens: _TRUNCATE | None = None
+
+    def inputs(self) -> list[str | list[int]]:
+        p = self.input
+        if isinstance(p, str) or isinstance(p[0], int):
+            return [p]
+        return list(p)
+
+
+class RerankDocument(Strict):
+    text: str
+
+
+class RerankRequest(Strict):
+    """Jina's and Cohere's rerank (``/v1/rerank``, ``/rerank``, ``/v2/rerank``), as vLLM serves them."""
+
+    model: ModelName | None = None
+    query: Text
+    documents: Annotated[list[str | RerankDocument], Field(min_length=1), OnField]
+    top_n: integer(ge=0) | None = Field(None, description="the best N results; 0 or unset: all")
+    return_documents: bool = True
+    instruction: str | None = _INSTRUCTION
+    truncate_prompt_tokens: _TRUNCATE | None = None
+
+    def texts(self) -> list[str]:
+        return [d if isinstance(d, str) else d.text for d in self.documents]
+
+
+class ScoreRequest(Strict):
+    """vLLM's ``/score``: ``text_1`` against ``text_2``, one to one, one to many, or pair by pair."""
+
+    model: ModelName | None = None
+    text_1: Annotated[Text | Annotated[list[Text], Field(min_length=1)], OnField]
+    text_2: Annotated[Text | Annotated[list[Text], Field(min_length=1)], OnField]
+    instruction: str | None = _INSTRUCTION
+    truncate_prompt_tokens: _TRUNCATE | None = None
+
+    def pairs(self) -> list[tuple[str, str]]:
+        first = [self.text_1] if isinstance(self.text_1, str) else list(self.text_1)
+        second = [self.text_2] if isinstance(self.text_2, str) else list(self.text_2)
+        if len(first) == 1:
+            first = first * len(second)
+        if len(first) != len(second):
+            raise InvalidRequest(f"text_1 has {len(first)} texts and text_2 {len(second)}: text_1 is one text, or "
+                                 "as many as text_2", param="text_1")
+        return list(zip(first, second))

@@ -44,7 +44,8 @@ class ServerState:
         self.sampling_defaults = dict(sampling_defaults or {})
         self.openai_defaults = {**engine.generation_defaults, **self.sampling_defaults}
         # (several API processes: their series summed; the engine's running totals counted by the first only)
-        self.metrics = Metrics(model_name, count_engine_totals=api_servers is None or api_servers.index == 0)
+        self.metrics = Metrics(model_name, count_engine_totals=api_servers is None or api_servers.index == 0,
+                               task=engine.inputs.task.name)
         self.metrics.update_gauges(engine.info.stats)  # the first snapshot for /health
         engine.on_step = lambda msg, outputs: self.metrics.on_step(msg, outputs, engine.live_request_ids())
         self.media = MediaPolicy.from_config(engine.config)  # where a chat's images may come from

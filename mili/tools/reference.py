@@ -25,7 +25,7 @@ from mili.config import EngineConfig
 ROOT = Path(__file__).resolve().parents[2]
 # page (relative to the repository) -> the generated parts it holds
 PAGES = {
-    "docs/reference/cli.md": ("cli-generate", "cli-serve", "cli-bench", "cli-selftest"),
+    "docs/reference/cli.md": ("cli-generate", "cli-embed", "cli-rerank", "cli-serve", "cli-bench", "cli-selftest"),
     "docs/reference/options.md": ("engine-options",),
 }
 _BEGIN = "<!-- generated: {name} (python -m mili.tools.reference); do not edit by hand -->\n"
@@ -80,7 +80,7 @@ def cli_table(name: str) -> str:
     for action in parser._actions:
         if isinstance(action, argparse._HelpAction) or action.help == argparse.SUPPRESS:
             continue
-        if action.dest in engine and name in ("generate", "serve"):
+        if action.dest in engine and name in ("generate", "embed", "rerank", "serve"):
             shares = True
             continue
         if isinstance(action, argparse.BooleanOptionalAction):
@@ -95,7 +95,7 @@ def cli_table(name: str) -> str:
 
 def generated() -> dict[str, str]:
     """Every generated part by name."""
-    parts = {f"cli-{name}": cli_table(name) for name in ("generate", "serve", "bench", "selftest")}
+    parts = {f"cli-{name}": cli_table(name) for name in ("generate", "embed", "rerank", "serve", "bench", "selftest")}
     parts["engine-options"] = options.markdown_table(EngineConfig)
     return parts
 

@@ -286,7 +286,7 @@ def _next_token_logprobs(llm, prompts: list[list[int]]) -> torch.Tensor:
     for prompt in prompts:
         request = llm.engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1))
         sched = core.scheduler.schedule()
-        logits, _ = core.runner.forward_logits(sched.scheduled)
+        logits, *_ = core.runner.forward_logits(sched.scheduled)
         rows.append(logits[0].float().log_softmax(-1))
         core.scheduler.after_step(sched.scheduled)
         llm.engine.abort_request(request.request_id)
