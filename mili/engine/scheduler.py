@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 from mili.cache.hybrid_radix_cache import HybridRadixCache
 from mili.cache.page_pool import PagePool
-from mili.cache.radix_cache import PrefixCache
+from mili.cache.radix_cache import NoPrefixCache, PrefixCache
 from mili.cache.state_pool import StatePool
 from mili.engine.request import Request, Sequence, SeqStatus
 from mili.engine.state_snapshots import StateSnapshots
@@ -144,6 +144,8 @@ class Scheduler:
             width = 1 + len(seq.request.unborn()) if seq.index == 0 else 1
             if len(self.running) + width > self.max_num_seqs:
                 break
+            if self._waits_for_prefix(seq):
+                break
             slotless = self._slotless(seq)
             if self.states is not None and len(slotless) > self.states.num_free:
                 break
@@ -165,6 +167,30 @@ class Scheduler:
             scheduled.append(ScheduledSeq(seq, n))
             budget -= n
         return budget
+
+    def _waits_for_prefix(self, seq: Sequence) -> bool:
+        """Whether ``seq`` should wait a step because a running sequence is computing the prompt prefix it shares
+        (at least a page more than the cache holds): once that prompt is computed it is cached, and ``seq`` takes
+        it from there instead of computing it a second time in the same step (SGLang's in-batch prefix caching: a
+        rerank's documents behind one query, a batch of prompts behind one system prompt). Only while something
+        runs, so it never waits on nothing; FCFS: the sequences behind it wait too. Not for hybrids, which resume
+        only where a state snapshot was taken."""
+        if seq.page_table or isinstance(self.cache, NoPrefixCache) or self.states is not None:
+            return False
+        size = self.pool.page_size
+        key = self._matchable(seq)
+        cached = None
+        for other in self.running:
+            if other.num_computed_tokens >= other.prompt_len or other.request is seq.request:
+                continue
+            shared = _shared_pages(key, other.cache_key(other.prompt_len), size)
+            if shared == 0:
+                continue
+            if cached is None:
+                cached = len(self.cache.match(key))
+            if shared > cached:
+                return True
+        return False
 
     def _slotless(self, seq: Sequence) -> list[Sequence]:
         """Hybrids: the sequences admitting ``seq`` must give a state slot (it, and a first sequence's unborn
@@ -324,3 +350,11 @@ class Scheduler:
             self.states.check_integrity(alive=lambda s: s.status in (SeqStatus.RUNNING, SeqStatus.UNBORN))
         if self.snapshots is not None:
             self.snapshots.check_integrity(self.running, self.waiting)
+
+
+def _shared_pages(a: list[int], b: list[int], size: int) -> int:
+    """How many whole pages of tokens ``a`` and ``b`` start with alike."""
+    n = 0
+    while (n + 1) * size <= min(len(a), len(b)) and a[n * size:(n + 1) * size] == b[n * size:(n + 1) * size]:
+        n += 1
+    return n
