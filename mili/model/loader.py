@@ -92,7 +92,8 @@ def _tp_slice(name: str, cfg) -> tuple[int, list[tuple[int, int]]] | None:
         return 1, [(r * inter, inter), (n * inter + r * inter, inter)]
     if name.endswith(".experts.down_proj"):  # [E, H, I]
         return 2, [(r * inter, inter)]
-    if name in ("model.embed_tokens.weight", "lm_head.weight"):  # (past the vocabulary: zeros, see _take)
+    # (past the vocabulary: zeros, see _take; a decoder saved without its head keeps its table at the top)
+    if name in ("model.embed_tokens.weight", "embed_tokens.weight", "lm_head.weight"):
         return 0, [vocab_shard(cfg.vocab_size, r, n)]
     return None
 

@@ -199,3 +199,36 @@ def test_bad_input_is_refused_and_the_engine_goes_on(embedder, embed_model):
     assert_drained(embedder)
     torch.testing.assert_close(_vectors(embedder.embed(TEXTS[:1], use_tqdm=False)), st_embeddings(embed_model, TEXTS[:1]),
                                atol=1e-5, rtol=0)
+
+
+def test_tensor_parallel_pooling_matches_one_rank(embedder, embed_model, retrieval_model):
+    """Two ranks (gloo): every rank pools the same rows (the reranker's logits gathered over the vocabulary
+    shards), so the answers equal one rank's; a classification head is refused by name."""
+    ref = st_embeddings(embed_model, TEXTS)
+    tp = LLM(str(embed_model), dtype="float32", max_model_len=512, tensor_parallel_size=2)
+    try:
+        torch.testing.assert_close(_vectors(tp.embed(TEXTS, use_tqdm=False)), ref, atol=1e-5, rtol=0)
+    finally:
+        tp.engine.shutdown()
+    path = retrieval_model("rerank")
+    tp = LLM(str(path), dtype="float32", max_model_len=512, tensor_parallel_size=2, task="rerank")
+    try:
+        got = torch.tensor([o.outputs.score for o in tp.score(QUERY, DOCS, use_tqdm=False)])
+    finally:
+        tp.engine.shutdown()
+    torch.testing.assert_close(got, hf_rerank_scores(path, QUERY, DOCS), atol=1e-5, rtol=0)
+    with pytest.raises(InvalidRequest, match="sequence-classification checkpoint runs on one rank"):
+        LLM(str(retrieval_model("classifier")), dtype="float32", tensor_parallel_size=2)
+
+
+def test_the_cli_prints_embeddings_and_rankings(embed_model, retrieval_model, capsys):
+    from mili.cli import main
+
+    assert main(["embed", str(embed_model), "--dtype", "float32", "--text", TEXTS[0], "--text", TEXTS[1],
+                 "--dimensions", "32"]) == 0
+    out = capsys.readouterr().out
+    assert "[0] 32 dims" in out and "cosine similarities:" in out and "+1.0000" in out
+    assert main(["rerank", str(retrieval_model("rerank")), "--dtype", "float32", "--query", QUERY,
+                 "--document", DOCS[0], "--document", DOCS[1]]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("1. ") and lines[1].startswith("2. ") and len(lines) == 2
