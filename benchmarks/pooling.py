@@ -13,7 +13,10 @@ Each figure is the median of --repeats timed runs after a warm-up; MILI's prefix
 vocabulary; their token counts are printed.
 
     python benchmarks/pooling.py [--docs 64] [--doc-len 256] [--query-len 64] [--rerank-doc-len 128]
-                                 [--threads 2] [--repeats 3]
+                                 [--threads 2] [--repeats 3] [--device cpu|cuda]
+
+On CUDA (``--device cuda``) the same rows run on the GPU (MILI in bf16 on its Triton kernels and CUDA graphs;
+sentence-transformers' rows where it is installed).
 """
 
 from __future__ import annotations
@@ -73,27 +76,47 @@ def random_texts(tokenizer, count: int, length: int, seed: int) -> list[str]:
 
 def timed(run, repeats: int, before=lambda: None) -> float:
     """The median seconds of ``repeats`` runs after one warm-up (``before`` each)."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     before()
     run()
     times = []
     for _ in range(repeats):
         before()
+        sync()
         t = time.perf_counter()
         run()
+        sync()
         times.append(time.perf_counter() - t)
     return statistics.median(times)
 
 
 def embed_rows(args, path: str, texts: list[str]) -> list[list]:
-    from sentence_transformers import SentenceTransformer
-
-    llm = LLM(path, task="embed", num_threads=args.threads, max_model_len=2048)
+    llm = LLM(path, task="embed", num_threads=args.threads, max_model_len=2048, device=args.device)
     mili_s = timed(lambda: llm.embed(texts, use_tqdm=False), args.repeats, llm.reset_prefix_cache)
     tokens = sum(len(o.prompt_token_ids) for o in llm.embed(texts, use_tqdm=False))
     del llm
-    rows = [["MILI (bf16, CPU kernels)", mili_s, len(texts) / mili_s, 1.0]]
+    rows = [[f"MILI (bf16, {'CPU kernels' if args.device == 'cpu' else 'CUDA'})", mili_s, len(texts) / mili_s, 1.0]]
+    from transformers import AutoModel, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
+    model = AutoModel.from_pretrained(path, dtype=torch.bfloat16).to(args.device).eval()
+
+    def hf():  # what sentence-transformers runs, in batches of 32: the last token's hidden state, normalised
+        for i in range(0, len(texts), 32):
+            batch = tokenizer(texts[i:i + 32], padding=True, return_tensors="pt").to(args.device)
+            with torch.inference_mode():
+                torch.nn.functional.normalize(model(**batch).last_hidden_state[:, -1].float(), dim=1)
+
+    seconds = timed(hf, args.repeats)
+    rows.append(["transformers AutoModel (bfloat16)", seconds, len(texts) / seconds, seconds / mili_s])
+    del model
+    try:
+        from sentence_transformers import SentenceTransformer
+    except ImportError:
+        print("(sentence-transformers is not installed: its rows are left out)")
+        return rows
     for dtype in (torch.float32, torch.bfloat16):
-        st = SentenceTransformer(path, device="cpu", model_kwargs={"dtype": dtype})
+        st = SentenceTransformer(path, device=args.device, model_kwargs={"dtype": dtype})
         seconds = timed(lambda: st.encode(texts, batch_size=32, convert_to_tensor=True), args.repeats)
         rows.append([f"sentence-transformers ({str(dtype).removeprefix('torch.')})", seconds, len(texts) / seconds,
                      seconds / mili_s])
@@ -102,7 +125,7 @@ def embed_rows(args, path: str, texts: list[str]) -> list[list]:
     return rows
 
 
-def hf_recipe(model, tokenizer, query: str, docs: list[str]) -> torch.Tensor:
+def hf_recipe(model, tokenizer, query: str, docs: list[str], device: str = "cpu") -> torch.Tensor:
     """Qwen3-Reranker's official code: prefix, pair and suffix tokenized apart, one left-padded batch."""
     prefix = tokenizer.encode(RERANK_PREFIX, add_special_tokens=False)
     suffix = tokenizer.encode(RERANK_SUFFIX, add_special_tokens=False)
@@ -110,7 +133,7 @@ def hf_recipe(model, tokenizer, query: str, docs: list[str]) -> torch.Tensor:
     inputs = tokenizer(pairs, padding=False, truncation="longest_first", return_attention_mask=False,
                        max_length=8192 - len(prefix) - len(suffix))
     inputs["input_ids"] = [prefix + ids + suffix for ids in inputs["input_ids"]]
-    inputs = tokenizer.pad(inputs, padding=True, return_tensors="pt")
+    inputs = tokenizer.pad(inputs, padding=True, return_tensors="pt").to(device)
     yes, no = tokenizer.convert_tokens_to_ids("yes"), tokenizer.convert_tokens_to_ids("no")
     with torch.inference_mode():
         logits = model(**inputs).logits[:, -1, :]
@@ -122,7 +145,8 @@ def rerank_rows(args, path: str, query: str, docs: list[str]) -> list[list]:
 
     rows, scores = [], {}
     for cache in (True, False):
-        llm = LLM(path, task="rerank", num_threads=args.threads, max_model_len=2048, enable_prefix_caching=cache)
+        llm = LLM(path, task="rerank", num_threads=args.threads, max_model_len=2048, enable_prefix_caching=cache,
+                  device=args.device)
         seconds = timed(lambda: llm.score(query, docs, use_tqdm=False), args.repeats, llm.reset_prefix_cache)
         llm.reset_prefix_cache()
         outs = llm.score(query, docs, use_tqdm=False)
@@ -133,8 +157,8 @@ def rerank_rows(args, path: str, query: str, docs: list[str]) -> list[list]:
         del llm
     tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
     for dtype in (torch.float32, torch.bfloat16):
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-        seconds = timed(lambda: hf_recipe(model, tokenizer, query, docs), args.repeats)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(args.device).eval()
+        seconds = timed(lambda: hf_recipe(model, tokenizer, query, docs, args.device), args.repeats)
         rows.append([f"HF recipe, one batch ({str(dtype).removeprefix('torch.')})", seconds, len(docs) / seconds,
                      0, tokens])
         del model
@@ -153,6 +177,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--only", choices=["embed", "rerank"], default=None)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
@@ -161,6 +186,8 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(base)
     flags = sorted(f for f in cpu.cpu_features() if f.startswith(("avx", "amx")))
     print(f"machine: {machine()}; kernels: {cpu.best_isa()}; flags: {' '.join(flags)}")
+    if args.device == "cuda":
+        print(f"GPU: {torch.cuda.get_device_name()}")
     if args.only in (None, "embed"):
         texts = random_texts(tokenizer, args.docs, args.doc_len - 1, seed=1)  # (+ <|endoftext|>)
         print_table("Embeddings (Qwen3-0.6B shape): seconds for all, documents/s, time against MILI's",
