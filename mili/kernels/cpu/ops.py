@@ -331,13 +331,15 @@ def prefill_attention_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
             and all(t.stride()[1:] == (d, 1) for t in (q, k, v)))
 
 
-def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of a prefill chunk: q [Lq, Hq, D] are the last Lq of the Lk positions of k, v
-    [Lk, Hkv, D]: [Lq, Hq, D]."""
+    [Lk, Hkv, D]: [Lq, Hq, D], written into ``out`` where given (bf16, its rows of Hq x D contiguous)."""
     lq, hq, d = q.shape
-    out = torch.empty(lq, hq, d, dtype=BF16)
+    if out is None:
+        out = torch.empty(lq, hq, d, dtype=BF16)
     _lib().mili_prefill_attention(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
-                                  out.data_ptr(), hq * d, lq, k.shape[0], hq, k.shape[1], d, scale, _threads())
+                                  out.data_ptr(), out.stride(0), lq, k.shape[0], hq, k.shape[1], d, scale, _threads())
     return out
 
 

@@ -29,6 +29,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
             return TorchAttentionBackend._prefill(q, k, v)
         return cpu_ops.prefill_attention(q, k, v, q.shape[-1] ** -0.5)
 
+    def _prefill_into(self, out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        if not cpu_ops.prefill_attention_supported(q, k, v) or out.stride()[1:] != (q.shape[-1], 1):
+            return super()._prefill_into(out, q, k, v)
+        cpu_ops.prefill_attention(q, k, v, q.shape[-1] ** -0.5, out=out)  # (written in place: no copy of a chunk)
+
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 batch: ForwardBatch) -> torch.Tensor:
         if not cpu_ops.decode_attention_supported(q, k_cache):

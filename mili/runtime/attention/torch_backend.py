@@ -50,9 +50,14 @@ class TorchAttentionBackend:
                 table = batch.page_table[i:i + 1]
                 ks = self._gather(k_cache, table, ctx)[0]
                 vs = self._gather(v_cache, table, ctx)[0]
-            out[start:end] = self._prefill(q[start:end], ks, vs)
+            self._prefill_into(out[start:end], q[start:end], ks, vs)
             start = end
         return out
+
+    def _prefill_into(self, out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """``_prefill``'s result written into ``out`` [Lq, Hq, D] (a back-end whose kernel writes there itself
+        saves the copy)."""
+        out.copy_(self._prefill(q, k, v))
 
     @staticmethod
     def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
