@@ -13,8 +13,12 @@ def __getattr__(name: str):
         from mili.llm import LLM
 
         return LLM
+    if name == "LoRARequest":
+        from mili.lora import LoRARequest
+
+        return LoRARequest
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob",
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob",
            "InvalidRequest", "ContextLengthExceeded", "ModelLoadError", "__version__"]

@@ -407,6 +407,15 @@ class EngineConfig:
                "that is safe)")
     allowed_local_media_path: str | None = option(
         None, "chat image parts may be file:// URLs (or paths) of files under DIR (vLLM's flag)", metavar="DIR")
+    enable_lora: bool = option(
+        False, "serve LoRA adapters (PEFT folders) on the base model, several in one batch: a request names its "
+               "adapter (offline: lora_request=LoRARequest(name, id, path))")
+    max_loras: int = option(4, "LoRA: the most different adapters in one step (each holds a slot of weights)",
+                            minimum=1)
+    max_lora_rank: int = option(16, "LoRA: the highest adapter rank the slots hold", minimum=1)
+    max_cpu_loras: int | None = option(
+        None, "LoRA: adapters kept loaded in memory, the least recently used dropped past it (default: max_loras)",
+        minimum=1)
     schedule_policy: str = option(
         "fcfs", "order of waiting requests: first come first served, or longest cached prefix first (with a "
                 "starvation guard)", choices=("fcfs", "lpm"))
@@ -435,6 +444,12 @@ class EngineConfig:
             raise InvalidRequest(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}",
                                  param="kv_cache_memory")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise InvalidRequest("LoRA adapters run on one rank: --enable-lora with --tensor-parallel-size 1",
+                                 param="enable_lora")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise InvalidRequest(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})",
+                                 param="max_cpu_loras")
         self.torch_device = resolve_device(self.device)
 
     def takes_images(self, model_config: ModelConfig) -> bool:

@@ -49,12 +49,15 @@ class LLM:
 
     def generate(self, prompts: PromptType | Seq[PromptType],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request=None) -> list[RequestOutput]:
         """Generate for one prompt or a list; outputs come back in input order.
 
         A prompt is a string or ``{"prompt_token_ids": [...]}`` (or ``{"prompt": "..."}``), with images for a
         Qwen3-VL / Qwen3.5 model as vLLM's: ``"multi_modal_data": {"image": a PIL image or a list of them}``, one
         per image placeholder (one ``<|image_pad|>`` token each) in the prompt.
+
+        ``lora_request``: a ``mili.lora.LoRARequest`` (or one per prompt, None for the base model) on an engine
+        started with ``enable_lora=True``: those prompts run with that adapter, batched with the others.
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -66,7 +69,10 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise InvalidRequest(f"{len(sampling_params)} sampling_params for {len(prompts)} prompts",
                                  param="sampling_params")
-        return self._run([_prompt_input(p) for p in prompts], list(sampling_params), use_tqdm)
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise InvalidRequest(f"{len(loras)} lora_requests for {len(prompts)} prompts", param="lora_request")
+        return self._run([_prompt_input(p) for p in prompts], list(sampling_params), use_tqdm, loras)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
@@ -155,12 +161,13 @@ class LLM:
     def _pooling_params(self) -> SamplingParams:
         return SamplingParams(max_tokens=0, pooling=self.engine.inputs.task.pooling)
 
-    def _run(self, prompts: list, params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prompts: list, params: list[SamplingParams], use_tqdm: bool,
+             loras: list | None = None) -> list[RequestOutput]:
         engine = self.engine
         ids = []
         try:
-            for (prompt, images), sp in zip(prompts, params):
-                ids.append(engine.add_request(prompt, sp, images=images).request_id)
+            for (prompt, images), sp, lora in zip(prompts, params, loras or [None] * len(prompts)):
+                ids.append(engine.add_request(prompt, sp, images=images, lora_request=lora).request_id)
         except Exception:
             for rid in ids:
                 engine.abort_request(rid)

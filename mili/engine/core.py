@@ -78,7 +78,8 @@ class EngineCore:
             self.drafter = Drafter(config.speculative_config, max_seqs=layout.num_spare_rows
                                    if self.state_slots is not None else config.max_num_seqs)
         self.scheduler = Scheduler(self.pages, self.prefix_cache, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.schedule_policy, states=self.state_slots, drafter=self.drafter)
+                                   config.schedule_policy, states=self.state_slots, drafter=self.drafter,
+                                   max_loras=config.max_loras if config.enable_lora else 0)
         self.spec_stats = SpecDecodeStats(config.speculative_config.num_speculative_tokens
                                           if config.speculative_config else 0)
         self.requests: dict[str, Request] = {}
@@ -112,6 +113,14 @@ class EngineCore:
         if add.images is not None:
             request.images = request_images(self.runner.model, self.config, self.runner.model_config,
                                             add.prompt_token_ids, add.images)
+        if add.lora is not None:  # (loaded and checked against the base on first use; refused by name)
+            if self.runner.loras is None:
+                raise InvalidRequest("this engine was started without --enable-lora: it serves no LoRA adapters",
+                                     param="lora_request")
+            from mili.lora import LoRARequest
+
+            self.runner.loras.acquire(LoRARequest(*add.lora))
+            request.lora = LoRARequest(*add.lora)
         for i in range(params.n):
             generator = None
             if params.seed is not None:  # sequence i of a seeded request draws from its own stream
@@ -282,8 +291,11 @@ class EngineCore:
             self._left(request)
 
     def _left(self, request: Request) -> None:
-        """A request left the core: the gauges change, and its images' claims on the encoder cache go."""
+        """A request left the core: the gauges change, its images' claims on the encoder cache go, and its LoRA
+        adapter may be dropped."""
         self.stats_due = True
+        if request.lora is not None:
+            self.runner.loras.release(request.lora)
         if request.images is not None:
             self.runner.encoder_cache.release_all(request.images)  # (its claims go; the outputs may stay)
 

@@ -50,9 +50,13 @@ class InputProcessor:
         return self.core_info.max_model_len
 
     def make_request(self, prompt: str | list[int], params: SamplingParams, request_id: str,
-                     images: list | None = None) -> AddRequest:
+                     images: list | None = None, lora=None) -> AddRequest:
         """Encode and validate one request; raises InvalidRequest / ContextLengthExceeded. ``images``: PIL images,
-        one per image placeholder in the prompt (engine/image_inputs.py)."""
+        one per image placeholder in the prompt (engine/image_inputs.py); ``lora``: its LoRA adapter
+        (mili.lora.LoRARequest), which the engine core loads and checks."""
+        if lora is not None and not self.config.enable_lora:
+            raise InvalidRequest("this engine was started without --enable-lora: it serves no LoRA adapters",
+                                 param="lora_request")
         self.check_task("generate" if params.pooling is None else "embed" if params.pooling.task == "embed"
                         else "rerank")
         token_ids = encode_prompt(self.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
@@ -79,7 +83,8 @@ class InputProcessor:
             token_ids, image_input = self.images.prepare(token_ids, images)
         max_total = self._check_length(len(token_ids), params.max_tokens)
         params = dataclasses.replace(params, eos_token_ids=list(self.eos_token_ids))
-        return AddRequest(request_id, token_ids, params, max_total, time.monotonic(), images=image_input)
+        return AddRequest(request_id, token_ids, params, max_total, time.monotonic(), images=image_input,
+                          lora=(lora.lora_name, lora.lora_int_id, lora.lora_path) if lora is not None else None)
 
     def check_task(self, asked: str) -> None:
         """A request the task serves: text generation on a generate engine, embeddings on an embed one, scores on a

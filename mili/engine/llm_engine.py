@@ -60,13 +60,13 @@ class LLMEngine:
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams,
-                    request_id: str | None = None, images: list | None = None) -> Request:
+                    request_id: str | None = None, images: list | None = None, lora_request=None) -> Request:
         """Validate and queue one request; raises InvalidRequest / ContextLengthExceeded. ``images``: PIL images,
-        one per image placeholder token in the prompt (M-RoPE models)."""
+        one per image placeholder token in the prompt (M-RoPE models); ``lora_request``: a mili.lora.LoRARequest."""
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.outputs.requests or request_id in self.core.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use", param="request_id")
-        add = self.inputs.make_request(prompt, params, request_id, images)
+        add = self.inputs.make_request(prompt, params, request_id, images, lora_request)
         self.outputs.add(add, prompt if isinstance(prompt, str) else None)
         try:
             return self.core.add_request(add)

@@ -29,6 +29,7 @@ class AddRequest(msgspec.Struct, array_like=True, tag=True):
     arrival_time: float
     client: int = 0  # the API process that sent it (mili serve --api-server-count): its outputs go back there
     images: ImageInput | None = None
+    lora: tuple[str, int, str] | None = None  # its LoRA adapter (name, id, path): mili.lora.LoRARequest's fields
 
 
 class Abort(msgspec.Struct, array_like=True, tag=True):

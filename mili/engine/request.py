@@ -18,6 +18,7 @@ import torch
 from mili.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from mili.lora import LoRARequest
     from mili.runtime.images import RequestImages
     from mili.structured import SeqGrammar
 
@@ -69,11 +70,15 @@ class Sequence:
         return self.status == SeqStatus.FINISHED
 
     def cache_key(self, end: int) -> list[int]:
-        """Its first ``end`` tokens as the prefix cache keys them: an image's tokens by the image's content."""
+        """Its first ``end`` tokens as the prefix cache keys them: an image's tokens by the image's content; under a
+        LoRA adapter, the first token marked with the adapter's id (the same prompt under two adapters shares no
+        KV)."""
         images = self.request.images
-        if images is None:
-            return self.token_ids[:end]
-        return images.cache_ids[:end] + self.token_ids[len(images.cache_ids):end]
+        key = (self.token_ids[:end] if images is None
+               else images.cache_ids[:end] + self.token_ids[len(images.cache_ids):end])
+        if self.request.lora is not None and key:
+            key = [key[0] + (self.request.lora.lora_int_id << 40), *key[1:]]
+        return key
 
 
 @dataclass(eq=False)
@@ -93,6 +98,11 @@ class Request:
     num_scored: int = 0
     # M-RoPE models: the prompt's images (pixels, positions, the tower's output once computed), or None
     images: "RequestImages | None" = None
+    lora: "LoRARequest | None" = None  # the LoRA adapter it runs with (None: the base model)
+
+    @property
+    def lora_id(self) -> int | None:
+        return self.lora.lora_int_id if self.lora is not None else None
 
     @property
     def is_finished(self) -> bool:

@@ -76,8 +76,9 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, pool: PagePool, cache: PrefixCache, max_num_seqs: int, max_num_batched_tokens: int,
                  policy: str = "fcfs", starvation_steps: int = 64, states: StatePool | None = None,
-                 drafter: "Drafter | None" = None):
+                 drafter: "Drafter | None" = None, max_loras: int = 0):
         self.pool, self.cache, self.states = pool, cache, states
+        self.max_loras = max_loras  # LoRA: the most different adapters the running sequences may use (0: off)
         self.drafter = drafter
         # hybrids with the prefix cache: where recurrent-state snapshots are taken and resumed from
         self.snapshots = StateSnapshots(cache, pool.page_size) \
@@ -144,7 +145,7 @@ class Scheduler:
             width = 1 + len(seq.request.unborn()) if seq.index == 0 else 1
             if len(self.running) + width > self.max_num_seqs:
                 break
-            if self._waits_for_prefix(seq):
+            if self._waits_for_prefix(seq) or not self._adapter_fits(seq):
                 break
             slotless = self._slotless(seq)
             if self.states is not None and len(slotless) > self.states.num_free:
@@ -167,6 +168,14 @@ class Scheduler:
             scheduled.append(ScheduledSeq(seq, n))
             budget -= n
         return budget
+
+    def _adapter_fits(self, seq: Sequence) -> bool:
+        """LoRA: the running sequences use at most ``max_loras`` different adapters (one slot of weights each)."""
+        lora = seq.request.lora_id
+        if not self.max_loras or lora is None:
+            return True
+        running = {s.request.lora_id for s in self.running} - {None}
+        return lora in running or len(running) < self.max_loras
 
     def _waits_for_prefix(self, seq: Sequence) -> bool:
         """Whether ``seq`` should wait a step because a running sequence is computing the prompt prefix it shares

@@ -69,6 +69,13 @@ class ModelRunner:
         max_pages = -(-self.plan.max_model_len // config.page_size)
         self.attention, ops = attention_and_ops(self.plan, max_pages)
         self.model = build_model(self.plan, model_config, path, device, self.attention, ops)
+        self.loras = None  # LoRA adapters (mili/lora.py): their slots beside each projection
+        if config.enable_lora:
+            from mili.lora import LoRASlots, add_lora_layers
+
+            step = add_lora_layers(self.model, config.max_loras, config.max_lora_rank, self.plan.dtype, device)
+            self.loras = LoRASlots(self.model, step, config.max_loras, config.max_lora_rank,
+                                   config.max_cpu_loras or config.max_loras)
         self.vision_budget = self.encoder_cache = None  # the tower's memory plan and its outputs by image
         if self.plan.vision:
             self.vision_budget = VisionBudget.plan(config, model_config, path, self.dtype, self.plan.max_model_len)
@@ -144,6 +151,9 @@ class ModelRunner:
         scored: [(sequence, its ``Scored`` entries in position order)], and the pooling requests' answers
         {sequence: [floats]}."""
         batch, scoring = self.batches.prepare(scheduled)
+        if self.loras is not None:  # each token row's adapter, in the model's slots
+            self.loras.prepare([s.seq.request.lora_id for s in scheduled for _ in range(s.num_new_tokens)],
+                               self.device)
         if self.tp_size > 1:  # every rank runs the same batch
             parallel.broadcast(("step", batch))
         if self.graphs is not None and not batch.num_prompt_rows and not batch.num_pool_rows and self.mtp is None:

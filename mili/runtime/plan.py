@@ -202,6 +202,9 @@ def plan(config: EngineConfig, model_config: ModelConfig, device: DeviceInfo) ->
     if cpu_kernels:
         attention = "cpu"
 
+    if config.enable_lora and (hybrid or model_config.vision_config is not None or model_config.num_labels):
+        raise InvalidRequest("LoRA adapters run on Qwen3 dense and MoE models for now (not yet on the hybrids, "
+                             "Qwen3-VL or a classification head)", param="enable_lora")
     speculative = config.speculative_config.method if config.speculative_config is not None else None
     if speculative == "mtp" and (not hybrid or tp > 1):
         raise InvalidRequest("speculative_config: method mtp runs the hybrid models' MTP head (Qwen3.5 / 3.6, "
@@ -360,6 +363,8 @@ def _step(config, model_config, device, attention, cpu_kernels, speculative, tp,
     dense models whose layers it takes whole), or eagerly; and why not faster where not."""
     if config.enforce_eager:
         return "eager", "--enforce-eager" if device.type == "cuda" or cpu_kernels else ""
+    if config.enable_lora:
+        return "eager", "LoRA adapters (their products run beside each layer's)"
     if device.type == "cuda":
         if model_config.is_moe or tp > 1:
             return "eager", "MoE and tensor-parallel models run eagerly until verified under capture"

@@ -29,7 +29,7 @@ ENGINE_FLAGS = {
     "--lm-head-dtype", "--kv-cache-dtype", "--tensor-parallel-size", "-tp", "--no-cpu-kernels",
     "--no-cpu-weight-prepack", "--no-prefix-cache", "--speculative-config", "--language-model-only",
     "--limit-mm-per-prompt", "--allowed-media-domains", "--allow-remote-media", "--allowed-local-media-path",
-    "--schedule-policy"}
+    "--schedule-policy", "--task", "--enable-lora", "--max-loras", "--max-lora-rank", "--max-cpu-loras"}
 
 
 def _subparser(name: str):

@@ -1,0 +1,274 @@
+"""LoRA adapters: many fine-tunes of one base model, batched together in one step.
+
+A PEFT adapter folder (``adapter_config.json``, ``adapter_model.safetensors``) holds, for each target linear layer,
+``lora_A`` [r, in] and ``lora_B`` [out, r]; the layer computes ``base(x) + s * B (A x)``, with s = alpha / r (rsLoRA:
+alpha / sqrt(r)). MILI fuses q|k|v and gate|up into one layer each, so an adapter's shards of a fused layer are
+stacked: A = [A_q; A_k; A_v] (3 r rows) and B block-diagonal (q's rows read A_q's part), one low-rank product for
+the fused layer as for any other.
+
+- ``Adapter.load``: a folder read, checked against the base (targets MILI runs, shapes, rank), refused by name
+  where MILI cannot run it faithfully (DoRA, modules_to_save, trained biases, embeddings, the lm_head, MoE experts
+  and the router).
+- ``LoRALinear``: a linear layer (of any kind: bf16, int8, AWQ, FP8 kernels) with its adapters beside it, in
+  ``max_loras`` slots of rank up to ``max_lora_rank``; the step's rows are grouped by slot once
+  (``LoRAStep``), and each slot's rows take their low-rank product: a loop over the adapters in the step, never over
+  sequences, and never a weight merge.
+- ``LoRASlots``: the core's adapters: loaded ones kept in memory (``max_cpu_loras``, least recently used evicted),
+  and which sits in which slot for a step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from mili.errors import InvalidRequest
+
+# PEFT's module names in a Qwen3 decoder layer -> (MILI's module under the layer, shard)
+_TARGETS = {"self_attn.q_proj": ("self_attn.qkv_proj", 0), "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+            "self_attn.v_proj": ("self_attn.qkv_proj", 2), "self_attn.o_proj": ("self_attn.o_proj", 0),
+            "mlp.gate_proj": ("mlp.gate_up_proj", 0), "mlp.up_proj": ("mlp.gate_up_proj", 1),
+            "mlp.down_proj": ("mlp.down_proj", 0)}
+_KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(.+)\.lora_([AB])\.weight$")
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """Which adapter a request runs with (vLLM's names): ``lora_name`` (what a server's clients send as ``model``),
+    ``lora_int_id`` (a positive id, one per adapter), ``lora_path`` (the PEFT folder)."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.lora_int_id, int) or self.lora_int_id < 1:
+            raise InvalidRequest(f"lora_int_id must be a positive integer, got {self.lora_int_id!r}",
+                                 param="lora_request")
+
+
+class Adapter:
+    """One adapter's weights, in MILI's modules: {module name: (A [R, in], B [out, R])} with R = shards x rank
+    (a fused layer's shards stacked, B block-diagonal) and the scale folded into B."""
+
+    def __init__(self, name: str, rank: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]):
+        self.name, self.rank, self.weights = name, rank, weights
+
+    @classmethod
+    def load(cls, request: LoRARequest, model: nn.Module, max_rank: int) -> "Adapter":
+        """Read and check ``request``'s folder against ``model`` (its LoRALinear layers); InvalidRequest naming
+        what is wrong."""
+        folder = Path(request.lora_path)
+
+        def bad(why: str) -> InvalidRequest:
+            return InvalidRequest(f"LoRA adapter {request.lora_name!r} ({folder}): {why}", param="lora_request")
+
+        try:
+            config = json.loads((folder / "adapter_config.json").read_text())
+        except FileNotFoundError:
+            raise bad("no adapter_config.json (a PEFT adapter folder holds it)") from None
+        except (OSError, ValueError) as e:
+            raise bad(f"adapter_config.json cannot be read: {e}") from None
+        if str(config.get("peft_type", "LORA")).upper() != "LORA":
+            raise bad(f"peft_type {config.get('peft_type')!r}: MILI runs LoRA adapters")
+        for key, why in (("use_dora", "DoRA"), ("modules_to_save", "modules_to_save (whole trained layers)"),
+                         ("alpha_pattern", "alpha_pattern"), ("fan_in_fan_out", "fan_in_fan_out"),
+                         ("lora_bias", "trained LoRA biases"), ("target_parameters", "target_parameters (MoE experts)")):
+            if config.get(key):
+                raise bad(f"{why} is not supported")
+        if config.get("bias", "none") != "none":
+            raise bad(f"bias {config['bias']!r}: adapters that train the base's biases are not supported")
+        alpha, rslora = config.get("lora_alpha", 8), bool(config.get("use_rslora"))
+        file = folder / "adapter_model.safetensors"
+        if not file.is_file():
+            raise bad("no adapter_model.safetensors")
+        from safetensors.torch import load_file
+
+        try:
+            tensors = load_file(str(file))
+        except Exception as e:
+            raise bad(f"adapter_model.safetensors cannot be read: {type(e).__name__}: {e}") from None
+        layers = {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+        parts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+        for key, tensor in tensors.items():
+            match = _KEY.match(key)
+            if match is None:
+                raise bad(f"tensor {key!r} targets a module MILI does not run adapters on (it runs them on the "
+                          f"attention and MLP projections: {', '.join(t.rsplit('.', 1)[1] for t in _TARGETS)})")
+            layer, target, which = int(match.group(1)), match.group(2), match.group(3)
+            if target not in _TARGETS:
+                raise bad(f"tensor {key!r}: {target} is not a target MILI runs (experts, the router, embeddings and "
+                          "the lm_head are refused)")
+            module, shard = _TARGETS[target]
+            name = f"model.layers.{layer}.{module}"
+            if name not in layers:
+                raise bad(f"tensor {key!r}: the base model has no {name} (an adapter made for another base?)")
+            parts.setdefault(name, {}).setdefault(shard, {})[which] = tensor
+        if not parts:
+            raise bad("no LoRA tensors")
+        ranks = {t.shape[0] for shards in parts.values() for ab in shards.values() if "A" in ab for t in [ab["A"]]}
+        rank = max(ranks) if ranks else 0
+        if rank > max_rank:
+            raise bad(f"rank {rank} exceeds --max-lora-rank {max_rank}")
+        weights = {}
+        for name, shards in parts.items():
+            weights[name] = layers[name].stack(shards, alpha, rslora, max_rank, bad)
+        return cls(request.lora_name, rank, weights)
+
+
+class LoRAStep:
+    """A step's rows grouped by adapter slot: [(slot, row indices or None for every row)], set on every
+    LoRALinear before the model runs (they share this one object)."""
+
+    def __init__(self):
+        self.groups: list[tuple[int, torch.Tensor | None]] = []
+
+    def set(self, token_slots: list[int], device: torch.device) -> None:
+        """``token_slots``: each token row's slot (-1: the base model alone)."""
+        slots = sorted(set(token_slots) - {-1})
+        if len(slots) == 1 and -1 not in token_slots:
+            self.groups = [(slots[0], None)]
+            return
+        rows = torch.tensor(token_slots, dtype=torch.long)
+        self.groups = [(s, (rows == s).nonzero().squeeze(1).to(device)) for s in slots]
+
+
+class LoRALinear(nn.Module):
+    """``base`` (any linear layer) with ``max_loras`` adapter slots: y = base(x) + B_s (A_s x) for the rows of slot
+    s (B holds the scale). A fused layer's shards (``shard_sizes``) each have their own A and B blocks."""
+
+    def __init__(self, base: nn.Module, in_features: int, shard_sizes: list[int], max_loras: int, max_rank: int,
+                 step: LoRAStep, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.base, self.shard_sizes, self.step = base, shard_sizes, step
+        self.in_features, self.max_rank = in_features, max_rank
+        width = len(shard_sizes) * max_rank
+        self.lora_a = torch.zeros(max_loras, width, in_features, dtype=dtype, device=device)
+        self.lora_b = torch.zeros(max_loras, sum(shard_sizes), width, dtype=dtype, device=device)
+
+    def stack(self, shards: dict[int, dict[str, torch.Tensor]], alpha: float, rslora: bool, max_rank: int,
+              bad) -> tuple[torch.Tensor, torch.Tensor]:
+        """One adapter's A [shards x max_rank, in] and B [out, shards x max_rank] for this layer (its scale in B)."""
+        a = torch.zeros(self.lora_a.shape[1:], dtype=torch.float32)
+        b = torch.zeros(self.lora_b.shape[1:], dtype=torch.float32)
+        for shard, ab in shards.items():
+            if set(ab) != {"A", "B"}:
+                raise bad(f"a lora_A without its lora_B (or the reverse) for shard {shard} of a layer")
+            la, lb = ab["A"].float(), ab["B"].float()
+            rows, offset = self.shard_sizes[shard], sum(self.shard_sizes[:shard])
+            r = la.shape[0]
+            if la.shape != (r, self.in_features) or lb.shape != (rows, r):
+                raise bad(f"lora_A {tuple(la.shape)} and lora_B {tuple(lb.shape)} do not fit the base's layer "
+                          f"({self.in_features} in, {rows} out): an adapter made for another base?")
+            scale = alpha / math.sqrt(r) if rslora else alpha / r
+            a[shard * max_rank:shard * max_rank + r] = la
+            b[offset:offset + rows, shard * max_rank:shard * max_rank + r] = lb * scale
+        return a, b
+
+    def load_slot(self, slot: int, weights: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """Put an adapter's weights for this layer in ``slot`` (None: it does not target this layer: zeros)."""
+        if weights is None:
+            self.lora_a[slot].zero_()
+            self.lora_b[slot].zero_()
+        else:
+            self.lora_a[slot].copy_(weights[0])
+            self.lora_b[slot].copy_(weights[1])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        for slot, rows in self.step.groups:
+            if rows is None:
+                y = y + (x @ self.lora_a[slot].T) @ self.lora_b[slot].T
+            else:
+                xs = x.index_select(0, rows)
+                y = y.index_add(0, rows, (xs @ self.lora_a[slot].T) @ self.lora_b[slot].T)
+        return y
+
+
+def add_lora_layers(model: nn.Module, max_loras: int, max_rank: int, dtype: torch.dtype,
+                    device: torch.device) -> LoRAStep:
+    """Wrap every attention and MLP projection of ``model``'s decoder layers in a LoRALinear (after the linear layers
+    are on their kernels); the LoRAStep they share is returned."""
+    step = LoRAStep()
+    for layer in model.model.layers:
+        for path in sorted({module for module, _ in _TARGETS.values()}):
+            parent_name, _, attr = path.rpartition(".")
+            parent = layer.get_submodule(parent_name)
+            base = getattr(parent, attr, None)
+            if base is None:  # (an MoE layer has no dense MLP)
+                continue
+            shards = list(getattr(base, "shard_sizes", None) or [_out_features(base)])
+            setattr(parent, attr, LoRALinear(base, _in_features(base), shards, max_loras, max_rank, step, dtype,
+                                             device))
+    return step
+
+
+def _in_features(linear: nn.Module) -> int:
+    return getattr(linear, "in_features", None) or linear.k
+
+
+def _out_features(linear: nn.Module) -> int:
+    return getattr(linear, "out_features", None) or linear.n
+
+
+class LoRASlots:
+    """The engine core's adapters: loaded ones kept in memory (``max_cpu_loras``: past it the least recently used
+    one that no request in flight uses is dropped), and which adapter holds each of the model's ``max_loras``
+    slots."""
+
+    def __init__(self, model: nn.Module, step: LoRAStep, max_loras: int, max_rank: int, max_cpu_loras: int):
+        self.model, self.step = model, step
+        self.max_loras, self.max_rank, self.max_cpu_loras = max_loras, max_rank, max_cpu_loras
+        self.layers = {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+        self.loaded: OrderedDict[int, Adapter] = OrderedDict()  # by lora_int_id, least recently used first
+        self.users: dict[int, int] = {}  # lora_int_id -> requests in flight that use it (never dropped meanwhile)
+        self.slots: list[int | None] = [None] * max_loras  # the lora_int_id in each slot
+
+    def acquire(self, request: LoRARequest) -> Adapter:
+        """A new request's adapter, loaded (and checked) on first use, held until ``release``."""
+        adapter = self.loaded.get(request.lora_int_id)
+        if adapter is None:
+            adapter = Adapter.load(request, self.model, self.max_rank)
+            self.loaded[request.lora_int_id] = adapter
+        self.loaded.move_to_end(request.lora_int_id)
+        self.users[request.lora_int_id] = self.users.get(request.lora_int_id, 0) + 1
+        self._evict()
+        return adapter
+
+    def release(self, request: LoRARequest) -> None:
+        """A request that used the adapter has left."""
+        left = self.users.get(request.lora_int_id, 0) - 1
+        if left > 0:
+            self.users[request.lora_int_id] = left
+        else:
+            self.users.pop(request.lora_int_id, None)
+        self._evict()
+
+    def _evict(self) -> None:
+        idle = [lora_id for lora_id in self.loaded if lora_id not in self.users]  # (least recently used first)
+        while len(self.loaded) > self.max_cpu_loras and idle:
+            lora_id = idle.pop(0)
+            del self.loaded[lora_id]
+            if lora_id in self.slots:
+                self.slots[self.slots.index(lora_id)] = None
+
+    def prepare(self, token_ids: list[int | None], device: torch.device) -> None:
+        """Slots for the step's adapters (each token row's lora_int_id, or None for the base; the scheduler keeps
+        them to max_loras), then the rows grouped by slot on every layer."""
+        wanted = set(token_ids) - {None}
+        for lora_id in wanted:
+            if lora_id in self.slots:
+                continue
+            free = next(i for i, held in enumerate(self.slots) if held not in wanted)
+            adapter = self.loaded[lora_id]
+            for name, layer in self.layers.items():
+                layer.load_slot(free, adapter.weights.get(name))
+            self.slots[free] = lora_id
+        self.step.set([-1 if t is None else self.slots.index(t) for t in token_ids], device)

@@ -1,0 +1,28 @@
+"""Random PEFT LoRA adapters for the tiny checkpoints, made by ``peft`` itself (``get_peft_model``,
+``save_pretrained``), with non-zero B (PEFT starts B at zero: such an adapter would change nothing)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def build_adapter(base: Path, path: Path, seed: int, rank: int = 4, targets=ALL_TARGETS, rslora: bool = False,
+                  alpha: float | None = None, std: float = 0.3, **config):
+    """Save a random adapter of ``base`` at ``path``; returns PEFT's model with it (float32, eval), the reference."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, target_modules=list(targets),
+                                                  init_lora_weights=False, use_rslora=rslora, **config))
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0, std)
+    peft_model.save_pretrained(path)
+    return peft_model.eval()
