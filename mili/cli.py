@@ -106,6 +106,30 @@ def _api_server_main(args, config, servers, sock, link) -> None:
     sys.exit(serve_http(args, engine, sockets=[servers.listener(sock)], api_servers=servers))
 
 
+def parse_lora_modules(values: list[str]) -> list[tuple[str, str]]:
+    """--lora-modules: each ``name=path``, or vLLM's JSON form ``{"name": ..., "path": ...}``."""
+    import json
+
+    from mili.errors import InvalidRequest
+
+    modules = []
+    for value in values:
+        if value.lstrip().startswith("{"):
+            try:
+                spec = json.loads(value)
+                modules.append((spec["name"], spec["path"]))
+            except (ValueError, KeyError, TypeError) as e:
+                raise InvalidRequest(f"--lora-modules {value!r}: JSON with 'name' and 'path' ({e})",
+                                     param="lora_modules") from None
+        elif "=" in value:
+            name, path = value.split("=", 1)
+            modules.append((name, path))
+        else:
+            raise InvalidRequest(f"--lora-modules {value!r}: name=path, or JSON with 'name' and 'path'",
+                                 param="lora_modules")
+    return modules
+
+
 def serve_http(args: argparse.Namespace, engine, sockets=None, api_servers=None) -> int:
     """Serve the HTTP APIs on ``engine`` (an AsyncLLM) until SIGTERM/SIGINT or the core's death; the exit
     code. ``sockets``/``api_servers``: one of several API processes (mili.server.api_servers)."""
@@ -122,9 +146,12 @@ def serve_http(args: argparse.Namespace, engine, sockets=None, api_servers=None)
 
     name = args.served_model_name or args.model
     api_key = args.api_key or os.environ.get("MILI_API_KEY") or None
+    runtime_updating = (args.allow_runtime_lora_updating
+                        or os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"))
     app = build_app(engine, name, api_key=api_key, max_queued_requests=args.max_queued_requests,
                     sampling_defaults=args.sampling_defaults, tool_call_parser=args.tool_call_parser,
-                    api_servers=api_servers)
+                    api_servers=api_servers, lora_modules=parse_lora_modules(args.lora_modules or []),
+                    runtime_lora_updating=runtime_updating)
     if api_servers is None or api_servers.index == 0:
         logging.getLogger("mili").info(
             "serving %s as %r on http://%s:%d (chat page: http://%s:%d/ui; tool calls: %s%s)", engine.model_path,
@@ -222,6 +249,12 @@ def build_parser() -> argparse.ArgumentParser:
                           "for the whole server. If the engine core dies, every API process fails its streams "
                           "and the server exits non-zero; if an API process dies, the others drain as on SIGTERM "
                           "and the server exits non-zero (a supervisor restarts it). Default 1: one process")
+    srv.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                     help="LoRA adapters (PEFT folders) served by name, with --enable-lora: name=path, or vLLM's "
+                          "JSON form '{\"name\": ..., \"path\": ...}'; a request names one in its model field")
+    srv.add_argument("--allow-runtime-lora-updating", action="store_true",
+                     help="with --enable-lora: POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's env "
+                          "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True works too)")
     srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                      help="the server's logging (MILI's and uvicorn's): warning silences the line per request")
     srv.add_argument("--config", default=None, metavar="FILE",

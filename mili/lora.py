@@ -62,9 +62,10 @@ class Adapter:
         self.name, self.rank, self.weights = name, rank, weights
 
     @classmethod
-    def load(cls, request: LoRARequest, model: nn.Module, max_rank: int) -> "Adapter":
-        """Read and check ``request``'s folder against ``model`` (its LoRALinear layers); InvalidRequest naming
-        what is wrong."""
+    def load(cls, request: LoRARequest, layers: dict[str, tuple[int, list[int]]], max_rank: int) -> "Adapter":
+        """Read and check ``request``'s folder against the base's layers ({module name: (in features, shard
+        sizes)}: ``model_layers`` of the model, or ``config_layers`` of its config); InvalidRequest naming what is
+        wrong."""
         folder = Path(request.lora_path)
 
         def bad(why: str) -> InvalidRequest:
@@ -76,11 +77,12 @@ class Adapter:
             raise bad("no adapter_config.json (a PEFT adapter folder holds it)") from None
         except (OSError, ValueError) as e:
             raise bad(f"adapter_config.json cannot be read: {e}") from None
-        if str(config.get("peft_type", "LORA")).upper() != "LORA":
-            raise bad(f"peft_type {config.get('peft_type')!r}: MILI runs LoRA adapters")
+        if not isinstance(config, dict) or str(config.get("peft_type", "LORA")).upper() != "LORA":
+            raise bad(f"peft_type {config.get('peft_type') if isinstance(config, dict) else None!r}: MILI runs LoRA "
+                      "adapters")
         for key, why in (("use_dora", "DoRA"), ("modules_to_save", "modules_to_save (whole trained layers)"),
-                         ("alpha_pattern", "alpha_pattern"), ("fan_in_fan_out", "fan_in_fan_out"),
-                         ("lora_bias", "trained LoRA biases"), ("target_parameters", "target_parameters (MoE experts)")):
+                         ("target_parameters", "target_parameters (MoE experts)"), ("alpha_pattern", "alpha_pattern"),
+                         ("fan_in_fan_out", "fan_in_fan_out"), ("lora_bias", "trained LoRA biases")):
             if config.get(key):
                 raise bad(f"{why} is not supported")
         if config.get("bias", "none") != "none":
@@ -95,7 +97,6 @@ class Adapter:
             tensors = load_file(str(file))
         except Exception as e:
             raise bad(f"adapter_model.safetensors cannot be read: {type(e).__name__}: {e}") from None
-        layers = {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
         parts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
         for key, tensor in tensors.items():
             match = _KEY.match(key)
@@ -113,14 +114,52 @@ class Adapter:
             parts.setdefault(name, {}).setdefault(shard, {})[which] = tensor
         if not parts:
             raise bad("no LoRA tensors")
-        ranks = {t.shape[0] for shards in parts.values() for ab in shards.values() if "A" in ab for t in [ab["A"]]}
-        rank = max(ranks) if ranks else 0
+        rank = max(t.shape[0] for shards in parts.values() for ab in shards.values() for k, t in ab.items() if k == "A")
         if rank > max_rank:
             raise bad(f"rank {rank} exceeds --max-lora-rank {max_rank}")
-        weights = {}
-        for name, shards in parts.items():
-            weights[name] = layers[name].stack(shards, alpha, rslora, max_rank, bad)
+        weights = {name: _stack(shards, *layers[name], alpha, rslora, max_rank, bad) for name, shards in parts.items()}
         return cls(request.lora_name, rank, weights)
+
+
+def _stack(shards: dict[int, dict[str, torch.Tensor]], in_features: int, shard_sizes: list[int], alpha: float,
+           rslora: bool, max_rank: int, bad) -> tuple[torch.Tensor, torch.Tensor]:
+    """One adapter's A [shards x max_rank, in] and B [out, shards x max_rank] for one layer (its scale in B)."""
+    width = len(shard_sizes) * max_rank
+    a = torch.zeros(width, in_features, dtype=torch.float32)
+    b = torch.zeros(sum(shard_sizes), width, dtype=torch.float32)
+    for shard, ab in shards.items():
+        if set(ab) != {"A", "B"}:
+            raise bad(f"a lora_A without its lora_B (or the reverse) in shard {shard} of a layer")
+        la, lb = ab["A"].float(), ab["B"].float()
+        rows, offset = shard_sizes[shard], sum(shard_sizes[:shard])
+        r = la.shape[0]
+        if la.shape != (r, in_features) or lb.shape != (rows, r):
+            raise bad(f"lora_A {tuple(la.shape)} and lora_B {tuple(lb.shape)} do not fit the base's layer "
+                      f"({in_features} in, {rows} out): an adapter made for another base?")
+        scale = alpha / math.sqrt(r) if rslora else alpha / r
+        a[shard * max_rank:shard * max_rank + r] = la
+        b[offset:offset + rows, shard * max_rank:shard * max_rank + r] = lb * scale
+    return a, b
+
+
+def model_layers(model: nn.Module) -> dict[str, tuple[int, list[int]]]:
+    """The LoRALinear layers of a model: {name: (in features, shard sizes)}."""
+    return {name: (m.in_features, m.shard_sizes) for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+def config_layers(cfg) -> dict[str, tuple[int, list[int]]]:
+    """The same, from a dense or MoE Qwen3 config (``mili.config.ModelConfig``): what an API process checks an
+    adapter against before any request uses it."""
+    hidden, q, kv = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    sparse = cfg.sparse_layers or (False,) * cfg.num_hidden_layers
+    layers = {}
+    for i in range(cfg.num_hidden_layers):
+        layers[f"model.layers.{i}.self_attn.qkv_proj"] = (hidden, [q, kv, kv])
+        layers[f"model.layers.{i}.self_attn.o_proj"] = (q, [hidden])
+        if not sparse[i]:
+            layers[f"model.layers.{i}.mlp.gate_up_proj"] = (hidden, [cfg.intermediate_size] * 2)
+            layers[f"model.layers.{i}.mlp.down_proj"] = (cfg.intermediate_size, [hidden])
+    return layers
 
 
 class LoRAStep:
@@ -152,25 +191,6 @@ class LoRALinear(nn.Module):
         width = len(shard_sizes) * max_rank
         self.lora_a = torch.zeros(max_loras, width, in_features, dtype=dtype, device=device)
         self.lora_b = torch.zeros(max_loras, sum(shard_sizes), width, dtype=dtype, device=device)
-
-    def stack(self, shards: dict[int, dict[str, torch.Tensor]], alpha: float, rslora: bool, max_rank: int,
-              bad) -> tuple[torch.Tensor, torch.Tensor]:
-        """One adapter's A [shards x max_rank, in] and B [out, shards x max_rank] for this layer (its scale in B)."""
-        a = torch.zeros(self.lora_a.shape[1:], dtype=torch.float32)
-        b = torch.zeros(self.lora_b.shape[1:], dtype=torch.float32)
-        for shard, ab in shards.items():
-            if set(ab) != {"A", "B"}:
-                raise bad(f"a lora_A without its lora_B (or the reverse) for shard {shard} of a layer")
-            la, lb = ab["A"].float(), ab["B"].float()
-            rows, offset = self.shard_sizes[shard], sum(self.shard_sizes[:shard])
-            r = la.shape[0]
-            if la.shape != (r, self.in_features) or lb.shape != (rows, r):
-                raise bad(f"lora_A {tuple(la.shape)} and lora_B {tuple(lb.shape)} do not fit the base's layer "
-                          f"({self.in_features} in, {rows} out): an adapter made for another base?")
-            scale = alpha / math.sqrt(r) if rslora else alpha / r
-            a[shard * max_rank:shard * max_rank + r] = la
-            b[offset:offset + rows, shard * max_rank:shard * max_rank + r] = lb * scale
-        return a, b
 
     def load_slot(self, slot: int, weights: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """Put an adapter's weights for this layer in ``slot`` (None: it does not target this layer: zeros)."""
@@ -227,6 +247,7 @@ class LoRASlots:
         self.model, self.step = model, step
         self.max_loras, self.max_rank, self.max_cpu_loras = max_loras, max_rank, max_cpu_loras
         self.layers = {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+        self.shapes = model_layers(model)
         self.loaded: OrderedDict[int, Adapter] = OrderedDict()  # by lora_int_id, least recently used first
         self.users: dict[int, int] = {}  # lora_int_id -> requests in flight that use it (never dropped meanwhile)
         self.slots: list[int | None] = [None] * max_loras  # the lora_int_id in each slot
@@ -235,7 +256,7 @@ class LoRASlots:
         """A new request's adapter, loaded (and checked) on first use, held until ``release``."""
         adapter = self.loaded.get(request.lora_int_id)
         if adapter is None:
-            adapter = Adapter.load(request, self.model, self.max_rank)
+            adapter = Adapter.load(request, self.shapes, self.max_rank)
             self.loaded[request.lora_int_id] = adapter
         self.loaded.move_to_end(request.lora_int_id)
         self.users[request.lora_int_id] = self.users.get(request.lora_int_id, 0) + 1

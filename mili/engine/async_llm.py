@@ -174,11 +174,12 @@ class AsyncLLM:
         return self.outputs.requests.keys()
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    sink: OutputSink | None = None) -> None:
+                    sink: OutputSink | None = None, lora=None) -> None:
         """Validate and send one request (raises InvalidRequest etc.); read it with ``stream``, or have each
-        step's output (and an error, in its place) handed to ``sink.put`` by the output loop as it comes."""
+        step's output (and an error, in its place) handed to ``sink.put`` by the output loop as it comes.
+        ``lora``: its LoRA adapter (mili.lora.LoRARequest)."""
         self._check_new(request_id)
-        self._send(self.inputs.make_request(prompt, params, request_id), prompt, sink)
+        self._send(self.inputs.make_request(prompt, params, request_id, lora=lora), prompt, sink)
 
     async def add_request_with_images(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                                       images: list, sink: OutputSink | None = None) -> None:

@@ -307,12 +307,12 @@ STREAM = ("Anthropic's named events: `event: message_start`, `content_block_star
                                         **streamed(STREAM)})
 async def messages(body: MessagesRequest, http: Request):
     st = state_of(http)
-    st.check_model(body.model)
+    lora = st.check_model(body.model)
     mid = new_id("msg", "_")
-    head = {"id": mid, "type": "message", "role": "assistant", "model": st.model_name}
+    head = {"id": mid, "type": "message", "role": "assistant", "model": lora.lora_name if lora else st.model_name}
 
     if not body.stream:
-        prompt, stream = await start_chat(st, body.chat(), mid)
+        prompt, stream = await start_chat(st, body.chat(), mid, lora)
         blocks = ReplyBlocks(prompt)
         out = await until_disconnect(http, final_output(stream))
         o = out.outputs[0]
@@ -327,7 +327,7 @@ async def messages(body: MessagesRequest, http: Request):
         **head, "content": [], "stop_reason": None, "stop_sequence": None,
         "usage": {"input_tokens": len(prompt.token_ids), "output_tokens": 0}}}, "message_start")
     return await st.start_stream([prompt.token_ids], [params], mid, _MessageEvents(prompt), [prompt.images],
-                                 first=opening + sse({"type": "ping"}, "ping"))
+                                 first=opening + sse({"type": "ping"}, "ping"), lora=lora)
 
 
 class _MessageEvents:

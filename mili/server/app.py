@@ -14,7 +14,7 @@ from starlette.datastructures import Headers
 
 import mili
 from mili.engine.async_llm import AsyncLLM
-from mili.server import anthropic, native, openai, pooling, responses, utility
+from mili.server import adapters, anthropic, native, openai, pooling, responses, utility
 from mili.server.errors import APIError, error_response, install_error_handlers
 from mili.server.openapi import document
 from mili.server.state import ServerState
@@ -48,10 +48,15 @@ class ApiKeyMiddleware:
 
 def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
               max_queued_requests: int = 1024, sampling_defaults: dict | None = None,
-              tool_call_parser: str = "auto", api_servers=None) -> FastAPI:
-    """``api_servers`` (mili.server.api_servers.ApiServers): this is one of several API processes."""
+              tool_call_parser: str = "auto", api_servers=None, lora_modules: list[tuple[str, str]] = (),
+              runtime_lora_updating: bool = False) -> FastAPI:
+    """``api_servers`` (mili.server.api_servers.ApiServers): this is one of several API processes. ``lora_modules``:
+    (name, path) of the LoRA adapters served from the start; ``runtime_lora_updating``: /v1/load_lora_adapter on."""
     state = ServerState(engine, model_name, api_key, max_queued_requests, sampling_defaults, tool_call_parser,
                         api_servers)
+    state.runtime_lora_updating = runtime_lora_updating
+    for name, path in lora_modules:
+        state.add_lora(name, path)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -72,7 +77,7 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
     def openapi() -> dict:
         if app.openapi_schema is None:
             limits = {"token_id": engine.model_config.vocab_size - 1, "max_tokens": engine.max_model_len - 1,
-                      "n": engine.config.max_num_seqs, "model": [model_name]}
+                      "n": engine.config.max_num_seqs, "model": [model_name, *state.loras]}
             app.openapi_schema = document(app, OPEN_PATHS, bool(api_key), limits)
         return app.openapi_schema
 
@@ -80,6 +85,6 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
 
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
-    for module in (utility, openai, anthropic, responses, native, pooling):
+    for module in (utility, openai, anthropic, responses, native, pooling, adapters):
         app.include_router(module.router)
     return app

@@ -76,11 +76,12 @@ def render_chat(st: ServerState, body: ChatCompletionRequest) -> tuple[ChatPromp
     return prompt, prompt.params(st.tokenizer, body, body.max_tokens, None, st.openai_defaults)
 
 
-async def start_chat(st: ServerState, body: ChatCompletionRequest, request_id: str,
+async def start_chat(st: ServerState, body: ChatCompletionRequest, request_id: str, lora=None,
                      ) -> tuple[ChatPrompt, AsyncIterator[RequestOutput]]:
-    """Render ``body`` and start its one engine request (no logprobs): its prompt and output stream."""
+    """Render ``body`` and start its one engine request (no logprobs), under ``lora`` if given: its prompt and
+    output stream."""
     prompt, params = render_chat(st, body)
-    (stream,) = await st.start([prompt.token_ids], [params], request_id, [prompt.images])
+    (stream,) = await st.start([prompt.token_ids], [params], request_id, [prompt.images], lora=lora)
     return prompt, stream
 
 

@@ -67,7 +67,7 @@ async def status(request_id: str, http: Request):
     return {"request_id": request_id, **(entry or {"status": "not_found"})}
 
 
-@router.post("/generate", responses={**error_responses(400, 500, 503), **streamed()})
+@router.post("/generate", responses={**error_responses(400, 404, 500, 503), **streamed()})
 async def generate(body: GenerateRequest, http: Request):
     """The original design's reply: ``tokens`` are the prompt's ids then the generated ones."""
     st = state_of(http)
@@ -81,10 +81,11 @@ async def generate(body: GenerateRequest, http: Request):
                 "prompt_tokens": len(out.prompt_token_ids), "completion_tokens": len(o.token_ids),
                 "finish_reason": o.finish_reason}
 
+    lora = st.check_model(body.model)
     if not body.stream:
-        (stream,) = await st.start([body.prompt], [params], rid)
+        (stream,) = await st.start([body.prompt], [params], rid, lora=lora)
         return reply(await until_disconnect(http, final_output(stream)))
-    return await st.start_stream([body.prompt], [params], rid, _GenerateEvents(rid, reply))
+    return await st.start_stream([body.prompt], [params], rid, _GenerateEvents(rid, reply), lora=lora)
 
 
 class _GenerateEvents:

@@ -23,11 +23,14 @@ GENERATION_ERRORS = error_responses(400, 404, 500, 503)
 @router.get("/v1/models")
 async def models(http: Request):
     st = state_of(http)
+    adapters = [{"id": name, "object": "model", "created": st.created, "owned_by": "mili", "root": lora.lora_path,
+                 "parent": st.model_name, "max_model_len": st.engine.max_model_len}
+                for name, lora in st.loras.items()]  # LoRA adapters, each on the base model (vLLM's shape)
     return {"object": "list", "data": [{
         "id": st.model_name, "object": "model", "created": st.created, "owned_by": "mili",
-        "root": st.engine.model_path, "max_model_len": st.engine.max_model_len,
+        "root": st.engine.model_path, "parent": None, "max_model_len": st.engine.max_model_len,
         "quantization": st.engine.info.quantization, "kv_cache_dtype": st.engine.info.kv_cache_dtype,
-        "task": st.engine.inputs.task.name}]}
+        "task": st.engine.inputs.task.name}, *adapters]}
 
 
 def _usage(finals: list[RequestOutput]) -> dict:
@@ -118,13 +121,14 @@ def _prompt_logprobs(f: RequestOutput) -> list:
 @router.post("/v1/completions", responses={**GENERATION_ERRORS, **streamed()})
 async def completions(body: CompletionRequest, http: Request):
     st = state_of(http)
-    st.check_model(body.model)
+    lora = st.check_model(body.model)
     if body.best_of not in (None, body.n):
         raise APIError(400, "best_of other than n is not supported", param="best_of")
     prompts = body.prompts()
     params = body.sampling_params(body.max_tokens, body.logprobs, st.openai_defaults)
     rid, created, n = new_id("cmpl"), int(time.time()), params.n
-    head = {"id": rid, "object": "text_completion", "created": created, "model": st.model_name}
+    head = {"id": rid, "object": "text_completion", "created": created,
+            "model": lora.lora_name if lora else st.model_name}
     nlp = body.logprobs or 0
 
     def echo_text(f: RequestOutput) -> str:
@@ -142,7 +146,8 @@ async def completions(body: CompletionRequest, http: Request):
         return _completion_logprobs(ids, entries, nlp, offset, st.tokenizer.decode)
 
     if not body.stream:
-        finals = await until_disconnect(http, _collect(await st.start(prompts, [params] * len(prompts), rid)))
+        finals = await until_disconnect(http, _collect(await st.start(prompts, [params] * len(prompts), rid,
+                                                                      lora=lora)))
         choices = []
         for i, f in enumerate(finals):
             for o in f.outputs:
@@ -154,7 +159,7 @@ async def completions(body: CompletionRequest, http: Request):
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     events = _CompletionEvents(head, n, body.echo, echo_text, logprobs, include_usage)
-    return await st.start_stream(prompts, [params] * len(prompts), rid, events)
+    return await st.start_stream(prompts, [params] * len(prompts), rid, events, lora=lora)
 
 
 class _CompletionEvents:
@@ -220,7 +225,7 @@ def _chat_logprobs(o: CompletionOutput, start: int, n: int) -> dict | None:
 @router.post("/v1/chat/completions", responses={**GENERATION_ERRORS, **streamed()})
 async def chat_completions(body: ChatCompletionRequest, http: Request):
     st = state_of(http)
-    st.check_model(body.model)
+    lora = st.check_model(body.model)
     prompt = ChatPrompt.render(st.tokenizer, body, st.tool_call_parser)
     thinking, opened = prompt.thinking, prompt.opened
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -229,12 +234,13 @@ async def chat_completions(body: ChatCompletionRequest, http: Request):
                        param="max_tokens")
     params = prompt.params(st.tokenizer, body, max_tokens, body.logprobs_n(), st.openai_defaults)
     rid, created = new_id("chatcmpl"), int(time.time())
-    head = {"id": rid, "object": "chat.completion", "created": created, "model": st.model_name}
+    head = {"id": rid, "object": "chat.completion", "created": created,
+            "model": lora.lora_name if lora else st.model_name}
     nlp = body.top_logprobs or 0
 
     if not body.stream:
         (final,) = await until_disconnect(http, _collect(await st.start([prompt.token_ids], [params], rid,
-                                                                         [prompt.images])))
+                                                                         [prompt.images], lora=lora)))
         choices = []
         for o in final.outputs:
             reasoning, content = split_reasoning(THINK_START * opened + o.text) if thinking else (None, o.text)
@@ -252,7 +258,7 @@ async def chat_completions(body: ChatCompletionRequest, http: Request):
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     events = _ChatEvents({**head, "object": "chat.completion.chunk"}, prompt, nlp, include_usage)
-    return await st.start_stream([prompt.token_ids], [params], rid, events, [prompt.images])
+    return await st.start_stream([prompt.token_ids], [params], rid, events, [prompt.images], lora=lora)
 
 
 class _ChatEvents:

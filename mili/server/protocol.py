@@ -328,7 +328,8 @@ GENERATE_DEFAULTS = {"temperature": 1.0, "top_p": 0.95, "top_k": 50}
 
 
 class GenerateRequest(Strict):
-    """The native API of the original design: its fields and defaults, plus MILI's seed and stop."""
+    """The native API of the original design: its fields and defaults, plus MILI's seed, stop and model (a LoRA
+    adapter's name; unset: the base model)."""
 
     prompt: Text
     max_tokens: integer(ge=1, le=4096) = 50
@@ -338,6 +339,7 @@ class GenerateRequest(Strict):
     stream: bool = False
     seed: Seed | None = None
     stop: Annotated[Text | list[Text], OnField] | None = None
+    model: ModelName | None = None
 
     def sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
         """``defaults``: the server's sampling defaults for the fields the request leaves unset."""
@@ -431,3 +433,14 @@ class ScoreRequest(Strict):
             raise InvalidRequest(f"text_1 has {len(first)} texts and text_2 {len(second)}: text_1 is one text, or "
                                  "as many as text_2", param="text_1")
         return list(zip(first, second))
+
+
+# -- LoRA adapters at run time (mili/server/adapters.py) -----------------------------------------------------------
+class LoadLoRARequest(Strict):
+    lora_name: Text
+    lora_path: Text
+
+
+class UnloadLoRARequest(Strict):
+    lora_name: Text
+    lora_int_id: integer(ge=0) | None = None  # (vLLM's; the name decides)

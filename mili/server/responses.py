@@ -312,11 +312,11 @@ STREAM = ("the Responses API's named events, each with its `type` and `sequence_
 @router.post("/v1/responses", responses={**error_responses(400, 404, 500, 503), **streamed(STREAM)})
 async def responses(body: ResponsesRequest, http: Request):
     st = state_of(http)
-    st.check_model(body.model)
+    lora = st.check_model(body.model)
     rid = new_id("resp", "_")
     if not body.stream:
         with _named_as_responses():
-            prompt, stream = await start_chat(st, body.chat(), rid)
+            prompt, stream = await start_chat(st, body.chat(), rid, lora)
         reply = _Reply(st, body, prompt, rid)
         out = await until_disconnect(http, final_output(stream))
         reply.blocks.feed(out.outputs[0].text, final=True)
@@ -326,7 +326,7 @@ async def responses(body: ResponsesRequest, http: Request):
         prompt, params = render_chat(st, body.chat())
         events = _ResponseEvents(_Reply(st, body, prompt, rid))
         return await st.start_stream([prompt.token_ids], [params], rid, events, [prompt.images],
-                                     first=events.opening())
+                                     first=events.opening(), lora=lora)
 
 
 class _ResponseEvents:

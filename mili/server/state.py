@@ -51,12 +51,38 @@ class ServerState:
         self.media = MediaPolicy.from_config(engine.config)  # where a chat's images may come from
         self.created = int(time.time())
         self.statuses: OrderedDict[str, _Status] = OrderedDict()
+        self.loras: dict = {}  # LoRA adapters served by name (mili.lora.LoRARequest)
+        self._lora_ids = 0
+        self.runtime_lora_updating = False  # /v1/load_lora_adapter and /v1/unload_lora_adapter on
 
     # -- requests ------------------------------------------------------------------------------
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+    def check_model(self, model: str | None):
+        """The LoRA adapter a request's ``model`` names (a mili.lora.LoRARequest), None for the base model; 404 for
+        a name the server does not serve."""
+        if model is None or model == self.model_name:
+            return None
+        lora = self.loras.get(model)
+        if lora is None:
             raise APIError(404, f"The model `{model}` does not exist.", "not_found_error", "model",
                            "model_not_found")
+        return lora
+
+    def add_lora(self, name: str, path: str):
+        """Serve a LoRA adapter under ``name`` (--lora-modules, /v1/load_lora_adapter): checked against the base
+        model here (the engine core checks it again when a request first uses it)."""
+        from mili.errors import InvalidRequest
+        from mili.lora import Adapter, LoRARequest, config_layers
+
+        if not self.engine.config.enable_lora:
+            raise InvalidRequest("this server was started without --enable-lora", param="lora_name")
+        if not name or name == self.model_name or name in self.loras:
+            raise InvalidRequest(f"the model name {name!r} is taken (the base model's, or an adapter's already "
+                                 "loaded)", param="lora_name")
+        self._lora_ids += 1
+        lora = LoRARequest(name, self._lora_ids, path)
+        Adapter.load(lora, config_layers(self.engine.model_config), self.engine.config.max_lora_rank)
+        self.loras[name] = lora
+        return lora
 
     def check_queue(self) -> None:
         waiting = self.engine.num_unscheduled  # sent to the core, no token back yet
@@ -65,11 +91,12 @@ class ServerState:
                            None, "queue_full", headers={"Retry-After": "1"})
 
     async def start(self, prompts: list[str | list[int]], params: list[SamplingParams], base_id: str,
-                    images: list[list[ImageRef]] | None = None) -> list[AsyncIterator[RequestOutput]]:
+                    images: list[list[ImageRef]] | None = None, lora=None) -> list[AsyncIterator[RequestOutput]]:
         """Add one engine request per prompt (all or none) and return their output streams. ``images``: each
-        prompt's image parts (a rendered chat's, its prompt token ids), loaded here."""
+        prompt's image parts (a rendered chat's, its prompt token ids), loaded here; ``lora``: the LoRA adapter
+        they run with (``check_model``'s)."""
         ids = self._ids(base_id, len(prompts))
-        await self._add(ids, prompts, params, images)
+        await self._add(ids, prompts, params, images, lora=lora)
         streams = [self._tracked(rid, self.engine.stream(rid), sp) for rid, sp in zip(ids, params)]
         for rid, stream in zip(ids, streams):
             # a response whose body is never iterated (client gone before it started) still ends its
@@ -79,12 +106,12 @@ class ServerState:
 
     async def start_stream(self, prompts: list[str | list[int]], params: list[SamplingParams], base_id: str,
                            events: Events, images: list[list[ImageRef]] | None = None, first: bytes = b"",
-                           ) -> StepStream:
+                           lora=None) -> StepStream:
         """Add one engine request per prompt (all or none), streamed by the output loop as ``events`` makes
         them, after ``first`` (server/step_stream.py): the response to return."""
         ids = self._ids(base_id, len(prompts))
         response = StepStream(events, ids, self._abort, first)
-        await self._add(ids, prompts, params, images, response.parts())
+        await self._add(ids, prompts, params, images, response.parts(), lora)
         response.track = [self._status(rid, sp) for rid, sp in zip(ids, params)]  # (before any output comes)
         return response
 
@@ -99,7 +126,7 @@ class ServerState:
         return [base_id] if count == 1 else [f"{base_id}-{i}" for i in range(count)]
 
     async def _add(self, ids: list[str], prompts: list, params: list[SamplingParams],
-                   images: list[list[ImageRef]] | None = None, sinks: list | None = None) -> None:
+                   images: list[list[ImageRef]] | None = None, sinks: list | None = None, lora=None) -> None:
         self.check_queue()
         loaded = [await self.load_images(p, refs) for p, refs in zip(prompts, images)] if images else None
         added = []
@@ -109,7 +136,7 @@ class ServerState:
                 if loaded and loaded[i]:
                     await self.engine.add_request_with_images(rid, prompt, sp, loaded[i], sink)
                 else:
-                    self.engine.add_request(rid, prompt, sp, sink)
+                    self.engine.add_request(rid, prompt, sp, sink, lora)
                 added.append(rid)
         except BaseException:
             for rid in added:

@@ -99,7 +99,7 @@ def test_every_import_points_down():
 # inside the server, bottom to top: the shared pieces (state.py: the server's state and the stream helpers;
 # errors, fields, protocol, metrics, openapi), the chat path the dialects share, the routers, and the app
 ROUTERS = {f"mili.server.{name}" for name in ("openai", "anthropic", "responses", "native", "utility",
-                                                       "pooling")}
+                                                       "pooling", "adapters")}
 
 
 def _server_level(module: str) -> int:

@@ -142,3 +142,75 @@ def test_adapters_mili_cannot_run_are_refused_by_name(tmp_path, dense, qwen3_che
         __import__("transformers").AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval(),
         PROMPTS[:1], 12))
     assert_drained(llm)
+
+
+def test_moe_attention_adapters_and_expert_adapters_refused(tmp_path):
+    """On Qwen3 MoE: an adapter on the attention projections equals PEFT's; one on the experts is refused by name."""
+    from support.checkpoints import build_moe_checkpoint
+
+    moe = build_moe_checkpoint(tmp_path / "moe", num_experts=4, num_experts_per_tok=2, norm_topk_prob=True)
+    attention = build_adapter(moe, tmp_path / "att", 1, targets=("q_proj", "k_proj", "v_proj", "o_proj"))
+    build_adapter(moe, tmp_path / "experts", 2, targets=("gate_proj", "up_proj", "down_proj"))
+    llm = LLM(str(moe), dtype="float32", enable_lora=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:2]]
+    _check(llm.generate(prompts, PARAMS, use_tqdm=False, lora_request=LoRARequest("att", 1, str(tmp_path / "att"))),
+           hf_greedy(attention, PROMPTS[:2], 12))
+    with pytest.raises(InvalidRequest, match="not supported|not a target MILI runs"):
+        llm.generate(prompts, PARAMS, use_tqdm=False, lora_request=LoRARequest("ex", 2, str(tmp_path / "experts")))
+    assert_drained(llm)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "fp8"])
+def test_a_quantized_base_takes_adapters(dense, quantization):
+    """--quantization int8 / fp8 (MILI's kernels on the CPU, bf16): each projection is the quantized layer's output
+    plus the adapter's s B (A x), computed beside it (within bf16's rounding of the products)."""
+    from safetensors.torch import load_file
+
+    base, _, requests = dense
+    llm = LLM(str(base), dtype="bfloat16", enable_lora=True, quantization=quantization)
+    loras = llm.engine.core.runner.loras
+    loras.acquire(requests["a"])
+    layer = llm.apply_model(lambda m: m.model.layers[1].self_attn.qkv_proj)
+    loras.prepare([1, 1, None], torch.device("cpu"))  # rows 0 and 1 under adapter a, row 2 the base's
+    x = torch.randn(3, layer.in_features, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        got, plain = layer(x).float(), layer.base(x).float()
+    tensors = load_file(f"{requests['a'].lora_path}/adapter_model.safetensors")
+    prefix = "base_model.model.model.layers.1.self_attn"
+    delta = torch.cat([(x[:2].float() @ tensors[f"{prefix}.{p}.lora_A.weight"].T.bfloat16().float()
+                        @ tensors[f"{prefix}.{p}.lora_B.weight"].T.bfloat16().float()) * 2.0
+                       for p in ("q_proj", "k_proj", "v_proj")], dim=1)
+    torch.testing.assert_close(got[:2] - plain[:2], delta, atol=0.05, rtol=0.02)  # (bf16 products)
+    assert torch.equal(got[2], plain[2])
+    loras.release(requests["a"])
+    outs = llm.generate([{"prompt_token_ids": PROMPTS[0]}], PARAMS, use_tqdm=False, lora_request=requests["a"])
+    assert len(outs[0].outputs[0].token_ids) == 12
+    assert_drained(llm)
+
+
+def test_an_awq_checkpoint_takes_adapters(tmp_path):
+    """An AWQ int4 checkpoint with an adapter, in float32 (its weights dequantized): PEFT's model of the same adapter
+    on the dequantized weights gives the same greedy tokens and logprobs."""
+    from peft import PeftModel
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen3ForCausalLM
+
+    from support.checkpoints import build_checkpoint
+    from support.quantized import awq_layout, write_quantized_checkpoint
+
+    dense = build_checkpoint(tmp_path / "dense", "gqa_untied", hidden_size=128, num_attention_heads=4,
+                             num_key_value_heads=4, head_dim=32, intermediate_size=256)
+    tensors, dequantized = awq_layout(load_file(dense / "model.safetensors"), 128)
+    awq = write_quantized_checkpoint(dense, tmp_path / "awq", tensors, {
+        "quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm", "zero_point": True,
+        "modules_to_not_convert": None})
+    plain = tmp_path / "plain"
+    shutil.copytree(dense, plain)
+    save_file({k: v.contiguous() for k, v in dequantized.items()}, plain / "model.safetensors")
+    build_adapter(dense, tmp_path / "adapter", 7)
+    reference = PeftModel.from_pretrained(Qwen3ForCausalLM.from_pretrained(plain, dtype=torch.float32),
+                                          tmp_path / "adapter").eval()
+    llm = LLM(str(awq), dtype="float32", enable_lora=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False,
+                        lora_request=LoRARequest("awq", 1, str(tmp_path / "adapter")))
+    _check(outs, hf_greedy(reference, PROMPTS, 12))
