@@ -10,9 +10,8 @@ the fused layer as for any other.
   where MILI cannot run it faithfully (DoRA, modules_to_save, trained biases, embeddings, the lm_head, MoE experts
   and the router).
 - ``LoRALinear``: a linear layer (of any kind: bf16, int8, AWQ, FP8 kernels) with its adapters beside it, in
-  ``max_loras`` slots of rank up to ``max_lora_rank``; the step's rows are grouped by slot once
-  (``LoRAStep``), and each slot's rows take their low-rank product: a loop over the adapters in the step, never over
-  sequences, and never a weight merge.
+  ``max_loras`` slots of rank up to ``max_lora_rank``: every row's low-rank product in two matrix products over all
+  slots, each row keeping its own slot's part (``LoRAStep``): no loop over sequences or adapters, no weight merge.
 - ``LoRASlots``: the core's adapters: loaded ones kept in memory (``max_cpu_loras``, least recently used evicted),
   and which sits in which slot for a step.
 """
@@ -163,60 +162,91 @@ def config_layers(cfg) -> dict[str, tuple[int, list[int]]]:
 
 
 class LoRAStep:
-    """A step's rows grouped by adapter slot: [(slot, row indices or None for every row)], set on every
-    LoRALinear before the model runs (they share this one object)."""
+    """A step's token rows by adapter slot, shared by every LoRALinear (set before the model runs): ``active`` when
+    any row runs an adapter, and per slot width W the [T, slots x W] mask that keeps each row's own slot."""
 
-    def __init__(self):
-        self.groups: list[tuple[int, torch.Tensor | None]] = []
+    def __init__(self, max_loras: int):
+        self.max_loras = max_loras
+        self.active = False
+        self._slots: torch.Tensor | None = None  # [T] each row's slot (-1: the base model alone)
+        self._masks: dict[tuple[int, torch.dtype], torch.Tensor] = {}
 
     def set(self, token_slots: list[int], device: torch.device) -> None:
-        """``token_slots``: each token row's slot (-1: the base model alone)."""
-        slots = sorted(set(token_slots) - {-1})
-        if len(slots) == 1 and -1 not in token_slots:
-            self.groups = [(slots[0], None)]
-            return
-        rows = torch.tensor(token_slots, dtype=torch.long)
-        self.groups = [(s, (rows == s).nonzero().squeeze(1).to(device)) for s in slots]
+        self.active = any(s >= 0 for s in token_slots)
+        self._slots = torch.tensor(token_slots, dtype=torch.long, device=device) if self.active else None
+        self._masks = {}
+
+    def mask(self, width: int, dtype: torch.dtype, columns: int) -> torch.Tensor:
+        """[T, columns]: 1 in the max_loras x ``width`` columns of each row's slot, 0 elsewhere (a base row, and
+        the padding past max_loras x width: all 0)."""
+        key = (width, dtype, columns)
+        mask = self._masks.get(key)
+        if mask is None:
+            slots = torch.arange(self.max_loras, device=self._slots.device)
+            mask = (self._slots[:, None] == slots[None, :]).to(dtype)
+            mask = mask[:, :, None].expand(-1, -1, width).reshape(len(self._slots), -1)
+            mask = self._masks[key] = torch.nn.functional.pad(mask, (0, columns - mask.shape[1]))
+        return mask
 
 
 class LoRALinear(nn.Module):
     """``base`` (any linear layer) with ``max_loras`` adapter slots: y = base(x) + B_s (A_s x) for the rows of slot
-    s (B holds the scale). A fused layer's shards (``shard_sizes``) each have their own A and B blocks."""
+    s (B holds the scale). A fused layer's shards (``shard_sizes``) each have their own A rows and B columns.
+
+    Every slot's A is stacked into one [slots x W, in] matrix and every B into one [out, slots x W]: a step computes
+    u = x A^T for all slots at once, keeps each row's own slot's columns (``LoRAStep.mask``), and adds u B^T. Two
+    products a layer whatever the adapters in the step; on MILI's CPU kernels (bf16) both run on its linear kernel,
+    A and B packed as weights (a decode step's rows are few: gathering each adapter's rows, or torch's bf16 products
+    on small shapes, cost more than the slots' extra columns)."""
 
     def __init__(self, base: nn.Module, in_features: int, shard_sizes: list[int], max_loras: int, max_rank: int,
-                 step: LoRAStep, dtype: torch.dtype, device: torch.device):
+                 step: LoRAStep, dtype: torch.dtype, device: torch.device, kernels: bool = False):
         super().__init__()
         self.base, self.shard_sizes, self.step = base, shard_sizes, step
         self.in_features, self.max_rank = in_features, max_rank
-        width = len(shard_sizes) * max_rank
-        self.lora_a = torch.zeros(max_loras, width, in_features, dtype=dtype, device=device)
-        self.lora_b = torch.zeros(max_loras, sum(shard_sizes), width, dtype=dtype, device=device)
+        self.width = len(shard_sizes) * max_rank
+        out = sum(shard_sizes)
+        # (the slots' columns padded to a multiple of 32: the width MILI's CPU kernels take)
+        self.columns = -(-max_loras * self.width // 32) * 32
+        self.lora_a = torch.zeros(self.columns, in_features, dtype=dtype, device=device)  # [slots x W (+pad), in]
+        self.lora_b = torch.zeros(out, self.columns, dtype=dtype, device=device)  # [out, slots x W (+pad)]
+        # on MILI's CPU kernels (bf16): both products on the linear kernel, A and B packed (again when a slot changes)
+        self.kernels = kernels
+        self.packed: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def load_slot(self, slot: int, weights: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """Put an adapter's weights for this layer in ``slot`` (None: it does not target this layer: zeros)."""
+        cols = slice(slot * self.width, (slot + 1) * self.width)
         if weights is None:
-            self.lora_a[slot].zero_()
-            self.lora_b[slot].zero_()
+            self.lora_a[cols].zero_()
+            self.lora_b[:, cols].zero_()
         else:
-            self.lora_a[slot].copy_(weights[0])
-            self.lora_b[slot].copy_(weights[1])
+            self.lora_a[cols].copy_(weights[0])
+            self.lora_b[:, cols].copy_(weights[1])
+        if self.kernels:
+            from mili.kernels.cpu import ops as cpu_ops
+
+            self.packed = (cpu_ops.pack_weight(self.lora_a), cpu_ops.pack_weight(self.lora_b))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        for slot, rows in self.step.groups:
-            if rows is None:
-                y = y + (x @ self.lora_a[slot].T) @ self.lora_b[slot].T
-            else:
-                xs = x.index_select(0, rows)
-                y = y.index_add(0, rows, (xs @ self.lora_a[slot].T) @ self.lora_b[slot].T)
-        return y
+        if not self.step.active:
+            return y
+        mask = self.step.mask(self.width, x.dtype, self.columns)
+        if self.packed is not None:
+            from mili.kernels.cpu import ops as cpu_ops
+
+            u = cpu_ops.linear(x, self.packed[0], self.columns) * mask
+            return y + cpu_ops.linear(u, self.packed[1], self.lora_b.shape[0])
+        return y + ((x @ self.lora_a.T) * mask) @ self.lora_b.T
 
 
 def add_lora_layers(model: nn.Module, max_loras: int, max_rank: int, dtype: torch.dtype,
-                    device: torch.device) -> LoRAStep:
+                    device: torch.device, kernels: bool = False) -> LoRAStep:
     """Wrap every attention and MLP projection of ``model``'s decoder layers in a LoRALinear (after the linear layers
-    are on their kernels); the LoRAStep they share is returned."""
-    step = LoRAStep()
+    are on their kernels; ``kernels``: the adapters' products on MILI's CPU kernels too); the LoRAStep they share is
+    returned."""
+    step = LoRAStep(max_loras)
     for layer in model.model.layers:
         for path in sorted({module for module, _ in _TARGETS.values()}):
             parent_name, _, attr = path.rpartition(".")
@@ -226,7 +256,7 @@ def add_lora_layers(model: nn.Module, max_loras: int, max_rank: int, dtype: torc
                 continue
             shards = list(getattr(base, "shard_sizes", None) or [_out_features(base)])
             setattr(parent, attr, LoRALinear(base, _in_features(base), shards, max_loras, max_rank, step, dtype,
-                                             device))
+                                             device, kernels))
     return step
 
 

@@ -34,14 +34,16 @@ def percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
 
 
-def run_batch(engine, prompts: list[list[int]], params, decode_stats: list | None = None) -> tuple[list, float]:
-    """Add every prompt (``params``: one SamplingParams or one per prompt), step until all finish;
-    returns (the final outputs in order, seconds). With ``decode_stats`` (a list), appends [seconds,
-    tokens] of the decode-only steps (every running sequence computing just its next token), the figure
-    llama.cpp's batched-bench reports as its generation speed."""
+def run_batch(engine, prompts: list[list[int]], params, decode_stats: list | None = None,
+              loras: list | None = None) -> tuple[list, float]:
+    """Add every prompt (``params``: one SamplingParams or one per prompt; ``loras``: a LoRARequest or None per
+    prompt), step until all finish; returns (the final outputs in order, seconds). With ``decode_stats`` (a list),
+    appends [seconds, tokens] of the decode-only steps (every running sequence computing just its next token), the
+    figure llama.cpp's batched-bench reports as its generation speed."""
     params = params if isinstance(params, list) else [params] * len(prompts)
+    loras = loras or [None] * len(prompts)
     start = time.perf_counter()
-    ids = [engine.add_request(p, sp).request_id for p, sp in zip(prompts, params)]
+    ids = [engine.add_request(p, sp, lora_request=lora).request_id for p, sp, lora in zip(prompts, params, loras)]
     done = {}
     decode_seconds = decode_tokens = 0
     while len(done) < len(ids):
