@@ -73,27 +73,20 @@ class EmbeddingOutput:
 
 
 @dataclass
-class EmbeddingRequestOutput:
-    """One input's embedding (vLLM's shape: ``.outputs.embedding``)."""
-
-    request_id: str
-    outputs: EmbeddingOutput
-    prompt_token_ids: list[int]
-    num_cached_tokens: int = 0
-    finished: bool = True
-
-
-@dataclass
 class ScoringOutput:
     score: float  # the relevance score in [0, 1] (a reranker's P(yes))
 
 
 @dataclass
-class ScoringRequestOutput:
-    """One (query, document) pair's score (vLLM's shape: ``.outputs.score``)."""
+class PoolingRequestOutput:
+    """One input's pooled answer (vLLM's shape): ``.outputs.embedding`` from ``LLM.embed``, ``.outputs.score`` from
+    ``LLM.score``."""
 
     request_id: str
-    outputs: ScoringOutput
+    outputs: EmbeddingOutput | ScoringOutput
     prompt_token_ids: list[int]
     num_cached_tokens: int = 0
     finished: bool = True
+
+
+EmbeddingRequestOutput = ScoringRequestOutput = PoolingRequestOutput  # (vLLM's names for the two kinds)
