@@ -645,13 +645,13 @@ INT8_TARGET static inline __attribute__((always_inline)) void int4_micro(
     for (int i = 0; i < MR; i++) f[i][j] = vf_zero();
   }
   for (int64_t g = 0; g < G; g++) {
-    /* One row (decode) where the ISA allows (INT4_APART: vpdpbusd on AVX-512), the high nibbles are used in
-     * place (masked, not shifted: one instruction less a load) and their products summed apart, 16 times too
-     * large, which also gives each sum two independent chains (not with high bits: 16 q would pass a byte).
-     * Otherwise each step's products go to running sums (i4acc: int16 lanes on AVX2's vpmaddubsw, widened every
+    /* One row (decode) where the ISA allows (INT4_APART: vpdpbusd on AVX-512), the high nibbles' products are
+     * summed apart, which gives each sum two independent chains; without high bits they are used in place (masked,
+     * not shifted: one instruction less a load), 16 times too large (with them 16 q would pass a byte). Otherwise
+     * each step's products go to running sums (i4acc: int16 lanes on AVX2's vpmaddubsw, widened every
      * I4_STEPS >> hb steps) flushed into acc. Two rows keep one sum each: twice the sums would not fit the
      * registers (measured slower at M = 64). */
-    const int apart = MR == 1 && INT4_APART && !hb;
+    const int apart = MR == 1 && INT4_APART;
     const int64_t steps = I4_STEPS >> hb;
     vi acc[I4_MR][I4_NB_CAP], acc16[I4_MR][I4_NB_CAP];
     for (int i = 0; i < MR; i++)
@@ -666,7 +666,7 @@ INT8_TARGET static inline __attribute__((always_inline)) void int4_micro(
         for (int j = 0; j < NB; j++) {
           const uint8_t *wp = w + j * wblock + p * 64;
           if (pf) prefetch(wp + PF_DIST, 0);
-          w_int4(wp, &lo[j], &hi[j], apart);
+          w_int4(wp, &lo[j], &hi[j], apart && !hb);
           if (hb) { /* (the high plane's prefetch as far ahead in rows as the nibbles', once a line) */
             const uint8_t *hp = w + j * wblock + high_at + p * 16 * hb;
             if (pf && p % (4 / hb) == 0) prefetch(hp + PF_DIST / 4 * hb, 0);
@@ -676,7 +676,7 @@ INT8_TARGET static inline __attribute__((always_inline)) void int4_micro(
         for (int i = 0; i < MR; i++) {
           const xq4 x0 = x_int8(xq + i * K + p * 8), x1 = x_int8(xq + i * K + p * 8 + 4);
           for (int j = 0; j < NB; j++) {
-            if (apart) { /* two chains: the high nibbles' products (16 x, in place) apart */
+            if (apart) { /* two chains: the high nibbles' products (16 x where in place) apart */
               acc[i][j] = dot_int4(acc[i][j], x0, lo[j]);
               acc16[i][j] = dot_int4(acc16[i][j], x1, hi[j]);
             } else {
@@ -694,7 +694,7 @@ INT8_TARGET static inline __attribute__((always_inline)) void int4_micro(
       const vf s = load_scales(ws + j * sf.stride, at, mode, &ds[j]);
       const vf b = sym ? s : load_scales(wb + j * sf.stride, at, mode, &db[j]);
       for (int i = 0; i < MR; i++) {
-        vi sum = apart ? vi_add(acc[i][j], vi_sra(acc16[i][j], 4)) : acc[i][j];
+        vi sum = apart ? vi_add(acc[i][j], hb ? acc16[i][j] : vi_sra(acc16[i][j], 4)) : acc[i][j];
         const float scale = sx[i * G + g];
         if (sym) sum = vi_sub(sum, vi_set1((8 << hb) * xsum[i * G + g]));
         f[i][j] = vf_fmadd(vi_to_vf(sum), vf_mul(s, vf_set1(scale)), f[i][j]);
@@ -880,15 +880,16 @@ static void grouped_linear(const uint8_t *w, const void *ws, const void *wb, con
   const int mr_max = eight ? I8G_MR : I4_MR;
   const scale_form sf = scale_form_of(scale_mode, G, sub);
   const grouped_x gx = quantize_groups(x, M, K, group, nthreads);
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (ngroups > 1)
+#pragma omp parallel num_threads(nthreads) if (ngroups > 1)
+  {
+  uint8_t *expanded = expand ? malloc(per * K * 16) : NULL; /* (one a thread, reused by its runs) */
+#pragma omp for schedule(static)
   for (int64_t c = 0; c < ngroups; c++) {
     const int64_t nb0 = c * per, nbs = nblocks - nb0 < per ? nblocks - nb0 : per;
     const run_scales rs = scales_of_run(ws, wb, sf, nb0, nbs, G, M > EXPAND_ROWS);
     const uint8_t *wc = w + nb0 * wblock;
     int64_t wbl = wblock;
-    uint8_t *expanded = NULL;
     if (expand) { /* u = q, or without offsets q + 128 - (8 << hb): int8g's symmetric s (u - 128) is s (q - 8 << hb) */
-      expanded = malloc(nbs * K * 16);
       int4_to_int8g(wc, wblock, nbs, K, high_bits, wb ? 0 : 128 - (8 << high_bits), expanded);
       wc = expanded;
       wbl = K * 16;
@@ -909,8 +910,9 @@ static void grouped_linear(const uint8_t *w, const void *ws, const void *wb, con
         b += n;
       }
     }
-    free(expanded);
     free(rs.buf);
+  }
+  free(expanded);
   }
   free_groups(gx);
 }
