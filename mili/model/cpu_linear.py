@@ -17,9 +17,12 @@ the CPU's (the Triton GEMMs' layers are in gpu_linear.py).
   through ``torch._scaled_mm`` (GPUs with FP8, SM 89+; the CPU has it too, but ~100x slower than the int8
   kernel, so the CPU maps FP8 weights onto Int8Linear instead).
 * ``Int4Linear``: int4 weights w = s q + b with a scale and an offset per group of input channels (an AWQ
-  checkpoint's (q - z) s as stored, b = -z s), on MILI's int4 kernel: a quarter of bf16's bytes.
+  checkpoint's (q - z) s as stored, b = -z s), on MILI's int4 kernel: a quarter of bf16's bytes. With 1 or 2 bits
+  above the nibble (``high_bits``), GGUF's Q5_K and Q6_K at about the file's bytes.
 * ``Int8GroupLinear``: 8-bit weights w = s q + b (q 0..255) with a scale and an offset per group of input channels,
-  or w = s (q - 128) without offsets, on MILI's int8g kernel: GGUF's Q8_0, Q6_K and Q5_K blocks as they are.
+  or w = s (q - 128) without offsets, on MILI's int8g kernel: GGUF's Q8_0 blocks as they are (and Q6_K's and Q5_K's
+  exactly too, at 1.07 bytes a weight: what they ran on before the int4 kernel's high bits).
+* ``SplitLinear``: a fused layer whose shards take different forms (GGUF's Q4_K_M q|k|v), one layer per run.
 
 Both take scales and offsets as float values [out, groups] (kept in float16 where that holds them exactly, else
 float32) or, GGUF's K-quants, in the two levels the file stores (``quant.TwoLevel``: fp16 d per super-block times an
