@@ -6,17 +6,20 @@ alternating, so that a shared machine's minutes hit them alike. A version is a s
     python benchmarks/linear_ab.py OLD.c NEW.c [--shapes 0.6B 4B:8] [--formats int4 int8 bf16] [--repeat 10]
     python benchmarks/linear_ab.py mili/kernels/cpu/kernels.c@avx512 mili/kernels/cpu/kernels.c@avx2
     python benchmarks/linear_ab.py mili/kernels/cpu/kernels.c --shapes 0.6B --formats int8 q8_0 q6_k q5_k int4 q4_k
+    python benchmarks/linear_ab.py mili/kernels/cpu/kernels.c --formats q6_k q6_k-int8g --rows 512  (prefill)
 
 The formats: bf16; int8 (a float32 scale per output channel); int4 (AWQ's groups of 128, float32 scales and
 offsets); q4_k (the int4 kernel, groups of 32, scales and offsets in GGUF's two levels: fp16 d per 256, int8 sc per
-group); and the int8g kernel's GGUF forms: q8_0 (groups of 32, fp16 scales, no offsets), q6_k (groups of 16,
-two-level scales, no offsets), q5_k (groups of 32, two-level scales and offsets). q4_k-f32 and q6_k-f32: the same
-with float32 scales d sc (and offsets), as MILI kept them before. GB counts every byte a format reads (weights,
-scales, offsets, column sums).
+group); q6_k and q5_k (the int4 kernel with 2 and 1 bits above the nibble: groups of 16, two-level scales, no
+offsets; groups of 32, two-level scales and offsets); and the int8g kernel's: q8_0 (groups of 32, fp16 scales, no
+offsets), q6_k-int8g and q5_k-int8g (Q6_K's and Q5_K's forms as 8-bit u, as MILI ran them before the high bits).
+q4_k-f32 and q6_k-f32: the same with float32 scales d sc (and offsets), as MILI kept them before. GB counts every
+byte a format reads (weights, scales, offsets, column sums). ``--rows``: x's rows (default 1: decode).
 
 e.g. ``git show HEAD~1:mili/kernels/cpu/kernels.c > /tmp/old.c`` against the working tree's file (its ISA headers
-are the working tree's). The calls are today's (scale_mode and sub: the two-level scales): a version from before
-them takes its arguments shifted, so its int4 and int8g figures mean nothing; its bf16 and int8 ones stand. Each version is built like the library (cc -O3, the ISA's flags alone, -fopenmp) under
+are the working tree's). The calls are today's (the int4 kernel's high_bits and both grouped kernels' ldy after
+scale_mode and sub): a version from before them takes its arguments shifted, so its int4 and int8g figures mean
+nothing; its bf16 and int8 ones stand. Each version is built like the library (cc -O3, the ISA's flags alone, -fopenmp) under
 /tmp, keyed by its source and flags. Per thread count
 (1, 2): the median and the minimum (the trials that had the cores) of a sweep's time, its GB/s of weights,
 the minimum's share of a 1 GiB copy (read + write, the best of 6, same threads) and each version's ratio to
@@ -43,10 +46,12 @@ SHAPES = {"0.6B": ([(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)], 28)
           "4B:8": ([(6144, 2560), (2560, 4096), (19456, 2560), (2560, 9728)], 8)}
 GROUP = 128  # AWQ's group size in Qwen's releases
 # the int4 and int8g formats: (kernel, group, scales' form: float16, float32 or "k" (two levels), with offsets)
-GROUPED = {"int4": ("int4", GROUP, torch.float32, True), "q4_k": ("int4", 32, "k", True),
-           "q4_k-f32": ("int4", 32, torch.float32, True), "q8_0": ("int8g", 32, torch.float16, False),
-           "q6_k": ("int8g", 16, "k", False), "q6_k-f32": ("int8g", 16, torch.float32, False),
-           "q5_k": ("int8g", 32, "k", True)}
+# (q6_k-int8g, q5_k-int8g: those blocks on the int8g kernel, as MILI ran them before the int4 kernel's high bits)
+GROUPED = {"int4": ("int4", GROUP, torch.float32, True, 0), "q4_k": ("int4", 32, "k", True, 0),
+           "q4_k-f32": ("int4", 32, torch.float32, True, 0), "q8_0": ("int8g", 32, torch.float16, False, 0),
+           "q6_k": ("int4", 16, "k", False, 2), "q5_k": ("int4", 32, "k", True, 1),
+           "q6_k-int8g": ("int8g", 16, "k", False, 0), "q6_k-f32": ("int8g", 16, torch.float32, False, 0),
+           "q5_k-int8g": ("int8g", 32, "k", True, 0)}
 
 
 def build(version: str) -> ctypes.CDLL:
@@ -71,8 +76,9 @@ def weights(shape: str, fmt: str) -> list[tuple[int, int, tuple[torch.Tensor, ..
     for _ in range(layers):
         for n, k in mats:
             if fmt in GROUPED:  # (int4: AWQ's group, float32 scales and offsets, as an AWQ checkpoint loads)
-                kernel, group, form, offsets = GROUPED[fmt]
-                q = torch.randint(0, 16 if kernel == "int4" else 256, (n, k), dtype=torch.uint8, generator=g)
+                kernel, group, form, offsets, high_bits = GROUPED[fmt]
+                top = 16 << high_bits if kernel == "int4" else 256
+                q = torch.randint(0, top, (n, k), dtype=torch.uint8, generator=g)
                 if form == "k":  # d (fp16) per 256, sc (int8) per group; offsets -dmin, m
                     d = (torch.rand(2, n, k // 256, generator=g) * 1e-3).half().float()
                     sc = torch.randint(0, 64, (2, n, k // group), dtype=torch.int8, generator=g)
@@ -80,8 +86,8 @@ def weights(shape: str, fmt: str) -> list[tuple[int, int, tuple[torch.Tensor, ..
                 else:
                     scales = torch.rand(n, k // group, generator=g) * 0.01
                     zeros = -scales * torch.randint(0, 16, scales.shape, generator=g)
-                pack = pack_int4 if kernel == "int4" else pack_int8g
-                packed = pack(q, scales, zeros if offsets else None, torch.float32 if form == "k" else form)
+                args = (q, scales, zeros if offsets else None, torch.float32 if form == "k" else form)
+                packed = pack_int4(*args, high_bits=high_bits) if kernel == "int4" else pack_int8g(*args)
                 out.append((n, k, tuple(t for t in packed if t is not None)))
             elif fmt == "bf16":
                 out.append((n, k, (pack_weight(torch.randn(n, k, generator=g).to(torch.bfloat16)),)))
@@ -91,22 +97,22 @@ def weights(shape: str, fmt: str) -> list[tuple[int, int, tuple[torch.Tensor, ..
     return out
 
 
-def sweep(lib, fmt: str, mats, threads: int, xs: dict, ys: dict) -> float:
+def sweep(lib, fmt: str, mats, threads: int, xs: dict, ys: dict, m: int) -> float:
     start = time.perf_counter()
     for n, k, tensors in mats:
         x, y, w = xs[k].data_ptr(), ys[n].data_ptr(), tensors[0].data_ptr()
         if fmt in GROUPED:
-            kernel, group, _, offsets = GROUPED[fmt]
+            kernel, group, _, offsets, high_bits = GROUPED[fmt]
             mode, sub, _ = scale_form(tensors[1])
             b = tensors[2].data_ptr() if offsets else None
             if kernel == "int4":
-                lib.mili_linear_int4(w, tensors[1].data_ptr(), b, x, y, 1, n, k, group, mode, sub, threads)
+                lib.mili_linear_int4(w, tensors[1].data_ptr(), b, x, y, m, n, k, group, mode, sub, high_bits, n, threads)
             else:
-                lib.mili_linear_int8g(w, tensors[1].data_ptr(), b, x, y, 1, n, k, group, mode, sub, 0, threads)
+                lib.mili_linear_int8g(w, tensors[1].data_ptr(), b, x, y, m, n, k, group, mode, sub, 0, n, threads)
         elif fmt == "bf16":
-            lib.mili_linear(w, x, y, 1, n, k, threads)
+            lib.mili_linear(w, x, y, m, n, k, threads)
         else:
-            lib.mili_linear_int8(w, tensors[1].data_ptr(), tensors[2].data_ptr(), x, y, 1, n, k, threads)
+            lib.mili_linear_int8(w, tensors[1].data_ptr(), tensors[2].data_ptr(), x, y, m, n, k, threads)
     return time.perf_counter() - start
 
 
@@ -129,6 +135,7 @@ def main() -> None:
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--formats", nargs="+", default=["int4"], choices=["int8", "bf16", *GROUPED])
     p.add_argument("--repeat", type=int, default=10, help="rounds; each times 3 sweeps of every version")
+    p.add_argument("--rows", type=int, default=1, help="M, the rows of x (1: decode; 512: a prefill chunk)")
     args = p.parse_args()
     libs = [build(s) for s in args.sources]
     older = [s for s, lib in zip(args.sources, libs) if not hasattr(lib, "mili_linear_int8g")]
@@ -140,21 +147,21 @@ def main() -> None:
         for fmt in args.formats:
             mats = weights(shape, fmt)
             nbytes = sum(t.numel() * t.element_size() for _, _, ts in mats for t in ts)
-            xs = {k: torch.randn(1, k).to(torch.bfloat16) for _, k, _ in mats}
-            ys = {n: torch.empty(1, n, dtype=torch.bfloat16) for n, _, _ in mats}
+            xs = {k: torch.randn(args.rows, k).to(torch.bfloat16) for _, k, _ in mats}
+            ys = {n: torch.empty(args.rows, n, dtype=torch.bfloat16) for n, _, _ in mats}
             for threads in (1, 2):
                 times: list[list[float]] = [[] for _ in libs]
                 for _ in range(args.repeat):
                     for lib, t in zip(libs, times):
-                        sweep(lib, fmt, mats, threads, xs, ys)  # warm: the previous version's lines evicted
-                        t.extend(sweep(lib, fmt, mats, threads, xs, ys) for _ in range(3))
+                        sweep(lib, fmt, mats, threads, xs, ys, args.rows)  # warm: the previous version's lines evicted
+                        t.extend(sweep(lib, fmt, mats, threads, xs, ys, args.rows) for _ in range(3))
                 copy = copy_rate(threads)
                 for source, t in zip(args.sources, times):
                     med, low = statistics.median(t), min(t)
                     rows.append([shape, fmt, threads, source, nbytes / 1e9, med * 1e3, low * 1e3, nbytes / low / 1e9,
                                  f"{100 * nbytes / low / copy:.0f}% of {copy / 1e9:.1f}",
                                  f"{statistics.median(times[0]) / med:.3f}x / {min(times[0]) / low:.3f}x"])
-    print(f"\nevery linear at M = 1, distinct matrices, {args.repeat} x 3 sweeps a version, alternating; {machine()}")
+    print(f"\nevery linear at M = {args.rows}, distinct matrices, {args.repeat} x 3 sweeps a version, alternating; {machine()}")
     print_table("linear A/B", ["shape", "format", "threads", "kernels.c", "GB", "median ms", "min ms", "min GB/s",
                                "min of copy GB/s", "vs first (median / min)"], rows, digits=3)
 

@@ -17,9 +17,12 @@ the CPU's (the Triton GEMMs' layers are in gpu_linear.py).
   through ``torch._scaled_mm`` (GPUs with FP8, SM 89+; the CPU has it too, but ~100x slower than the int8
   kernel, so the CPU maps FP8 weights onto Int8Linear instead).
 * ``Int4Linear``: int4 weights w = s q + b with a scale and an offset per group of input channels (an AWQ
-  checkpoint's (q - z) s as stored, b = -z s), on MILI's int4 kernel: a quarter of bf16's bytes.
+  checkpoint's (q - z) s as stored, b = -z s), on MILI's int4 kernel: a quarter of bf16's bytes. With 1 or 2 bits
+  above the nibble (``high_bits``), GGUF's Q5_K and Q6_K at about the file's bytes.
 * ``Int8GroupLinear``: 8-bit weights w = s q + b (q 0..255) with a scale and an offset per group of input channels,
-  or w = s (q - 128) without offsets, on MILI's int8g kernel: GGUF's Q8_0, Q6_K and Q5_K blocks as they are.
+  or w = s (q - 128) without offsets, on MILI's int8g kernel: GGUF's Q8_0 blocks as they are (and Q6_K's and Q5_K's
+  exactly too, at 1.07 bytes a weight: what they ran on before the int4 kernel's high bits).
+* ``SplitLinear``: a fused layer whose shards take different forms (GGUF's Q4_K_M q|k|v), one layer per run.
 
 Both take scales and offsets as float values [out, groups] (kept in float16 where that holds them exactly, else
 float32) or, GGUF's K-quants, in the two levels the file stores (``quant.TwoLevel``: fp16 d per super-block times an
@@ -149,13 +152,22 @@ def _pack_grouped(pack, q: torch.Tensor, scales, offsets):
 
 
 class Int4Linear(_SwappedLinear):
-    def __init__(self, q, scales, offsets, bias=None, shard_sizes=None):
+    def __init__(self, q, scales, offsets, bias=None, shard_sizes=None, high_bits: int = 0):
         """``q`` [out, in] (values 0..15), ``scales`` and ``offsets`` [out, in / group]: w = scale q + offset;
         ``offsets`` None: w = scale (q - 8), none stored (GGUF's Q4_0). Float values are kept in float16 where that
-        holds them exactly, else float32; two-level ones (``quant.TwoLevel``, GGUF's Q4_K) as they are."""
+        holds them exactly, else float32; two-level ones (``quant.TwoLevel``, GGUF's Q4_K) as they are.
+        ``high_bits`` 1 or 2: q up to 31 or 63 (GGUF's Q5_K, and without offsets w = scale (q - 32) its Q6_K), the
+        bits above the nibble in a plane of their own (``ops.pack_int4``): ~0.69 and ~0.82 bytes a weight."""
         super().__init__(q, bias, shard_sizes)
         self.group = q.shape[1] // _groups(scales)
-        packed, scales, offsets = _pack_grouped(cpu_ops.pack_int4, q, scales, offsets)
+        self.high_bits = high_bits
+        if high_bits and q.shape[1] % 32:
+            raise ValueError(f"the int4 kernel takes high bits where in_features is a multiple of 32: not {q.shape[1]}")
+
+        def pack(*args):
+            return cpu_ops.pack_int4(*args, high_bits=high_bits)
+
+        packed, scales, offsets = _pack_grouped(pack, q, scales, offsets)
         self.register_buffer("qweight", packed)
         self.register_buffer("scales", scales)
         self.register_buffer("offsets", offsets)
@@ -164,16 +176,17 @@ class Int4Linear(_SwappedLinear):
     def from_awq(cls, parts: quant.Int4Parts, bias=None, shard_sizes=None) -> Int4Linear:
         return cls(parts.q, *cpu_ops.awq_scales_offsets(parts.zeros, parts.scales), bias, shard_sizes)
 
-    def _matmul(self, x2d):
-        out = cpu_ops.linear_int4(x2d, self.qweight, self.scales, self.offsets)[:, :self.out_features]
-        return out if self.bias is None else out + self.bias
+    def _matmul(self, x2d, out=None):
+        y = cpu_ops.linear_int4(x2d, self.qweight, self.scales, self.offsets, self.high_bits, out)[:, :self.out_features]
+        return y if self.bias is None else y + self.bias
 
     def dequantize(self) -> torch.Tensor:
         """The weights the kernel multiplies by, [out, in] float32: scale * q + offset (two roundings, as gguf's
-        dequantize of Q4_K: each product is exact there), or scale * (q - 8) (gguf's Q4_0, bit for bit)."""
-        q = cpu_ops.unpack_int4(self.qweight)[:self.out_features].float()
+        dequantize of Q4_K and Q5_K: each product is exact there), or scale * (q - 8) (gguf's Q4_0, bit for bit; with
+        high bits q - 16 or q - 32: Q6_K's)."""
+        q = cpu_ops.unpack_int4(self.qweight, self.high_bits)[:self.out_features].float()
         if self.offsets is None:
-            return _per_group(self.scales, q) * (q - 8)
+            return _per_group(self.scales, q) * (q - (8 << self.high_bits))
         return _per_group(self.scales, q) * q + _per_group(self.offsets, q)
 
 
@@ -197,9 +210,9 @@ class Int8GroupLinear(_SwappedLinear):
         self.register_buffer("scales", scales)
         self.register_buffer("offsets", offsets)  # (None: symmetric)
 
-    def _matmul(self, x2d):
-        out = cpu_ops.linear_int8g(x2d, self.qweight, self.scales, self.offsets, self.signed)[:, :self.out_features]
-        return out if self.bias is None else out + self.bias
+    def _matmul(self, x2d, out=None):
+        y = cpu_ops.linear_int8g(x2d, self.qweight, self.scales, self.offsets, self.signed, out)[:, :self.out_features]
+        return y if self.bias is None else y + self.bias
 
     def dequantize(self) -> torch.Tensor:
         """The weights the kernel multiplies by, [out, in] float32: scale * q + offset, or scale * (q - 128), in
@@ -210,6 +223,29 @@ class Int8GroupLinear(_SwappedLinear):
         if self.signed:
             return _per_group(self.scales, q) * (q - 128) + _per_group(self.offsets, q)
         return _per_group(self.scales, q) * q + _per_group(self.offsets, q)
+
+
+class SplitLinear(_SwappedLinear):
+    def __init__(self, parts: list[_SwappedLinear], bias=None, shard_sizes=None):
+        """One fused layer (q|k|v, gate|up) as consecutive runs of its output rows, each its own layer
+        (``Int4Linear`` / ``Int8GroupLinear``, no bias, out_features a multiple of 16) writing its columns of the one
+        output: a GGUF file's shards of different types (Q4_K_M's Q4_K q and k beside a Q6_K v) each read as stored,
+        where one layer would take the widest form for all of its rows."""
+        rows = sum(p.out_features for p in parts)
+        super().__init__(torch.empty(rows, parts[0].in_features, device="meta"), bias, shard_sizes)
+        assert all(p.bias is None and p.out_features % 16 == 0 and p.in_features == self.in_features for p in parts)
+        self.parts = nn.ModuleList(parts)
+
+    def _matmul(self, x2d):
+        y = torch.empty(x2d.shape[0], self.out_features, dtype=torch.bfloat16)
+        at = 0
+        for part in self.parts:
+            part._matmul(x2d, y[:, at:at + part.out_features])
+            at += part.out_features
+        return y if self.bias is None else y + self.bias
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([p.dequantize() for p in self.parts])
 
 
 def _per_group(blocked: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -264,7 +300,7 @@ def swap_lm_head(model: nn.Module, dtype: str, kernels: bool) -> None:
 
 
 def swap_linears(model: nn.Module, kind: str, kernels: bool = False, quantized: dict | None = None,
-                 make_quantized=None, skip_head: bool = False, make_layer=None) -> None:
+                 make_quantized=None, skip_head: bool = False, make_layer=None, make_fused=None) -> None:
     """Replace every nn.Linear of ``model`` (and its lm_head, tied or not) with ``kind``: kernel | packed |
     int8 | triton-int8 | fp8 | plain (left as it is). With kernel, a layer the kernel can't take (in_features not a
     multiple of 32) is packed instead; int8 uses MILI's int8 kernel when ``kernels``; triton-int8 the same int8
@@ -272,6 +308,8 @@ def swap_linears(model: nn.Module, kind: str, kernels: bool = False, quantized: 
     channel, the lm_head aside. ``quantized``: a checkpoint's layers kept quantized by the loader (weight name ->
     parts); a layer whose shards all have parts becomes ``make_quantized(parts, bias, shard_sizes)`` (a fused
     layer's joined by ``quant.concat_parts``), unless that returns None; the other layers become ``kind``.
+    ``make_fused(shards' parts, bias, shard_sizes)``, where given, makes a fused layer from its shards' parts
+    unjoined first (the CPU's: shards of different GGUF types, each on its own kernel form); None from it: joined.
     ``skip_head``: the lm_head (and a tied table) left as it is, for ``swap_lm_head``."""
     if kind not in ("kernel", "packed", "int8", "triton-int8", "fp8", "plain"):
         raise InvalidRequest(f"unknown linear kind {kind!r}", param="quantization")
@@ -295,10 +333,13 @@ def swap_linears(model: nn.Module, kind: str, kernels: bool = False, quantized: 
         parts = [quantized.get(n) for n in shards or [f"{name}.weight"]]
         if None in parts:
             return None
-        parts = quant.concat_parts(parts) if len(parts) > 1 else parts[0]
-        device = child.weight.device
-        return make_quantized(type(parts)(*(t.to(device) if torch.is_tensor(t) else t for t in parts)),
-                              child.bias, getattr(child, "shard_sizes", None))
+        device, shard_sizes = child.weight.device, getattr(child, "shard_sizes", None)
+        parts = [type(p)(*(t.to(device) if torch.is_tensor(t) else t for t in p)) for p in parts]
+        if len(parts) > 1 and make_fused is not None:
+            layer = make_fused(parts, child.bias, shard_sizes)
+            if layer is not None:
+                return layer
+        return make_quantized(quant.concat_parts(parts) if len(parts) > 1 else parts[0], child.bias, shard_sizes)
 
     def expert_parts(module_name, e, projections):
         parts = [(quantized or {}).get(f"{module_name}.{e}.{p}.weight") for p in projections]

@@ -6,8 +6,8 @@ products gguf-py itself forms first (d * sc, exact in float32) and an offset is 
     Q8_0  32 int8 q, fp16 d                      w = d q                  8-bit, group 32
     Q4_0  32 4-bit q, fp16 d                     w = d (q - 8)            4-bit, group 32
     Q4_K  256: 8 x 32 4-bit q, 6-bit sc and m    w = (d sc) q + (-dmin m)  4-bit, group 32
-    Q5_K  256: 8 x 32 5-bit q, 6-bit sc and m    w = (d sc) q + (-dmin m)  8-bit, group 32
-    Q6_K  256: 16 x 16 6-bit q - 32, int8 sc     w = (d sc) q             8-bit, group 16
+    Q5_K  256: 8 x 32 5-bit q, 6-bit sc and m    w = (d sc) q + (-dmin m)  5-bit, group 32
+    Q6_K  256: 16 x 16 6-bit q - 32, int8 sc     w = (d sc) q             6-bit, group 16
 
 Q4_0's q is kept as q - 8 (-8..7): the int4 kernel stores q and no offsets (w = d (q - 8)), as the file does. The
 K-quants' scales and offsets are kept in their two levels too (``quant.TwoLevel``: (d, sc) and (-dmin, m) per super-block
@@ -67,7 +67,7 @@ def split_blocks(blocks: np.ndarray, type_name: str) -> tuple[np.ndarray, Scales
             return _nibbles(blocks[:, 16:], 32).astype(np.int8), scales, offsets, 32, 4
         qh = blocks[:, 16:48].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
         q = _nibbles(blocks[:, 48:], 32) | ((qh & 1).reshape(n, -1) << 4)
-        return q.astype(np.int8), scales, offsets, 32, 8
+        return q.astype(np.int8), scales, offsets, 32, 5
     if type_name == "Q6_K":
         ql, qh = blocks[:, :128], blocks[:, 128:192]
         sc = np.ascontiguousarray(blocks[:, 192:208]).view(np.int8)
@@ -75,7 +75,7 @@ def split_blocks(blocks: np.ndarray, type_name: str) -> tuple[np.ndarray, Scales
         low = _nibbles(ql, 64).reshape(n, -1, 64)  # two halves of 128: 64 low-nibble values, 64 high
         high = (qh.reshape(n, -1, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
         q = (low.reshape(n, -1, 128) | (high.reshape(n, -1, 128) << 4)).astype(np.int8) - np.int8(32)
-        return q.reshape(n, QK_K), (d, sc), None, 16, 8
+        return q.reshape(n, QK_K), (d, sc), None, 16, 6
     raise ValueError(f"no kernel mapping for {type_name}")
 
 

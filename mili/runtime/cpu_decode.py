@@ -17,7 +17,7 @@ import torch
 
 from mili.kernels.cpu import load
 from mili.kernels.cpu.ops import decode_metadata, scale_form
-from mili.model.cpu_linear import Int4Linear, Int8GroupLinear, Int8Linear, KernelLinear
+from mili.model.cpu_linear import Int4Linear, Int8GroupLinear, Int8Linear, KernelLinear, SplitLinear
 from mili.model.batch import ForwardBatch
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
@@ -26,8 +26,11 @@ MAX_QUERY = 16
 
 
 class LinearDesc(ctypes.Structure):
-    _fields_ = [("w", _P), ("scales", _P), ("aux", _P), ("n", _I), ("k", _I), ("group", _I), ("scale_mode", _I),
-                ("sub", _I), ("int8g", _I)]
+    pass
+
+
+LinearDesc._fields_ = [("w", _P), ("scales", _P), ("aux", _P), ("n", _I), ("k", _I), ("group", _I), ("scale_mode", _I),
+                       ("sub", _I), ("int8g", _I), ("high_bits", _I), ("next", ctypes.POINTER(LinearDesc))]
 
 
 class LayerDesc(ctypes.Structure):
@@ -38,9 +41,17 @@ class LayerDesc(ctypes.Structure):
 
 
 def _linear_desc(layer) -> LinearDesc | None:
-    """The kernel's view of a swapped linear layer, or None where the fused step can't take it."""
+    """The kernel's view of a swapped linear layer, or None where the fused step can't take it. A SplitLinear's parts
+    are a chain (``next``: each pointer holds its target alive)."""
     if layer.bias is not None or layer.out_features % 16:
         return None
+    if isinstance(layer, SplitLinear):
+        descs = [_linear_desc(p) for p in layer.parts]
+        if None in descs:
+            return None
+        for desc, after in zip(reversed(descs[:-1]), reversed(descs[1:])):
+            desc.next = ctypes.pointer(after)
+        return descs[0]
     if isinstance(layer, KernelLinear):
         return LinearDesc(layer.packed.data_ptr(), None, None, layer.out_features, layer.in_features, 0, 0)
     if isinstance(layer, Int8Linear) and layer.kernel:
@@ -51,8 +62,14 @@ def _linear_desc(layer) -> LinearDesc | None:
         mode, sub, _ = scale_form(layer.scales)  # (float16, float32 or two-level scales and offsets)
         return LinearDesc(layer.qweight.data_ptr(), layer.scales.data_ptr(), offsets, layer.out_features,
                           layer.in_features, layer.group, mode, sub,
-                          (2 if layer.signed else 1) if isinstance(layer, Int8GroupLinear) else 0)
+                          (2 if layer.signed else 1) if isinstance(layer, Int8GroupLinear) else 0,
+                          getattr(layer, "high_bits", 0))
     return None
+
+
+def _rows(desc: LinearDesc) -> int:
+    """A layer's output features: its parts' together (kernels.c, linear_n)."""
+    return desc.n + (_rows(desc.next.contents) if desc.next else 0)
 
 
 class CpuDecodeRunner:
@@ -63,6 +80,7 @@ class CpuDecodeRunner:
         self.model = model
         self.lib = load()[0]
         self.layers: list[LayerDesc] = []
+        self._linears: list[list[LinearDesc]] = []
         self.why_not = "" if self.lib is not None else "no CPU kernels"
         if self.lib is not None and model.config.is_moe:
             self.why_not = "a mixture-of-experts model (its layers run as modules, experts on the kernels)"
@@ -75,6 +93,7 @@ class CpuDecodeRunner:
                 self.why_not = "a layer the fused kernel can't take (bias, odd sizes or another linear kind)"
                 self.layers = []
                 break
+            self._linears.append(linears)  # (a split layer's chain: kept alive for the C side)
             self.layers.append(LayerDesc(
                 layer.input_layernorm.weight.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim,
                 mlp.down_proj.in_features, layer.input_layernorm.eps, attn.head_dim ** -0.5,
@@ -82,7 +101,7 @@ class CpuDecodeRunner:
         self.work_per_token = 0
         if self.layers:
             d = self.layers[0]
-            self.work_per_token = (2 * d.hidden + d.qkv.n + d.q_heads * d.head_dim + d.gate_up.n + d.inter)
+            self.work_per_token = (2 * d.hidden + _rows(d.qkv) + d.q_heads * d.head_dim + _rows(d.gate_up) + d.inter)
 
     @property
     def available(self) -> bool:

@@ -215,17 +215,21 @@ static float ref_quantize(const bf16 *x, int64_t n, int32_t *q, int64_t *sum, in
 }
 
 /* -- linear layers ------------------------------------------------------------------------------------------- */
-enum { LIN_BF16, LIN_INT8, LIN_INT4, LIN_INT8G };
-static const char *const LIN_NAME[] = {"linear", "linear_int8", "linear_int4", "linear_int8g"};
+/* LIN_INT4_H1, _H2: int4 with 1 or 2 bits above the nibble (GGUF's Q5_K, Q6_K as the kernel reads them) */
+enum { LIN_BF16, LIN_INT8, LIN_INT4, LIN_INT8G, LIN_INT4_H1, LIN_INT4_H2 };
+static const char *const LIN_NAME[] = {"linear", "linear_int8", "linear_int4", "linear_int8g", "linear_int4 +1 bit",
+                                       "linear_int4 +2 bits"};
+static int is_int4(int kind) { return kind == LIN_INT4 || kind == LIN_INT4_H1 || kind == LIN_INT4_H2; }
+static int high_bits_of(int kind) { return kind == LIN_INT4_H1 ? 1 : kind == LIN_INT4_H2 ? 2 : 0; }
 
 typedef struct {
-  int kind, sym;          /* sym: int8g without offsets (w = s (u - 128)) */
+  int kind, sym;          /* sym: without offsets (int8g: w = s (u - 128); int4: s (q - 8 << high bits)) */
   int64_t n, k, group, mode, sub; /* int4, int8g: mode SCALES_F16, _F32 or _K (sub groups a super-block) */
   float *wf;            /* bf16: W [n][k] (the bf16 values) */
   int8_t *w8;           /* int8: W [n][k] */
   float *sw;            /* int8: each column's scale [n] */
   int32_t *colsum;      /* int8: each column's sum of W [n] */
-  uint8_t *q4;          /* int4: q [n][k], 0..15; int8g: u [n][k], 0..255 */
+  uint8_t *q4;          /* int4: q [n][k], 0..15 (with high bits 0..31, 0..63); int8g: u [n][k], 0..255 */
   float *s4, *b4;       /* int4, int8g: scale and offset [n][G] (the values the kernel forms; sym: b = -128 s) */
   void *packed, *scales, *aux; /* the kernel's operands */
 } Lin;
@@ -313,53 +317,66 @@ static void lin_make(Lin *l, int kind, int64_t n, int64_t k, int64_t group, int 
         l->s4[r * G + g] = sv, l->b4[r * G + g] = sym ? -128.0f * sv : bv;
       }
     l->packed = p, l->scales = s, l->aux = b;
-  } else { /* q [N/16][K/8][64]: byte 4c + j, column c: k0 + j low nibble, k0 + 4 + j high; s, b [N/16][G][16] */
+  } else { /* q [N/16][K/8][64]: byte 4c + j, column c: k0 + j low nibble, k0 + 4 + j high; s, b [N/16][G][16].
+            * With hb high bits each block's nibbles are followed by its high bits, [K/8][16 hb]: byte b of a row's
+            * low (o = 0) or high (o = 1) nibbles has its bits above the nibble in byte b % (16 hb) of the row's plane,
+            * at bit 4 o + hb (b / (16 hb)) */
     const int64_t G = k / group;
+    const int hb = high_bits_of(kind), top = (16 << hb) - 1;
+    const int64_t wblock = k * (8 + 2 * hb);
     l->q4 = xalloc(n * k);
     l->s4 = xalloc(sizeof(float) * n * G);
     l->b4 = xalloc(sizeof(float) * n * G);
-    uint8_t *p = xalloc(n * k / 2);
+    uint8_t *p = xalloc(n / 16 * wblock);
     for (int64_t r = 0; r < n; r++)
       for (int64_t c = 0; c < k; c++) {
-        const uint8_t v = (uint8_t)rng_int(0, 15);
+        const uint8_t v = (uint8_t)rng_int(0, top);
+        const int64_t o = (c % 8) / 4, b = (r % 16) * 4 + c % 4;
         l->q4[r * k + c] = v;
-        p[((r / 16) * (k / 8) + c / 8) * 64 + (r % 16) * 4 + (c % 8) % 4] |= (uint8_t)(c % 8 >= 4 ? v << 4 : v);
+        p[(r / 16) * wblock + (c / 8) * 64 + b] |= (uint8_t)(o ? (v & 15) << 4 : v & 15);
+        if (hb) p[(r / 16) * wblock + k * 8 + (c / 8) * 16 * hb + b % (16 * hb)] |= (uint8_t)((v >> 4) << (4 * o + hb * (b / (16 * hb))));
       }
     const int64_t sub = l->sub;
-    void *s = scale_buffer(mode, n, G, sub), *b = scale_buffer(mode, n, G, sub);
+    void *s = scale_buffer(mode, n, G, sub), *b = sym ? NULL : scale_buffer(mode, n, G, sub);
     uint16_t dh = 0, mh = 0;
+    const float span = (float)(1 << hb); /* (q's range over 0..15) */
     for (int64_t r = 0; r < n; r++)
-      for (int64_t g = 0; g < G; g++) { /* w = s q + b = s (q - z): centred on a zero point z in 6..9 */
-        float sv = rng_uniform(0.5f, 1.5f) * wscale * 2.0f / 15.0f, bv = -sv * rng_uniform(6.0f, 9.0f);
+      for (int64_t g = 0; g < G; g++) { /* w = s q + b = s (q - z): centred on a zero point z in (6..9) << hb */
+        float sv = rng_uniform(0.5f, 1.5f) * wscale * 2.0f / 15.0f / span, bv = -sv * span * rng_uniform(6.0f, 9.0f);
         const int zero = rng_int(0, 15) == 0;
         if (zero) bv = 0.0f;
+        if (sym && rng_int(0, 15) == 0) sv = -sv; /* (Q6_K's sub-block scales take either sign) */
         if (mode == SCALES_K && g % sub == 0) /* Q4_K's d (s = d sc, sc in 16..48) and -dmin (b = -dmin m) */
-          dh = h_f2h_any(rng_uniform(0.5f, 1.5f) * wscale * 2.0f / 15.0f / 32.0f), mh = h_f2h_any(-rng_uniform(4.0f, 6.0f) * h_h2f(dh));
-        sv = scale_put(s, mode, G, sub, r, g, sv, dh, (int8_t)rng_int(16, 48));
-        bv = scale_put(b, mode, G, sub, r, g, bv, mh, (int8_t)(zero ? 0 : rng_int(32, 63)));
-        l->s4[r * G + g] = sv, l->b4[r * G + g] = bv;
+          dh = h_f2h_any(rng_uniform(0.5f, 1.5f) * wscale * 2.0f / 15.0f / span / 32.0f), mh = h_f2h_any(-rng_uniform(4.0f, 6.0f) * span * h_h2f(dh));
+        sv = scale_put(s, mode, G, sub, r, g, sv, dh, (int8_t)((sv < 0 ? -1 : 1) * rng_int(16, 48)));
+        if (b) bv = scale_put(b, mode, G, sub, r, g, bv, mh, (int8_t)(zero ? 0 : rng_int(32, 63)));
+        l->s4[r * G + g] = sv, l->b4[r * G + g] = sym ? -(float)(8 << hb) * sv : bv;
       }
     l->packed = p, l->scales = s, l->aux = b;
   }
 }
 static void lin_free(Lin *l) {
   free(l->wf), free(l->w8), free(l->sw), free(l->colsum), free(l->q4), free(l->s4), free(l->b4), free(l->packed);
-  if (l->kind == LIN_INT4 || l->kind == LIN_INT8G) free(l->scales), free(l->aux);
+  if (is_int4(l->kind) || l->kind == LIN_INT8G) free(l->scales), free(l->aux);
 }
-static void lin_run(const Lin *l, const bf16 *x, bf16 *y, int64_t M) {
+/* y rows ldy apart (int4, int8g: a column range of a wider output; the others ldy = n) */
+static void lin_run_ld(const Lin *l, const bf16 *x, bf16 *y, int64_t ldy, int64_t M) {
   if (l->kind == LIN_BF16) mili_linear(l->packed, x, y, M, l->n, l->k, NT);
   else if (l->kind == LIN_INT8) mili_linear_int8(l->packed, l->sw, l->colsum, x, y, M, l->n, l->k, NT);
-  else if (l->kind == LIN_INT4)
-    mili_linear_int4(l->packed, l->scales, l->aux, x, y, M, l->n, l->k, l->group, (int)l->mode, l->sub, NT);
-  else mili_linear_int8g(l->packed, l->scales, l->aux, x, y, M, l->n, l->k, l->group, (int)l->mode, l->sub, 0, NT);
+  else if (is_int4(l->kind))
+    mili_linear_int4(l->packed, l->scales, l->aux, x, y, M, l->n, l->k, l->group, (int)l->mode, l->sub,
+                     high_bits_of(l->kind), ldy, NT);
+  else mili_linear_int8g(l->packed, l->scales, l->aux, x, y, M, l->n, l->k, l->group, (int)l->mode, l->sub, 0, ldy, NT);
 }
+static void lin_run(const Lin *l, const bf16 *x, bf16 *y, int64_t M) { lin_run_ld(l, x, y, l->n, M); }
 static mili_linear_desc lin_desc(const Lin *l) {
   mili_linear_desc d;
   memset(&d, 0, sizeof d);
   d.w = l->packed, d.n = l->n, d.k = l->k;
   if (l->kind != LIN_BF16) d.scales = l->scales, d.aux = l->aux;
-  if (l->kind == LIN_INT4 || l->kind == LIN_INT8G) d.group = l->group, d.scale_mode = l->mode, d.sub = l->sub;
+  if (is_int4(l->kind) || l->kind == LIN_INT8G) d.group = l->group, d.scale_mode = l->mode, d.sub = l->sub;
   d.int8g = l->kind == LIN_INT8G;
+  d.high_bits = high_bits_of(l->kind);
   return d;
 }
 
@@ -388,7 +405,7 @@ static void lin_ref(const Lin *l, const bf16 *x, int64_t M, double *want, double
         const double s = (double)acc * sx * l->sw[n];
         want[m * N + n] = s, tol[m * N + n] = tol_bf16(s, 3e-7 * fabs(s)); /* (float(sum) sx sw) */
       }
-    } else if (l->kind == LIN_INT4) {
+    } else if (is_int4(l->kind)) {
       const int64_t G = K / l->group;
       float sx[1024];
       int64_t xsum[1024];
@@ -398,7 +415,9 @@ static void lin_ref(const Lin *l, const bf16 *x, int64_t M, double *want, double
         for (int64_t g = 0; g < G; g++) {
           int64_t acc = 0;
           for (int64_t k = g * l->group; k < (g + 1) * l->group; k++) acc += (int64_t)q[k] * l->q4[n * K + k];
-          const double t1 = (double)sx[g] * l->s4[n * G + g] * (double)acc, t2 = (double)sx[g] * l->b4[n * G + g] * (double)xsum[g];
+          if (l->sym) acc -= (int64_t)(8 << high_bits_of(l->kind)) * xsum[g]; /* (sx s (S_q - zero xsum)) */
+          const double t1 = (double)sx[g] * l->s4[n * G + g] * (double)acc;
+          const double t2 = l->sym ? 0.0 : (double)sx[g] * l->b4[n * G + g] * (double)xsum[g];
           s += t1 + t2, mag += fabs(t1) + fabs(t2);
         }
         want[m * N + n] = s, tol[m * N + n] = tol_bf16(s, 2e-6 * mag); /* two float32 fmadds a group */
@@ -598,7 +617,7 @@ static void test_isa(void) {
   check_true(strcmp(mili_isa(), EXPECT_ISA) == 0, "mili_isa: \"%s\" (expected \"%s\")", mili_isa(), EXPECT_ISA);
 }
 
-/* extreme: every weight at its largest (int8 +-127, int4 q = 15, int8g u = 0 or 255: v = u - 128 = -128 or 127)
+/* extreme: every weight at its largest (int8 +-127, int4 q = 15 (31, 63 with high bits), int8g u = 0 or 255: v = u - 128 = -128 or 127)
  * and x rows of +-1 (q = +-127): the sums at their bounds (the int16 intermediate sums of the AVX2 layer without
  * VNNI) */
 static const char *const SCALE_NAME[] = {"f16", "f32", "two-level"};
@@ -630,9 +649,11 @@ static void test_linear(int kind, int64_t M, int64_t N, int64_t K, int64_t group
           l.colsum[n] += v - l.w8[n * K + k];
           l.w8[n * K + k] = v;
           p8[((n / 16) * (K / 4) + k / 4) * 64 + (n % 16) * 4 + k % 4] = v;
-        } else if (kind == LIN_INT4) {
-          l.q4[n * K + k] = 15;
-          p4[((n / 16) * (K / 8) + k / 8) * 64 + (n % 16) * 4 + (k % 8) % 4] = 0xff;
+        } else if (is_int4(kind)) { /* (and every high bit set: q = 31, 63) */
+          const int hb = high_bits_of(kind);
+          l.q4[n * K + k] = (uint8_t)((16 << hb) - 1);
+          p4[(n / 16) * K * (8 + 2 * hb) + (k / 8) * 64 + (n % 16) * 4 + (k % 8) % 4] = 0xff;
+          if (hb) p4[(n / 16) * K * (8 + 2 * hb) + K * 8 + (k / 8) * 16 * hb + ((n % 16) * 4 + k % 4) % (16 * hb)] = 0xff;
         } else if (kind == LIN_INT8G) { /* column n: all 0, all 255, or alternating (matching row 2's signs) */
           const uint8_t v = (uint8_t)(n % 3 == 0 ? 0 : n % 3 == 1 ? 255 : k % 2 ? 0 : 255);
           l.q4[n * K + k] = v;
@@ -650,7 +671,7 @@ static void test_linear(int kind, int64_t M, int64_t N, int64_t K, int64_t group
   acc_bf16(&a, y, want, tol, M * N);
   for (int64_t i = 0; i < 64; i++) acc_bits(&a, M * N + i, y[M * N + i], 0x7fc1); /* nothing past y */
   if (overflow) a.bad++, printf("(a quantized x beyond int8)\n");
-  if (kind == LIN_INT4 || kind == LIN_INT8G)
+  if (is_int4(kind) || kind == LIN_INT8G)
     verdict(&a, "%s M=%lld N=%lld K=%lld group=%lld scales=%s%s%s", LIN_NAME[kind], (long long)M, (long long)N,
             (long long)K, (long long)group, SCALE_NAME[mode], sym ? " symmetric" : "", extreme ? " (extreme values)" : "");
   else
@@ -854,16 +875,20 @@ static void test_prefill_attention(int64_t Lq, int64_t Lk, int64_t Hq, int64_t H
 
 /* -- one decoder layer: (1) against the same kernels called one by one as documented (bit for bit), (2) against
  * the composition of the references above, each stage rounded to bf16 as the kernels round it. ------------- */
-static void test_decode_layer(int kind, int64_t group, int mode, int sym, int first) {
+/* split: the fused q|k|v in two parts (mili_linear_desc's next), the v rows int4 with two high bits, symmetric, in
+ * groups of 16 (GGUF's Q4_K_M: Q4_K q and k beside a Q6_K v) */
+static void test_decode_layer(int kind, int64_t group, int mode, int sym, int first, int split) {
   if (kind != LIN_BF16 && !INT_KERNELS) {
     n_skipped++;
     return;
   }
-  rng_seed((uint64_t)(kind * 101 + group * 7 + mode * 3 + first + sym * 13 + (mode == SCALES_K) * 17));
+  rng_seed((uint64_t)(kind * 101 + group * 7 + mode * 3 + first + sym * 13 + (mode == SCALES_K) * 17 + split * 19));
   const int64_t H = 128, Hq = 4, Hkv = 2, D = 64, I = 128, T = 3, ps = 16, nqkv = (Hq + 2 * Hkv) * D;
+  const int64_t nqk = split ? (Hq + Hkv) * D : nqkv; /* (the first part's rows) */
   const float eps = 1e-6f, scale = 1.0f / sqrtf((float)D);
-  Lin qkv, o, gu, down;
-  lin_make(&qkv, kind, nqkv, H, group, mode, sym, 2.0f / sqrtf((float)H));
+  Lin qkv, o, gu, down, v;
+  lin_make(&qkv, kind, nqk, H, group, mode, sym, 2.0f / sqrtf((float)H));
+  if (split) lin_make(&v, LIN_INT4_H2, nqkv - nqk, H, 16, SCALES_K, 1, 2.0f / sqrtf((float)H));
   lin_make(&o, kind, H, Hq * D, group, mode, sym, 1.0f / sqrtf((float)(Hq * D)));
   lin_make(&gu, kind, 2 * I, H, group, mode, sym, 2.0f / sqrtf((float)H));
   lin_make(&down, kind, H, I, group, mode, sym, 1.0f / sqrtf((float)I));
@@ -874,6 +899,8 @@ static void test_decode_layer(int kind, int64_t group, int mode, int sym, int fi
   L.hidden = H, L.q_heads = Hq, L.kv_heads = Hkv, L.head_dim = D, L.inter = I, L.eps = eps, L.scale = scale;
   L.input_norm = norms, L.post_norm = norms + H, L.q_norm = norms + 2 * H, L.k_norm = norms + 2 * H + D;
   L.qkv = lin_desc(&qkv), L.o = lin_desc(&o), L.gate_up = lin_desc(&gu), L.down = lin_desc(&down);
+  mili_linear_desc v_desc;
+  if (split) v_desc = lin_desc(&v), L.qkv.next = &v_desc;
 
   const int64_t prev[3] = {4, 16, 30}, lens[3] = {5, 17, 31}; /* each sequence's cached positions, then this token */
   int64_t npages, ldp;
@@ -906,7 +933,8 @@ static void test_decode_layer(int kind, int64_t group, int mode, int sym, int fi
     } else {
       mili_rms_norm(h[1], H, res[1], L.input_norm, normed, res[1], T, H, eps, NT);
     }
-    lin_run(&qkv, normed, x, T);
+    lin_run_ld(&qkv, normed, x, nqkv, T);
+    if (split) lin_run_ld(&v, normed, x + nqk, nqkv, T);
     mili_qk_norm_rope(x, nqkv, T, Hq, Hkv, D, L.q_norm, L.k_norm, eps, cos_t, sin_t, NT);
     mili_store_kv(x + Hq * D, nqkv, x + (Hq + Hkv) * D, nqkv, kc[1], vc[1], slots, T, Hkv, D, ps);
     mili_decode_attention(x, nqkv, kc[1], vc[1], table, ldp, lens, attn, T, Hq, Hkv, D, ps, scale, NT);
@@ -929,7 +957,16 @@ static void test_decode_layer(int kind, int64_t group, int mode, int sym, int fi
       ref_rms_norm(h[2], H, res[2], L.input_norm, T, H, eps, want, NULL, res[2]);
     }
     for (int64_t i = 0; i < T * H; i++) normed[i] = h_f2bf((float)want[i]);
-    lin_ref_bf(&qkv, normed, T, x);
+    if (split) { /* each part's reference into its columns */
+      bf16 *part = xalloc(sizeof(bf16) * T * nqkv);
+      lin_ref_bf(&qkv, normed, T, part);
+      for (int64_t t = 0; t < T; t++) memcpy(x + t * nqkv, part + t * nqk, sizeof(bf16) * nqk);
+      lin_ref_bf(&v, normed, T, part);
+      for (int64_t t = 0; t < T; t++) memcpy(x + t * nqkv + nqk, part + t * (nqkv - nqk), sizeof(bf16) * (nqkv - nqk));
+      free(part);
+    } else {
+      lin_ref_bf(&qkv, normed, T, x);
+    }
     ref_qk_norm_rope(x, nqkv, T, Hq, Hkv, D, L.q_norm, L.k_norm, eps, cos_t, sin_t, want, tol);
     for (int64_t t = 0; t < T; t++)
       for (int64_t i = 0; i < (Hq + Hkv) * D; i++) x[t * nqkv + i] = h_f2bf((float)want[t * (Hq + Hkv) * D + i]);
@@ -946,9 +983,9 @@ static void test_decode_layer(int kind, int64_t group, int mode, int sym, int fi
     free(normed), free(x), free(attn), free(ob), free(g), free(act), free(want), free(tol);
   }
   char what[96];
-  if (kind == LIN_INT4 || kind == LIN_INT8G)
-    snprintf(what, sizeof what, "%s group=%lld scales=%s%s", kind == LIN_INT4 ? "int4" : "int8g", (long long)group,
-             SCALE_NAME[mode], sym ? " symmetric" : "");
+  if (is_int4(kind) || kind == LIN_INT8G)
+    snprintf(what, sizeof what, "%s group=%lld scales=%s%s%s", LIN_NAME[kind] + 7, (long long)group,
+             SCALE_NAME[mode], sym ? " symmetric" : "", split ? " (q|k, then v: int4 +2 bits)" : "");
   else
     snprintf(what, sizeof what, "%s", kind == LIN_INT8 ? "int8" : "bf16");
   Acc a;
@@ -980,6 +1017,7 @@ static void test_decode_layer(int kind, int64_t group, int mode, int sym, int fi
   }
   verdict(&c, "decode_layer %s first=%d: caches = the references composed", what, first);
   lin_free(&qkv), lin_free(&o), lin_free(&gu), lin_free(&down);
+  if (split) lin_free(&v);
   free(norms), free(table), free(cos_t), free(sin_t), free(work);
   for (int i = 0; i < 3; i++) free(kc[i]), free(vc[i]), free(h[i]), free(res[i]);
 }
@@ -1231,6 +1269,20 @@ int main(void) {
     test_linear(LIN_INT4, 7, 48, 1024, groups[g], 0, 0, 1);
     test_linear(LIN_INT4, 2, 48, 1024, groups[g], SCALES_K, 0, 1);
   }
+  /* int4 with high bits (GGUF's Q5_K: 1, offsets, groups of 32; Q6_K: 2, symmetric, groups of 16; and the other
+   * forms), one row (the direct kernel), pairs of rows, and past EXPAND_ROWS (expanded to int8g's layout) */
+  const int64_t hb_MN[][2] = {{1, 16}, {1, 80}, {2, 48}, {5, 80}, {8, 48}, {9, 48}, {17, 48}, {64, 48}};
+  for (int kind = LIN_INT4_H1; kind <= LIN_INT4_H2; kind++)
+    for (int sym = 0; sym <= 1; sym++)
+      for (int mode = SCALES_F16; mode <= SCALES_K; mode++)
+        for (int s = 0; s < 8; s++) test_linear(kind, hb_MN[s][0], hb_MN[s][1], s % 2 ? 256 : 1024, s % 3 ? 32 : 16, mode, sym, 0);
+  for (int kind = LIN_INT4_H1; kind <= LIN_INT4_H2; kind++)
+    for (int sym = 0; sym <= 1; sym++) {
+      test_linear(kind, 1, 48, 1024, 32, SCALES_K, sym, 1);
+      test_linear(kind, 2, 48, 1024, 16, SCALES_K, sym, 1);
+      test_linear(kind, 7, 48, 1024, 32, 1, sym, 1);
+      test_linear(kind, 12, 48, 1024, 16, 0, sym, 1);
+    }
   /* int8g: GGUF's groups (Q6_K 16, Q8_0 and Q5_K 32) and more, with and without offsets, fp16, f32 and two-level
    * scales */
   const int64_t i8g_groups[] = {16, 32, 64}, i8g_MN[][2] = {{1, 16}, {1, 80}, {2, 48}, {3, 16}, {5, 80}, {17, 48}};
@@ -1279,16 +1331,20 @@ int main(void) {
   for (int s = 0; s < 7; s++)
     for (int h = 0; h < 4; h++) test_prefill_attention(LqLk[s][0], LqLk[s][1], heads[h][0], heads[h][1], (s + h) % 2 ? 128 : 64);
 
-  test_decode_layer(LIN_BF16, 0, 0, 0, 1);
-  test_decode_layer(LIN_BF16, 0, 0, 0, 0);
-  test_decode_layer(LIN_INT8, 0, 0, 0, 0);
-  test_decode_layer(LIN_INT4, 64, 0, 0, 0);
-  test_decode_layer(LIN_INT4, 32, 1, 0, 1);
-  test_decode_layer(LIN_INT8G, 32, 0, 1, 0);
-  test_decode_layer(LIN_INT8G, 16, 1, 0, 1);
-  test_decode_layer(LIN_INT4, 32, SCALES_K, 0, 0); /* (GGUF's K-quants as stored: Q4_K, Q6_K, Q5_K) */
-  test_decode_layer(LIN_INT8G, 16, SCALES_K, 1, 1);
-  test_decode_layer(LIN_INT8G, 32, SCALES_K, 0, 0);
+  test_decode_layer(LIN_BF16, 0, 0, 0, 1, 0);
+  test_decode_layer(LIN_BF16, 0, 0, 0, 0, 0);
+  test_decode_layer(LIN_INT8, 0, 0, 0, 0, 0);
+  test_decode_layer(LIN_INT4, 64, 0, 0, 0, 0);
+  test_decode_layer(LIN_INT4, 32, 1, 0, 1, 0);
+  test_decode_layer(LIN_INT8G, 32, 0, 1, 0, 0);
+  test_decode_layer(LIN_INT8G, 16, 1, 0, 1, 0);
+  test_decode_layer(LIN_INT4, 32, SCALES_K, 0, 0, 0); /* (GGUF's K-quants as stored: Q4_K, Q6_K, Q5_K) */
+  test_decode_layer(LIN_INT8G, 16, SCALES_K, 1, 1, 0);
+  test_decode_layer(LIN_INT8G, 32, SCALES_K, 0, 0, 0);
+  test_decode_layer(LIN_INT4_H2, 16, SCALES_K, 1, 0, 0); /* (Q6_K, Q5_K on the int4 kernel with their high bits) */
+  test_decode_layer(LIN_INT4_H1, 32, SCALES_K, 0, 1, 0);
+  test_decode_layer(LIN_INT4, 32, SCALES_K, 0, 0, 1); /* (Q4_K_M's q|k|v: Q4_K, Q4_K, Q6_K) */
+  test_decode_layer(LIN_INT4, 32, SCALES_K, 0, 1, 1);
 
   const int64_t argN[] = {1, 2, 3, 15, 16, 17, 31, 33, 100, 1001};
   for (int i = 0; i < 10; i++) test_argmax(argN[i]);

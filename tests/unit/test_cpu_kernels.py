@@ -709,8 +709,8 @@ def _k_quant_parts(kind: str, rows: int, cols: int, seed: int):
 
 
 @needs_kernels
-@pytest.mark.parametrize("kind,layer_type", [("Q4_K", "Int4Linear"), ("Q5_K", "Int8GroupLinear"),
-                                             ("Q6_K", "Int8GroupLinear"), ("Q4_K+Q6_K", "Int8GroupLinear")])
+@pytest.mark.parametrize("kind,layer_type", [("Q4_K", "Int4Linear"), ("Q5_K", "Int4Linear"),
+                                             ("Q6_K", "Int4Linear"), ("Q4_K+Q6_K", "Int8GroupLinear")])
 def test_k_quants_keep_their_two_level_scales(isa, kind, layer_type):
     """GGUF's K-quants on the kernels with their scales as the file stores them (kernels.c, SCALES_K): fp16 d (and
     -dmin) per super-block of 256, an int8 sc (and m) per group, packed as uint8 and formed in the kernel. The
@@ -735,23 +735,168 @@ def test_k_quants_keep_their_two_level_scales(isa, kind, layer_type):
     scale_bytes = sum(t.numel() for t in (layer.scales, layer.offsets) if t is not None)
     assert scale_bytes == (1 if layer.offsets is None else 2) * rows * cols // group * (1 + 2 / sub)
     # the one-level float32 layer of the same values: the same bits out of the kernel
-    make = Int4Linear if layer_type == "Int4Linear" else Int8GroupLinear
-    u = layer.qweight if layer_type == "Int8GroupLinear" else None
-    if u is None:
-        f32 = make(ops.unpack_int4(layer.qweight)[:rows], parts.scales, parts.offsets)
+    offsets = None if layer.offsets is None else parts.offsets
+    if layer_type == "Int4Linear":  # (Q5_K and Q6_K with their bits above the nibble: high_bits 1, 2)
+        assert layer.high_bits == {"Q4_K": 0, "Q5_K": 1, "Q6_K": 2}[kind]
+        q = ops.unpack_int4(layer.qweight, layer.high_bits)[:rows]
+        f32 = Int4Linear(q, parts.scales, offsets, high_bits=layer.high_bits)
+        u = q + (128 - 32) if offsets is None else q  # (the int8g reference's form: s (u - 128) or s u + b)
     else:
-        f32 = make(ops.unpack_rows(u, torch.arange(rows)), parts.scales, None if layer.offsets is None else parts.offsets,
-                   signed=layer.signed)
+        u = ops.unpack_rows(layer.qweight, torch.arange(rows))
+        f32 = Int8GroupLinear(u, parts.scales, offsets, signed=layer.signed)
     assert f32.scales.dtype == torch.float32
     g = torch.Generator().manual_seed(3)
     for m in (1, 2, 5, 17):
         x = (torch.randn(m, cols, generator=g) * 3).to(BF16)
         got = layer(x)
         assert torch.equal(got, f32(x))
-        q = ops.unpack_int4(layer.qweight)[:rows] if u is None else ops.unpack_rows(u, torch.arange(rows))
         offsets = None if layer.offsets is None else ops.group_values(layer.offsets)[:rows]
-        assert_within_a_bf16_ulp(got, int8g_reference(x, q, ops.group_values(layer.scales)[:rows], offsets,
+        assert_within_a_bf16_ulp(got, int8g_reference(x, u, ops.group_values(layer.scales)[:rows], offsets,
                                                       signed=getattr(layer, "signed", False)))
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", ["Q6_K", "Q5_K"])
+def test_int4_high_bits_read_q6_k_and_q5_k_at_their_bytes(isa, kind):
+    """GGUF's Q6_K and Q5_K on the int4 kernel with their bits above the nibble (issue 45): the layer the model builder
+    makes from the loader's parts is an Int4Linear with high_bits 2 (Q6_K: w = d sc (q - 32), no offsets) or 1 (Q5_K),
+    about the file's bytes a weight (0.82, 0.70; int8g took 1.07); its dequantize() is gguf.quants.dequantize bit for
+    bit, and its outputs are the int8g layer's (the path these blocks took before) bit for bit at every row count:
+    one row, the direct kernel's pairs of rows, and many rows (expanded to int8g's layout per thread), rows 8 and 9
+    either side of the switch."""
+    pytest.importorskip("gguf")
+    from mili.model.cpu_linear import Int4Linear, Int8GroupLinear
+    from mili.runtime.model_builder import _quantized_cpu_layer
+
+    rows, cols = 80, 1024
+    parts, want = _k_quant_parts(kind, rows, cols, seed=11)
+    layer = _quantized_cpu_layer(parts, None, None)
+    assert isinstance(layer, Int4Linear) and layer.high_bits == {"Q6_K": 2, "Q5_K": 1}[kind]
+    assert (layer.offsets is None) == (kind == "Q6_K")
+    stored = sum(t.numel() for t in (layer.qweight, layer.scales, layer.offsets) if t is not None)
+    assert stored / (rows * cols) == pytest.approx({"Q6_K": 0.8203, "Q5_K": 0.7031}[kind], abs=1e-3)
+    assert torch.equal(layer.dequantize().view(torch.int32), want.view(torch.int32))
+    if kind == "Q6_K":
+        before = Int8GroupLinear((parts.q.to(torch.int16) + 128).to(torch.uint8), parts.scales_k, None)
+    else:
+        before = Int8GroupLinear(parts.q.to(torch.uint8), parts.scales_k, parts.offsets_k)
+    g = torch.Generator().manual_seed(5)
+    for m in (1, 2, 3, 8, 9, 17, 64):
+        x = (torch.randn(m, cols, generator=g) * 3).to(BF16)
+        x[0, 7] = 300.0  # (an outlier: most of its group's q near 0)
+        assert torch.equal(layer(x), before(x)), m
+
+
+@needs_kernels
+@pytest.mark.parametrize("high_bits,symmetric", [(1, False), (2, True), (2, False), (1, True)])
+def test_int4_high_bits_extreme_values(isa, high_bits, symmetric):
+    """Every q at its largest (31, 63) and x at +-its scale (quantized to +-127): the AVX2 layer's int16 running sums at
+    their bound (vpmaddubsw pairs of 63 x 127, flushed every I4_STEPS >> high_bits steps), against the exact integer
+    product; the packed bits unpack to q, and float scales (not two-level) take the same path."""
+    from mili.model.cpu_linear import Int4Linear
+
+    g = torch.Generator().manual_seed(high_bits * 2 + symmetric)
+    n, k, group = 48, 512, 32
+    top = (16 << high_bits) - 1
+    q = torch.randint(0, top + 1, (n, k), generator=g, dtype=torch.uint8)
+    q[:16] = top
+    q[16:20, ::3] = 0
+    scales = torch.rand(n, k // group, generator=g) * 0.02 + 1e-3
+    offsets = None if symmetric else -scales * torch.randint(0, top, scales.shape, generator=g)
+    layer = Int4Linear(q, scales, offsets, high_bits=high_bits)
+    assert layer.qweight.shape == (n // 16, k // 8 + k * high_bits // 32, 64)
+    assert torch.equal(ops.unpack_int4(layer.qweight, high_bits), q)
+    u = q.to(torch.int16) + 128 - (8 << high_bits) if symmetric else q
+    for m in (1, 2, 5, 12):
+        x = torch.where(torch.rand(m, k, generator=g) < 0.5, -1.0, 1.0).to(BF16)
+        x[-1] = 1.0
+        want = int8g_reference(x, u, ops.unblock(layer.scales).float(),
+                               None if symmetric else ops.unblock(layer.offsets).float())
+        assert_within_a_bf16_ulp(layer(x), want)
+
+
+@needs_kernels
+def test_fused_layer_of_mixed_types_splits_into_kernel_forms(isa):
+    """A fused layer whose shards are of different GGUF types (Q4_K_M's Q4_K q and k beside a Q6_K v) becomes a
+    SplitLinear of one layer per run of one form (q|k on the int4 kernel, v on it with two high bits), each at its
+    file's bytes, writing its columns of the one output: dequantize() is gguf's dequantize of every shard bit for bit,
+    the outputs are the parts' own side by side (bit for bit), and the fused decode step's chain of descriptions
+    covers all of its rows."""
+    pytest.importorskip("gguf")
+    from mili.model.cpu_linear import Int4Linear, SplitLinear
+    from mili.runtime.cpu_decode import _linear_desc, _rows
+    from mili.runtime.model_builder import _split_cpu_layer
+
+    shards, wants = zip(*(_k_quant_parts(kind, rows, 512, seed=i) for i, (kind, rows) in
+                          enumerate((("Q4_K", 64), ("Q4_K", 32), ("Q6_K", 32)))))
+    layer = _split_cpu_layer(list(shards), None, [64, 32, 32])
+    assert isinstance(layer, SplitLinear) and [type(p) for p in layer.parts] == [Int4Linear, Int4Linear]
+    assert [(p.out_features, p.high_bits, p.offsets is None) for p in layer.parts] == [(96, 0, False), (32, 2, True)]
+    assert torch.equal(layer.dequantize().view(torch.int32), torch.cat(wants).view(torch.int32))
+    assert _split_cpu_layer([shards[0], shards[1]], None, [64, 32]) is None  # (one form: joined, as before)
+    g = torch.Generator().manual_seed(2)
+    for m in (1, 3, 17):
+        x = (torch.randn(m, 512, generator=g) * 2).to(BF16)
+        assert torch.equal(layer(x), torch.cat([p(x) for p in layer.parts], dim=1))
+    desc = _linear_desc(layer)
+    assert _rows(desc) == 128 and desc.n == 96 and desc.next.contents.high_bits == 2 and not desc.next.contents.next
+
+
+def _int4_of(w: torch.Tensor, group: int, high_bits: int, symmetric: bool):
+    """w [out, in] as int4 with high bits (q, scales, offsets): per group, s (q - 8 << high_bits), or s q + min."""
+    wg = w.float().view(w.shape[0], -1, group)
+    top, zero = (16 << high_bits) - 1, 8 << high_bits
+    if symmetric:
+        s = wg.abs().amax(dim=2).clamp(min=1e-8) / (zero - 1)
+        return (torch.round(wg / s[..., None]) + zero).clamp(0, top).to(torch.uint8).view(w.shape), s, None
+    lo = wg.amin(dim=2)
+    s = ((wg.amax(dim=2) - lo) / top).clamp(min=1e-8)
+    return torch.round((wg - lo[..., None]) / s[..., None]).clamp(0, top).to(torch.uint8).view(w.shape), s, lo
+
+
+@needs_kernels
+def test_fused_decode_step_takes_high_bit_and_split_layers_bit_for_bit(isa, fused_checkpoints, monkeypatch):
+    """A model whose decoder linears are int4 with high bits (GGUF's Q6_K, Q5_K as the kernels now read them) and whose
+    fused q|k|v is split by form (Q4_K_M's q, k beside a Q6_K v: SplitLinear) keeps the fused decode step (the
+    LinearDesc's high_bits, and its chain of parts), and gives the module path's tokens and logprobs exactly."""
+    from mili.model.cpu_linear import Int4Linear, SplitLinear
+    from mili.runtime import model_builder
+
+    swap = model_builder._swap_linears
+
+    def int4_then_swap(model, plan, quantized):
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            w, sizes = attn.qkv_proj.weight.detach(), attn.qkv_proj.shard_sizes
+            qk = sum(sizes[:2])
+            attn.qkv_proj = SplitLinear([Int4Linear(*_int4_of(w[:qk], 32, 0, False)),
+                                         Int4Linear(*_int4_of(w[qk:], 16, 2, True), high_bits=2)],
+                                        shard_sizes=sizes)
+            attn.o_proj = Int4Linear(*_int4_of(attn.o_proj.weight.detach(), 32, 1, False), high_bits=1)
+            mlp.gate_up_proj = Int4Linear(*_int4_of(mlp.gate_up_proj.weight.detach(), 16, 2, True),
+                                          shard_sizes=mlp.gate_up_proj.shard_sizes, high_bits=2)
+            mlp.down_proj = Int4Linear(*_int4_of(mlp.down_proj.weight.detach(), 32, 1, False), high_bits=1)
+        swap(model, plan, quantized)  # (the rest: the lm_head on the bf16 kernel)
+
+    monkeypatch.setattr(model_builder, "_swap_linears", int4_then_swap)
+    path = str(fused_checkpoints["gqa_untied"])
+    fused = LLM(path, dtype="bfloat16")
+    eager = LLM(path, dtype="bfloat16", enforce_eager=True)
+    runner = fused.engine.core.runner.cpu_decode
+    assert runner is not None and runner.available and fused.engine.plan.step == "cpu-decode"
+    first = runner.layers[0]
+    assert first.qkv.high_bits == 0 and first.qkv.next.contents.high_bits == 2 and first.down.high_bits == 1
+    fused_steps, run = [], runner.run
+    runner.run = lambda *args: fused_steps.append(run(*args)) or fused_steps[-1]
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (1, 40)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
+    a, b = (llm.generate(prompts, params, use_tqdm=False) for llm in (fused, eager))
+    for x, y in zip(a, b):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        assert [{t: lp.logprob for t, lp in d.items()} for d in x.outputs[0].logprobs] == \
+               [{t: lp.logprob for t, lp in d.items()} for d in y.outputs[0].logprobs]
+    assert sum(h is not None for h in fused_steps) >= 6  # the decode steps did run fused
+    fused.engine.check_integrity()
 
 
 @needs_kernels

@@ -57,7 +57,7 @@ def test_each_block_type_splits_into_exactly_gguf_dequantize(type_name):
     assert np.array_equal(parts.dequantize().numpy(), want)  # (no tolerance)
     if type_name != "Q4_0":
         assert np.array_equal(parts.dequantize().numpy().view(np.int32), want.view(np.int32))
-    assert parts.bits == (4 if type_name in ("Q4_0", "Q4_K") else 8)
+    assert parts.bits == {"Q4_0": 4, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6, "Q8_0": 8}[type_name]
     k_quant = type_name.endswith("_K")
     assert (parts.scales_k is not None) == k_quant and (parts.offsets_k is not None) == (type_name in ("Q4_K", "Q5_K"))
     if k_quant:
@@ -98,11 +98,11 @@ def _gguf_dequantized(path, *names):
 
 
 def test_bf16_runs_the_blocks_on_the_kernels_as_stored(gguf_model):
-    """On MILI's CPU kernels the blocks compute as stored: Q4_K on the int4 kernel, Q6_K on the int8g kernel, whose
-    dequantized weights are gguf-py's; the fused decode step takes both. The tokens follow the float32 run's (the
-    kernels quantize activations: within their error)."""
+    """On MILI's CPU kernels the blocks compute as stored: Q4_K on the int4 kernel, Q6_K on it with its two bits above
+    the nibble, whose dequantized weights are gguf-py's; the fused decode step takes both. The tokens follow the
+    float32 run's (the kernels quantize activations: within their error)."""
     from mili.kernels import cpu as cpu_kernels
-    from mili.model.cpu_linear import Int4Linear, Int8GroupLinear
+    from mili.model.cpu_linear import Int4Linear, SplitLinear
 
     path, _ = gguf_model("q4_k_m")
     llm = LLM(str(path), dtype="bfloat16")
@@ -112,18 +112,21 @@ def test_bf16_runs_the_blocks_on_the_kernels_as_stored(gguf_model):
     assert "on the int4 and int8 kernels" in llm.engine.plan.weight_format
     gate_up, down, head = llm.apply_model(lambda m: (m.model.layers[0].mlp.gate_up_proj, m.model.layers[0].mlp.down_proj,
                                                      m.lm_head))
-    assert isinstance(gate_up, Int4Linear) and isinstance(down, Int8GroupLinear) and isinstance(head, Int8GroupLinear)
+    assert all(isinstance(layer, Int4Linear) for layer in (gate_up, down, head))
+    assert (gate_up.high_bits, down.high_bits, head.high_bits) == (0, 2, 2)  # (Q4_K; Q6_K: d sc (q - 32), q 6 bits)
     # their scales as the file stores them, in two levels (kernels.c's SCALES_K): fp16 d per 256, int8 sc per group
     assert all(layer.scales.dtype == torch.uint8 for layer in (gate_up, down, head))
     assert torch.equal(gate_up.dequantize(), _gguf_dequantized(path, "blk.0.ffn_gate.weight", "blk.0.ffn_up.weight"))
     assert torch.equal(down.dequantize(), _gguf_dequantized(path, "blk.0.ffn_down.weight"))
     assert torch.equal(head.dequantize(), _gguf_dequantized(path, "output.weight"))
     assert llm.engine.plan.step == "cpu-decode" and cpu_kernels.available()
-    # q and k Q4_K beside a Q6_K v: one int8g layer, each part in its exact form
+    # q and k Q4_K beside a Q6_K v: split, q|k on the int4 kernel, v on it with two high bits, each as stored
     qkv = llm.apply_model(lambda m: m.model.layers[0].self_attn.qkv_proj)
-    assert isinstance(qkv, Int8GroupLinear) and qkv.signed and qkv.scales.dtype == qkv.offsets.dtype == torch.uint8
+    assert isinstance(qkv, SplitLinear) and [p.high_bits for p in qkv.parts] == [0, 2]
+    assert all(p.scales.dtype == torch.uint8 for p in qkv.parts)
     runner = llm.engine.core.runner.cpu_decode
-    assert runner.layers[0].qkv.scale_mode == runner.layers[0].gate_up.scale_mode == 2  # (the fused step's too)
+    first = runner.layers[0]
+    assert first.qkv.scale_mode == first.gate_up.scale_mode == 2 and first.qkv.next.contents.high_bits == 2
     assert torch.equal(qkv.dequantize(), _gguf_dequantized(path, *(f"blk.0.attn_{p}.weight" for p in "qkv")))
     # the fused decode layer runs these layers as the modules do, bit for bit
     eager = LLM(str(path), dtype="bfloat16", enforce_eager=True)
@@ -246,7 +249,7 @@ def test_unknown_arch_odd_types_and_wrong_shapes(gguf_model, tmp_path):
 
 
 @pytest.mark.parametrize("kind,layer", [("q8_0", "Int8GroupLinear"), ("q4_0", "Int4Linear"),
-                                        ("q5_k", "Int8GroupLinear")])
+                                        ("q5_k", "Int4Linear")])
 def test_each_type_on_its_kernel_is_gguf_dequantize(gguf_model, kind, layer):
     path, _ = gguf_model(kind)
     llm = LLM(str(path), dtype="bfloat16")
@@ -282,7 +285,7 @@ def test_moe_experts_run_as_stored(gguf_model):
     """A MoE file's stacked experts (Q4_K gate and up, Q6_K down) become one kernel layer per expert, made from the
     blocks as stored (the model's stacked bf16 weights are never written): each expert's weights are gguf-py's
     dequantize of its slice, and the run follows the float32 one."""
-    from mili.model.cpu_linear import Int4Linear, Int8GroupLinear
+    from mili.model.cpu_linear import Int4Linear
 
     path, _ = gguf_model("moe")
     llm = LLM(str(path), dtype="bfloat16")
@@ -295,7 +298,7 @@ def test_moe_experts_run_as_stored(gguf_model):
     down = _gguf_dequantized(path, "blk.1.ffn_down_exps.weight").reshape(experts.num_experts, 256, -1)
     for e in (0, experts.num_experts - 1):
         gate_up, down_layer = experts.linears[2 * e], experts.linears[2 * e + 1]
-        assert isinstance(gate_up, Int4Linear) and isinstance(down_layer, Int8GroupLinear)
+        assert isinstance(gate_up, Int4Linear) and isinstance(down_layer, Int4Linear) and down_layer.high_bits == 2
         assert torch.equal(gate_up.dequantize(), torch.cat([stacked["gate"][e], stacked["up"][e]]))
         assert torch.equal(down_layer.dequantize(), down[e])
     prompts = [{"prompt_token_ids": p} for p in _prompts(seed=4)]

@@ -60,8 +60,8 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {  # name -> argument types (all return void but mili_amx_init, mili_uses_amx and mili_isa)
     "mili_linear": [_P, _P, _P, _I, _I, _I, ctypes.c_int],
     "mili_linear_int8": [_P, _P, _P, _P, _P, _I, _I, _I, ctypes.c_int],
-    "mili_linear_int4": [_P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int, _I, ctypes.c_int],
-    "mili_linear_int8g": [_P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int, _I, ctypes.c_int, ctypes.c_int],
+    "mili_linear_int4": [_P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int, _I, ctypes.c_int, _I, ctypes.c_int],
+    "mili_linear_int8g": [_P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int, _I, ctypes.c_int, _I, ctypes.c_int],
     "mili_use_amx": [ctypes.c_int],
     "mili_uses_amx": [],
     "mili_isa": [],

@@ -189,7 +189,8 @@ static inline vi dot_int8(vi acc, xq4 x, wrow8 w) {
 static inline vi dot_int4(vi acc, xq4 x, wrow8 w) { VI2(dot_u8s8(acc.a, w.a, x.x), dot_u8s8(acc.b, w.b, x.x)); }
 /* int4's running sums between flushes: int16 lanes, each the sum of a pair of products per vpmaddubsw; a step
  * (low and high nibbles) adds at most 4 x 15 x 127 = 7620 to a lane, so 4 steps stay within int16, and one
- * vpmaddwd per 4 steps widens them (where one per product pair took half the multiply ports) */
+ * vpmaddwd per 4 steps widens them (where one per product pair took half the multiply ports). With hb high bits
+ * (values up to 31 or 63) a step adds up to 15748 or 32004: I4_STEPS >> hb steps (2, 1) a flush. */
 typedef struct { __m256i a, b; } i4acc;
 #define I4_STEPS 4
 static inline i4acc i4_zero(void) { return (i4acc){_mm256_setzero_si256(), _mm256_setzero_si256()}; }
@@ -238,6 +239,26 @@ static inline void w_int4(const uint8_t *p, wrow8 *lo, wrow8 *hi, int in_place) 
   lo->b = _mm256_and_si256(b, low);
   hi->a = in_place ? _mm256_and_si256(a, high) : _mm256_and_si256(_mm256_srli_epi16(a, 4), low);
   hi->b = in_place ? _mm256_and_si256(b, high) : _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
+}
+/* int4 with high bits: each value's hb bits above its nibble ORed into lo and hi at bit 4 (see isa_avx512.h for the
+ * plane's lanes of 16 hb bytes; here a ymm holds two of them at hb 1, one at hb 2) */
+static inline void w_int4_high(const uint8_t *h, wrow8 *lo, wrow8 *hi, const int hb) {
+  const __m256i e = hb == 2 ? _mm256_loadu_si256((const __m256i *)h)
+                            : _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)h));
+  const __m256i mask = _mm256_set1_epi8((char)(hb == 2 ? 0x30 : 0x10));
+  const __m256i up_a = hb == 2 ? _mm256_set1_epi64x(4) : _mm256_setr_epi64x(4, 4, 3, 3);
+  const __m256i up_b = hb == 2 ? _mm256_set1_epi64x(2) : _mm256_setr_epi64x(2, 2, 1, 1);
+  const __m256i down_a = hb == 2 ? _mm256_set1_epi64x(0) : _mm256_setr_epi64x(0, 0, 1, 1);
+  const __m256i down_b = hb == 2 ? _mm256_set1_epi64x(2) : _mm256_setr_epi64x(2, 2, 3, 3);
+  lo->a = _mm256_or_si256(lo->a, _mm256_and_si256(_mm256_sllv_epi64(e, up_a), mask));
+  lo->b = _mm256_or_si256(lo->b, _mm256_and_si256(_mm256_sllv_epi64(e, up_b), mask));
+  hi->a = _mm256_or_si256(hi->a, _mm256_and_si256(_mm256_srlv_epi64(e, down_a), mask));
+  hi->b = _mm256_or_si256(hi->b, _mm256_and_si256(_mm256_srlv_epi64(e, down_b), mask));
+}
+static inline void w_store8(uint8_t *p, wrow8 v, int add) {
+  const __m256i k = _mm256_set1_epi8((char)add);
+  _mm256_storeu_si256((__m256i *)p, _mm256_add_epi8(v.a, k));
+  _mm256_storeu_si256((__m256i *)(p + 32), _mm256_add_epi8(v.b, k));
 }
 
 static inline void prefetch(const void *p, int far) { _mm_prefetch((const char *)p, far ? _MM_HINT_T1 : _MM_HINT_T0); }

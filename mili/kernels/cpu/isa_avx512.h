@@ -104,6 +104,22 @@ static inline void w_int4(const uint8_t *p, wrow8 *lo, wrow8 *hi, int in_place) 
 }
 /* acc[c] += sum_j w[c][j] x[j]: w unsigned (nibbles), x signed (no offset) */
 INT8_TARGET static inline vi dot_int4(vi acc, xq4 x, wrow8 w) { return _mm512_dpbusd_epi32(acc, w, x); }
+/* int4 with high bits (kernels.c, int4_micro): ORs each value's hb bits above its nibble (1: Q5_K, 2: Q6_K) into lo
+ * and hi at bit 4, from the row's 16 hb bytes at h. The plane is read in lanes of 16 hb bytes: byte i of lane L holds
+ * lo's value 16 hb L + i at bit hb L and hi's at bit 4 + hb L, so the bytes broadcast to every lane and one variable
+ * shift per 64-bit lane brings each lane's own bits to bit 4 (the mask drops the others). lo and hi: nibbles alone
+ * (w_int4 with in_place 0). */
+static inline void w_int4_high(const uint8_t *h, wrow8 *lo, wrow8 *hi, const int hb) {
+  const __m512i e = hb == 2 ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)h))
+                            : _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)h));
+  const __m512i up = hb == 2 ? _mm512_setr_epi64(4, 4, 4, 4, 2, 2, 2, 2) : _mm512_setr_epi64(4, 4, 3, 3, 2, 2, 1, 1);
+  const __m512i down = hb == 2 ? _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2) : _mm512_setr_epi64(0, 0, 1, 1, 2, 2, 3, 3);
+  const __m512i mask = _mm512_set1_epi8((char)(hb == 2 ? 0x30 : 0x10));
+  *lo = _mm512_ternarylogic_epi64(*lo, _mm512_sllv_epi64(e, up), mask, 0xF8); /* lo | (shifted & mask) */
+  *hi = _mm512_ternarylogic_epi64(*hi, _mm512_srlv_epi64(e, down), mask, 0xF8);
+}
+/* a row of 64 bytes, each plus add (int4 with high bits expanded to int8g's layout for many rows) */
+static inline void w_store8(uint8_t *p, wrow8 v, int add) { _mm512_storeu_si512(p, _mm512_add_epi8(v, _mm512_set1_epi8((char)add))); }
 typedef vi i4acc; /* int4's running sums between flushes (see isa_avx2.h): int32 here, flushed once a group */
 #define I4_STEPS (1 << 30)
 static inline i4acc i4_zero(void) { return vi_zero(); }

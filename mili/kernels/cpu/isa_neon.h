@@ -177,6 +177,22 @@ static inline void w_int4(const uint8_t *p, wrow8 *lo, wrow8 *hi, int in_place) 
     hi->v[i] = vreinterpretq_s8_u8(vshrq_n_u8(v, 4));
   }
 }
+/* int4 with high bits: each value's hb bits above its nibble ORed into lo and hi at bit 4 (see isa_avx512.h for the
+ * plane's lanes of 16 hb bytes; register i of a row is in lane i / hb, at its byte 16 (i % hb)) */
+static inline void w_int4_high(const uint8_t *h, wrow8 *lo, wrow8 *hi, const int hb) {
+  const uint8x16_t mask = vdupq_n_u8(hb == 2 ? 0x30 : 0x10);
+  for (int i = 0; i < 4; i++) {
+    const uint8x16_t e = vld1q_u8(h + 16 * (i % hb));
+    const int lane = i / hb;
+    const uint8x16_t up = vandq_u8(vshlq_u8(e, vdupq_n_s8((int8_t)(4 - hb * lane))), mask);
+    const uint8x16_t down = vandq_u8(vshlq_u8(e, vdupq_n_s8((int8_t)(-hb * lane))), mask); /* (negative: right) */
+    lo->v[i] = vreinterpretq_s8_u8(vorrq_u8(vreinterpretq_u8_s8(lo->v[i]), up));
+    hi->v[i] = vreinterpretq_s8_u8(vorrq_u8(vreinterpretq_u8_s8(hi->v[i]), down));
+  }
+}
+static inline void w_store8(uint8_t *p, wrow8 v, int add) {
+  for (int i = 0; i < 4; i++) vst1q_u8(p + 16 * i, vaddq_u8(vreinterpretq_u8_s8(v.v[i]), vdupq_n_u8((uint8_t)add)));
+}
 
 static inline void prefetch(const void *p, int far) {
   if (far) __builtin_prefetch(p, 0, 2);

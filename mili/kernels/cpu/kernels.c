@@ -550,7 +550,16 @@ static void free_groups(grouped_x gx) {
  * int8 kernel's [16 columns][4 k] operands. Scales and offsets are per block of 16 columns and group, in one of the
  * forms below (scale_mode). x is quantized to int8 per row and group (sx), and each group's sum of q (xsum) carries
  * the offsets: sum_k x w = sx (s sum_k xq q + b sum_k xq). Without offsets (wb NULL) w = s (q - 8), none stored:
- * GGUF's Q4_0 d (q - 8) as it is (its bits, a zero's sign too), sx s (sum_k xq q - 8 sum_k xq). */
+ * GGUF's Q4_0 d (q - 8) as it is (its bits, a zero's sign too), sx s (sum_k xq q - 8 sum_k xq).
+ *
+ * With high bits (hb = 1 or 2: q in 0..31 or 0..63) the same kernel reads GGUF's Q5_K (d sc q - dmin m) and Q6_K
+ * (d sc (q - 32): without offsets w = s (q - 8 << hb)) at about the file's bytes (0.69 and 0.82 a weight, where the
+ * int8g kernel's bytes took 1.07): each block of 16 columns holds its nibbles as above, [K/8][64], then its high bits,
+ * [K/8][16 hb] (a row's 128 values' bits above the nibble, in the ISA layer's lanes: isa_avx512.h, w_int4_high),
+ * which are ORed in after the nibbles are unpacked. The sums are the same integers as int8g's over u = q (+ 128 - 32
+ * without offsets), and the float32 steps after them the same, so the results are int8g's bits. Many rows (prefill)
+ * expand each thread's blocks to int8g's layout once and run its kernel: there the unpacking, paid for every pair
+ * of rows, would cost more than the bytes it saves. */
 
 /* The int4 and int8g kernels' scales (and offsets: the same form), one array each, per block of 16 output columns:
  *  SCALES_F16, SCALES_F32: [N/16][G][16] fp16 or float32 values;
@@ -626,9 +635,9 @@ static run_scales scales_of_run(const void *ws, const void *wb, scale_form sf, i
 #define EXPAND_ROWS 8 /* more rows than this: SCALES_K expanded (scales_of_run) */
 
 INT8_TARGET static inline __attribute__((always_inline)) void int4_micro(
-    const uint8_t *w, int64_t wblock, const uint8_t *ws, const uint8_t *wb, scale_form sf, int64_t G, int64_t k8_per_group,
-    const int8_t *xq, int64_t K, const float *sx, const int32_t *xsum, bf16 *y, int64_t ldy, const int MR,
-    const int NB, const int sym, const int two, int pf) {
+    const uint8_t *w, int64_t wblock, int64_t high_at, const uint8_t *ws, const uint8_t *wb, scale_form sf, int64_t G,
+    int64_t k8_per_group, const int8_t *xq, int64_t K, const float *sx, const int32_t *xsum, bf16 *y, int64_t ldy,
+    const int MR, const int NB, const int sym, const int two, const int hb, int pf) {
   const int mode = two ? SCALES_K : sf.mode == SCALES_F32 ? SCALES_F32 : SCALES_F16; /* (two: SCALES_K, a constant) */
   vf f[I4_MR][I4_NB_CAP], ds[I4_NB_CAP], db[I4_NB_CAP]; /* (ds, db: SCALES_K's d of the scales and offsets) */
   for (int j = 0; j < NB; j++) {
@@ -636,31 +645,38 @@ INT8_TARGET static inline __attribute__((always_inline)) void int4_micro(
     for (int i = 0; i < MR; i++) f[i][j] = vf_zero();
   }
   for (int64_t g = 0; g < G; g++) {
-    /* One row (decode) where the ISA allows (INT4_APART: vpdpbusd on AVX-512), the high nibbles are used in
-     * place (masked, not shifted: one instruction less a load) and their products summed apart, 16 times too
-     * large, which also gives each sum two independent chains. Otherwise each step's products go to running
-     * sums (i4acc: int16 lanes on AVX2's vpmaddubsw, widened every I4_STEPS steps) flushed into acc. Two rows
-     * keep one sum each: twice the sums would not fit the registers (measured slower at M = 64). */
+    /* One row (decode) where the ISA allows (INT4_APART: vpdpbusd on AVX-512), the high nibbles' products are
+     * summed apart, which gives each sum two independent chains; without high bits they are used in place (masked,
+     * not shifted: one instruction less a load), 16 times too large (with them 16 q would pass a byte). Otherwise
+     * each step's products go to running sums (i4acc: int16 lanes on AVX2's vpmaddubsw, widened every
+     * I4_STEPS >> hb steps) flushed into acc. Two rows keep one sum each: twice the sums would not fit the
+     * registers (measured slower at M = 64). */
     const int apart = MR == 1 && INT4_APART;
+    const int64_t steps = I4_STEPS >> hb;
     vi acc[I4_MR][I4_NB_CAP], acc16[I4_MR][I4_NB_CAP];
     for (int i = 0; i < MR; i++)
       for (int j = 0; j < NB; j++) acc[i][j] = acc16[i][j] = vi_zero();
     const int64_t p_end = (g + 1) * k8_per_group;
-    for (int64_t p0 = g * k8_per_group; p0 < p_end; p0 += I4_STEPS) {
+    for (int64_t p0 = g * k8_per_group; p0 < p_end; p0 += steps) {
       i4acc t[I4_MR][I4_NB_CAP];
       for (int i = 0; i < MR; i++)
         for (int j = 0; j < NB; j++) t[i][j] = i4_zero();
-      for (int64_t p = p0; p < p_end && p < p0 + I4_STEPS; p++) {
+      for (int64_t p = p0; p < p_end && p < p0 + steps; p++) {
         wrow8 lo[I4_NB_CAP], hi[I4_NB_CAP];
         for (int j = 0; j < NB; j++) {
           const uint8_t *wp = w + j * wblock + p * 64;
           if (pf) prefetch(wp + PF_DIST, 0);
-          w_int4(wp, &lo[j], &hi[j], apart);
+          w_int4(wp, &lo[j], &hi[j], apart && !hb);
+          if (hb) { /* (the high plane's prefetch as far ahead in rows as the nibbles', once a line) */
+            const uint8_t *hp = w + j * wblock + high_at + p * 16 * hb;
+            if (pf && p % (4 / hb) == 0) prefetch(hp + PF_DIST / 4 * hb, 0);
+            w_int4_high(hp, &lo[j], &hi[j], hb);
+          }
         }
         for (int i = 0; i < MR; i++) {
           const xq4 x0 = x_int8(xq + i * K + p * 8), x1 = x_int8(xq + i * K + p * 8 + 4);
           for (int j = 0; j < NB; j++) {
-            if (apart) { /* two chains: the high nibbles' products (16 x, in place) apart */
+            if (apart) { /* two chains: the high nibbles' products (16 x where in place) apart */
               acc[i][j] = dot_int4(acc[i][j], x0, lo[j]);
               acc16[i][j] = dot_int4(acc16[i][j], x1, hi[j]);
             } else {
@@ -678,9 +694,9 @@ INT8_TARGET static inline __attribute__((always_inline)) void int4_micro(
       const vf s = load_scales(ws + j * sf.stride, at, mode, &ds[j]);
       const vf b = sym ? s : load_scales(wb + j * sf.stride, at, mode, &db[j]);
       for (int i = 0; i < MR; i++) {
-        vi sum = apart ? vi_add(acc[i][j], vi_sra(acc16[i][j], 4)) : acc[i][j];
+        vi sum = apart ? vi_add(acc[i][j], hb ? acc16[i][j] : vi_sra(acc16[i][j], 4)) : acc[i][j];
         const float scale = sx[i * G + g];
-        if (sym) sum = vi_sub(sum, vi_set1(8 * xsum[i * G + g]));
+        if (sym) sum = vi_sub(sum, vi_set1((8 << hb) * xsum[i * G + g]));
         f[i][j] = vf_fmadd(vi_to_vf(sum), vf_mul(s, vf_set1(scale)), f[i][j]);
         if (!sym) f[i][j] = vf_fmadd(b, vf_set1(scale * (float)xsum[i * G + g]), f[i][j]);
       }
@@ -690,7 +706,7 @@ INT8_TARGET static inline __attribute__((always_inline)) void int4_micro(
     for (int j = 0; j < NB; j++) vf_store_bf16(y + i * ldy + j * 16, f[i][j]);
 }
 
-#define I4(MR, NB) int4_micro(w, wblock, ws, wb, sf, G, k8g, xq, K, sx, xsum, y, ldy, MR, NB, sym, two, pf)
+#define I4(MR, NB) int4_micro(w, wblock, high_at, ws, wb, sf, G, k8g, xq, K, sx, xsum, y, ldy, MR, NB, sym, two, hb, pf)
 #define I4_NB_CASE(MR)                                  \
   switch (nb) {                                         \
     case 1: I4(MR, 1); break;                           \
@@ -698,9 +714,6 @@ INT8_TARGET static inline __attribute__((always_inline)) void int4_micro(
     case 3: if (I4_NB_CAP >= 3) I4(MR, 3); break;       \
     default: if (I4_NB_CAP >= 4) I4(MR, 4); break;      \
   }
-INT8_TARGET static void int4_micro_any(const uint8_t *w, int64_t wblock, const uint8_t *ws, const uint8_t *wb, scale_form sf,
-                                       int64_t G, int64_t k8g, const int8_t *xq, int64_t K, const float *sx,
-                                       const int32_t *xsum, bf16 *y, int64_t ldy, int mr, int nb, int pf) {
 #define I4_MR_CASE \
   if (mr == 1) {   \
     I4_NB_CASE(1); \
@@ -715,44 +728,28 @@ INT8_TARGET static void int4_micro_any(const uint8_t *w, int64_t wblock, const u
     const int sym = 1; \
     I4_MR_CASE         \
   }
-  if (sf.mode == SCALES_K) { /* (sym and two constants in each instance: their branches fold away) */
+#define I4_HB_CASE                 \
+  if (high_bits == 2) {            \
+    const int hb = 2;              \
+    I4_SYM_CASE                    \
+  } else if (high_bits == 1) {     \
+    const int hb = 1;              \
+    I4_SYM_CASE                    \
+  } else {                         \
+    const int hb = 0;              \
+    I4_SYM_CASE                    \
+  }
+INT8_TARGET static void int4_micro_any(const uint8_t *w, int64_t wblock, int64_t high_at, const uint8_t *ws,
+                                       const uint8_t *wb, scale_form sf, int64_t G, int64_t k8g, const int8_t *xq,
+                                       int64_t K, const float *sx, const int32_t *xsum, bf16 *y, int64_t ldy, int mr,
+                                       int nb, int pf, int high_bits) {
+  if (sf.mode == SCALES_K) { /* (sym, hb and two constants in each instance: their branches fold away) */
     const int two = 1;
-    I4_SYM_CASE
+    I4_HB_CASE
   } else {
     const int two = 0;
-    I4_SYM_CASE
+    I4_HB_CASE
   }
-}
-
-/* y[M, N] = x[M, K] @ W^T for int4 W (layout above; wb NULL: symmetric, w = s (q - 8)), scales and offsets in the
- * form scale_mode (SCALES_K: sub groups a super-block). N % 16 == 0, K % group == 0, group % 8 == 0; SCALES_K:
- * (K / group) % sub == 0. */
-void mili_linear_int4(const uint8_t *w, const void *ws, const void *wb, const bf16 *x, bf16 *y, int64_t M, int64_t N,
-                      int64_t K, int64_t group, int scale_mode, int64_t sub, int nthreads) {
-  const int64_t G = K / group, nblocks = N / 16, per = M == 1 ? I4_NB_ONE : I4_NB_CAP,
-                ngroups = (nblocks + per - 1) / per, wblock = K * 8;
-  const scale_form sf = scale_form_of(scale_mode, G, sub);
-  const grouped_x gx = quantize_groups(x, M, K, group, nthreads);
-  const int8_t *xq = gx.xq;
-  const float *sx = gx.sx;
-  const int32_t *xsum = gx.xsum;
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (ngroups > 1)
-  for (int64_t c = 0; c < ngroups; c++) {
-    const int64_t nb0 = c * per, nbs = nblocks - nb0 < per ? nblocks - nb0 : per;
-    const run_scales rs = scales_of_run(ws, wb, sf, nb0, nbs, G, M > EXPAND_ROWS);
-    for (int64_t m0 = 0; m0 < M; m0 += I4_MR) {
-      const int mr = M - m0 < I4_MR ? (int)(M - m0) : I4_MR;
-      for (int64_t b = 0; b < nbs;) {
-        const int64_t cap = mr == 1 ? I4_NB_ONE : I4_NB, n = nbs - b < cap ? nbs - b : cap;
-        int4_micro_any(w + (nb0 + b) * wblock, wblock, rs.s + b * rs.f.stride, rs.b ? rs.b + b * rs.f.stride : NULL,
-                       rs.f, G, group / 8, xq + m0 * K, K, sx + m0 * G, xsum + m0 * G, y + m0 * N + (nb0 + b) * 16, N,
-                       mr, (int)n, M <= 8);
-        b += n;
-      }
-    }
-    free(rs.buf);
-  }
-  free_groups(gx);
 }
 
 /* -- int8g: 8-bit weights w = s u + b, a scale and an offset per group of input channels ----------------------
@@ -852,35 +849,90 @@ INT8_TARGET static void int8g_micro_any(const uint8_t *w, int64_t wblock, const 
   }
 }
 
-/* y[M, N] = x[M, K] @ W^T for int8g W (layout above; wb NULL: symmetric, w = s (u - 128); signed_q with wb:
- * w = s (u - 128) + b), scales and offsets in the form scale_mode (as mili_linear_int4). N % 16 == 0,
- * K % group == 0, group % 8 == 0; SCALES_K: (K / group) % sub == 0. */
-void mili_linear_int8g(const uint8_t *w, const void *ws, const void *wb, const bf16 *x, bf16 *y, int64_t M, int64_t N,
-                       int64_t K, int64_t group, int scale_mode, int64_t sub, int signed_q, int nthreads) {
-  const int64_t G = K / group, nblocks = N / 16, per = M == 1 ? I8G_NB_ONE : I8G_NB_CAP,
-                ngroups = (nblocks + per - 1) / per, wblock = K * 16;
+/* nbs blocks of int4 with high bits (hb 1 or 2; w: the first, wblock bytes apart) in int8g's layout at out, each
+ * value plus add: a row's lo and hi (k0..3, k0 + 4..7) are int8g's rows 2p and 2p + 1. */
+static void int4_to_int8g(const uint8_t *w, int64_t wblock, int64_t nbs, int64_t K, int hb, int add, uint8_t *out) {
+  for (int64_t j = 0; j < nbs; j++)
+    for (int64_t p = 0; p < K / 8; p++) {
+      wrow8 lo, hi;
+      const uint8_t *hp = w + j * wblock + K * 8 + p * 16 * hb;
+      w_int4(w + j * wblock + p * 64, &lo, &hi, 0);
+      if (hb == 2) w_int4_high(hp, &lo, &hi, 2); /* (constants: the ISA layer's branches fold) */
+      else w_int4_high(hp, &lo, &hi, 1);
+      w_store8(out + (j * K / 8 + p) * 128, lo, add);
+      w_store8(out + (j * K / 8 + p) * 128 + 64, hi, add);
+    }
+}
+
+/* The int4 and int8g kernels' one driver: y[M, N] (rows ldy apart) = x[M, K] @ W^T, W int8g (int8g 1; 2: signed with
+ * offsets) or int4 with high_bits (0, 1 or 2), scales and offsets (wb NULL: none) in the form scale_mode (SCALES_K:
+ * sub groups a super-block). x is quantized per row and group once; each thread takes a contiguous run of column
+ * blocks (its share of the weights, streamed once when M is small) and all rows, a few at a time, while the run's
+ * weights sit in its L2. */
+static void grouped_linear(const uint8_t *w, const void *ws, const void *wb, const bf16 *x, bf16 *y, int64_t ldy,
+                           int64_t M, int64_t N, int64_t K, int64_t group, int scale_mode, int64_t sub, int int8g,
+                           int high_bits, int nthreads) {
+  const int expand = !int8g && high_bits && M > EXPAND_ROWS; /* many rows: int8g's kernel over expanded blocks */
+  const int eight = int8g || expand;                         /* (which micro-kernel runs) */
+  const int64_t G = K / group, nblocks = N / 16;
+  const int64_t per = M == 1 ? (eight ? I8G_NB_ONE : I4_NB_ONE) : (eight ? I8G_NB_CAP : I4_NB_CAP);
+  const int64_t ngroups = (nblocks + per - 1) / per, wblock = int8g ? K * 16 : K * (8 + 2 * high_bits);
+  const int mr_max = eight ? I8G_MR : I4_MR;
   const scale_form sf = scale_form_of(scale_mode, G, sub);
   const grouped_x gx = quantize_groups(x, M, K, group, nthreads);
-  const int8_t *xq = gx.xq;
-  const float *sx = gx.sx;
-  const int32_t *xsum = gx.xsum;
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (ngroups > 1)
-  for (int64_t c = 0; c < ngroups; c++) {
-    const int64_t nb0 = c * per, nbs = nblocks - nb0 < per ? nblocks - nb0 : per;
-    const run_scales rs = scales_of_run(ws, wb, sf, nb0, nbs, G, M > EXPAND_ROWS);
-    for (int64_t m0 = 0; m0 < M; m0 += I8G_MR) {
-      const int mr = M - m0 < I8G_MR ? (int)(M - m0) : I8G_MR;
-      for (int64_t b = 0; b < nbs;) {
-        const int64_t cap = mr == 1 ? I8G_NB_ONE : I8G_NB, n = nbs - b < cap ? nbs - b : cap;
-        int8g_micro_any(w + (nb0 + b) * wblock, wblock, rs.s + b * rs.f.stride, rs.b ? rs.b + b * rs.f.stride : NULL,
-                        rs.f, G, group / 4, xq + m0 * K, K, sx + m0 * G, xsum + m0 * G, y + m0 * N + (nb0 + b) * 16,
-                        N, mr, (int)n, M <= 8, signed_q);
-        b += n;
+#pragma omp parallel num_threads(nthreads) if (ngroups > 1)
+  {
+    /* one a thread, reused by its runs; 64-byte aligned as the packed weights are (a misaligned one made every row's
+     * load straddle two lines: ~20% of the kernel's time at 512 rows) */
+    uint8_t *expanded = expand ? aligned_alloc(64, per * K * 16) : NULL;
+#pragma omp for schedule(static)
+    for (int64_t c = 0; c < ngroups; c++) {
+      const int64_t nb0 = c * per, nbs = nblocks - nb0 < per ? nblocks - nb0 : per;
+      const run_scales rs = scales_of_run(ws, wb, sf, nb0, nbs, G, M > EXPAND_ROWS);
+      const uint8_t *wc = w + nb0 * wblock;
+      int64_t wbl = wblock;
+      if (expand) { /* u = q, or without offsets q + 128 - (8 << hb): int8g's s (u - 128) is then s (q - 8 << hb) */
+        int4_to_int8g(wc, wblock, nbs, K, high_bits, wb ? 0 : 128 - (8 << high_bits), expanded);
+        wc = expanded;
+        wbl = K * 16;
       }
-    }
-    free(rs.buf);
+      for (int64_t m0 = 0; m0 < M; m0 += mr_max) {
+        const int mr = M - m0 < mr_max ? (int)(M - m0) : mr_max;
+        const int64_t cap = mr == 1 ? (eight ? I8G_NB_ONE : I4_NB_ONE) : (eight ? I8G_NB : I4_NB);
+        for (int64_t b = 0; b < nbs;) {
+          const int64_t n = nbs - b < cap ? nbs - b : cap;
+          const uint8_t *s = rs.s + b * rs.f.stride, *o = rs.b ? rs.b + b * rs.f.stride : NULL;
+          bf16 *yb = y + m0 * ldy + (nb0 + b) * 16;
+          if (eight)
+            int8g_micro_any(wc + b * wbl, wbl, s, o, rs.f, G, group / 4, gx.xq + m0 * K, K, gx.sx + m0 * G,
+                            gx.xsum + m0 * G, yb, ldy, mr, (int)n, M <= 8, int8g == 2);
+          else
+            int4_micro_any(wc + b * wbl, wbl, K * 8, s, o, rs.f, G, group / 8, gx.xq + m0 * K, K, gx.sx + m0 * G,
+                           gx.xsum + m0 * G, yb, ldy, mr, (int)n, M <= 8, high_bits);
+          b += n;
+        }
+      }
+      free(rs.buf);
+  }
+  free(expanded);
   }
   free_groups(gx);
+}
+
+/* y[M, N] (rows ldy apart) = x[M, K] @ W^T for int4 W (layout above; high_bits 0, 1 or 2; wb NULL: symmetric,
+ * w = s (q - 8 << high_bits)), scales and offsets in the form scale_mode (SCALES_K: sub groups a super-block).
+ * N % 16 == 0, K % group == 0, group % 8 == 0 (with high bits K % 32 == 0); SCALES_K: (K / group) % sub == 0. */
+void mili_linear_int4(const uint8_t *w, const void *ws, const void *wb, const bf16 *x, bf16 *y, int64_t M, int64_t N,
+                      int64_t K, int64_t group, int scale_mode, int64_t sub, int high_bits, int64_t ldy, int nthreads) {
+  grouped_linear(w, ws, wb, x, y, ldy, M, N, K, group, scale_mode, sub, 0, high_bits, nthreads);
+}
+
+/* y[M, N] (rows ldy apart) = x[M, K] @ W^T for int8g W (layout above; wb NULL: symmetric, w = s (u - 128); signed_q
+ * with wb: w = s (u - 128) + b), scales and offsets as mili_linear_int4's. N % 16 == 0, K % group == 0,
+ * group % 8 == 0; SCALES_K: (K / group) % sub == 0. */
+void mili_linear_int8g(const uint8_t *w, const void *ws, const void *wb, const bf16 *x, bf16 *y, int64_t M, int64_t N,
+                       int64_t K, int64_t group, int scale_mode, int64_t sub, int signed_q, int64_t ldy, int nthreads) {
+  grouped_linear(w, ws, wb, x, y, ldy, M, N, K, group, scale_mode, sub, signed_q ? 2 : 1, 0, nthreads);
 }
 
 /* -- norms, RoPE, SwiGLU --------------------------------------------------------------------------------- */
@@ -1161,7 +1213,7 @@ void mili_prefill_attention(const bf16 *q, int64_t ldq, const bf16 *k, int64_t l
  * as a sequence of the kernels above, so that a decode step crosses from Python once per layer instead of
  * ~15 times (the Python and torch work between kernels was a quarter of a batch-32 step). Same kernels,
  * same order, same roundings: the result is bit for bit the module path's. */
-typedef struct {
+typedef struct mili_linear_desc {
   const void *w;       /* packed weight */
   const void *scales;  /* int8: float per output column; int4, int8g: per column and group (scale_mode's form) */
   const void *aux;     /* int8: column sums (int32); int4, int8g: offsets (as the scales; NULL: symmetric) */
@@ -1170,6 +1222,9 @@ typedef struct {
   int64_t scale_mode; /* int4, int8g: SCALES_F16, SCALES_F32 or SCALES_K */
   int64_t sub; /* int4, int8g with SCALES_K: groups per super-block */
   int64_t int8g; /* 8-bit weights per group (mili_linear_int8g; 2: signed with offsets), else int4 where group is set */
+  int64_t high_bits; /* int4: bits above the nibble (0, 1, 2) */
+  const struct mili_linear_desc *next; /* the layer's next output columns, in another form (a fused layer whose parts
+                                          differ in type: Q4_K_M's q|k beside a Q6_K v), or NULL */
 } mili_linear_desc;
 
 typedef struct {
@@ -1179,14 +1234,27 @@ typedef struct {
   mili_linear_desc qkv, o, gate_up, down;
 } mili_layer_desc;
 
+/* A layer's output features: its parts' (next) together. */
+static int64_t linear_n(const mili_linear_desc *l) {
+  int64_t n = 0;
+  for (; l; l = l->next) n += l->n;
+  return n;
+}
+
+/* y [M, linear_n(l)] = x @ W^T, each part of the layer into its columns. (Parts are int4 or int8g: those kernels take
+ * a row stride; a plain layer is one part.) */
 static void run_linear(const mili_linear_desc *l, const bf16 *x, bf16 *y, int64_t M, int nthreads) {
-  if (l->int8g)
-    mili_linear_int8g(l->w, l->scales, l->aux, x, y, M, l->n, l->k, l->group, (int)l->scale_mode, l->sub,
-                      l->int8g == 2, nthreads);
-  else if (l->group)
-    mili_linear_int4(l->w, l->scales, l->aux, x, y, M, l->n, l->k, l->group, (int)l->scale_mode, l->sub, nthreads);
-  else if (l->scales) mili_linear_int8(l->w, l->scales, l->aux, x, y, M, l->n, l->k, nthreads);
-  else mili_linear(l->w, x, y, M, l->n, l->k, nthreads);
+  const int64_t ldy = linear_n(l);
+  for (; l; y += l->n, l = l->next) {
+    if (l->int8g)
+      mili_linear_int8g(l->w, l->scales, l->aux, x, y, M, l->n, l->k, l->group, (int)l->scale_mode, l->sub,
+                        l->int8g == 2, ldy, nthreads);
+    else if (l->group)
+      mili_linear_int4(l->w, l->scales, l->aux, x, y, M, l->n, l->k, l->group, (int)l->scale_mode, l->sub,
+                       (int)l->high_bits, ldy, nthreads);
+    else if (l->scales) mili_linear_int8(l->w, l->scales, l->aux, x, y, M, l->n, l->k, nthreads);
+    else mili_linear(l->w, x, y, M, l->n, l->k, nthreads);
+  }
 }
 
 /* T decode tokens, one per sequence. h [T, hidden] in: the layer's input; out: its MLP output (in place).
@@ -1197,9 +1265,9 @@ void mili_decode_layer(const mili_layer_desc *L, bf16 *h, bf16 *residual, int fi
                        const int64_t *slots, const float *cos_t, const float *sin_t, const int64_t *page_table,
                        int64_t ldp, const int64_t *context_lens, int64_t page_size, int64_t T, bf16 *work,
                        int nthreads) {
-  const int64_t H = L->hidden, D = L->head_dim, Hq = L->q_heads, Hkv = L->kv_heads, nqkv = L->qkv.n;
+  const int64_t H = L->hidden, D = L->head_dim, Hq = L->q_heads, Hkv = L->kv_heads, nqkv = linear_n(&L->qkv);
   bf16 *normed = work, *qkv = normed + T * H, *attn = qkv + T * nqkv, *o = attn + T * Hq * D;
-  bf16 *gate_up = o + T * H, *act = gate_up + T * L->gate_up.n;
+  bf16 *gate_up = o + T * H, *act = gate_up + T * linear_n(&L->gate_up);
   if (first) { /* the stream starts as the embeddings */
     memcpy(residual, h, sizeof(bf16) * T * H);
     mili_rms_norm(h, H, NULL, L->input_norm, normed, NULL, T, H, L->eps, nthreads);

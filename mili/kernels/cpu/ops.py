@@ -61,13 +61,17 @@ def unpack_rows(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return packed[rows // 16, :, rows % 16, :].reshape(rows.shape[0], -1)
 
 
-def _packed_product(x: torch.Tensor, packed: torch.Tensor, out_features: int, kernel) -> torch.Tensor:
+def _packed_product(x: torch.Tensor, packed: torch.Tensor, out_features: int, kernel,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (as bf16) times packed weights by ``kernel(x, y, m, n, k)`` into y [M, padded N]:
-    [M, out_features]."""
+    [M, out_features]. ``out``: y given, [M, padded N] bf16 with unit column stride (a column range of a wider
+    output: the kernels that take one read its row stride from y)."""
     x = x.to(BF16).contiguous()
     m, k = x.shape
     n = packed.shape[0] * 16
-    y = torch.empty(m, n, dtype=BF16)
+    if out is not None:
+        assert out.dtype == BF16 and out.shape == (m, n) and (out.stride(1) == 1 or n == 1), (out.shape, out.stride())
+    y = torch.empty(m, n, dtype=BF16) if out is None else out
     if m:
         kernel(x, y, m, n, k)
     return y if n == out_features else y[:, :out_features]
@@ -137,17 +141,32 @@ def group_values(packed: torch.Tensor) -> torch.Tensor:
     return unblock((d[:, :, None, :] * sc).reshape(blocks, supers * sub, 16))
 
 
-def pack_int4(q: torch.Tensor, scales, offsets, scale_dtype: torch.dtype = torch.float32
+def pack_int4(q: torch.Tensor, scales, offsets, scale_dtype: torch.dtype = torch.float32, high_bits: int = 0
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """int4 weights w = scale * q + offset: q [N, K] (uint8 values 0..15; N % 16 == 0, K % 8 == 0) with a scale
     and an offset per output row and group of K, [N, groups] -> the int4 kernel's layout (kernels.c): q
     [N/16, K/8, 64] bytes (byte 4c + j: column c at k0 + j low, k0 + 4 + j high), scales and offsets as
     :func:`pack_scales` packs them (in ``scale_dtype``, or two-level ones as they are). ``offsets`` None:
-    w = scale * (q - 8), none stored (GGUF's Q4_0)."""
+    w = scale * (q - 8), none stored (GGUF's Q4_0).
+
+    ``high_bits`` 1 or 2 (q in 0..31 or 0..63: GGUF's Q5_K, Q6_K; K % 32 == 0; without offsets w = scale * (q - 16)
+    or (q - 32)): each block of 16 rows also holds, after its nibbles, its values' bits above the nibble, 16
+    high_bits bytes a row of the nibbles: the row's 64 bytes of low nibbles (``lo``) and of high ones (``hi``) in lanes
+    of 16 high_bits bytes, byte b of lane L holding lo's value at bit high_bits L and hi's at 4 + high_bits L
+    (kernels.c, isa_avx512.h w_int4_high). The tensor is [N/16, K/8 + K high_bits / 32, 64]."""
     n, k = q.shape
+    assert q.dtype == torch.uint8 and (not q.numel() or int(q.max()) < 16 << high_bits), (q.dtype, high_bits)
     cols = q.view(n // 16, 16, k // 8, 2, 4).permute(0, 2, 3, 1, 4)  # [N/16, K/8, lo|hi, 16, 4]
-    packed = (cols[:, :, 0] | (cols[:, :, 1] << 4)).reshape(n // 16, k // 8, 64).contiguous()
-    return packed, pack_scales(scales, scale_dtype), None if offsets is None else pack_scales(offsets, scale_dtype)
+    nibbles = cols & 0x0F
+    packed = (nibbles[:, :, 0] | (nibbles[:, :, 1] << 4)).reshape(n // 16, k // 8, 64)
+    if high_bits:
+        assert k % 32 == 0, k
+        lanes = 4 // high_bits
+        top = (cols >> 4).reshape(n // 16, k // 8, 2, lanes, 16 * high_bits).to(torch.int32)  # [.., lo|hi, L, byte]
+        shift = (4 * torch.arange(2).view(2, 1, 1) + high_bits * torch.arange(lanes).view(1, lanes, 1)).to(torch.int32)
+        plane = (top << shift).sum(dim=(2, 3)).to(torch.uint8)  # [N/16, K/8, 16 high_bits]
+        packed = torch.cat([packed, plane.reshape(n // 16, -1, 64)], dim=1)
+    return packed.contiguous(), pack_scales(scales, scale_dtype), None if offsets is None else pack_scales(offsets, scale_dtype)
 
 
 def awq_scales_offsets(zeros: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,22 +190,34 @@ def _scale_args(scales: torch.Tensor, offsets: torch.Tensor | None, k: int) -> t
     return k // groups, mode, sub
 
 
-def linear_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
-                offsets: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] @ W^T for int4 W (:func:`pack_int4`; ``offsets`` None: symmetric), x quantized to int8 per row and
-    group in the kernel."""
-    group, mode, sub = _scale_args(scales, offsets, packed.shape[1] * 8)
+def int4_in_features(packed: torch.Tensor, high_bits: int = 0) -> int:
+    """K of an int4 weight packed with ``high_bits`` (its rows of 64 bytes: K/8 of nibbles, K high_bits / 32 more)."""
+    return packed.shape[1] * 256 // (32 + 8 * high_bits)
+
+
+def linear_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
+                high_bits: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ W^T for int4 W (:func:`pack_int4`, with ``high_bits``; ``offsets`` None: symmetric), x quantized to
+    int8 per row and group in the kernel: [M, padded N] (into ``out`` where given, see _packed_product)."""
+    group, mode, sub = _scale_args(scales, offsets, int4_in_features(packed, high_bits))
     return _packed_product(x, packed, packed.shape[0] * 16, lambda x, y, m, n, k: _lib().mili_linear_int4(
         packed.data_ptr(), scales.data_ptr(), None if offsets is None else offsets.data_ptr(), x.data_ptr(),
-        y.data_ptr(), m, n, k, group, mode, sub, _threads()))
+        y.data_ptr(), m, n, k, group, mode, sub, high_bits, y.stride(0), _threads()), out)
 
 
-def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """:func:`pack_int4`'s q back: [N, K] uint8 (0..15)."""
-    nb, k8, _ = packed.shape
-    cols = packed.view(nb, k8, 16, 4)
+def unpack_int4(packed: torch.Tensor, high_bits: int = 0) -> torch.Tensor:
+    """:func:`pack_int4`'s q back: [N, K] uint8 (0..15, with high bits up to 31 or 63)."""
+    nb, k = packed.shape[0], int4_in_features(packed, high_bits)
+    k8 = k // 8
+    cols = packed[:, :k8].reshape(nb, k8, 16, 4)
     q = torch.stack([cols & 0x0F, cols >> 4], dim=2)  # [N/16, K/8, lo|hi, 16, 4]
-    return q.permute(0, 3, 1, 2, 4).reshape(nb * 16, k8 * 8)
+    if high_bits:
+        lanes = 4 // high_bits
+        plane = packed[:, k8:].reshape(nb, k8, 1, 1, 16 * high_bits).to(torch.int32)
+        shift = (4 * torch.arange(2).view(2, 1, 1) + high_bits * torch.arange(lanes).view(1, lanes, 1)).to(torch.int32)
+        top = ((plane >> shift) & ((1 << high_bits) - 1)).to(torch.uint8)  # [N/16, K/8, lo|hi, L, byte]
+        q = q | (top.reshape(nb, k8, 2, 16, 4) << 4)
+    return q.permute(0, 3, 1, 2, 4).reshape(nb * 16, k)
 
 
 def unblock(t: torch.Tensor) -> torch.Tensor:
@@ -208,14 +239,14 @@ def int8g_supported(out_features: int, in_features: int, group: int) -> bool:
     return out_features % 16 == 0 and group > 0 and in_features % group == 0 and group % 8 == 0
 
 
-def linear_int8g(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
-                 offsets: torch.Tensor | None, signed: bool = False) -> torch.Tensor:
+def linear_int8g(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
+                 signed: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ W^T for int8g W (:func:`pack_int8g`), x quantized to int8 per row and group in the kernel:
-    [M, padded N]. ``signed`` (with offsets): w = scale * (q - 128) + offset."""
+    [M, padded N] (into ``out`` where given). ``signed`` (with offsets): w = scale * (q - 128) + offset."""
     group, mode, sub = _scale_args(scales, offsets, packed.shape[1] * 4)
     return _packed_product(x, packed, packed.shape[0] * 16, lambda x, y, m, n, k: _lib().mili_linear_int8g(
         packed.data_ptr(), scales.data_ptr(), None if offsets is None else offsets.data_ptr(), x.data_ptr(),
-        y.data_ptr(), m, n, k, group, mode, sub, int(signed and offsets is not None), _threads()))
+        y.data_ptr(), m, n, k, group, mode, sub, int(signed and offsets is not None), y.stride(0), _threads()), out)
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
