@@ -115,7 +115,7 @@ def embed_rows(args, path: str, texts: list[str]) -> list[list]:
     except ImportError:
         print("(sentence-transformers is not installed: its rows are left out)")
         return rows
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in [getattr(torch, d) for d in args.baseline_dtypes.split(",")]:
         st = SentenceTransformer(path, device=args.device, model_kwargs={"dtype": dtype})
         seconds = timed(lambda: st.encode(texts, batch_size=32, convert_to_tensor=True), args.repeats)
         rows.append([f"sentence-transformers ({str(dtype).removeprefix('torch.')})", seconds, len(texts) / seconds,
@@ -156,7 +156,7 @@ def rerank_rows(args, path: str, query: str, docs: list[str]) -> list[list]:
         rows.append([f"MILI, prefix cache {'on' if cache else 'off'}", seconds, len(docs) / seconds, cached, tokens])
         del llm
     tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in [getattr(torch, d) for d in args.baseline_dtypes.split(",")]:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(args.device).eval()
         seconds = timed(lambda: hf_recipe(model, tokenizer, query, docs, args.device), args.repeats)
         rows.append([f"HF recipe, one batch ({str(dtype).removeprefix('torch.')})", seconds, len(docs) / seconds,
@@ -178,6 +178,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--only", choices=["embed", "rerank"], default=None)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--baseline-dtypes", default="float32,bfloat16",
+                    help="the dtypes the baselines (sentence-transformers, the HF recipe) run in")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
