@@ -9,13 +9,14 @@ running with it finish with it (the engine core keeps an adapter loaded while an
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import Response
 
 from mili.server.errors import APIError, error_responses
 from mili.server.protocol import LoadLoRARequest, UnloadLoRARequest
 from mili.server.state import ServerState, state_of
 
 router = APIRouter()
+_DONE = {200: {"description": "vLLM's plain-text answer", "content": {"text/plain": {}}}}
 
 
 def _check_allowed(st: ServerState) -> None:
@@ -27,16 +28,16 @@ def _check_allowed(st: ServerState) -> None:
                             "keeps its own list)", param="lora_name")
 
 
-@router.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=error_responses(400))
+@router.post("/v1/load_lora_adapter", responses={**_DONE, **error_responses(400)})
 async def load_lora_adapter(body: LoadLoRARequest, http: Request):
     st = state_of(http)
     _check_allowed(st)
     st.add_lora(body.lora_name, body.lora_path)
     http.app.openapi_schema = None  # (its model names change)
-    return f"Success: LoRA adapter '{body.lora_name}' added successfully."
+    return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")
 
 
-@router.post("/v1/unload_lora_adapter", response_class=PlainTextResponse, responses=error_responses(400, 404))
+@router.post("/v1/unload_lora_adapter", responses={**_DONE, **error_responses(400, 404)})
 async def unload_lora_adapter(body: UnloadLoRARequest, http: Request):
     st = state_of(http)
     _check_allowed(st)
@@ -45,4 +46,4 @@ async def unload_lora_adapter(body: UnloadLoRARequest, http: Request):
                        "model_not_found")
     del st.loras[body.lora_name]
     http.app.openapi_schema = None
-    return f"Success: LoRA adapter '{body.lora_name}' removed successfully."
+    return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")

@@ -46,6 +46,18 @@ class ApiKeyMiddleware:
         await response(scope, receive, send)
 
 
+# the routes a server answers only with a 400 unless its task (or a flag) serves them: left out of its document
+_TASK_PATHS = {"generate": ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/generate"),
+               "embed": ("/v1/embeddings",), "rerank": ("/v1/rerank", "/score")}
+RUNTIME_LORA_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+
+
+def unserved_paths(task: str, runtime_lora_updating: bool) -> list[str]:
+    """The document's paths this server does not serve: other tasks' routes, and the LoRA routes unless on."""
+    paths = [p for other, ps in _TASK_PATHS.items() if other != task for p in ps]
+    return paths + ([] if runtime_lora_updating else list(RUNTIME_LORA_PATHS))
+
+
 def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
               max_queued_requests: int = 1024, sampling_defaults: dict | None = None,
               tool_call_parser: str = "auto", api_servers=None, lora_modules: list[tuple[str, str]] = (),
@@ -78,7 +90,10 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
         if app.openapi_schema is None:
             limits = {"token_id": engine.model_config.vocab_size - 1, "max_tokens": engine.max_model_len - 1,
                       "n": engine.config.max_num_seqs, "model": [model_name, *state.loras]}
-            app.openapi_schema = document(app, OPEN_PATHS, bool(api_key), limits)
+            doc = document(app, OPEN_PATHS, bool(api_key), limits)
+            for path in unserved_paths(engine.inputs.task.name, state.runtime_lora_updating):
+                doc["paths"].pop(path, None)
+            app.openapi_schema = doc
         return app.openapi_schema
 
     app.openapi = openapi

@@ -79,7 +79,7 @@ def test_requests_through_both_run_in_one_batch_and_metrics_count_all(two):
             "mili:e2e_request_latency_seconds_count"] == 6
     assert wait_for(lambda: metric(two.url, "mili:num_requests_running") == 0, 10)
     text = httpx.get(two.url + "/metrics").text
-    assert text.count("\nmili:num_requests_running ") == 1 and text.count('mili:model_info{model_name="test"} 1.0') == 1
+    assert text.count("\nmili:num_requests_running ") == 1 and text.count('mili:model_info{model_name="test",task="generate"} 1.0') == 1
     for c in clients:
         c.close()
 

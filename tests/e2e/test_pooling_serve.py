@@ -53,6 +53,7 @@ def test_embeddings_through_the_openai_client(embed_server, retrieval_model):
 
 def test_an_embed_server_says_its_task_and_refuses_chat(embed_server):
     url = embed_server.url
+    assert httpx.post(f"{url}/v1/embeddings", json={"input": TEXTS}).status_code == 200  # (counted below)
     assert httpx.get(f"{url}/health").json()["task"] == "embed"
     assert httpx.get(f"{url}/v1/models").json()["data"][0]["task"] == "embed"
     r = httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
@@ -120,6 +121,7 @@ def test_rerank_and_score_match_the_official_recipe(rerank_server, retrieval_mod
 def test_a_rerank_server_refuses_bad_input_and_other_tasks(rerank_server):
     url = rerank_server.url
     assert httpx.get(f"{url}/health").json()["task"] == "rerank"
+    assert httpx.post(f"{url}/score", json={"text_1": QUERY, "text_2": DOCS[0]}).status_code == 200  # (counted below)
     cases = [("/v1/rerank", {"query": QUERY, "documents": []}, "documents"),
              ("/v1/rerank", {"query": "", "documents": ["a"]}, "query"),
              ("/v1/rerank", {"query": QUERY, "documents": ["a"], "top_n": -1}, "top_n"),

@@ -14,9 +14,9 @@ ROOT = Path(mili.__file__).parent
 LAYERS = ["mili.kernels", "mili.model", "mili.runtime", "mili.engine", "mili.server"]  # bottom to top
 # beside the model: the page, state and radix caches; the engine's and the model's configs (which check a
 # checkpoint's config with model/checks.py) and the config file (its sections are EngineConfig's metadata);
-# speculative decoding's drafters and verification, beside the runner
+# speculative decoding's drafters and verification, beside the runner; LoRA adapters' layers, beside the model's
 SAME_LEVEL = {"mili.cache": "mili.model", "mili.config": "mili.model", "mili.config_file": "mili.model",
-              "mili.speculative": "mili.runtime"}
+              "mili.speculative": "mili.runtime", "mili.lora": "mili.model"}
 
 
 def _module(path: Path) -> str:
