@@ -254,6 +254,22 @@ def fused_checkpoints(qwen3_checkpoint, tmp_path_factory):
     return {"gqa_untied": qwen3_checkpoint("gqa_untied"), "gqa4_tied": tied}
 
 
+def _fused_equals_eager(fused, eager, prompts, params, min_fused: int) -> None:
+    """``fused``'s outputs (its decode steps on the fused C layer) equal ``eager``'s: every sequence's tokens, and
+    their logprobs exactly; at least ``min_fused`` decode steps ran fused."""
+    runner = fused.engine.core.runner.cpu_decode
+    fused_steps, run = [], runner.run
+    runner.run = lambda *args: fused_steps.append(run(*args)) or fused_steps[-1]
+    a, b = (llm.generate(prompts, params, use_tqdm=False) for llm in (fused, eager))
+    for x, y in zip(a, b):
+        for ox, oy in zip(x.outputs, y.outputs):
+            assert ox.token_ids == oy.token_ids
+            assert [{t: lp.logprob for t, lp in d.items()} for d in ox.logprobs] == \
+                   [{t: lp.logprob for t, lp in d.items()} for d in oy.logprobs]
+    assert sum(h is not None for h in fused_steps) >= min_fused  # the decode steps did run fused
+    fused.engine.check_integrity()
+
+
 @needs_kernels
 @pytest.mark.parametrize("quantization", [None, "int8"])
 @pytest.mark.parametrize("shape", ["gqa_untied", "gqa4_tied"])
@@ -266,19 +282,10 @@ def test_fused_decode_step_is_the_module_path_bit_for_bit(isa, fused_checkpoints
     eager = LLM(path, dtype="bfloat16", quantization=quantization, enforce_eager=True)
     runner = fused.engine.core.runner.cpu_decode
     assert runner is not None and fused.engine.plan.step == "cpu-decode" and eager.engine.plan.step == "eager"
-    fused_steps, run = [], runner.run
-    runner.run = lambda *args: fused_steps.append(run(*args)) or fused_steps[-1]
-    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (1, 7, 40, 90)]
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, logprobs=3) for m in (12, 5, 12, 9)]
     params[2] = SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=10, ignore_eos=True, logprobs=3)
-    a, b = (llm.generate(prompts, params, use_tqdm=False) for llm in (fused, eager))
-    for x, y in zip(a, b):
-        for ox, oy in zip(x.outputs, y.outputs):
-            assert ox.token_ids == oy.token_ids
-            assert [{t: lp.logprob for t, lp in d.items()} for d in ox.logprobs] == \
-                   [{t: lp.logprob for t, lp in d.items()} for d in oy.logprobs]
-    assert sum(h is not None for h in fused_steps) >= 8  # the decode steps did run fused
-    fused.engine.check_integrity()
+    _fused_equals_eager(fused, eager, [{"prompt_token_ids": list(range(3, 3 + n))} for n in (1, 7, 40, 90)], params,
+                        min_fused=8)
 
 
 def _int8g_of(w: torch.Tensor, group: int, symmetric: bool):
@@ -322,17 +329,8 @@ def test_fused_decode_step_takes_int8g_layers_bit_for_bit(isa, fused_checkpoints
     assert runner is not None and runner.available and fused.engine.plan.step == "cpu-decode"
     assert isinstance(fused.apply_model(lambda m: m.model.layers[0].mlp.down_proj), Int8GroupLinear)
     assert runner.layers[0].qkv.int8g == 1 and not runner.layers[0].qkv.aux and runner.layers[0].down.aux
-    fused_steps, run = [], runner.run
-    runner.run = lambda *args: fused_steps.append(run(*args)) or fused_steps[-1]
-    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (1, 40)]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
-    a, b = (llm.generate(prompts, params, use_tqdm=False) for llm in (fused, eager))
-    for x, y in zip(a, b):
-        assert x.outputs[0].token_ids == y.outputs[0].token_ids
-        assert [{t: lp.logprob for t, lp in d.items()} for d in x.outputs[0].logprobs] == \
-               [{t: lp.logprob for t, lp in d.items()} for d in y.outputs[0].logprobs]
-    assert sum(h is not None for h in fused_steps) >= 6  # the decode steps did run fused
-    fused.engine.check_integrity()
+    _fused_equals_eager(fused, eager, [{"prompt_token_ids": list(range(3, 3 + n))} for n in (1, 40)],
+                        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3), min_fused=6)
 
 
 @needs_kernels
@@ -886,17 +884,8 @@ def test_fused_decode_step_takes_high_bit_and_split_layers_bit_for_bit(isa, fuse
     assert runner is not None and runner.available and fused.engine.plan.step == "cpu-decode"
     first = runner.layers[0]
     assert first.qkv.high_bits == 0 and first.qkv.next.contents.high_bits == 2 and first.down.high_bits == 1
-    fused_steps, run = [], runner.run
-    runner.run = lambda *args: fused_steps.append(run(*args)) or fused_steps[-1]
-    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (1, 40)]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
-    a, b = (llm.generate(prompts, params, use_tqdm=False) for llm in (fused, eager))
-    for x, y in zip(a, b):
-        assert x.outputs[0].token_ids == y.outputs[0].token_ids
-        assert [{t: lp.logprob for t, lp in d.items()} for d in x.outputs[0].logprobs] == \
-               [{t: lp.logprob for t, lp in d.items()} for d in y.outputs[0].logprobs]
-    assert sum(h is not None for h in fused_steps) >= 6  # the decode steps did run fused
-    fused.engine.check_integrity()
+    _fused_equals_eager(fused, eager, [{"prompt_token_ids": list(range(3, 3 + n))} for n in (1, 40)],
+                        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3), min_fused=6)
 
 
 @needs_kernels
