@@ -30,12 +30,22 @@ from torch import nn
 
 from mili.errors import InvalidRequest
 
-# PEFT's module names in a Qwen3 decoder layer -> (MILI's module under the layer, shard)
+# PEFT's module names in a decoder layer -> (MILI's module under the layer, shard; None: the whole of a fused layer
+# that the checkpoint holds as one tensor, in the checkpoint's row order). Qwen3's attention and MLP; the hybrids'
+# gated attention (q_proj holds each head's query and its gate) and Gated DeltaNet: Qwen3.5's
+# separate in_proj_qkv / z / b / a, Qwen3-Next's interleaved in_proj_qkvz / ba.
 _TARGETS = {"self_attn.q_proj": ("self_attn.qkv_proj", 0), "self_attn.k_proj": ("self_attn.qkv_proj", 1),
             "self_attn.v_proj": ("self_attn.qkv_proj", 2), "self_attn.o_proj": ("self_attn.o_proj", 0),
             "mlp.gate_proj": ("mlp.gate_up_proj", 0), "mlp.up_proj": ("mlp.gate_up_proj", 1),
-            "mlp.down_proj": ("mlp.down_proj", 0)}
-_KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(.+)\.lora_([AB])\.weight$")
+            "mlp.down_proj": ("mlp.down_proj", 0),
+            "linear_attn.in_proj_qkv": ("linear_attn.in_proj_qkvz", 0),
+            "linear_attn.in_proj_z": ("linear_attn.in_proj_qkvz", 1),
+            "linear_attn.in_proj_b": ("linear_attn.in_proj_ba", 0),
+            "linear_attn.in_proj_a": ("linear_attn.in_proj_ba", 1),
+            "linear_attn.in_proj_qkvz": ("linear_attn.in_proj_qkvz", None),
+            "linear_attn.in_proj_ba": ("linear_attn.in_proj_ba", None),
+            "linear_attn.out_proj": ("linear_attn.out_proj", 0)}
+_KEY = re.compile(r"^(?:base_model\.model\.)?model\.(?:language_model\.)?layers\.(\d+)\.(.+)\.lora_([AB])\.weight$")
 
 
 @dataclass(frozen=True)
@@ -61,10 +71,12 @@ class Adapter:
         self.name, self.rank, self.weights = name, rank, weights
 
     @classmethod
-    def load(cls, request: LoRARequest, layers: dict[str, tuple[int, list[int]]], max_rank: int) -> "Adapter":
+    def load(cls, request: LoRARequest, layers: dict[str, tuple[int, list[int]]], max_rank: int,
+             reorder=None) -> "Adapter":
         """Read and check ``request``'s folder against the base's layers ({module name: (in features, shard
         sizes)}: ``model_layers`` of the model, or ``config_layers`` of its config); InvalidRequest naming what is
-        wrong."""
+        wrong. ``reorder(name, tensor)``: the model's row order of a fused layer's checkpoint tensor (Qwen3-Next's
+        interleaved projections), applied to the B of an adapter on the whole layer."""
         folder = Path(request.lora_path)
 
         def bad(why: str) -> InvalidRequest:
@@ -101,15 +113,18 @@ class Adapter:
             match = _KEY.match(key)
             if match is None:
                 raise bad(f"tensor {key!r} targets a module MILI does not run adapters on (it runs them on the "
-                          f"attention and MLP projections: {', '.join(t.rsplit('.', 1)[1] for t in _TARGETS)})")
+                          "decoder layers' attention, MLP and Gated DeltaNet projections: "
+                          f"{', '.join(sorted({t.rsplit('.', 1)[1] for t in _TARGETS}))})")
             layer, target, which = int(match.group(1)), match.group(2), match.group(3)
             if target not in _TARGETS:
-                raise bad(f"tensor {key!r}: {target} is not a target MILI runs (experts, the router, embeddings and "
-                          "the lm_head are refused)")
+                raise bad(f"tensor {key!r}: {target} is not a target MILI runs (experts, the router, the shared "
+                          "expert and its gate, embeddings and the lm_head are refused)")
             module, shard = _TARGETS[target]
             name = f"model.layers.{layer}.{module}"
             if name not in layers:
                 raise bad(f"tensor {key!r}: the base model has no {name} (an adapter made for another base?)")
+            if shard is None and which == "B" and reorder is not None:
+                tensor = reorder(f"{name}.weight", tensor)
             parts.setdefault(name, {}).setdefault(shard, {})[which] = tensor
         if not parts:
             raise bad("no LoRA tensors")
@@ -120,17 +135,21 @@ class Adapter:
         return cls(request.lora_name, rank, weights)
 
 
-def _stack(shards: dict[int, dict[str, torch.Tensor]], in_features: int, shard_sizes: list[int], alpha: float,
-           rslora: bool, max_rank: int, bad) -> tuple[torch.Tensor, torch.Tensor]:
-    """One adapter's A [shards x max_rank, in] and B [out, shards x max_rank] for one layer (its scale in B)."""
+def _stack(shards: dict[int | None, dict[str, torch.Tensor]], in_features: int, shard_sizes: list[int],
+           alpha: float, rslora: bool, max_rank: int, bad) -> tuple[torch.Tensor, torch.Tensor]:
+    """One adapter's A [shards x max_rank, in] and B [out, shards x max_rank] for one layer (its scale in B). An
+    adapter on the whole fused layer (shard None) takes the first max_rank columns, its B spanning every row."""
     width = len(shard_sizes) * max_rank
     a = torch.zeros(width, in_features, dtype=torch.float32)
     b = torch.zeros(sum(shard_sizes), width, dtype=torch.float32)
+    if None in shards and len(shards) > 1:
+        raise bad("an adapter on a fused projection both whole and by its parts")
     for shard, ab in shards.items():
         if set(ab) != {"A", "B"}:
             raise bad(f"a lora_A without its lora_B (or the reverse) in shard {shard} of a layer")
         la, lb = ab["A"].float(), ab["B"].float()
-        rows, offset = shard_sizes[shard], sum(shard_sizes[:shard])
+        rows, offset = (sum(shard_sizes), 0) if shard is None else (shard_sizes[shard], sum(shard_sizes[:shard]))
+        shard = shard or 0
         r = la.shape[0]
         if la.shape != (r, in_features) or lb.shape != (rows, r):
             raise bad(f"lora_A {tuple(la.shape)} and lora_B {tuple(lb.shape)} do not fit the base's layer "
@@ -147,17 +166,27 @@ def model_layers(model: nn.Module) -> dict[str, tuple[int, list[int]]]:
 
 
 def config_layers(cfg) -> dict[str, tuple[int, list[int]]]:
-    """The same, from a dense or MoE Qwen3 config (``mili.config.ModelConfig``): what an API process checks an
-    adapter against before any request uses it."""
+    """The same, from a model's config (``mili.config.ModelConfig``: Qwen3 dense and MoE, the hybrids, Qwen3-VL's
+    language model): what an API process checks an adapter against before any request uses it."""
     hidden, q, kv = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     sparse = cfg.sparse_layers or (False,) * cfg.num_hidden_layers
+    kinds = cfg.layer_types or ("full_attention",) * cfg.num_hidden_layers
     layers = {}
     for i in range(cfg.num_hidden_layers):
-        layers[f"model.layers.{i}.self_attn.qkv_proj"] = (hidden, [q, kv, kv])
-        layers[f"model.layers.{i}.self_attn.o_proj"] = (q, [hidden])
+        at = f"model.layers.{i}"
+        if kinds[i] == "linear_attention":
+            from mili.model.qwen3_5 import LinearAttentionShape
+
+            s = LinearAttentionShape.of(cfg.hf_config)
+            layers[f"{at}.linear_attn.in_proj_qkvz"] = (hidden, [s.conv_dim, s.value_dim])
+            layers[f"{at}.linear_attn.in_proj_ba"] = (hidden, [s.num_v_heads, s.num_v_heads])
+            layers[f"{at}.linear_attn.out_proj"] = (s.value_dim, [hidden])
+        else:  # (a hybrid's gated attention: q_proj holds each head's query and its gate)
+            layers[f"{at}.self_attn.qkv_proj"] = (hidden, [2 * q if cfg.is_hybrid else q, kv, kv])
+            layers[f"{at}.self_attn.o_proj"] = (q, [hidden])
         if not sparse[i]:
-            layers[f"model.layers.{i}.mlp.gate_up_proj"] = (hidden, [cfg.intermediate_size] * 2)
-            layers[f"model.layers.{i}.mlp.down_proj"] = (cfg.intermediate_size, [hidden])
+            layers[f"{at}.mlp.gate_up_proj"] = (hidden, [cfg.intermediate_size] * 2)
+            layers[f"{at}.mlp.down_proj"] = (cfg.intermediate_size, [hidden])
     return layers
 
 
@@ -250,7 +279,10 @@ def add_lora_layers(model: nn.Module, max_loras: int, max_rank: int, dtype: torc
     for layer in model.model.layers:
         for path in sorted({module for module, _ in _TARGETS.values()}):
             parent_name, _, attr = path.rpartition(".")
-            parent = layer.get_submodule(parent_name)
+            try:
+                parent = layer.get_submodule(parent_name)
+            except AttributeError:  # (a linear-attention layer has no self_attn, a dense one no shared expert)
+                continue
             base = getattr(parent, attr, None)
             if base is None:  # (an MoE layer has no dense MLP)
                 continue
@@ -286,7 +318,8 @@ class LoRASlots:
         """A new request's adapter, loaded (and checked) on first use, held until ``release``."""
         adapter = self.loaded.get(request.lora_int_id)
         if adapter is None:
-            adapter = Adapter.load(request, self.shapes, self.max_rank)
+            adapter = Adapter.load(request, self.shapes, self.max_rank,
+                                   getattr(self.model, "reorder_checkpoint_tensor", None))
             self.loaded[request.lora_int_id] = adapter
         self.loaded.move_to_end(request.lora_int_id)
         self.users[request.lora_int_id] = self.users.get(request.lora_int_id, 0) + 1

@@ -202,9 +202,9 @@ def plan(config: EngineConfig, model_config: ModelConfig, device: DeviceInfo) ->
     if cpu_kernels:
         attention = "cpu"
 
-    if config.enable_lora and (hybrid or model_config.vision_config is not None or model_config.num_labels):
-        raise InvalidRequest("LoRA adapters run on Qwen3 dense and MoE models for now (not yet on the hybrids, "
-                             "Qwen3-VL or a classification head)", param="enable_lora")
+    if config.enable_lora and model_config.num_labels:
+        raise InvalidRequest("LoRA adapters run on the generative models (not on a classification head)",
+                             param="enable_lora")
     speculative = config.speculative_config.method if config.speculative_config is not None else None
     if speculative == "mtp" and (not hybrid or tp > 1):
         raise InvalidRequest("speculative_config: method mtp runs the hybrid models' MTP head (Qwen3.5 / 3.6, "

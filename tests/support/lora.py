@@ -11,14 +11,15 @@ ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 
 
 def build_adapter(base: Path, path: Path, seed: int, rank: int = 4, targets=ALL_TARGETS, rslora: bool = False,
-                  alpha: float | None = None, std: float = 0.3, **config):
-    """Save a random adapter of ``base`` at ``path``; returns PEFT's model with it (float32, eval), the reference."""
+                  alpha: float | None = None, std: float = 0.3, model_class=None, **config):
+    """Save a random adapter of ``base`` at ``path``; returns PEFT's model with it (float32, eval), the reference.
+    ``model_class``: transformers' class to load the base with (AutoModelForCausalLM by default)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, target_modules=list(targets),
+    model = (model_class or AutoModelForCausalLM).from_pretrained(base, dtype=torch.float32)
+    peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, target_modules=targets if isinstance(targets, str) else list(targets),
                                                   init_lora_weights=False, use_rslora=rslora, **config))
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
@@ -26,3 +27,14 @@ def build_adapter(base: Path, path: Path, seed: int, rank: int = 4, targets=ALL_
                 p.normal_(0, std)
     peft_model.save_pretrained(path)
     return peft_model.eval()
+
+
+def check_outputs(outs, expected) -> None:
+    """Greedy tokens equal to the reference's, and each one's logprob within 1e-4 of it (``expected``:
+    support.parity.hf_greedy's (tokens, raw logits [steps, V]) per prompt; the requests asked for logprobs=0)."""
+    for out, (tokens, scores) in zip(outs, expected, strict=True):
+        o = out.outputs[0]
+        assert o.token_ids == tokens
+        got = torch.tensor([o.logprobs[i][t].logprob for i, t in enumerate(tokens)])
+        ref = scores.log_softmax(-1)[torch.arange(len(tokens)), torch.tensor(tokens)]
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)

@@ -12,7 +12,7 @@ import torch
 
 from mili import InvalidRequest, LLM, LoRARequest, SamplingParams
 from support.engine_state import assert_drained
-from support.lora import build_adapter
+from support.lora import build_adapter, check_outputs
 from support.parity import hf_greedy
 
 PROMPTS = [[5, 17, 99, 3, 250, 40, 11], [400, 2, 3], list(range(30, 70))]
@@ -32,17 +32,6 @@ def dense(tmp_path_factory, qwen3_checkpoint):
     return base, refs, requests
 
 
-def _check(outs, expected) -> None:
-    """Greedy tokens equal to PEFT's, and each one's logprob within 1e-4 of PEFT's (``expected``: support.parity's
-    (tokens, raw logits [steps, V]))."""
-    for out, (tokens, scores) in zip(outs, expected):
-        o = out.outputs[0]
-        assert o.token_ids == tokens
-        got = torch.tensor([o.logprobs[i][t].logprob for i, t in enumerate(tokens)])
-        ref = scores.log_softmax(-1)[torch.arange(len(tokens)), torch.tensor(tokens)]
-        torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
-
-
 def test_each_adapter_matches_peft_and_a_mixed_batch_matches_each_alone(dense):
     base, refs, requests = dense
     from transformers import AutoModelForCausalLM
@@ -53,12 +42,12 @@ def test_each_adapter_matches_peft_and_a_mixed_batch_matches_each_alone(dense):
     expected = {name: hf_greedy(ref, PROMPTS, 12) for name, ref in refs.items()}
     expected[None] = hf_greedy(plain, PROMPTS, 12)
     for name, request in [*requests.items(), (None, None)]:
-        _check(llm.generate(prompts, PARAMS, use_tqdm=False, lora_request=request), expected[name])
+        check_outputs(llm.generate(prompts, PARAMS, use_tqdm=False, lora_request=request), expected[name])
     # one step: three adapters and the base model, each prompt under each
     names = ["a", "b", "c", None] * 3
     mixed = llm.generate([prompts[i % 3] for i in range(12)], PARAMS, use_tqdm=False,
                          lora_request=[requests[n] if n else None for n in names])
-    _check(mixed, [expected[n][i % 3] for i, n in enumerate(names)])
+    check_outputs(mixed, [expected[n][i % 3] for i, n in enumerate(names)])
     assert_drained(llm)
 
 
@@ -91,7 +80,7 @@ def test_the_prefix_cache_never_shares_between_adapters(dense):
     plain = llm.generate(prompt, PARAMS, use_tqdm=False)[0]
     assert first.num_cached_tokens == 0 and again.num_cached_tokens > 0
     assert other.num_cached_tokens == 0 and plain.num_cached_tokens == 0
-    _check([other], hf_greedy(refs["b"], PROMPTS[2:], 12))
+    check_outputs([other], hf_greedy(refs["b"], PROMPTS[2:], 12))
     assert_drained(llm)
 
 
@@ -104,7 +93,7 @@ def test_more_adapters_than_slots_wait_and_are_evicted(dense):
     outs = llm.generate([{"prompt_token_ids": PROMPTS[0]}] * 4, PARAMS, use_tqdm=False,
                         lora_request=[requests[n] for n in names])
     for out, name in zip(outs, names):
-        _check([out], hf_greedy(refs[name], PROMPTS[:1], 12))
+        check_outputs([out], hf_greedy(refs[name], PROMPTS[:1], 12))
     assert len(llm.engine.core.runner.loras.loaded) == 2
     assert_drained(llm)
 
@@ -138,7 +127,7 @@ def test_adapters_mili_cannot_run_are_refused_by_name(tmp_path, dense, qwen3_che
     refused(corrupt, "cannot be read")
     with pytest.raises(InvalidRequest, match="started without --enable-lora"):
         LLM(str(base), dtype="float32").generate(prompt, PARAMS, use_tqdm=False, lora_request=requests["a"])
-    _check(llm.generate(prompt, PARAMS, use_tqdm=False), hf_greedy(
+    check_outputs(llm.generate(prompt, PARAMS, use_tqdm=False), hf_greedy(
         __import__("transformers").AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval(),
         PROMPTS[:1], 12))
     assert_drained(llm)
@@ -153,7 +142,7 @@ def test_moe_attention_adapters_and_expert_adapters_refused(tmp_path):
     build_adapter(moe, tmp_path / "experts", 2, targets=("gate_proj", "up_proj", "down_proj"))
     llm = LLM(str(moe), dtype="float32", enable_lora=True)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS[:2]]
-    _check(llm.generate(prompts, PARAMS, use_tqdm=False, lora_request=LoRARequest("att", 1, str(tmp_path / "att"))),
+    check_outputs(llm.generate(prompts, PARAMS, use_tqdm=False, lora_request=LoRARequest("att", 1, str(tmp_path / "att"))),
            hf_greedy(attention, PROMPTS[:2], 12))
     with pytest.raises(InvalidRequest, match="not supported|not a target MILI runs"):
         llm.generate(prompts, PARAMS, use_tqdm=False, lora_request=LoRARequest("ex", 2, str(tmp_path / "experts")))
@@ -213,4 +202,4 @@ def test_an_awq_checkpoint_takes_adapters(tmp_path):
     llm = LLM(str(awq), dtype="float32", enable_lora=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False,
                         lora_request=LoRARequest("awq", 1, str(tmp_path / "adapter")))
-    _check(outs, hf_greedy(reference, PROMPTS, 12))
+    check_outputs(outs, hf_greedy(reference, PROMPTS, 12))
