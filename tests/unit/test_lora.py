@@ -203,3 +203,35 @@ def test_an_awq_checkpoint_takes_adapters(tmp_path):
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False,
                         lora_request=LoRARequest("awq", 1, str(tmp_path / "adapter")))
     check_outputs(outs, hf_greedy(reference, PROMPTS, 12))
+
+
+def test_qwen3_vl_adapter_with_an_image_matches_peft(tmp_path, vision_checkpoint):
+    """Qwen3-VL: an adapter on the language model (keys under model.language_model), a prompt with an image beside
+    a text-only one: greedy tokens and logprobs equal PEFT's model of the same adapter."""
+    from PIL import Image
+    from transformers import Qwen3VLForConditionalGeneration
+
+    from support.vision import IMAGE, VISION_END, VISION_START, process_images, prompt_with_images, write_images
+
+    base = vision_checkpoint("qwen3_vl")
+    reference = build_adapter(base, tmp_path / "a", 4, std=0.1, model_class=Qwen3VLForConditionalGeneration,
+                              targets=r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)")
+    (tmp_path / "images").mkdir()
+    paths = write_images(tmp_path / "images")[:1]
+    texts = [[5, 17, 301, 42], [7, 7, 90]]
+    pixels, grid = process_images(paths)
+    ids = torch.tensor([prompt_with_images(grid, texts)])
+    with torch.no_grad():
+        out = reference.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                                 output_scores=True, return_dict_in_generate=True, pad_token_id=0, pixel_values=pixels,
+                                 image_grid_thw=grid, mm_token_type_ids=(ids == IMAGE).int())
+    expected = [(out.sequences[0, ids.shape[1]:].tolist(), torch.stack(out.scores)[:, 0]),
+                hf_greedy(reference, PROMPTS[:1], 8)[0]]
+    llm = LLM(str(base), dtype="float32", enable_lora=True)
+    prompt = {"prompt_token_ids": texts[0] + [VISION_START, IMAGE, VISION_END] + texts[1],
+              "multi_modal_data": {"image": [Image.open(paths[0])]}}
+    outs = llm.generate([prompt, {"prompt_token_ids": PROMPTS[0]}],
+                        SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0), use_tqdm=False,
+                        lora_request=LoRARequest("a", 1, str(tmp_path / "a")))
+    check_outputs(outs, expected)
+    assert_drained(llm)
