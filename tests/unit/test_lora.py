@@ -235,3 +235,54 @@ def test_qwen3_vl_adapter_with_an_image_matches_peft(tmp_path, vision_checkpoint
                         lora_request=LoRARequest("a", 1, str(tmp_path / "a")))
     check_outputs(outs, expected)
     assert_drained(llm)
+
+
+def test_adapters_with_speculation_preemption_and_n(dense):
+    """Adapters a and b and the base model mixed in one run, each request's greedy tokens and logprobs PEFT's:
+    with n-gram speculative decoding (drafts from the sequence's own tokens, verified under its adapter), under KV
+    pages so few that sequences are preempted and recomputed (under their adapter), and with n = 2."""
+    base, refs, requests = dense
+    prompts = [PROMPTS[0] * 4 + PROMPTS[1], PROMPTS[1] * 6, PROMPTS[2]]
+    expected = {name: hf_greedy(ref, prompts, 12) for name, ref in refs.items() if name != "c"}
+    names = ["a", "b"] * 3
+    batch = [{"prompt_token_ids": prompts[i // 2]} for i in range(6)]
+    loras = [requests[n] for n in names]
+    want = [expected[n][i // 2] for i, n in enumerate(names)]
+    spec = LLM(str(base), dtype="float32", enable_lora=True, max_loras=2, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    check_outputs(spec.generate(batch, PARAMS, use_tqdm=False, lora_request=loras), want)
+    assert spec.engine.spec_decode_stats()["num_accepted_tokens"] > 0
+    assert_drained(spec)
+    tight = LLM(str(base), dtype="float32", enable_lora=True, max_loras=2, num_kv_pages=8, page_size=8,
+                max_num_batched_tokens=32, enable_prefix_caching=False)
+    check_outputs(tight.generate(batch, PARAMS, use_tqdm=False, lora_request=loras), want)
+    assert tight.engine.stats().num_preemptions > 0
+    assert_drained(tight)
+    two = LLM(str(base), dtype="float32", enable_lora=True).generate(
+        batch[:2], SamplingParams(n=2, max_tokens=12, temperature=0, ignore_eos=True, logprobs=0), use_tqdm=False,
+        lora_request=loras[:2])
+    for out, expect in zip(two, want[:2]):
+        assert len(out.outputs) == 2
+        for sample in out.outputs:
+            check_outputs([type("One", (), {"outputs": [sample]})], [expect])
+
+
+def test_structured_outputs_under_an_adapter(tmp_path, qwen3_checkpoint):
+    """A regular expression under an adapter (the real vocabulary): every sampled output matches it, and the
+    adapter's outputs are not the base model's for the same seeds."""
+    import re
+
+    from mili import StructuredOutputsParams
+
+    base = qwen3_checkpoint("gqa4_realvocab")
+    build_adapter(base, tmp_path / "a", 6, std=0.5)
+    pattern = r"[a-z]{3,6}-\d{2}"
+    llm = LLM(str(base), dtype="float32", enable_lora=True)
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=40,
+                             structured_outputs=StructuredOutputsParams(regex=pattern)) for s in range(6)]
+    adapted = llm.generate(["Answer:"] * 6, params, use_tqdm=False, lora_request=LoRARequest("a", 1, str(tmp_path / "a")))
+    plain = llm.generate(["Answer:"] * 6, params, use_tqdm=False)
+    for out in adapted:
+        assert out.outputs[0].finish_reason == "stop" and re.fullmatch(pattern, out.outputs[0].text), out.outputs[0].text
+    assert [o.outputs[0].text for o in adapted] != [o.outputs[0].text for o in plain]
+    assert_drained(llm)

@@ -115,3 +115,23 @@ def test_hub_layout_adapters_and_refusals(tmp_path, hybrid_checkpoint):
         LLM(str(moe), dtype="float32", enable_lora=True).generate(
             _prompts([0]), PARAMS, use_tqdm=False, lora_request=LoRARequest("se", 3, str(tmp_path / "se")))
     assert_drained(llm)
+
+
+def test_mtp_drafts_from_the_base_model_keep_the_adapters_tokens(tmp_path):
+    """Qwen3.5 with its MTP head: the drafts come from the base model's head (it runs no adapter) and are verified
+    under each request's adapter, so the output is PEFT's, token for token, in a batch mixing adapter and base."""
+    from support.hybrid import build_hybrid_checkpoint
+
+    base = build_hybrid_checkpoint(tmp_path / "mtp", "qwen3_5", mtp=True)
+    reference = build_adapter(base, tmp_path / "a", 5, targets=TARGETS["qwen3_5"], std=0.1)
+    from transformers import AutoModelForCausalLM
+
+    plain = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    llm = LLM(str(base), dtype="float32", enable_lora=True,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    lora = LoRARequest("a", 1, str(tmp_path / "a"))
+    outs = llm.generate(_prompts() * 2, PARAMS, use_tqdm=False, lora_request=[lora] * 3 + [None] * 3)
+    check_outputs(outs[:3], hf_greedy(reference, PROMPTS, 8))
+    check_outputs(outs[3:], hf_greedy(plain, PROMPTS, 8))
+    assert llm.engine.spec_decode_stats()["num_draft_tokens"] > 0
+    assert_drained(llm)
