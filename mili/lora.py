@@ -18,6 +18,7 @@ the fused layer as for any other.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import re
@@ -197,12 +198,12 @@ class LoRAStep:
     def __init__(self, max_loras: int):
         self.max_loras = max_loras
         self.active = False
-        self._slots: torch.Tensor | None = None  # [T] each row's slot (-1: the base model alone)
+        self.slots: torch.Tensor | None = None  # [T] each row's slot (-1: the base model alone)
         self._masks: dict[tuple[int, torch.dtype], torch.Tensor] = {}
 
     def set(self, token_slots: list[int], device: torch.device) -> None:
         self.active = any(s >= 0 for s in token_slots)
-        self._slots = torch.tensor(token_slots, dtype=torch.long, device=device) if self.active else None
+        self.slots = torch.tensor(token_slots, dtype=torch.long, device=device) if self.active else None
         self._masks = {}
 
     def mask(self, width: int, dtype: torch.dtype, columns: int) -> torch.Tensor:
@@ -211,9 +212,9 @@ class LoRAStep:
         key = (width, dtype, columns)
         mask = self._masks.get(key)
         if mask is None:
-            slots = torch.arange(self.max_loras, device=self._slots.device)
-            mask = (self._slots[:, None] == slots[None, :]).to(dtype)
-            mask = mask[:, :, None].expand(-1, -1, width).reshape(len(self._slots), -1)
+            slots = torch.arange(self.max_loras, device=self.slots.device)
+            mask = (self.slots[:, None] == slots[None, :]).to(dtype)
+            mask = mask[:, :, None].expand(-1, -1, width).reshape(len(self.slots), -1)
             mask = self._masks[key] = torch.nn.functional.pad(mask, (0, columns - mask.shape[1]))
         return mask
 
@@ -224,24 +225,33 @@ class LoRALinear(nn.Module):
 
     Every slot's A is stacked into one [slots x W, in] matrix and every B into one [out, slots x W]: a step computes
     u = x A^T for all slots at once, keeps each row's own slot's columns (``LoRAStep.mask``), and adds u B^T. Two
-    products a layer whatever the adapters in the step; on MILI's CPU kernels (bf16) both run on its linear kernel,
-    A and B packed as weights (a decode step's rows are few: gathering each adapter's rows, or torch's bf16 products
-    on small shapes, cost more than the slots' extra columns)."""
+    products a layer whatever the adapters in the step. On MILI's CPU kernels (bf16) kernels.c's mili_lora_add runs
+    it on the linear kernel, A and each shard's B packed as weights (B per shard: its block-diagonal zeros never
+    read), the same call in the module path and in the fused decode layer (a decode step's rows are few: gathering
+    each adapter's rows, or torch's bf16 products on small shapes, cost more than the slots' extra columns)."""
 
     def __init__(self, base: nn.Module, in_features: int, shard_sizes: list[int], max_loras: int, max_rank: int,
                  step: LoRAStep, dtype: torch.dtype, device: torch.device, kernels: bool = False):
         super().__init__()
         self.base, self.shard_sizes, self.step = base, shard_sizes, step
-        self.in_features, self.max_rank = in_features, max_rank
+        self.in_features, self.max_rank, self.max_loras = in_features, max_rank, max_loras
         self.width = len(shard_sizes) * max_rank
         out = sum(shard_sizes)
         # (the slots' columns padded to a multiple of 32: the width MILI's CPU kernels take)
         self.columns = -(-max_loras * self.width // 32) * 32
         self.lora_a = torch.zeros(self.columns, in_features, dtype=dtype, device=device)  # [slots x W (+pad), in]
         self.lora_b = torch.zeros(out, self.columns, dtype=dtype, device=device)  # [out, slots x W (+pad)]
-        # on MILI's CPU kernels (bf16): both products on the linear kernel, A and B packed (again when a slot changes)
-        self.kernels = kernels
-        self.packed: tuple[torch.Tensor, torch.Tensor] | None = None
+        # on MILI's CPU kernels (bf16): A and each shard's B packed (again when a slot changes), kernels.c's view
+        self.desc = None
+        if kernels and len(shard_sizes) <= 3:
+            from mili.kernels.cpu import ops as cpu_ops
+
+            self.kb = -(-max_loras * max_rank // 32) * 32  # (each shard's columns of every slot, padded)
+            self.packed_a = cpu_ops.pack_weight(self.lora_a)
+            self.packed_b = [cpu_ops.pack_weight(torch.zeros(n, self.kb, dtype=dtype)) for n in shard_sizes]
+            self.desc = cpu_ops.LoRADesc(self.packed_a.data_ptr(), (ctypes.c_void_p * 3)(
+                *(b.data_ptr() for b in self.packed_b)), (ctypes.c_int64 * 3)(*shard_sizes), len(shard_sizes),
+                self.columns, self.width, max_rank, max_loras, self.kb)
 
     def load_slot(self, slot: int, weights: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """Put an adapter's weights for this layer in ``slot`` (None: it does not target this layer: zeros)."""
@@ -252,21 +262,27 @@ class LoRALinear(nn.Module):
         else:
             self.lora_a[cols].copy_(weights[0])
             self.lora_b[:, cols].copy_(weights[1])
-        if self.kernels:
+        if self.desc is not None:  # (packed in place: the kernels' pointers stay valid)
             from mili.kernels.cpu import ops as cpu_ops
 
-            self.packed = (cpu_ops.pack_weight(self.lora_a), cpu_ops.pack_weight(self.lora_b))
+            self.packed_a.copy_(cpu_ops.pack_weight(self.lora_a))
+            r, offset = self.max_rank, 0
+            for j, (n, packed) in enumerate(zip(self.shard_sizes, self.packed_b)):
+                columns = torch.tensor([s * self.width + j * r + i for s in range(self.max_loras) for i in range(r)])
+                b = self.lora_b.new_zeros(n, self.kb)
+                b[:, :len(columns)] = self.lora_b[offset:offset + n, columns]
+                packed.copy_(cpu_ops.pack_weight(b))
+                offset += n
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         if not self.step.active:
             return y
-        mask = self.step.mask(self.width, x.dtype, self.columns)
-        if self.packed is not None:
+        if self.desc is not None:
             from mili.kernels.cpu import ops as cpu_ops
 
-            u = cpu_ops.linear(x, self.packed[0], self.columns) * mask
-            return y + cpu_ops.linear(u, self.packed[1], self.lora_b.shape[0])
+            return cpu_ops.lora_add(self.desc, x, y, self.step.slots)
+        mask = self.step.mask(self.width, x.dtype, self.columns)
         return y + ((x @ self.lora_a.T) * mask) @ self.lora_b.T
 
 

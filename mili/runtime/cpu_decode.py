@@ -16,7 +16,8 @@ import ctypes
 import torch
 
 from mili.kernels.cpu import load
-from mili.kernels.cpu.ops import decode_metadata, scale_form
+from mili.kernels.cpu.ops import LoRADesc, decode_metadata, scale_form
+from mili.lora import LoRALinear
 from mili.model.cpu_linear import Int4Linear, Int8GroupLinear, Int8Linear, KernelLinear, SplitLinear
 from mili.model.batch import ForwardBatch
 
@@ -30,7 +31,8 @@ class LinearDesc(ctypes.Structure):
 
 
 LinearDesc._fields_ = [("w", _P), ("scales", _P), ("aux", _P), ("n", _I), ("k", _I), ("group", _I), ("scale_mode", _I),
-                       ("sub", _I), ("int8g", _I), ("high_bits", _I), ("next", ctypes.POINTER(LinearDesc))]
+                       ("sub", _I), ("int8g", _I), ("high_bits", _I), ("next", ctypes.POINTER(LinearDesc)),
+                       ("lora", ctypes.POINTER(LoRADesc))]
 
 
 class LayerDesc(ctypes.Structure):
@@ -42,7 +44,13 @@ class LayerDesc(ctypes.Structure):
 
 def _linear_desc(layer) -> LinearDesc | None:
     """The kernel's view of a swapped linear layer, or None where the fused step can't take it. A SplitLinear's parts
-    are a chain (``next``: each pointer holds its target alive)."""
+    are a chain (``next``: each pointer holds its target alive). A LoRALinear's adapters ride on its base layer's
+    (``lora``; None where they are not on the kernels)."""
+    if isinstance(layer, LoRALinear):
+        desc = _linear_desc(layer.base) if layer.desc is not None else None
+        if desc is not None:
+            desc.lora = ctypes.pointer(layer.desc)
+        return desc
     if layer.bias is not None or layer.out_features % 16:
         return None
     if isinstance(layer, SplitLinear):
@@ -98,6 +106,8 @@ class CpuDecodeRunner:
                 layer.input_layernorm.weight.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim,
                 mlp.down_proj.in_features, layer.input_layernorm.eps, attn.head_dim ** -0.5,
                 *(n.weight.data_ptr() for n in norms), *linears))
+        # the model's LoRA adapters' step (which slot each row runs), where it has them
+        self.lora_step = next((m.step for m in model.modules() if isinstance(m, LoRALinear)), None)
         self.work_per_token = 0
         if self.layers:
             d = self.layers[0]
@@ -127,10 +137,11 @@ class CpuDecodeRunner:
             table = batch.page_table.repeat_interleave(torch.tensor(batch.query_lens), dim=0).to(torch.int64)
             lens = torch.cat([torch.arange(c - q + 1, c + 1) for q, c in zip(batch.query_lens, batch.context_lens)])
         threads = torch.get_num_threads()
+        lora = self.lora_step.slots.data_ptr() if self.lora_step is not None and self.lora_step.active else None
         for i, (desc, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             self.lib.mili_decode_layer(ctypes.byref(desc), h.data_ptr(), residual.data_ptr(), int(i == 0),
                                        k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), cos.data_ptr(),
                                        sin.data_ptr(), table.data_ptr(), table.stride(0), lens.data_ptr(),
-                                       k_cache.shape[2], t, work.data_ptr(), threads)
+                                       k_cache.shape[2], t, work.data_ptr(), lora, threads)
         rows = batch.logits_indices
         return self.model.model.norm(h[rows], residual[rows])[0]

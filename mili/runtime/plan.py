@@ -363,9 +363,9 @@ def _step(config, model_config, device, attention, cpu_kernels, speculative, tp,
     dense models whose layers it takes whole), or eagerly; and why not faster where not."""
     if config.enforce_eager:
         return "eager", "--enforce-eager" if device.type == "cuda" or cpu_kernels else ""
-    if config.enable_lora:
-        return "eager", "LoRA adapters (their products run beside each layer's)"
     if device.type == "cuda":
+        if config.enable_lora:
+            return "eager", "LoRA adapters (their products run beside each layer's) until verified under capture"
         if model_config.is_moe or tp > 1:
             return "eager", "MoE and tensor-parallel models run eagerly until verified under capture"
         if speculative == "mtp":

@@ -922,7 +922,7 @@ static void test_decode_layer(int kind, int64_t group, int mode, int sym, int fi
   const int64_t nwork = T * (H + nqkv + Hq * D + H + 2 * I + I);
   bf16 *work = xalloc(sizeof(bf16) * nwork);
 
-  mili_decode_layer(&L, h[0], res[0], first, kc[0], vc[0], slots, cos_t, sin_t, table, ldp, lens, ps, T, work, NT);
+  mili_decode_layer(&L, h[0], res[0], first, kc[0], vc[0], slots, cos_t, sin_t, table, ldp, lens, ps, T, work, NULL, NT);
 
   { /* (1) the pieces, as the layer documents them */
     bf16 *normed = xalloc(sizeof(bf16) * T * H), *x = xalloc(sizeof(bf16) * T * nqkv), *attn = xalloc(sizeof(bf16) * T * Hq * D);

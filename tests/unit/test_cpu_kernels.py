@@ -254,13 +254,13 @@ def fused_checkpoints(qwen3_checkpoint, tmp_path_factory):
     return {"gqa_untied": qwen3_checkpoint("gqa_untied"), "gqa4_tied": tied}
 
 
-def _fused_equals_eager(fused, eager, prompts, params, min_fused: int) -> None:
+def _fused_equals_eager(fused, eager, prompts, params, min_fused: int, lora_request=None) -> None:
     """``fused``'s outputs (its decode steps on the fused C layer) equal ``eager``'s: every sequence's tokens, and
     their logprobs exactly; at least ``min_fused`` decode steps ran fused."""
     runner = fused.engine.core.runner.cpu_decode
     fused_steps, run = [], runner.run
     runner.run = lambda *args: fused_steps.append(run(*args)) or fused_steps[-1]
-    a, b = (llm.generate(prompts, params, use_tqdm=False) for llm in (fused, eager))
+    a, b = (llm.generate(prompts, params, use_tqdm=False, lora_request=lora_request) for llm in (fused, eager))
     for x, y in zip(a, b):
         for ox, oy in zip(x.outputs, y.outputs):
             assert ox.token_ids == oy.token_ids
@@ -286,6 +286,29 @@ def test_fused_decode_step_is_the_module_path_bit_for_bit(isa, fused_checkpoints
     params[2] = SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=10, ignore_eos=True, logprobs=3)
     _fused_equals_eager(fused, eager, [{"prompt_token_ids": list(range(3, 3 + n))} for n in (1, 7, 40, 90)], params,
                         min_fused=8)
+
+
+@needs_kernels
+def test_fused_decode_step_with_lora_adapters_is_the_module_path_bit_for_bit(isa, fused_checkpoints, tmp_path):
+    """LoRA adapters on the fused decode layer (kernels.c's mili_lora_add inside each layer's call) against the
+    modules one by one: two adapters (one on every projection, one on q, v and down at rank 8) and the base model in
+    one batch, the same tokens and logprobs exactly; a batch with no adapter passes none."""
+    from mili import LoRARequest
+    from support.lora import build_adapter
+
+    path = fused_checkpoints["gqa_untied"]
+    build_adapter(path, tmp_path / "a", 1, std=0.05)
+    build_adapter(path, tmp_path / "b", 2, rank=8, targets=("q_proj", "v_proj", "down_proj"), std=0.05)
+    loras = [LoRARequest("a", 1, str(tmp_path / "a")), LoRARequest("b", 2, str(tmp_path / "b")), None, None]
+    kwargs = dict(dtype="bfloat16", enable_lora=True, max_loras=2, max_lora_rank=8)
+    fused, eager = LLM(str(path), **kwargs), LLM(str(path), **kwargs, enforce_eager=True)
+    assert fused.engine.plan.step == "cpu-decode" and eager.engine.plan.step == "eager"
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (1, 7, 40, 90)]
+    _fused_equals_eager(fused, eager, prompts, params, min_fused=8, lora_request=loras)
+    plain = fused.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in plain][:2] != [o.outputs[0].token_ids for o in fused.generate(
+        prompts[:2], params, use_tqdm=False, lora_request=loras[:2])]  # (the adapters change the output)
 
 
 def _int8g_of(w: torch.Tensor, group: int, symmetric: bool):

@@ -286,3 +286,29 @@ def test_structured_outputs_under_an_adapter(tmp_path, qwen3_checkpoint):
         assert out.outputs[0].finish_reason == "stop" and re.fullmatch(pattern, out.outputs[0].text), out.outputs[0].text
     assert [o.outputs[0].text for o in adapted] != [o.outputs[0].text for o in plain]
     assert_drained(llm)
+
+
+def test_the_cpu_kernels_adapter_products_are_torchs(dense):
+    """bf16 on MILI's CPU kernels (kernels.c's mili_lora_add: A over every slot, B per shard): every adapted layer's
+    output equals base(x) + the row's own slot's (x A^T) B^T computed by torch in float32, within bf16's rounding,
+    for rows under two adapters and the base model; base rows untouched."""
+    base, _, requests = dense
+    llm = LLM(str(base), dtype="bfloat16", enable_lora=True, max_loras=2, max_lora_rank=8)
+    loras = llm.engine.core.runner.loras
+    for name in ("a", "b"):
+        loras.acquire(requests[name])
+    loras.prepare([1, None, 2, 1, 2], torch.device("cpu"))
+    from mili.lora import LoRALinear
+
+    layers = llm.apply_model(lambda m: [x for x in m.modules() if isinstance(x, LoRALinear)])
+    assert layers and all(layer.desc is not None for layer in layers)
+    for layer in layers:
+        x = torch.randn(5, layer.in_features, dtype=torch.bfloat16)
+        with torch.inference_mode():
+            got, plain = layer(x).float(), layer.base(x).float()
+        mask = layer.step.mask(layer.width, torch.float32, layer.columns)
+        want = plain + ((x.float() @ layer.lora_a.float().T) * mask) @ layer.lora_b.float().T
+        torch.testing.assert_close(got, want, atol=0.05, rtol=0.02)
+        assert torch.equal(got[1], plain[1])
+    for name in ("a", "b"):
+        loras.release(requests[name])

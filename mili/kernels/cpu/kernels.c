@@ -1213,6 +1213,60 @@ void mili_prefill_attention(const bf16 *q, int64_t ldq, const bf16 *k, int64_t l
  * as a sequence of the kernels above, so that a decode step crosses from Python once per layer instead of
  * ~15 times (the Python and torch work between kernels was a quarter of a batch-32 step). Same kernels,
  * same order, same roundings: the result is bit for bit the module path's. */
+/* -- LoRA adapters: each row's own adapter's low-rank product, added to a linear layer's output --------------
+ * A layer keeps `slots` adapters of rank up to `rank` (mili/lora.py, LoRALinear): A packed [columns, K] with slot s's
+ * shard j at rows s x width + j x rank (width = shards x rank; columns: slots x width padded to 32), and for each of
+ * the layer's output shards j (q|k|v, gate|up, or one) B_j packed [n_j, kb] over the columns of every slot's shard j
+ * (slot s at s x rank; kb: slots x rank padded to 32): y[:, shard j] += B_j (A_j x) per row, its slot's part only.
+ * u = x A^T runs over every slot at once (a decode step's rows are few: cheaper than a product per adapter); each
+ * shard then gathers its rows' own slot's columns (the others zero) and multiplies by B_j, whose block-diagonal
+ * zeros (other shards' columns) are never read. */
+typedef struct mili_lora_desc {
+  const bf16 *a;        /* packed A [columns, k] */
+  const bf16 *b[3];     /* per shard: packed B_j [n_j (padded to 16), kb] */
+  int64_t n[3];         /* per shard: output features */
+  int64_t shards, columns, width, rank, slots, kb;
+} mili_lora_desc;
+
+/* y [M, ldy] (bf16, the layer's output) += each row's adapter's product; slots[m] < 0: row m untouched. The sum is
+ * rounded to bf16 as torch's bf16 add rounds it. */
+void mili_lora_add(const mili_lora_desc *L, const bf16 *x, int64_t K, bf16 *y, int64_t ldy, int64_t M,
+                   const int64_t *slots, int nthreads) {
+  int64_t nmax = 0;
+  for (int64_t j = 0; j < L->shards; j++) nmax = L->n[j] > nmax ? L->n[j] : nmax;
+  const int64_t npad = (nmax + 15) / 16 * 16;
+  bf16 *u = malloc(sizeof(bf16) * M * L->columns), *us = malloc(sizeof(bf16) * M * L->kb);
+  bf16 *d = malloc(sizeof(bf16) * M * npad);
+  mili_linear(L->a, x, u, M, L->columns, K, nthreads);
+  for (int64_t j = 0, off = 0; j < L->shards; off += L->n[j], j++) {
+    const int64_t n = L->n[j], nj = (n + 15) / 16 * 16;
+    for (int64_t m = 0; m < M; m++) { /* this shard's columns of the row's own slot; the rest zero */
+      memset(us + m * L->kb, 0, sizeof(bf16) * L->kb);
+      if (slots[m] >= 0)
+        memcpy(us + m * L->kb + slots[m] * L->rank, u + m * L->columns + slots[m] * L->width + j * L->rank,
+               sizeof(bf16) * L->rank);
+    }
+    mili_linear(L->b[j], us, d, M, nj, L->kb, nthreads);
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (M * n >= 65536)
+    for (int64_t m = 0; m < M; m++) {
+      if (slots[m] < 0) continue;
+      bf16 *row = y + m * ldy + off;
+      const bf16 *add = d + m * nj; /* (mili_linear's rows: nj wide) */
+      int64_t i = 0;
+      for (; i + 16 <= n; i += 16) vf_store_bf16(row + i, vf_add(vf_load_bf16(row + i), vf_load_bf16(add + i)));
+      for (; i < n; i++) {
+        const float f = round_to_bf16(bf16_to_float(row[i]) + bf16_to_float(add[i]));
+        uint32_t bits;
+        memcpy(&bits, &f, 4);
+        row[i] = (bf16)(bits >> 16);
+      }
+    }
+  }
+  free(u);
+  free(us);
+  free(d);
+}
+
 typedef struct mili_linear_desc {
   const void *w;       /* packed weight */
   const void *scales;  /* int8: float per output column; int4, int8g: per column and group (scale_mode's form) */
@@ -1225,6 +1279,7 @@ typedef struct mili_linear_desc {
   int64_t high_bits; /* int4: bits above the nibble (0, 1, 2) */
   const struct mili_linear_desc *next; /* the layer's next output columns, in another form (a fused layer whose parts
                                           differ in type: Q4_K_M's q|k beside a Q6_K v), or NULL */
+  const mili_lora_desc *lora; /* the layer's LoRA adapters (on the first part: the whole layer's output), or NULL */
 } mili_linear_desc;
 
 typedef struct {
@@ -1243,8 +1298,16 @@ static int64_t linear_n(const mili_linear_desc *l) {
 
 /* y [M, linear_n(l)] = x @ W^T, each part of the layer into its columns. (Parts are int4 or int8g: those kernels take
  * a row stride; a plain layer is one part.) */
-static void run_linear(const mili_linear_desc *l, const bf16 *x, bf16 *y, int64_t M, int nthreads) {
+static void run_linear(const mili_linear_desc *l, const bf16 *x, bf16 *y, int64_t M, const int64_t *lora_slots,
+                       int nthreads) {
   const int64_t ldy = linear_n(l);
+  if (l->lora && lora_slots) { /* the layer, then its adapters' products added */
+    mili_linear_desc base = *l;
+    base.lora = NULL;
+    run_linear(&base, x, y, M, NULL, nthreads);
+    mili_lora_add(l->lora, x, l->k, y, ldy, M, lora_slots, nthreads);
+    return;
+  }
   for (; l; y += l->n, l = l->next) {
     if (l->int8g)
       mili_linear_int8g(l->w, l->scales, l->aux, x, y, M, l->n, l->k, l->group, (int)l->scale_mode, l->sub,
@@ -1260,11 +1323,12 @@ static void run_linear(const mili_linear_desc *l, const bf16 *x, bf16 *y, int64_
 /* T decode tokens, one per sequence. h [T, hidden] in: the layer's input; out: its MLP output (in place).
  * residual [T, hidden]: the residual stream in and out (in place); with first != 0 there is none yet and
  * h is the stream. slots [T]: where each token's K/V go (< 0: skipped). cos/sin [T, head_dim] float32.
- * work: T x (hidden + qkv.n + q_heads x head_dim + hidden + gate_up.n + inter) bf16. */
+ * work: T x (hidden + qkv.n + q_heads x head_dim + hidden + gate_up.n + inter) bf16. lora_slots [T]: each token's
+ * LoRA adapter slot (< 0: none), or NULL: no adapters this step. */
 void mili_decode_layer(const mili_layer_desc *L, bf16 *h, bf16 *residual, int first, bf16 *k_cache, bf16 *v_cache,
                        const int64_t *slots, const float *cos_t, const float *sin_t, const int64_t *page_table,
                        int64_t ldp, const int64_t *context_lens, int64_t page_size, int64_t T, bf16 *work,
-                       int nthreads) {
+                       const int64_t *lora_slots, int nthreads) {
   const int64_t H = L->hidden, D = L->head_dim, Hq = L->q_heads, Hkv = L->kv_heads, nqkv = linear_n(&L->qkv);
   bf16 *normed = work, *qkv = normed + T * H, *attn = qkv + T * nqkv, *o = attn + T * Hq * D;
   bf16 *gate_up = o + T * H, *act = gate_up + T * linear_n(&L->gate_up);
@@ -1274,16 +1338,16 @@ void mili_decode_layer(const mili_layer_desc *L, bf16 *h, bf16 *residual, int fi
   } else {
     mili_rms_norm(h, H, residual, L->input_norm, normed, residual, T, H, L->eps, nthreads);
   }
-  run_linear(&L->qkv, normed, qkv, T, nthreads);
+  run_linear(&L->qkv, normed, qkv, T, lora_slots, nthreads);
   mili_qk_norm_rope(qkv, nqkv, T, Hq, Hkv, D, L->q_norm, L->k_norm, L->eps, cos_t, sin_t, nthreads);
   mili_store_kv(qkv + Hq * D, nqkv, qkv + (Hq + Hkv) * D, nqkv, k_cache, v_cache, slots, T, Hkv, D, page_size);
   mili_decode_attention(qkv, nqkv, k_cache, v_cache, page_table, ldp, context_lens, attn, T, Hq, Hkv, D, page_size,
                         L->scale, nthreads);
-  run_linear(&L->o, attn, o, T, nthreads);
+  run_linear(&L->o, attn, o, T, lora_slots, nthreads);
   mili_rms_norm(o, H, residual, L->post_norm, normed, residual, T, H, L->eps, nthreads);
-  run_linear(&L->gate_up, normed, gate_up, T, nthreads);
+  run_linear(&L->gate_up, normed, gate_up, T, lora_slots, nthreads);
   mili_silu_and_mul(gate_up, act, T, L->inter, nthreads);
-  run_linear(&L->down, act, h, T, nthreads);
+  run_linear(&L->down, act, h, T, lora_slots, nthreads);
 }
 
 /* -- sampling -------------------------------------------------------------------------------------------- */

@@ -5,6 +5,7 @@ does not cover (another dtype, an odd layout) go to the torch reference, so call
 from __future__ import annotations
 
 import contextlib
+import ctypes
 
 import torch
 
@@ -81,6 +82,24 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Te
     """x [M, K] @ W^T for W packed by pack_weight: [M, out_features]."""
     return _packed_product(x, packed, out_features, lambda x, y, m, n, k: _lib().mili_linear(
         packed.data_ptr(), x.data_ptr(), y.data_ptr(), m, n, k, _threads()))
+
+
+class LoRADesc(ctypes.Structure):
+    """kernels.c's mili_lora_desc: a layer's LoRA adapter slots, packed (mili.lora.LoRALinear builds it)."""
+
+    _fields_ = [("a", ctypes.c_void_p), ("b", ctypes.c_void_p * 3), ("n", ctypes.c_int64 * 3),
+                ("shards", ctypes.c_int64), ("columns", ctypes.c_int64), ("width", ctypes.c_int64),
+                ("rank", ctypes.c_int64), ("slots", ctypes.c_int64), ("kb", ctypes.c_int64)]
+
+
+def lora_add(desc: LoRADesc, x: torch.Tensor, y: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """y [M, N] (bf16, unit column stride) += each row's adapter's product (kernels.c, mili_lora_add), in place;
+    ``slots`` [M] int64: each row's slot (< 0: none)."""
+    x = x.to(BF16).contiguous()
+    assert y.dtype == BF16 and y.stride(1) == 1 and slots.dtype == torch.int64 and slots.is_contiguous()
+    _lib().mili_lora_add(ctypes.byref(desc), x.data_ptr(), x.shape[1], y.data_ptr(), y.stride(0), x.shape[0],
+                         slots.data_ptr(), _threads())
+    return y
 
 
 def int8_column_sums(packed: torch.Tensor) -> torch.Tensor:
