@@ -193,18 +193,25 @@ def config_layers(cfg) -> dict[str, tuple[int, list[int]]]:
 
 class LoRAStep:
     """A step's token rows by adapter slot, shared by every LoRALinear (set before the model runs): ``active`` when
-    any row runs an adapter, and per slot width W the [T, slots x W] mask that keeps each row's own slot."""
+    any row runs an adapter, and per slot width W the [T, slots x W] mask that keeps each row's own slot; on the
+    Triton path (``triton``) the rows grouped by slot instead (``segments``, made once a step for every layer)."""
 
-    def __init__(self, max_loras: int):
-        self.max_loras = max_loras
+    def __init__(self, max_loras: int, triton: bool = False):
+        self.max_loras, self.triton = max_loras, triton
         self.active = False
         self.slots: torch.Tensor | None = None  # [T] each row's slot (-1: the base model alone)
         self._masks: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        self.segments = None  # (Triton) mili.kernels.triton.lora.LoRASegments of the step's adapter rows
 
     def set(self, token_slots: list[int], device: torch.device) -> None:
         self.active = any(s >= 0 for s in token_slots)
         self.slots = torch.tensor(token_slots, dtype=torch.long, device=device) if self.active else None
         self._masks = {}
+        self.segments = None
+        if self.active and self.triton:
+            from mili.kernels.triton import lora as triton_lora
+
+            self.segments = triton_lora.segments(token_slots, device)
 
     def mask(self, width: int, dtype: torch.dtype, columns: int) -> torch.Tensor:
         """[T, columns]: 1 in the max_loras x ``width`` columns of each row's slot, 0 elsewhere (a base row, and
@@ -228,10 +235,14 @@ class LoRALinear(nn.Module):
     products a layer whatever the adapters in the step. On MILI's CPU kernels (bf16) kernels.c's mili_lora_add runs
     it on the linear kernel, A and each shard's B packed as weights (B per shard: its block-diagonal zeros never
     read), the same call in the module path and in the fused decode layer (a decode step's rows are few: gathering
-    each adapter's rows, or torch's bf16 products on small shapes, cost more than the slots' extra columns)."""
+    each adapter's rows, or torch's bf16 products on small shapes, cost more than the slots' extra columns). On the
+    Triton path (``triton``: CUDA, or the CPU under TRITON_INTERPRET) each row computes its own slot's product only
+    (``mili.kernels.triton.lora.lora_add``: the rows grouped by slot, ``LoRAStep.segments``), added into base(x) in
+    place."""
 
     def __init__(self, base: nn.Module, in_features: int, shard_sizes: list[int], max_loras: int, max_rank: int,
-                 step: LoRAStep, dtype: torch.dtype, device: torch.device, kernels: bool = False):
+                 step: LoRAStep, dtype: torch.dtype, device: torch.device, kernels: bool = False,
+                 triton: bool = False):
         super().__init__()
         self.base, self.shard_sizes, self.step = base, shard_sizes, step
         self.in_features, self.max_rank, self.max_loras = in_features, max_rank, max_loras
@@ -252,6 +263,12 @@ class LoRALinear(nn.Module):
             self.desc = cpu_ops.LoRADesc(self.packed_a.data_ptr(), (ctypes.c_void_p * 3)(
                 *(b.data_ptr() for b in self.packed_b)), (ctypes.c_int64 * 3)(*shard_sizes), len(shard_sizes),
                 self.columns, self.width, max_rank, max_loras, self.kb)
+        self.triton = triton
+        self.shard_ends = None  # (Triton) each shard's end, for the kernel
+        if triton:
+            from mili.kernels.triton import lora as triton_lora
+
+            self.shard_ends = triton_lora.shard_ends(shard_sizes, device)
 
     def load_slot(self, slot: int, weights: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """Put an adapter's weights for this layer in ``slot`` (None: it does not target this layer: zeros)."""
@@ -278,6 +295,13 @@ class LoRALinear(nn.Module):
         y = self.base(x)
         if not self.step.active:
             return y
+        if self.triton:
+            from mili.kernels.triton import lora as triton_lora
+
+            y = y if y.is_contiguous() else y.contiguous()
+            return triton_lora.lora_add(y, x.reshape(-1, self.in_features), self.lora_a, self.lora_b,
+                                        self.step.segments, self.width, self.max_rank, self.shard_sizes,
+                                        self.shard_ends)
         if self.desc is not None:
             from mili.kernels.cpu import ops as cpu_ops
 
@@ -287,11 +311,11 @@ class LoRALinear(nn.Module):
 
 
 def add_lora_layers(model: nn.Module, max_loras: int, max_rank: int, dtype: torch.dtype,
-                    device: torch.device, kernels: bool = False) -> LoRAStep:
+                    device: torch.device, kernels: bool = False, triton: bool = False) -> LoRAStep:
     """Wrap every attention and MLP projection of ``model``'s decoder layers in a LoRALinear (after the linear layers
-    are on their kernels; ``kernels``: the adapters' products on MILI's CPU kernels too); the LoRAStep they share is
-    returned."""
-    step = LoRAStep(max_loras)
+    are on their kernels; ``kernels``: the adapters' products on MILI's CPU kernels too; ``triton``: on the Triton
+    kernel, which computes each row's own slot's product only); the LoRAStep they share is returned."""
+    step = LoRAStep(max_loras, triton)
     for layer in model.model.layers:
         for path in sorted({module for module, _ in _TARGETS.values()}):
             parent_name, _, attr = path.rpartition(".")
@@ -304,7 +328,7 @@ def add_lora_layers(model: nn.Module, max_loras: int, max_rank: int, dtype: torc
                 continue
             shards = list(getattr(base, "shard_sizes", None) or [_out_features(base)])
             setattr(parent, attr, LoRALinear(base, _in_features(base), shards, max_loras, max_rank, step, dtype,
-                                             device, kernels))
+                                             device, kernels, triton))
     return step
 
 

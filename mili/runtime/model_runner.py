@@ -74,7 +74,7 @@ class ModelRunner:
             from mili.lora import LoRASlots, add_lora_layers
 
             step = add_lora_layers(self.model, config.max_loras, config.max_lora_rank, self.plan.dtype, device,
-                                   kernels=self.plan.cpu_kernels)
+                                   kernels=self.plan.cpu_kernels, triton=self.plan.attention == "triton")
             self.loras = LoRASlots(self.model, step, config.max_loras, config.max_lora_rank,
                                    config.max_cpu_loras or config.max_loras)
         self.vision_budget = self.encoder_cache = None  # the tower's memory plan and its outputs by image
