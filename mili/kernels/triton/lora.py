@@ -10,10 +10,9 @@ are sorted by slot into segments (slot, first index, length). Then, in each laye
 
 - shrink: u = x A_s^T for every row of a segment, a tile of ``BLOCK_M`` rows of one segment against a tile of its
   slot's W columns (``tl.dot``, float32 accumulation), the in-features split over ``splits`` programs where rows are
-  few (decode): each split writes its own float32 partial [splits, T, W] (no atomics: the sums are deterministic);
-- expand: y += u B_s^T in place, the partials summed as u is read, u rounded to the model's dtype (as the torch path
-  does) for the dot; a tile of output columns reads only the max_rank columns of its shards (one shard unless the tile
-  straddles a shard's end).
+  few (decode): each split writes its own float32 partial [splits, T, W], summed by torch (no atomics: deterministic);
+- expand: y += u B_s^T in place, u rounded to the model's dtype (as the torch path does) for the dot; each shard's
+  output columns are tiled apart, and a tile reads only its shard's max_rank columns of u and B (B is block-diagonal).
 
 The grid is (tiles x row blocks of the longest segment, segments): programs past their segment's end return at once;
 rows of the base model (slot -1) are in no segment and keep y as it is. No loop over sequences, no weight merge.
@@ -62,11 +61,12 @@ def segments(token_slots, device: torch.device | str) -> LoRASegments | None:
 
 
 @triton.jit
-def _lora_shrink_kernel(X, A, U, ROWS, SEG_SLOT, SEG_START, SEG_LEN, K, W, k_per_split, num_m, num_n,
+def _lora_shrink_kernel(X, A, U, ROWS, SEG_SLOT, SEG_START, SEG_LEN, K, W, k_tiles, num_m, num_n,
                         stride_xm, stride_am, stride_us, stride_um,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EXACT: tl.constexpr):
     """U[split, row, n] = sum over this split's k of X[row, k] A[slot x W + n, k], for a block of one segment's rows
-    and a tile of the slot's W columns."""
+    and a tile of the slot's W columns; a split is ``k_tiles`` x BLOCK_K in-features (so that the compiler knows
+    each tile's start a multiple of BLOCK_K: contiguous, vectorized loads, pipelined)."""
     pid, seg = tl.program_id(0), tl.program_id(1)
     pid_m = pid % num_m
     pid_n = (pid // num_m) % num_n
@@ -80,57 +80,61 @@ def _lora_shrink_kernel(X, A, U, ROWS, SEG_SLOT, SEG_START, SEG_LEN, K, W, k_per
         n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < W
         a_rows = (slot * W + n).to(tl.int64)
-        k_lo = split * k_per_split
-        k_hi = tl.minimum(k_lo + k_per_split, K)
+        k_lo = split * k_tiles * BLOCK_K
+        k_hi = tl.minimum(k_lo + k_tiles * BLOCK_K, K)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
-            k_ok = ks < k_hi
-            x = tl.load(X + rows[:, None] * stride_xm + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
-            a = tl.load(A + a_rows[None, :] * stride_am + ks[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+            x = tl.load(X + rows[:, None] * stride_xm + ks[None, :], mask=valid[:, None] & (ks[None, :] < K),
+                        other=0.0)
+            a = tl.load(A + a_rows[None, :] * stride_am + ks[:, None], mask=n_ok[None, :] & (ks[:, None] < K),
+                        other=0.0)
             acc += _dot(x, a, EXACT)
         tl.store(U + split * stride_us + rows[:, None] * stride_um + n[None, :], acc,
                  mask=valid[:, None] & n_ok[None, :])
 
 
 @triton.jit
-def _lora_expand_kernel(U, B, Y, ROWS, SEG_SLOT, SEG_START, SEG_LEN, SHARD_ENDS, N, W, splits, num_m,
-                        stride_us, stride_um, stride_bn, stride_ym,
+def _lora_expand_kernel(U, B, Y, ROWS, SEG_SLOT, SEG_START, SEG_LEN, SHARD_ENDS, W, num_m,
+                        stride_um, stride_bn, stride_ym,
                         NUM_SHARDS: tl.constexpr, RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, EXACT: tl.constexpr):
-    """Y[row, n] += sum over k of U[row, k] B[n, slot x W + k] (U: the sum of its splits' partials), k over the
-    max_rank columns of the shards that the tile's output columns belong to (B is zero elsewhere)."""
+    """Y[row, n] += sum over k < RANK of U[row, j x RANK + k] B[n, slot x W + j x RANK + k] for a block of one
+    segment's rows and a tile of shard j's output columns: each shard's columns are tiled apart (``SHARD_ENDS``:
+    each shard's end), so a tile reads only its own shard's RANK columns of u and B (B is block-diagonal)."""
     pid, seg = tl.program_id(0), tl.program_id(1)
     pid_m = pid % num_m
-    pid_n = pid // num_m
+    tile = pid // num_m
     length = tl.load(SEG_LEN + seg)
     if pid_m * BLOCK_M < length:
         slot = tl.load(SEG_SLOT + seg)
         m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         valid = m < length
         rows = tl.load(ROWS + tl.load(SEG_START + seg) + m, mask=valid, other=0).to(tl.int64)
-        n0 = pid_n * BLOCK_N
+        # which shard the tile is in: shard i has cdiv(size_i, BLOCK_N) tiles, after those of the shards before it
+        shard = tile * 0
+        n0 = tile * 0
+        n_end = tile * 0
+        first = tile * 0
+        shard_start = tile * 0
+        for i in tl.static_range(NUM_SHARDS):
+            shard_end = tl.load(SHARD_ENDS + i)
+            tiles = (shard_end - shard_start + BLOCK_N - 1) // BLOCK_N
+            inside = (tile >= first) & (tile < first + tiles)
+            shard = tl.where(inside, i, shard)
+            n0 = tl.where(inside, shard_start + (tile - first) * BLOCK_N, n0)
+            n_end = tl.where(inside, shard_end, n_end)
+            first += tiles
+            shard_start = shard_end
         n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = n < N
-        n_last = tl.minimum(n0 + BLOCK_N, N) - 1
-        # the shards of the tile's first and last columns (SHARD_ENDS: each shard's end but the last's)
-        j_lo = n0 * 0
-        j_hi = n0 * 0
-        for i in tl.static_range(NUM_SHARDS - 1):
-            end = tl.load(SHARD_ENDS + i)
-            j_lo += (n0 >= end).to(tl.int32)
-            j_hi += (n_last >= end).to(tl.int32)
-        k_lo = j_lo * RANK
-        k_hi = (j_hi + 1) * RANK
-        b_cols = B + n[None, :].to(tl.int64) * stride_bn + slot * W
+        n_ok = n < n_end
+        u_rows = U + rows[:, None] * stride_um + shard * RANK
+        b_cols = B + n[None, :].to(tl.int64) * stride_bn + slot * W + shard * RANK
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
+        for k0 in range(0, RANK, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
-            k_ok = ks < k_hi
-            u_mask = valid[:, None] & k_ok[None, :]
-            u = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
-            for s in range(splits):
-                u += tl.load(U + s * stride_us + rows[:, None] * stride_um + ks[None, :], mask=u_mask, other=0.0)
+            k_ok = ks < RANK
+            u = tl.load(u_rows + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(b_cols + ks[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
             acc += _dot(u.to(B.dtype.element_ty), b, EXACT)
         y_ptrs = Y + rows[:, None] * stride_ym + n[None, :]
@@ -155,10 +159,17 @@ def shrink_meta(rows: int, width: int, dtype: torch.dtype) -> dict:
 
 
 def expand_meta(rows: int, max_rank: int, num_shards: int, dtype: torch.dtype) -> dict:
-    return dict(NUM_SHARDS=num_shards, RANK=max_rank, BLOCK_M=_block_m(rows, dtype),
-                BLOCK_N=64 if dtype == torch.float32 or rows <= 16 else 128,
-                BLOCK_K=min(32 if dtype == torch.float32 else 64, max(16, triton.next_power_of_2(max_rank))),
-                EXACT=exact_dots(dtype))
+    """(K steps of 16: the expand's K is one shard's rank; 128 columns only with 64 rows, on 8 warps: the compile
+    check's findings.)"""
+    block_m = _block_m(rows, dtype)
+    return dict(NUM_SHARDS=num_shards, RANK=max_rank, BLOCK_M=block_m, BLOCK_N=128 if block_m == 64 else 64,
+                BLOCK_K=16, EXACT=exact_dots(dtype))
+
+
+def options(meta: dict) -> dict:
+    """The launch options of a ``shrink_meta`` or ``expand_meta``: 8 warps for the expand's 64 x 128 tile (4
+    spilled), 4 otherwise."""
+    return dict(num_warps=8 if meta["BLOCK_M"] * meta["BLOCK_N"] >= 64 * 128 else 4, num_stages=3)
 
 
 def shrink_splits(programs: int, k: int, block_k: int, num_sms: int) -> int:
@@ -168,9 +179,9 @@ def shrink_splits(programs: int, k: int, block_k: int, num_sms: int) -> int:
 
 
 def shard_ends(shard_sizes, device: torch.device | str) -> torch.Tensor:
-    """The int32 tensor ``lora_add`` takes for a fused layer: each shard's end but the last's (at least one entry)."""
-    ends = torch.tensor(list(shard_sizes), dtype=torch.int64).cumsum(0)[:-1]
-    return (ends if ends.numel() else torch.zeros(1, dtype=torch.int64)).to(torch.int32).to(device)
+    """The int32 tensor ``lora_add`` takes for a fused layer: each shard's end (the output columns before it and
+    its own)."""
+    return torch.tensor(list(shard_sizes), dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
 
 
 def lora_add(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, token_slots,
@@ -200,15 +211,17 @@ def lora_add(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: tor
     num_n = triton.cdiv(width, sm["BLOCK_N"])
     splits = split_k or shrink_splits(num_m * num_n * seg.num_segments, k, sm["BLOCK_K"],
                                       device_spec(x.device).num_sms)
-    k_per_split = triton.cdiv(triton.cdiv(k, splits), sm["BLOCK_K"]) * sm["BLOCK_K"]
-    splits = triton.cdiv(k, k_per_split)  # (none empty)
-    u = torch.empty(splits, t, width, dtype=torch.float32, device=x.device)
+    k_tiles = triton.cdiv(triton.cdiv(k, splits), sm["BLOCK_K"])  # (BLOCK_K tiles a split)
+    splits = triton.cdiv(k, k_tiles * sm["BLOCK_K"])  # (none empty)
+    u = torch.empty(splits, t, width, dtype=torch.float32, device=x.device)  # (each split's partial)
     _lora_shrink_kernel[(num_m * num_n * splits, seg.num_segments)](
-        x, lora_a, u, seg.rows, seg.slot, seg.start, seg.length, k, width, k_per_split, num_m, num_n,
-        x.stride(0), lora_a.stride(0), u.stride(0), u.stride(1), **sm)
+        x, lora_a, u, seg.rows, seg.slot, seg.start, seg.length, k, width, k_tiles, num_m, num_n,
+        x.stride(0), lora_a.stride(0), u.stride(0), u.stride(1), **sm, **options(sm))
+    u = u[0] if splits == 1 else u.sum(0)  # (the partials' sum: in order, deterministic)
     em = expand_meta(seg.max_rows, max_rank, len(shard_sizes), x.dtype)
     num_m = triton.cdiv(seg.max_rows, em["BLOCK_M"])
-    _lora_expand_kernel[(num_m * triton.cdiv(n, em["BLOCK_N"]), seg.num_segments)](
-        u, lora_b, y, seg.rows, seg.slot, seg.start, seg.length, ends, n, width, splits, num_m,
-        u.stride(0), u.stride(1), lora_b.stride(0), y.stride(0), **em)
+    tiles = sum(triton.cdiv(size, em["BLOCK_N"]) for size in shard_sizes)
+    _lora_expand_kernel[(num_m * tiles, seg.num_segments)](
+        u, lora_b, y, seg.rows, seg.slot, seg.start, seg.length, ends, width, num_m,
+        u.stride(0), lora_b.stride(0), y.stride(0), **em, **options(em))
     return y
