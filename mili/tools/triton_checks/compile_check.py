@@ -69,14 +69,14 @@ def _compile(job):
 
 
 def problems(launch, spec, shared, spills, error) -> list[str]:
-    from mili.tools.triton_checks.inventory import risk
+    from mili.tools.triton_checks.inventory import gemm_bounded, risk
 
     if error:
         return [f"does not compile: {error}"]
     found = []
     if shared > spec.smem_per_block:
         found.append(f"shared memory {shared} B > {spec.arch}'s {spec.smem_per_block} B per block")
-    if "BLOCK_N" in dict(launch.constexprs) and launch.phase != "broken" and shared > risk(launch):
+    if gemm_bounded(launch) and launch.phase != "broken" and shared > risk(launch):
         found.append(f"shared memory {shared} B above launch.gemm_smem_bound's {risk(launch)} B")
     if spills > spill_bound(launch):
         found.append(f"spills {spills} B > its bound {spill_bound(launch)} B")

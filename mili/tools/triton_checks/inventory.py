@@ -2,8 +2,8 @@
 the wrappers' own configuration functions (``*_meta``, ``quant_gemm.gemm_plan``) with the shapes, dtypes and
 phases the runner sees: model dtypes bf16 / fp16 / float32, FP8 block and per-channel weights (W8A8 on SM 89+,
 weight-only elsewhere and in float32), AWQ int4, ``--quantization int8`` (weight-only, every linear and the
-lm_head, MoE experts one by one), FP8 KV pages (SM 89+); decode (batches of 1 to 512 rows, split K), prefill
-(chunks up to 2048 tokens).
+lm_head, MoE experts one by one), FP8 KV pages (SM 89+), LoRA adapters (ranks up to 256, fused layers of 1 to 3
+shards); decode (batches of 1 to 512 rows, split K), prefill (chunks up to 2048 tokens).
 
 Must be called where ``TRITON_INTERPRET`` is unset (``exact_dots`` reads it: the GPU's choice is wanted).
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from mili.kernels.triton import attention, fused_moe, norm_rope, quant_gemm
+from mili.kernels.triton import attention, fused_moe, lora, norm_rope, quant_gemm
 from mili.tools.triton_checks.aot import Launch
 from mili.kernels.triton.launch import DeviceSpec, gemm_smem_bound
 from mili.kernels.triton.quant_gemm import fp8_activations
@@ -22,6 +22,7 @@ ROWS = (1, 4, 8, 16, 32, 64, 256, 2048)  # decode batches (CUDA graphs' ladder) 
 PAGE_SIZES = (16, 32, 64)  # what the Triton backend accepts (config.py)
 MAX_MODEL_LENS = (256, 4096, 40960)  # fixes the decode split count, hence the reduce kernel's BLOCK_S
 AWQ_GROUPS = (128, 64, 32)
+LORA_RANKS = (8, 16, 64, 256)  # --max-lora-rank: what the kernels' tiles depend on (the expand's BLOCK_K, RANK)
 F32, I32, I64, F8, U8, I8 = torch.float32, torch.int32, torch.int64, torch.float8_e4m3fn, torch.uint8, torch.int8
 
 
@@ -138,6 +139,27 @@ def _moe(cfg: dict, dtype) -> list[Launch]:
                    aligned=("N", "K", "stride_am", "stride_we", "stride_wn", "stride_cm")) for second in (False, True)]
 
 
+def _lora(dtype) -> list[Launch]:
+    """The adapters' shrink and expand (``lora.lora_add``): their tiles depend on the rows (the longest segment),
+    the rank, the fused layer's shard count and the dtype, not on the model's shapes."""
+    out = []
+    for m in ROWS:
+        phase = "decode" if m <= 16 else "prefill"
+        for rank in LORA_RANKS:
+            for shards in (1, 2, 3):
+                u_aligned = shards * rank % 16 == 0  # (u's rows are W wide)
+                shrink, expand = lora.shrink_meta(m, shards * rank, dtype), lora.expand_meta(m, rank, shards, dtype)
+                out.append(Launch("lora._lora_shrink_kernel", phase, _consts(shrink),
+                                  _ptrs(X=dtype, A=dtype, U=F32, ROWS=I32, SEG_SLOT=I32, SEG_START=I32, SEG_LEN=I32),
+                                  aligned=("K", "stride_xm", "stride_am") + ("stride_us", "stride_um") * u_aligned,
+                                  **lora.options(shrink)))
+                out.append(Launch("lora._lora_expand_kernel", phase, _consts(expand),
+                                  _ptrs(U=F32, B=dtype, Y=dtype, ROWS=I32, SEG_SLOT=I32, SEG_START=I32, SEG_LEN=I32,
+                                        SHARD_ENDS=I32), aligned=("stride_bn", "stride_ym") + ("stride_um",) * u_aligned,
+                                  **lora.options(expand)))
+    return out
+
+
 def launches(configs: list[dict], spec: DeviceSpec, full: bool = True) -> list[Launch]:
     """The distinct launches for ``configs`` (HF config dicts) on ``spec``, FP8 ones only where it has FP8.
     ``full=False``: bf16 and float32 only, one page size, AWQ group 128."""
@@ -146,7 +168,8 @@ def launches(configs: list[dict], spec: DeviceSpec, full: bool = True) -> list[L
     seen: dict[tuple, Launch] = {}
     for cfg in configs:
         for dtype in dtypes:
-            found = _norms(cfg, dtype) + _moe(cfg, dtype) + _gemms(cfg, dtype, spec, AWQ_GROUPS if full else (128,))
+            found = _norms(cfg, dtype) + _moe(cfg, dtype) + _gemms(cfg, dtype, spec, AWQ_GROUPS if full else (128,)) \
+                + _lora(dtype)
             for kv in (dtype, F8) if spec.has_fp8 else (dtype,):
                 for page in pages:
                     found += _attention(cfg, dtype, kv, page)
@@ -157,11 +180,18 @@ def launches(configs: list[dict], spec: DeviceSpec, full: bool = True) -> list[L
     return list(seen.values())
 
 
+def gemm_bounded(launch: Launch) -> bool:
+    """A GEMM whose tiles the runtime picks by ``launch.gemm_smem_bound`` (the quantized and the MoE GEMMs; the
+    LoRA kernels' small tiles are held to the device's limit alone)."""
+    c = dict(launch.constexprs)
+    return "BLOCK_N" in c and "BLOCK_K" in c and launch.kernel.startswith(("quant_gemm.", "fused_moe."))
+
+
 def risk(launch: Launch) -> int:
     """What the default run keeps of a (kernel, phase): the launch with the most shared memory (a GEMM's
     bound), then the most constexpr volume."""
     c = dict(launch.constexprs)
-    if "BLOCK_N" in c and "BLOCK_K" in c:
+    if gemm_bounded(launch):
         a = 1 if dict(launch.pointers).get("A") == F8 else dict(launch.pointers)["A"].itemsize
         w = 0.5 if "GROUP" in c else 1
         return gemm_smem_bound(c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], a, w, launch.num_stages)
