@@ -1,0 +1,147 @@
+"""LoRA adapters on the Triton kernel (``mili/kernels/triton/lora.py``, under TRITON_INTERPRET=1 here): each row gets
+its own slot's product B_s (A_s x) and rows of the base model (slot -1) keep y as it was, against a per-row loop in
+float64; decode-sized and prefill-sized steps, fused layers of three shards, ranks below the slots' max_rank, bf16,
+fp16 and float32; LoRALinear on the kernel equals it on torch; and the whole engine on the Triton path with adapters
+equals PEFT (tokens and logprobs), in a batch that mixes two adapters and the base model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from mili import LLM, LoRARequest, SamplingParams  # noqa: E402
+from mili.kernels.triton.lora import lora_add, segments  # noqa: E402
+from mili.lora import LoRALinear, LoRAStep  # noqa: E402
+from support.lora import build_adapter, check_outputs  # noqa: E402
+from support.parity import hf_greedy  # noqa: E402
+
+
+def _weights(slots: int, shard_sizes: list[int], in_features: int, max_rank: int, ranks: list[int],
+             dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """lora_a [columns, in], lora_b [out, columns] laid out as LoRALinear holds them (columns padded to 32, B
+    block-diagonal, slot s of rank ranks[s]: its A rows and B columns past the rank zero); and W."""
+    g = torch.Generator().manual_seed(seed)
+    width = len(shard_sizes) * max_rank
+    columns = -(-slots * width // 32) * 32
+    a = torch.zeros(columns, in_features)
+    b = torch.zeros(sum(shard_sizes), columns)
+    for s in range(slots):
+        offset = 0
+        for j, size in enumerate(shard_sizes):
+            col, r = s * width + j * max_rank, ranks[s]
+            a[col:col + r] = torch.randn(r, in_features, generator=g) / in_features ** 0.5
+            b[offset:offset + size, col:col + r] = torch.randn(size, r, generator=g) / r ** 0.5
+            offset += size
+    return a.to(dtype), b.to(dtype), width
+
+
+def _reference(y, x, a, b, slots, width) -> torch.Tensor:
+    """Each row alone, in float64: y + B_s (A_s x) for slot s >= 0."""
+    out = y.double().clone()
+    for i, s in enumerate(slots):
+        if s >= 0:
+            cols = slice(s * width, (s + 1) * width)
+            out[i] += b[:, cols].double() @ (a[cols].double() @ x[i].double())
+    return out
+
+
+CASES = {  # rows, slots of the layer, shard sizes, max_rank, each slot's rank, split K (None: the runner's)
+    "decode-1": (1, 2, [48], 8, [8, 8], None),
+    "decode-mixed": (5, 3, [48], 8, [8, 4, 8], None),
+    "decode-8-fused-qkv": (8, 3, [64, 32, 32], 8, [8, 8, 8], None),
+    "fused-qkv-uneven-rank-below-max": (7, 2, [40, 24, 24], 16, [4, 16], None),
+    "split-k": (6, 2, [48, 48], 8, [8, 2], 3),
+    "prefill-unsorted": (100, 4, [80, 16, 16], 8, [8, 8, 3, 8], None),
+    "prefill-split-k": (100, 2, [96], 16, [16, 8], 2),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", list(CASES))
+def test_kernel_equals_a_per_row_loop(case, dtype):
+    t, num_slots, shard_sizes, max_rank, ranks, split = CASES[case]
+    in_features = 160  # (not a multiple of the shrink's 64-wide K steps: the last one masked)
+    a, b, width = _weights(num_slots, shard_sizes, in_features, max_rank, ranks, dtype)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(t, in_features, generator=g).to(dtype)
+    y = torch.randn(t, sum(shard_sizes), generator=g).to(dtype)
+    slots = torch.randint(-1, num_slots, (t,), generator=g).tolist()  # unsorted, base rows (-1) among them
+    slots[0] = num_slots - 1  # (at least one adapter row)
+    expected = _reference(y, x, a, b, slots, width)
+    got = lora_add(y.clone(), x, a, b, slots, width, max_rank, shard_sizes, split_k=split)
+    base = torch.tensor(slots) < 0
+    assert torch.equal(got[base], y[base])  # the base model's rows untouched
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
+    torch.testing.assert_close(got.double(), expected, **tol)
+
+
+def test_segments_group_rows_by_slot_and_no_adapter_is_a_no_op():
+    seg = segments([2, -1, 0, 2, -1, 0, 0], "cpu")
+    assert seg.rows.tolist() == [2, 5, 6, 0, 3] and seg.slot.tolist() == [0, 2]
+    assert seg.start.tolist() == [0, 3] and seg.length.tolist() == [3, 2] and seg.max_rows == 3
+    assert segments([-1, -1], "cpu") is None
+    a, b, width = _weights(1, [32], 64, 8, [8], torch.float32)
+    y = torch.randn(2, 32)
+    assert torch.equal(lora_add(y.clone(), torch.randn(2, 64), a, b, [-1, -1], width, 8), y)
+
+
+@pytest.mark.parametrize("t", [3, 70])
+def test_lora_linear_on_the_kernel_equals_it_on_torch(t):
+    """LoRALinear(triton=True) (the rows grouped once a step by LoRAStep) against its torch path: a fused layer,
+    three slots of which one adapter does not target the layer (zeros)."""
+    torch.manual_seed(0)
+    shard_sizes, max_rank, in_features = [64, 32, 32], 8, 64
+    layers = {}
+    for triton in (False, True):
+        step = LoRAStep(3, triton=triton)
+        base = torch.nn.Linear(in_features, sum(shard_sizes), bias=False)
+        torch.manual_seed(1)
+        base.weight.data.normal_(0, 0.1)
+        layer = LoRALinear(base, in_features, shard_sizes, 3, max_rank, step, torch.float32, torch.device("cpu"),
+                           triton=triton)
+        a, b, _ = _weights(2, shard_sizes, in_features, max_rank, [8, 5], torch.float32)
+        layer.load_slot(0, (a[:24], b[:, :24]))
+        layer.load_slot(1, None)
+        layer.load_slot(2, (a[24:48], b[:, 24:48]))
+        layers[triton] = layer
+    x = torch.randn(t, in_features)
+    slots = [(-1, 0, 1, 2)[i % 4] for i in range(t)]
+    for triton, layer in layers.items():
+        layer.step.set(slots, torch.device("cpu"))
+    assert layers[True].step.segments is not None and layers[False].step.segments is None
+    with torch.no_grad():
+        torch.testing.assert_close(layers[True](x), layers[False](x), atol=1e-5, rtol=1e-5)
+
+
+def test_the_engine_on_the_triton_path_with_adapters_matches_peft(tmp_path, qwen3_checkpoint, monkeypatch):
+    """Float32, the Triton back-end (attention and the adapters' kernel), two adapters and the base model in one
+    batch: greedy tokens equal PEFT's and logprobs within 1e-4 (support.lora.check_outputs)."""
+    from transformers import AutoModelForCausalLM
+
+    from mili.kernels.triton import lora as triton_lora
+
+    calls = []
+    kernel = triton_lora.lora_add
+    monkeypatch.setattr(triton_lora, "lora_add", lambda *args, **kw: calls.append(1) or kernel(*args, **kw))
+
+    base = qwen3_checkpoint("gqa_untied")
+    refs = {"a": build_adapter(base, tmp_path / "a", 1),
+            "b": build_adapter(base, tmp_path / "b", 2, rank=8, targets=("q_proj", "v_proj", "down_proj"), rslora=True)}
+    requests = {name: LoRARequest(name, i, str(tmp_path / name)) for i, name in enumerate(refs, 1)}
+    prompts = [[5, 17, 99, 3, 250, 40, 11], [400, 2, 3], list(range(30, 50))]
+    tokens = 6
+    llm = LLM(str(base), dtype="float32", attention_backend="triton", enable_lora=True, max_loras=2,
+              max_lora_rank=8)
+    assert llm.engine.plan.attention == "triton"
+    loras = llm.engine.core.runner.loras
+    assert loras.step.triton and all(layer.triton for layer in loras.layers.values())
+    names = ["a", None, "b"]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True, logprobs=0), use_tqdm=False,
+                        lora_request=[requests[n] if n else None for n in names])
+    plain = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    expected = [hf_greedy(refs[n] if n else plain, [p], tokens)[0] for n, p in zip(names, prompts)]
+    check_outputs(outs, expected)
+    assert calls  # (the adapters' products ran on the kernel)
