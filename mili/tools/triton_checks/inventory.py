@@ -156,7 +156,8 @@ def _lora(dtype) -> list[Launch]:
                 out.append(Launch("lora._lora_expand_kernel", phase, _consts(expand),
                                   _ptrs(U=F32, B=dtype, Y=dtype, ROWS=I32, SEG_SLOT=I32, SEG_START=I32, SEG_LEN=I32,
                                         SHARD_ENDS=I32),
-                                  aligned=("stride_bn", "stride_ym") + ("stride_um",) * u_aligned, **lora.options(expand)))
+                                  aligned=("stride_bn", "stride_ym") + ("stride_um",) * u_aligned,
+                                  **lora.options(expand)))
     return out
 
 
