@@ -138,8 +138,10 @@ class Adapter:
 
 def _stack(shards: dict[int | None, dict[str, torch.Tensor]], in_features: int, shard_sizes: list[int],
            alpha: float, rslora: bool, max_rank: int, bad) -> tuple[torch.Tensor, torch.Tensor]:
-    """One adapter's A [shards x max_rank, in] and B [out, shards x max_rank] for one layer (its scale in B). An
-    adapter on the whole fused layer (shard None) takes the first max_rank columns, its B spanning every row."""
+    """One adapter's A [shards x max_rank, in] and B [out, shards x max_rank] for one layer (its scale in B), B
+    block-diagonal: shard j's rows read only its max_rank columns (what the kernels read). An adapter on the whole
+    fused layer (shard None) is stored so too: its A in every shard's rows, and each shard's rows of its B in that
+    shard's columns (B_j (A x) for each shard: the same product)."""
     width = len(shard_sizes) * max_rank
     a = torch.zeros(width, in_features, dtype=torch.float32)
     b = torch.zeros(sum(shard_sizes), width, dtype=torch.float32)
@@ -150,14 +152,15 @@ def _stack(shards: dict[int | None, dict[str, torch.Tensor]], in_features: int, 
             raise bad(f"a lora_A without its lora_B (or the reverse) in shard {shard} of a layer")
         la, lb = ab["A"].float(), ab["B"].float()
         rows, offset = (sum(shard_sizes), 0) if shard is None else (shard_sizes[shard], sum(shard_sizes[:shard]))
-        shard = shard or 0
         r = la.shape[0]
         if la.shape != (r, in_features) or lb.shape != (rows, r):
             raise bad(f"lora_A {tuple(la.shape)} and lora_B {tuple(lb.shape)} do not fit the base's layer "
                       f"({in_features} in, {rows} out): an adapter made for another base?")
         scale = alpha / math.sqrt(r) if rslora else alpha / r
-        a[shard * max_rank:shard * max_rank + r] = la
-        b[offset:offset + rows, shard * max_rank:shard * max_rank + r] = lb * scale
+        for j in range(len(shard_sizes)) if shard is None else (shard,):
+            start, n = sum(shard_sizes[:j]), shard_sizes[j]
+            a[j * max_rank:j * max_rank + r] = la
+            b[start:start + n, j * max_rank:j * max_rank + r] = lb[start - offset:start - offset + n] * scale
     return a, b
 
 

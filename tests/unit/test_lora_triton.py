@@ -115,6 +115,35 @@ def test_lora_linear_on_the_kernel_equals_it_on_torch(t):
         torch.testing.assert_close(layers[True](x), layers[False](x), atol=1e-5, rtol=1e-5)
 
 
+def test_a_whole_layer_adapter_is_stored_block_diagonal():
+    """An adapter on a whole fused layer (Qwen3-Next's in_proj_qkvz / ba as one tensor each): its A in every shard's
+    rows and each shard's rows of its B in that shard's columns, so the kernels, which read only a shard's own
+    columns (the Triton expand; kernels.c's B per shard), give every row of the layer B (A x)."""
+    from mili.kernels import cpu
+    from mili.lora import _stack
+
+    shard_sizes, in_features, max_rank, r, alpha = [64, 32], 64, 8, 4, 8
+    g = torch.Generator().manual_seed(0)
+    la, lb = torch.randn(r, in_features, generator=g), torch.randn(sum(shard_sizes), r, generator=g) / 4
+    a, b = _stack({None: {"A": la, "B": lb}}, in_features, shard_sizes, alpha, False, max_rank, ValueError)
+    assert not b[:64, 8:].any() and not b[64:, :8].any()  # block-diagonal
+    x = torch.randn(5, in_features, generator=g)
+    expected = x.double() @ la.double().T @ lb.double().T * (alpha / r)
+    got = lora_add(torch.zeros(5, 96), x, a, b, [0] * 5, 2 * max_rank, max_rank, shard_sizes)
+    torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
+    if cpu.available():  # MILI's CPU kernels (bf16) read the same storage
+        for kernels in (False, True):
+            step = LoRAStep(1)
+            layer = LoRALinear(torch.nn.Linear(in_features, 96, bias=False, dtype=torch.bfloat16), in_features,
+                               shard_sizes, 1, max_rank, step, torch.bfloat16, torch.device("cpu"), kernels=kernels)
+            layer.base.weight.data.zero_()
+            layer.load_slot(0, (a, b))
+            step.set([0] * 5, torch.device("cpu"))
+            assert (layer.desc is not None) == kernels
+            with torch.no_grad():
+                torch.testing.assert_close(layer(x.bfloat16()).double(), expected, atol=0.1, rtol=0.03)
+
+
 def test_the_engine_on_the_triton_path_with_adapters_matches_peft(tmp_path, qwen3_checkpoint, monkeypatch):
     """Float32, the Triton back-end (attention and the adapters' kernel), two adapters and the base model in one
     batch: greedy tokens equal PEFT's and logprobs within 1e-4 (support.lora.check_outputs)."""
