@@ -1,8 +1,9 @@
 """LoRA adapters on the Triton kernel (``mili/kernels/triton/lora.py``, under TRITON_INTERPRET=1 here): each row gets
 its own slot's product B_s (A_s x) and rows of the base model (slot -1) keep y as it was, against a per-row loop in
 float64; decode-sized and prefill-sized steps, fused layers of three shards, ranks below the slots' max_rank, bf16,
-fp16 and float32; LoRALinear on the kernel equals it on torch; and the whole engine on the Triton path with adapters
-equals PEFT (tokens and logprobs), in a batch that mixes two adapters and the base model."""
+fp16 and float32; LoRALinear on the kernel equals it on torch; an adapter on a whole fused layer is stored as the
+kernels read it; and the whole engine on the Triton path with adapters equals PEFT (tokens and logprobs): a dense
+model with two adapters and the base model in one batch, and the hybrids (Qwen3.5, Qwen3-Next)."""
 
 from __future__ import annotations
 
@@ -174,3 +175,23 @@ def test_the_engine_on_the_triton_path_with_adapters_matches_peft(tmp_path, qwen
     expected = [hf_greedy(refs[n] if n else plain, [p], tokens)[0] for n, p in zip(names, prompts)]
     check_outputs(outs, expected)
     assert calls  # (the adapters' products ran on the kernel)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
+def test_the_hybrids_on_the_triton_path_with_an_adapter_match_peft(tmp_path, hybrid_checkpoint, kind):
+    """Qwen3.5's and Qwen3-Next's adapted layers on the kernel (gated attention, the Gated DeltaNet's fused
+    projections, Qwen3-Next's as whole layers: test_a_whole_layer_adapter_is_stored_block_diagonal) beside a base
+    row: PEFT's tokens and logprobs."""
+    from transformers import AutoModelForCausalLM
+
+    from test_lora_hybrid import PROMPTS, TARGETS
+
+    base = hybrid_checkpoint(kind)
+    reference = build_adapter(base, tmp_path / "a", 1, targets=TARGETS[kind], std=0.1)
+    llm = LLM(str(base), dtype="float32", enable_lora=True, attention_backend="triton")
+    assert llm.engine.core.runner.loras.step.triton
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], params, use_tqdm=False,
+                        lora_request=[LoRARequest("a", 1, str(tmp_path / "a")), None])
+    plain = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    check_outputs(outs, [hf_greedy(reference, PROMPTS[:1], 5)[0], hf_greedy(plain, PROMPTS[1:2], 5)[0]])
