@@ -302,13 +302,14 @@ def test_the_cpu_kernels_adapter_products_are_torchs(dense):
 
     layers = llm.apply_model(lambda m: [x for x in m.modules() if isinstance(x, LoRALinear)])
     assert layers and all(layer.desc is not None for layer in layers)
+    torch.manual_seed(0)
     for layer in layers:
         x = torch.randn(5, layer.in_features, dtype=torch.bfloat16)
         with torch.inference_mode():
             got, plain = layer(x).float(), layer.base(x).float()
         mask = layer.step.mask(layer.width, torch.float32, layer.columns)
         want = plain + ((x.float() @ layer.lora_a.float().T) * mask) @ layer.lora_b.float().T
-        torch.testing.assert_close(got, want, atol=0.05, rtol=0.02)
-        assert torch.equal(got[1], plain[1])
+        torch.testing.assert_close(got, want, atol=0.1, rtol=0.02)  # (u and the sum rounded to bf16; a wrong slot or
+        assert torch.equal(got[1], plain[1])                         # shard is off by several units)
     for name in ("a", "b"):
         loras.release(requests[name])
