@@ -5,7 +5,8 @@ random rank-16 adapters on every linear projection (made by ``peft``), 8 sequenc
   4 adapters      the 8 sequences under 4 different adapters (2 each), in one batch
   one at a time   the same requests served one adapter at a time: 4 rounds of 2 sequences
 
-Decode tok/s counts the decode-only steps (every sequence past its prompt), median of --repeats.
+Decode tok/s counts the decode-only steps (every sequence past its prompt): the median of --repeats rounds, each
+round running every row in turn (after a warm-up of each).
 
     python benchmarks/lora.py [--rank 16] [--seqs 8] [--adapters 4] [--input-len 64] [--output-len 64]
                               [--threads 2] [--repeats 3]
@@ -47,32 +48,24 @@ def adapters(base: str, count: int, rank: int) -> list[LoRARequest]:
     return out
 
 
-def decode_rate(engine, prompts, params, loras, repeats: int) -> float:
-    """Median decode tok/s of ``repeats`` runs (after a warm-up run)."""
-    rates = []
-    for i in range(repeats + 1):
-        stats: list = []
-        run_batch(engine, prompts, params, stats, loras)
-        engine.reset_prefix_cache()
-        if i:
-            rates.append(stats[1] / stats[0])
-    return statistics.median(rates)
+def decode_rate(engine, prompts, params, loras) -> float:
+    """Decode tok/s of one run of the batch."""
+    stats: list = []
+    run_batch(engine, prompts, params, stats, loras)
+    engine.reset_prefix_cache()
+    return stats[1] / stats[0]
 
 
-def one_at_a_time(engine, prompts, params, loras, repeats: int) -> float:
+def one_at_a_time(engine, prompts, params, loras) -> float:
     """Each adapter's requests served alone, one adapter after another: the decode tokens over the decode time."""
-    rates = []
-    for i in range(repeats + 1):
-        seconds = tokens = 0.0
-        for lora in dict.fromkeys(loras):
-            mine = [p for p, l in zip(prompts, loras) if l == lora]
-            stats: list = []
-            run_batch(engine, mine, params, stats, [lora] * len(mine))
-            seconds, tokens = seconds + stats[0], tokens + stats[1]
-        engine.reset_prefix_cache()
-        if i:
-            rates.append(tokens / seconds)
-    return statistics.median(rates)
+    seconds = tokens = 0.0
+    for lora in dict.fromkeys(loras):
+        mine = [p for p, l in zip(prompts, loras) if l == lora]
+        stats: list = []
+        run_batch(engine, mine, params, stats, [lora] * len(mine))
+        seconds, tokens = seconds + stats[0], tokens + stats[1]
+    engine.reset_prefix_cache()
+    return tokens / seconds
 
 
 def main() -> None:
@@ -93,13 +86,19 @@ def main() -> None:
     flags = sorted(f for f in cpu.cpu_features() if f.startswith(("avx", "amx")))
     print(f"machine: {machine()}; kernels: {cpu.best_isa()}; flags: {' '.join(flags)}")
     plain = LLMEngine(EngineConfig(model=base, num_threads=args.threads))
-    rows = [["base, --enable-lora off", decode_rate(plain, prompts, params, None, args.repeats)]]
-    del plain
     engine = LLMEngine(EngineConfig(model=base, num_threads=args.threads, enable_lora=True,
                                     max_loras=args.adapters, max_lora_rank=args.rank))
-    rows.append(["base, --enable-lora on", decode_rate(engine, prompts, params, None, args.repeats)])
-    rows.append([f"{args.adapters} adapters in one batch", decode_rate(engine, prompts, params, mixed, args.repeats)])
-    rows.append(["one adapter at a time", one_at_a_time(engine, prompts, params, mixed, args.repeats)])
+    runs = {"base, --enable-lora off": lambda: decode_rate(plain, prompts, params, None),
+            "base, --enable-lora on": lambda: decode_rate(engine, prompts, params, None),
+            f"{args.adapters} adapters in one batch": lambda: decode_rate(engine, prompts, params, mixed),
+            "one adapter at a time": lambda: one_at_a_time(engine, prompts, params, mixed)}
+    for run in runs.values():  # (a warm-up each)
+        run()
+    rates = {name: [] for name in runs}
+    for _ in range(args.repeats):  # rounds that take every run in turn: the machine's drift falls on all alike
+        for name, run in runs.items():
+            rates[name].append(run())
+    rows = [[name, statistics.median(r)] for name, r in rates.items()]
     base_rate = rows[0][1]
     print_table(f"Decode, {args.seqs} sequences, rank {args.rank} on every projection (Qwen3-0.6B shape, bf16): "
                 "tok/s and against the base model alone",
