@@ -36,25 +36,6 @@ static inline vf vf_abs(vf a) { return _mm512_abs_ps(a); }
 static inline vf vf_fmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }   /* a b + c */
 static inline vf vf_fnmadd(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); } /* c - a b */
 static inline float vf_reduce_add(vf a) { return _mm512_reduce_add_ps(a); }
-/* Lane i: vf_reduce_add(s[i]), with the same additions in the same order (the halves, quarters, pairs and lanes of
- * each vector, as _mm512_reduce_add_ps pairs them), as a transpose tree: 15 adds for 16 sums instead of 64. */
-#define ISA_HAS_REDUCE16 1
-static inline vf vf_reduce16(const vf *s) {
-  __m512 t[8], v[4], y[2];
-  for (int k = 0; k < 8; k++) /* lane i + lane i + 8: s[2k]'s in blocks 0-1, s[2k + 1]'s in blocks 2-3 */
-    t[k] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * k], s[2 * k + 1], 0x44),
-                         _mm512_shuffle_f32x4(s[2 * k], s[2 * k + 1], 0xEE));
-  for (int m = 0; m < 4; m++) /* + the lane 4 on: block b holds s[4m + b]'s four */
-    v[m] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * m], t[2 * m + 1], 0x88),
-                         _mm512_shuffle_f32x4(t[2 * m], t[2 * m + 1], 0xDD));
-  for (int n = 0; n < 2; n++) /* + the lane 2 on: block b lanes 0-1 s[8n + b]'s, lanes 2-3 s[8n + 4 + b]'s */
-    y[n] = _mm512_add_ps(_mm512_shuffle_ps(v[2 * n], v[2 * n + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(v[2 * n], v[2 * n + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  /* + the next lane: block b = s[b], s[4 + b], s[8 + b], s[12 + b]; lane 4b + j holds s[4j + b] */
-  const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                 _mm512_shuffle_ps(y[0], y[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_permutexvar_ps(_mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0), r);
-}
 static inline float vf_reduce_max(vf a) { return _mm512_reduce_max_ps(a); }
 static inline vf vf_round(vf a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 static inline vf vf_scale2(vf a, vf n) { return _mm512_scalef_ps(a, n); } /* a 2^n, n integral */

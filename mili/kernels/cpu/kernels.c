@@ -1029,15 +1029,6 @@ static float exp_shifted(float *s, int64_t n) {
 }
 
 /* K/V rows are scattered over pages (one head's row, then the other heads' rows): fetch ahead. */
-#ifndef ISA_HAS_REDUCE16
-/* Lane i: vf_reduce_add(s[i]). */
-static inline vf vf_reduce16(const vf *s) {
-  float r[16];
-  for (int i = 0; i < 16; i++) r[i] = vf_reduce_add(s[i]);
-  return vf_load(r);
-}
-#endif
-
 static inline void prefetch_row(const bf16 *row, int64_t n, int far) {
   for (int64_t c = 0; c < n; c += 32) prefetch(row + c, far);
 }
@@ -1144,22 +1135,7 @@ void mili_decode_attention(const bf16 *q, int64_t ldq, const bf16 *k_cache, cons
     for (int64_t p = 0; p < ctx; p++)
       offset[p] = ((page_table[b * ldp + p / page_size] * Hkv + h) * page_size + p % page_size) * D;
     const bf16 *qh = q + b * ldq + h * group * D;
-    int64_t p = 0;
-    for (; p + 16 <= ctx; p += 16) /* 16 positions' dot products summed across lanes at once (vf_reduce16) */
-      for (int64_t g = 0; g < group; g++) {
-        vf s[16];
-        for (int64_t i = 0; i < 16; i++) {
-          const bf16 *kr = k_cache + offset[p + i];
-          if (g == 0 && p + i + 8 < ctx) {
-            prefetch_row(k_cache + offset[p + i + 8], D, 0);
-            prefetch_row(v_cache + offset[p + i + 8], D, 1);
-          }
-          s[i] = vf_zero();
-          for (int64_t c = 0; c < D; c += 32) s[i] = dot_bf16x32(s[i], qh + g * D + c, kr + c);
-        }
-        vf_store(scores + g * ctx + p, vf_mul(vf_reduce16(s), vf_set1(scale)));
-      }
-    for (; p < ctx; p++) {
+    for (int64_t p = 0; p < ctx; p++) {
       const bf16 *kr = k_cache + offset[p];
       if (p + 8 < ctx) {
         prefetch_row(k_cache + offset[p + 8], D, 0);
