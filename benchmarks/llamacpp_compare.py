@@ -28,7 +28,8 @@ environment, so set both when starting the script (it refuses otherwise)::
 ``MILI_CPU_ISA`` must be unset. A 512-token prefill: ``--input-len 512`` (prompt + output up to 1024 tokens).
 
 Each figure is the median of ``--repeat`` runs (llama-bench's ``-r``; MILI's ``mili bench latency``
-measure). The roofline is a copy (read + write) with the same thread count over the bytes a decode step
+measure). Both engines decode after the prompt: llama-bench's decode test runs at depth ``--input-len`` (``-d``),
+its prefill test from an empty context; each with flash attention off and on (``-fa 0,1``), the faster kept. The roofline is a copy (read + write) with the same thread count over the bytes a decode step
 reads: MILI's weights as loaded (the head as read), llama.cpp's GGUF file (tied: its token table is the
 output matrix, read whole each step).
 """
@@ -151,14 +152,20 @@ def gguf(checkpoint: str, kind: str, bin_dir: Path) -> Path:
 
 
 def run_llama(bin_dir: Path, model: Path, args) -> tuple[float, float]:
-    """(prefill tok/s, decode tok/s): llama-bench's mean over ``--repeat`` runs of each test."""
-    out = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(model), "-p", str(args.input_len), "-n",
-                          str(args.output_len), "-t", str(args.threads), "-r", str(args.repeat), "-o", "json"],
-                         check=True, capture_output=True, text=True).stdout
-    results = json.loads(out)
-    prefill = next(r["avg_ts"] for r in results if r["n_prompt"] and not r["n_gen"])
-    decode = next(r["avg_ts"] for r in results if r["n_gen"] and not r["n_prompt"])
-    return prefill, decode
+    """(prefill tok/s, decode tok/s): llama-bench's mean over ``--repeat`` runs of each test. The decode runs at
+    the prompt's depth (``-d``: its ``--output-len`` tokens after ``--input-len`` in the context, as MILI's decode
+    follows its prompt); llama-bench's plain ``-n`` would generate from an empty context, its attention reading
+    no KV."""
+    def bench(*flags: str) -> dict:  # (llama.cpp's faster of flash attention off and on)
+        out = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(model), *flags, "-fa", "0,1", "-t",
+                              str(args.threads), "-r", str(args.repeat), "-o", "json"],
+                             check=True, capture_output=True, text=True).stdout
+        return max(json.loads(out), key=lambda r: r["avg_ts"])
+
+    prefill = bench("-p", str(args.input_len), "-n", "0")
+    decode = bench("-p", "0", "-n", str(args.output_len), "-d", str(args.input_len))
+    assert prefill["n_prompt"] == args.input_len and decode["n_gen"] == args.output_len
+    return prefill["avg_ts"], decode["avg_ts"]
 
 
 def run_mili(path: str, quantization: str | None, args) -> tuple[float, float, int]:
