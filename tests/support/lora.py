@@ -38,3 +38,29 @@ def check_outputs(outs, expected) -> None:
         got = torch.tensor([o.logprobs[i][t].logprob for i, t in enumerate(tokens)])
         ref = scores.log_softmax(-1)[torch.arange(len(tokens)), torch.tensor(tokens)]
         torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
+
+
+def assert_kernel_products_match(llm, requests) -> None:
+    """On MILI's CPU kernels (bf16): with two adapters loaded and rows [a, base, b, a, b], every LoRALinear's output
+    equals base(x) + the row's own slot's (x A^T) B^T computed by torch in float32 (within bf16's rounding of u and
+    of the sum: a wrong slot or shard is off by several units), and the base row is base(x) exactly."""
+    from mili.lora import LoRALinear
+
+    loras = llm.engine.core.runner.loras
+    for request in requests:
+        loras.acquire(request)
+    loras.prepare([requests[0].lora_int_id, None, requests[1].lora_int_id, requests[0].lora_int_id,
+                   requests[1].lora_int_id], torch.device("cpu"))
+    layers = llm.apply_model(lambda m: [x for x in m.modules() if isinstance(x, LoRALinear)])
+    assert layers and all(layer.desc is not None for layer in layers)
+    torch.manual_seed(0)
+    for layer in layers:
+        x = torch.randn(5, layer.in_features, dtype=torch.bfloat16)
+        with torch.inference_mode():
+            got, plain = layer(x).float(), layer.base(x).float()
+        mask = layer.step.mask(layer.width, torch.float32, layer.columns)
+        want = plain + ((x.float() @ layer.lora_a.float().T) * mask) @ layer.lora_b.float().T
+        torch.testing.assert_close(got, want, atol=0.1, rtol=0.02)
+        assert torch.equal(got[1], plain[1])
+    for request in requests:
+        loras.release(request)

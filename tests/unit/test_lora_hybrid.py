@@ -13,7 +13,7 @@ import torch
 
 from mili import InvalidRequest, LLM, LoRARequest, SamplingParams
 from support.engine_state import assert_drained
-from support.lora import build_adapter, check_outputs
+from support.lora import assert_kernel_products_match, build_adapter, check_outputs
 from support.parity import hf_greedy
 
 PROMPTS = [[5, 17, 99, 3, 250, 40, 11], [400, 2, 3], list(range(30, 70))]
@@ -134,4 +134,19 @@ def test_mtp_drafts_from_the_base_model_keep_the_adapters_tokens(tmp_path):
     check_outputs(outs[:3], hf_greedy(reference, PROMPTS, 8))
     check_outputs(outs[3:], hf_greedy(plain, PROMPTS, 8))
     assert llm.engine.spec_decode_stats()["num_draft_tokens"] > 0
+    assert_drained(llm)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
+def test_hybrid_adapter_products_on_the_cpu_kernels(tmp_path, hybrid_checkpoint, kind):
+    """bf16 on MILI's CPU kernels: every adapted projection of a hybrid (the Gated DeltaNet's fused in_proj_qkvz and
+    in_proj_ba, Qwen3-Next's adapted whole, the gated attention's q|k|v) equals torch's product."""
+    base = hybrid_checkpoint(kind)
+    build_adapter(base, tmp_path / "a", 1, targets=TARGETS[kind], std=0.1)
+    build_adapter(base, tmp_path / "b", 2, targets=DELTANET[kind], std=0.1)
+    llm = LLM(str(base), dtype="bfloat16", enable_lora=True, max_loras=2)
+    requests = [LoRARequest("a", 1, str(tmp_path / "a")), LoRARequest("b", 2, str(tmp_path / "b"))]
+    assert_kernel_products_match(llm, requests)
+    outs = llm.generate(_prompts(), PARAMS, use_tqdm=False, lora_request=[requests[0], requests[1], None])
+    assert all(len(o.outputs[0].token_ids) == 8 for o in outs)  # (bf16 end to end: prefill and decode steps)
     assert_drained(llm)
