@@ -119,8 +119,8 @@ class EngineCore:
                                      param="lora_request")
             from mili.lora import LoRARequest
 
-            self.runner.loras.acquire(LoRARequest(*add.lora))
             request.lora = LoRARequest(*add.lora)
+            self.runner.loras.acquire(request.lora)
         for i in range(params.n):
             generator = None
             if params.seed is not None:  # sequence i of a seeded request draws from its own stream

@@ -64,3 +64,14 @@ def assert_kernel_products_match(llm, requests) -> None:
         assert torch.equal(got[1], plain[1])
     for request in requests:
         loras.release(request)
+
+
+def cached_runs(llm, prompt: dict, params, lora, other):
+    """The prefix cache keys prompts by adapter: ``prompt`` run under ``lora`` twice, then under ``other`` and under
+    the base model; the second run reuses the first's cache, the other two nothing. Returns the second and the
+    ``other`` outputs (to check against their references)."""
+    first, again, elsewhere, plain = (llm.generate([prompt], params, use_tqdm=False, lora_request=r)[0]
+                                      for r in (lora, lora, other, None))
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens > 0
+    assert elsewhere.num_cached_tokens == 0 and plain.num_cached_tokens == 0
+    return again, elsewhere

@@ -12,7 +12,7 @@ import torch
 
 from mili import InvalidRequest, LLM, LoRARequest, SamplingParams
 from support.engine_state import assert_drained
-from support.lora import assert_kernel_products_match, build_adapter, check_outputs
+from support.lora import assert_kernel_products_match, build_adapter, cached_runs, check_outputs
 from support.parity import hf_greedy
 
 PROMPTS = [[5, 17, 99, 3, 250, 40, 11], [400, 2, 3], list(range(30, 70))]
@@ -73,13 +73,7 @@ def test_merged_weights_give_the_same_tokens(tmp_path, dense):
 def test_the_prefix_cache_never_shares_between_adapters(dense):
     base, refs, requests = dense
     llm = LLM(str(base), dtype="float32", enable_lora=True, page_size=4)
-    prompt = [{"prompt_token_ids": PROMPTS[2]}]
-    first = llm.generate(prompt, PARAMS, use_tqdm=False, lora_request=requests["a"])[0]
-    again = llm.generate(prompt, PARAMS, use_tqdm=False, lora_request=requests["a"])[0]
-    other = llm.generate(prompt, PARAMS, use_tqdm=False, lora_request=requests["b"])[0]
-    plain = llm.generate(prompt, PARAMS, use_tqdm=False)[0]
-    assert first.num_cached_tokens == 0 and again.num_cached_tokens > 0
-    assert other.num_cached_tokens == 0 and plain.num_cached_tokens == 0
+    _, other = cached_runs(llm, {"prompt_token_ids": PROMPTS[2]}, PARAMS, requests["a"], requests["b"])
     check_outputs([other], hf_greedy(refs["b"], PROMPTS[2:], 12))
     assert_drained(llm)
 

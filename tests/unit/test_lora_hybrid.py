@@ -13,7 +13,7 @@ import torch
 
 from mili import InvalidRequest, LLM, LoRARequest, SamplingParams
 from support.engine_state import assert_drained
-from support.lora import assert_kernel_products_match, build_adapter, check_outputs
+from support.lora import assert_kernel_products_match, build_adapter, cached_runs, check_outputs
 from support.parity import hf_greedy
 
 PROMPTS = [[5, 17, 99, 3, 250, 40, 11], [400, 2, 3], list(range(30, 70))]
@@ -61,13 +61,7 @@ def test_a_mixed_hybrid_batch_equals_each_alone_and_the_caches_know_the_adapter(
     assert [o.outputs[0].token_ids for o, n in zip(mixed, names) if n is None] == [
         o.outputs[0].token_ids for o in alone[None]]
     llm.engine.reset_prefix_cache()
-    prompt = _prompts([2])
-    first = llm.generate(prompt, PARAMS, use_tqdm=False, lora_request=requests["a"])[0]
-    again = llm.generate(prompt, PARAMS, use_tqdm=False, lora_request=requests["a"])[0]
-    other = llm.generate(prompt, PARAMS, use_tqdm=False, lora_request=requests["b"])[0]
-    plain = llm.generate(prompt, PARAMS, use_tqdm=False)[0]
-    assert first.num_cached_tokens == 0 and again.num_cached_tokens > 0
-    assert other.num_cached_tokens == 0 and plain.num_cached_tokens == 0
+    again, other = cached_runs(llm, _prompts([2])[0], PARAMS, requests["a"], requests["b"])
     check_outputs([again], expected["a"][2:])
     check_outputs([other], expected["b"][2:])
     assert_drained(llm)
