@@ -47,7 +47,7 @@ SHAPES = {"0.6B": ([(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)], 28)
 GROUP = 128  # AWQ's group size in Qwen's releases
 # the int4 and int8g formats: (kernel, group, scales' form: float16, float32 or "k" (two levels), with offsets)
 # (q6_k-int8g, q5_k-int8g: those blocks on the int8g kernel, as MILI ran them before the int4 kernel's high bits)
-GROUPED = {"int4": ("int4", GROUP, torch.float32, True, 0), "q4_k": ("int4", 32, "k", True, 0),
+GROUPED = {"int4": ("int4", GROUP, torch.float32, True, 0), "q4_0": ("int4", 32, torch.float16, False, 0), "q4_k": ("int4", 32, "k", True, 0),
            "q4_k-f32": ("int4", 32, torch.float32, True, 0), "q8_0": ("int8g", 32, torch.float16, False, 0),
            "q6_k": ("int4", 16, "k", False, 2), "q5_k": ("int4", 32, "k", True, 1),
            "q6_k-int8g": ("int8g", 16, "k", False, 0), "q6_k-f32": ("int8g", 16, torch.float32, False, 0),
@@ -118,7 +118,7 @@ def sweep(lib, fmt: str, mats, threads: int, xs: dict, ys: dict, m: int) -> floa
 
 def copy_rate(threads: int) -> float:
     torch.set_num_threads(threads)
-    src = torch.empty(1 << 30, dtype=torch.uint8)
+    src = torch.ones(1 << 30, dtype=torch.uint8)  # (written: an untouched one reads the shared zero page)
     dst = torch.empty_like(src)
     dst.copy_(src)
     best = 0.0

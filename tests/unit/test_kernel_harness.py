@@ -97,3 +97,36 @@ def test_kernel_harness(how, isa, flags, tmp_path):
     assert done.returncode == 0 and summary and summary.group(2) == "0", (
         f"{' '.join(run)}: exit {done.returncode}, {summary.group(0) if summary else 'no summary line'}\n{detail}")
     assert int(summary.group(1)) >= 150, f"only {summary.group(1)} checks ran"
+
+
+# each ISA's build of kernels.c to assembly: (compiler, flags, the prefetch instruction)
+_ASM_BUILDS = [pytest.param(os.environ.get("CC", "cc"), cpu.compile_flags(isa), "prefetch", id=isa)
+               for isa in ("avx2", "avx512")] if cpu.arch() == "x86_64" else []
+_ASM_BUILDS += [pytest.param(CROSS_CC if cpu.arch() != "aarch64" else os.environ.get("CC", "cc"), CROSS[isa][0], "prfm",
+                             id=isa) for isa in CROSS]
+
+
+@pytest.mark.parametrize("compiler, flags, instruction", _ASM_BUILDS)
+def test_decode_attention_keeps_its_prefetches(compiler, flags, instruction, tmp_path):
+    """Decode attention fetches the K and V rows of the positions 8 ahead, which lie scattered over pages
+    (``prefetch`` in the ISA layers): its compiled body holds prefetch instructions. GCC 12 once dropped every
+    prefetch of the linear micro-kernels without a word (the hint chosen by a ternary inside the helper, inlined into
+    always_inline kernels); those kernels now issue none (measured slower). This checks the ones that remain."""
+    if shutil.which(compiler) is None:
+        if SKIP_CROSS and compiler == CROSS_CC:
+            pytest.skip("MILI_SKIP_CROSS_TESTS=1")
+        pytest.fail(f"{compiler} not found ({INSTALL})", pytrace=False)
+    out = tmp_path / "kernels.s"
+    done = _compile([shutil.which(compiler), "-O3", *flags, "-fopenmp", "-S", str(cpu.SOURCE), "-o", str(out)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    bodies: dict[str, list[str]] = {}
+    name = None
+    for line in out.read_text().splitlines():
+        label = re.match(r"^([A-Za-z_][\w.]*):", line)
+        if label:
+            name = label.group(1).split(".")[0]
+        elif name:
+            bodies.setdefault(name, []).append(line)
+    assert "mili_decode_attention" in bodies, "mili_decode_attention not in the assembly"
+    count = sum(instruction in line for line in bodies["mili_decode_attention"])
+    assert count >= 2, f"mili_decode_attention holds {count} {instruction}: its K/V prefetches were compiled away"

@@ -261,4 +261,10 @@ static inline void w_store8(uint8_t *p, wrow8 v, int add) {
   _mm256_storeu_si256((__m256i *)(p + 32), _mm256_add_epi8(v.b, k));
 }
 
-static inline void prefetch(const void *p, int far) { _mm_prefetch((const char *)p, far ? _MM_HINT_T1 : _MM_HINT_T0); }
+/* One constant hint per call: GCC 12 dropped the whole prefetch, without a word, where the hint was
+ * `far ? _MM_HINT_T1 : _MM_HINT_T0` and this was inlined into always_inline kernels (the linear micro-kernels'
+ * prefetches never reached the library; benchmarks/NOTES.md, step 13). */
+static inline __attribute__((always_inline)) void prefetch(const void *p, int far) {
+  if (far) __builtin_prefetch(p, 0, 2); /* prefetcht1 */
+  else __builtin_prefetch(p, 0, 3);     /* prefetcht0 */
+}

@@ -204,4 +204,10 @@ static inline int64_t argmax_row(const uint16_t *row, int64_t N) {
   return _mm512_mask_reduce_min_epi32(at_top, best_i);
 }
 
-static inline void prefetch(const void *p, int far) { _mm_prefetch((const char *)p, far ? _MM_HINT_T1 : _MM_HINT_T0); }
+/* One constant hint per call: GCC 12 dropped the whole prefetch, without a word, where the hint was
+ * `far ? _MM_HINT_T1 : _MM_HINT_T0` and this was inlined into always_inline kernels (the linear micro-kernels'
+ * prefetches never reached the library; benchmarks/NOTES.md, step 13). */
+static inline __attribute__((always_inline)) void prefetch(const void *p, int far) {
+  if (far) __builtin_prefetch(p, 0, 2); /* prefetcht1 */
+  else __builtin_prefetch(p, 0, 3);     /* prefetcht0 */
+}

@@ -52,7 +52,9 @@ static inline float bf16_to_float(bf16 v) {
 #define NB_CAP (NB_MAX > NB_ONE ? NB_MAX : NB_ONE)
 #define I4_NB_CAP (I4_NB > I4_NB_ONE ? I4_NB : I4_NB_ONE)
 #define I8G_NB_CAP (I8G_NB > I8G_NB_ONE ? I8G_NB : I8G_NB_ONE)
-#define PF_DIST 1024 /* bytes ahead in each weight stream (few rows: the weights come from memory) */
+/* The linear kernels issue no prefetches: the hardware's prefetchers follow their weight streams, and prefetching
+ * 512-16,384 bytes ahead in each stream made a 4-bit decode step's layers ~10% slower on a Zen 4 (benchmarks/NOTES.md,
+ * step 13). The attention kernels prefetch their K/V rows, which lie scattered over pages. */
 
 const char *mili_isa(void) { return ISA_NAME; }
 
@@ -242,7 +244,7 @@ AMX static void amx_matmul(const uint8_t *w, const uint8_t *x, bf16 *y, int64_t 
  * 128 * colsum(W), taken off with `colsum` before scaling). */
 INT8_TARGET static inline __attribute__((always_inline)) void micro(
     const uint8_t *w, int64_t wblock, const uint8_t *x, int64_t ldx, bf16 *y, float *yf, int64_t N, int64_t kwords,
-    const int MR, const int NB, const int int8, const float *sx, const float *sw, const int32_t *colsum, int pf) {
+    const int MR, const int NB, const int int8, const float *sx, const float *sw, const int32_t *colsum) {
   if (int8) {
     vi acc[MR_MAX][NB_CAP];
     for (int i = 0; i < MR; i++)
@@ -250,9 +252,7 @@ INT8_TARGET static inline __attribute__((always_inline)) void micro(
     for (int64_t p = 0; p < kwords; p++) {
       wrow8 wv[NB_CAP];
       for (int j = 0; j < NB; j++) {
-        const uint8_t *wp = w + j * wblock + p * 64;
-        if (pf) prefetch(wp + PF_DIST, 0);
-        wv[j] = w_int8(wp);
+        wv[j] = w_int8(w + j * wblock + p * 64);
       }
       for (int i = 0; i < MR; i++) {
         const xq4 xb = x_int8((const int8_t *)(x + i * ldx + p * 4));
@@ -273,9 +273,7 @@ INT8_TARGET static inline __attribute__((always_inline)) void micro(
   for (int64_t p = 0; p < kwords; p++) {
     wrow wv[NB_CAP];
     for (int j = 0; j < NB; j++) {
-      const uint8_t *wp = w + j * wblock + p * 64;
-      if (pf) prefetch(wp + PF_DIST, 0);
-      wv[j] = w_bf16(wp);
+      wv[j] = w_bf16(w + j * wblock + p * 64);
     }
     for (int i = 0; i < MR; i++) {
 #if ISA_X_F32
@@ -295,7 +293,7 @@ INT8_TARGET static inline __attribute__((always_inline)) void micro(
 
 /* Instantiates micro for every (rows, blocks) the ISA's tiles allow, with constants, so its arrays live in
  * registers. */
-#define MICRO(MR, NB) micro(w, wblock, x, ldx, y, yf, N, kwords, MR, NB, int8, sx, sw, colsum, pf)
+#define MICRO(MR, NB) micro(w, wblock, x, ldx, y, yf, N, kwords, MR, NB, int8, sx, sw, colsum)
 #define MICRO_NB(MR)                                \
   switch (nb) {                                     \
     case 1: MICRO(MR, 1); break;                    \
@@ -305,7 +303,7 @@ INT8_TARGET static inline __attribute__((always_inline)) void micro(
   }
 INT8_TARGET static void micro_any(const uint8_t *w, int64_t wblock, const uint8_t *x, int64_t ldx, bf16 *y, float *yf,
                                   int64_t N, int64_t kwords, int mr, int nb, int int8, const float *sx, const float *sw,
-                                  const int32_t *colsum, int pf) {
+                                  const int32_t *colsum) {
   switch (mr) {
     case 1: MICRO_NB(1); break;
 #if MR_MAX >= 2
@@ -381,7 +379,7 @@ static void panel_blocks(const uint8_t *w, int64_t wblock, int64_t nb0, int nb, 
  * column sums (else NULL). */
 static void blocks(const uint8_t *w, int64_t wblock, int64_t nb0, int nb, const uint8_t *x, int64_t ldx, int64_t M,
                    int64_t kwords, bf16 *y, float *yf, int64_t ldy, int int8, const float *sx, const float *sw,
-                   const int32_t *colsum, int pf) {
+                   const int32_t *colsum) {
 #if ISA_X_F32
   if (!int8 && M >= PANEL_MIN_ROWS) {
     panel_blocks(w, wblock, nb0, nb, x, ldx, M, kwords, y, yf, ldy);
@@ -394,7 +392,7 @@ static void blocks(const uint8_t *w, int64_t wblock, int64_t nb0, int nb, const 
       const int cap = mr == 1 ? NB_ONE : NB_MAX, n = nb - b < cap ? nb - b : cap;
       micro_any(w + (nb0 + b) * wblock, wblock, x + m0 * ldx, ldx, y ? y + m0 * ldy + (nb0 + b) * 16 : NULL,
                 yf ? yf + m0 * ldy + (nb0 + b) * 16 : NULL, ldy, kwords, mr, n, int8, sx ? sx + m0 : NULL,
-                sw ? sw + (nb0 + b) * 16 : NULL, colsum ? colsum + (nb0 + b) * 16 : NULL, pf);
+                sw ? sw + (nb0 + b) * 16 : NULL, colsum ? colsum + (nb0 + b) * 16 : NULL);
       b += n;
     }
   }
@@ -428,7 +426,7 @@ static void vec_matmul(const uint8_t *w, const uint8_t *x, int64_t ldx, bf16 *y,
   for (int64_t g = 0; g < ngroups; g++) {
     const int64_t nb0 = g * per;
     blocks(w, 64 * kwords, nb0, nblocks - nb0 < per ? (int)(nblocks - nb0) : (int)per, x, ldx, M, kwords, y, NULL, N,
-           int8, sx, sw, colsum, M <= MR_MAX);
+           int8, sx, sw, colsum);
   }
 }
 
@@ -439,7 +437,7 @@ static void gemm_serial(const uint8_t *w, int64_t wblock, int64_t nblocks, const
   float *tmp;
   int64_t ldx;
   const uint8_t *xs = x_operand(x, M, 2 * kwords, ld, &tmp, &ldx);
-  blocks(w, wblock, 0, (int)nblocks, xs, ldx, M, kwords, y, yf, ldy, 0, NULL, NULL, NULL, 0);
+  blocks(w, wblock, 0, (int)nblocks, xs, ldx, M, kwords, y, yf, ldy, 0, NULL, NULL, NULL);
   free(tmp);
 }
 
@@ -637,7 +635,7 @@ static run_scales scales_of_run(const void *ws, const void *wb, scale_form sf, i
 INT8_TARGET static inline __attribute__((always_inline)) void int4_micro(
     const uint8_t *w, int64_t wblock, int64_t high_at, const uint8_t *ws, const uint8_t *wb, scale_form sf, int64_t G,
     int64_t k8_per_group, const int8_t *xq, int64_t K, const float *sx, const int32_t *xsum, bf16 *y, int64_t ldy,
-    const int MR, const int NB, const int sym, const int two, const int hb, int pf) {
+    const int MR, const int NB, const int sym, const int two, const int hb) {
   const int mode = two ? SCALES_K : sf.mode == SCALES_F32 ? SCALES_F32 : SCALES_F16; /* (two: SCALES_K, a constant) */
   vf f[I4_MR][I4_NB_CAP], ds[I4_NB_CAP], db[I4_NB_CAP]; /* (ds, db: SCALES_K's d of the scales and offsets) */
   for (int j = 0; j < NB; j++) {
@@ -664,14 +662,8 @@ INT8_TARGET static inline __attribute__((always_inline)) void int4_micro(
       for (int64_t p = p0; p < p_end && p < p0 + steps; p++) {
         wrow8 lo[I4_NB_CAP], hi[I4_NB_CAP];
         for (int j = 0; j < NB; j++) {
-          const uint8_t *wp = w + j * wblock + p * 64;
-          if (pf) prefetch(wp + PF_DIST, 0);
-          w_int4(wp, &lo[j], &hi[j], apart && !hb);
-          if (hb) { /* (the high plane's prefetch as far ahead in rows as the nibbles', once a line) */
-            const uint8_t *hp = w + j * wblock + high_at + p * 16 * hb;
-            if (pf && p % (4 / hb) == 0) prefetch(hp + PF_DIST / 4 * hb, 0);
-            w_int4_high(hp, &lo[j], &hi[j], hb);
-          }
+          w_int4(w + j * wblock + p * 64, &lo[j], &hi[j], apart && !hb);
+          if (hb) w_int4_high(w + j * wblock + high_at + p * 16 * hb, &lo[j], &hi[j], hb);
         }
         for (int i = 0; i < MR; i++) {
           const xq4 x0 = x_int8(xq + i * K + p * 8), x1 = x_int8(xq + i * K + p * 8 + 4);
@@ -706,7 +698,7 @@ INT8_TARGET static inline __attribute__((always_inline)) void int4_micro(
     for (int j = 0; j < NB; j++) vf_store_bf16(y + i * ldy + j * 16, f[i][j]);
 }
 
-#define I4(MR, NB) int4_micro(w, wblock, high_at, ws, wb, sf, G, k8g, xq, K, sx, xsum, y, ldy, MR, NB, sym, two, hb, pf)
+#define I4(MR, NB) int4_micro(w, wblock, high_at, ws, wb, sf, G, k8g, xq, K, sx, xsum, y, ldy, MR, NB, sym, two, hb)
 #define I4_NB_CASE(MR)                                  \
   switch (nb) {                                         \
     case 1: I4(MR, 1); break;                           \
@@ -742,7 +734,7 @@ INT8_TARGET static inline __attribute__((always_inline)) void int4_micro(
 INT8_TARGET static void int4_micro_any(const uint8_t *w, int64_t wblock, int64_t high_at, const uint8_t *ws,
                                        const uint8_t *wb, scale_form sf, int64_t G, int64_t k8g, const int8_t *xq,
                                        int64_t K, const float *sx, const int32_t *xsum, bf16 *y, int64_t ldy, int mr,
-                                       int nb, int pf, int high_bits) {
+                                       int nb, int high_bits) {
   if (sf.mode == SCALES_K) { /* (sym, hb and two constants in each instance: their branches fold away) */
     const int two = 1;
     I4_HB_CASE
@@ -770,7 +762,7 @@ INT8_TARGET static void int4_micro_any(const uint8_t *w, int64_t wblock, int64_t
 INT8_TARGET static inline __attribute__((always_inline)) void int8g_micro(
     const uint8_t *w, int64_t wblock, const uint8_t *ws, const uint8_t *wb, scale_form sf, int64_t G, int64_t k4_per_group,
     const int8_t *xq, int64_t K, const float *sx, const int32_t *xsum, bf16 *y, int64_t ldy, const int MR,
-    const int NB, const int sgn, const int offs, const int two, int pf) {
+    const int NB, const int sgn, const int offs, const int two) {
   const int mode = two ? SCALES_K : sf.mode == SCALES_F32 ? SCALES_F32 : SCALES_F16; /* (two: SCALES_K, a constant) */
   vf f[I8G_MR][I8G_NB_CAP], ds[I8G_NB_CAP], db[I8G_NB_CAP]; /* (ds, db: SCALES_K's d of the scales and offsets) */
   for (int j = 0; j < NB; j++) {
@@ -784,9 +776,7 @@ INT8_TARGET static inline __attribute__((always_inline)) void int8g_micro(
     for (int64_t p = g * k4_per_group; p < (g + 1) * k4_per_group; p++) {
       wrowg wv[I8G_NB_CAP];
       for (int j = 0; j < NB; j++) {
-        const uint8_t *wp = w + j * wblock + p * 64;
-        if (pf) prefetch(wp + PF_DIST, 0);
-        wv[j] = w_int8g(wp);
+        wv[j] = w_int8g(w + j * wblock + p * 64);
       }
       for (int i = 0; i < MR; i++) {
         const xq4 xb = x_int8(xq + i * K + p * 4);
@@ -811,7 +801,7 @@ INT8_TARGET static inline __attribute__((always_inline)) void int8g_micro(
     for (int j = 0; j < NB; j++) vf_store_bf16(y + i * ldy + j * 16, f[i][j]);
 }
 
-#define I8G(MR, NB) int8g_micro(w, wblock, ws, wb, sf, G, k4g, xq, K, sx, xsum, y, ldy, MR, NB, sgn, offs, two, pf)
+#define I8G(MR, NB) int8g_micro(w, wblock, ws, wb, sf, G, k4g, xq, K, sx, xsum, y, ldy, MR, NB, sgn, offs, two)
 #define I8G_NB_CASE(MR)                                 \
   switch (nb) {                                         \
     case 1: I8G(MR, 1); break;                          \
@@ -827,7 +817,7 @@ INT8_TARGET static inline __attribute__((always_inline)) void int8g_micro(
   }
 INT8_TARGET static void int8g_micro_any(const uint8_t *w, int64_t wblock, const uint8_t *ws, const uint8_t *wb, scale_form sf,
                                         int64_t G, int64_t k4g, const int8_t *xq, int64_t K, const float *sx,
-                                        const int32_t *xsum, bf16 *y, int64_t ldy, int mr, int nb, int pf,
+                                        const int32_t *xsum, bf16 *y, int64_t ldy, int mr, int nb,
                                         int signed_q) {
 #define I8G_FORM_CASE                \
   if (wb && !signed_q) {             \
@@ -905,10 +895,10 @@ static void grouped_linear(const uint8_t *w, const void *ws, const void *wb, con
           bf16 *yb = y + m0 * ldy + (nb0 + b) * 16;
           if (eight)
             int8g_micro_any(wc + b * wbl, wbl, s, o, rs.f, G, group / 4, gx.xq + m0 * K, K, gx.sx + m0 * G,
-                            gx.xsum + m0 * G, yb, ldy, mr, (int)n, M <= 8, int8g == 2);
+                            gx.xsum + m0 * G, yb, ldy, mr, (int)n, int8g == 2);
           else
             int4_micro_any(wc + b * wbl, wbl, K * 8, s, o, rs.f, G, group / 8, gx.xq + m0 * K, K, gx.sx + m0 * G,
-                           gx.xsum + m0 * G, yb, ldy, mr, (int)n, M <= 8, high_bits);
+                           gx.xsum + m0 * G, yb, ldy, mr, (int)n, high_bits);
           b += n;
         }
       }
