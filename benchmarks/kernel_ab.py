@@ -12,8 +12,9 @@ those minutes, not the kernels). Two measures:
     python benchmarks/kernel_ab.py OLD.c NEW.c [--model M] [--mode layers|e2e] [--rounds 16] [--context 64]
 
 e.g. ``git show HEAD~1:mili/kernels/cpu/kernels.c > /tmp/old.c``. A version is a kernels.c path: the ISA headers it
-includes are those beside it (a copy of ``mili/kernels/cpu`` with one file changed compares a header change). Built
-like the library (cc -O3, the best ISA's flags, -fopenmp) under /tmp, keyed by its source, headers and flags. Default
+includes are those beside it where it has them (a copy of ``mili/kernels/cpu`` with one file changed compares a
+header change), else the working tree's; ``SOURCE@ISA`` picks an ISA. Built by ``linear_ab.build`` (cc -O3, the ISA's
+flags, -fopenmp, under /tmp). Default
 model: the 0.6B shape's Q4_0 GGUF that ``llamacpp_compare.py --same-file`` makes (the cache must hold it).
 Prints each version's median and minimum and its ratio to the first (of medians).
 """
@@ -21,38 +22,20 @@ Prints each version's median and minimum and its ratio to the first (of medians)
 from __future__ import annotations
 
 import argparse
-import ctypes
-import hashlib
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
 import torch
 from common import CACHE, machine
+from linear_ab import build
 
 from mili.config import EngineConfig
 from mili.engine.llm_engine import LLMEngine
-from mili.kernels.cpu import SIGNATURES, best_isa, compile_flags, ops
+from mili.kernels.cpu import ops
 from mili.tools.bench import _run
 
 DEFAULT_MODEL = CACHE / "Qwen3-0.6B-random-bfloat16-s0-Q4_0.gguf"
-
-
-def build(source: str) -> ctypes.CDLL:
-    src = Path(source).resolve()
-    flags = compile_flags(best_isa())
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in [src, *sorted(src.parent.glob("isa_*.h"))])
-                         + " ".join(flags).encode()).hexdigest()[:16]
-    target = Path(f"/tmp/mili_kernel_ab_{key}.so")
-    if not target.exists():
-        subprocess.run(["cc", "-O3", *flags, "-fopenmp", "-shared", "-fPIC", str(src), "-o", str(target), "-lm"],
-                       check=True)
-    lib = ctypes.CDLL(str(target))
-    for name, argtypes in SIGNATURES.items():
-        if hasattr(lib, name):
-            getattr(lib, name).argtypes = argtypes
-    return lib
 
 
 def recorded_step(engine, prompt: list[int]):

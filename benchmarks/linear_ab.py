@@ -34,6 +34,7 @@ import hashlib
 import statistics
 import subprocess
 import time
+from pathlib import Path
 
 import torch
 from common import machine, print_table
@@ -57,7 +58,10 @@ GROUPED = {"int4": ("int4", GROUP, torch.float32, True, 0), "q4_0": ("int4", 32,
 def build(version: str) -> ctypes.CDLL:
     source, _, isa = version.partition("@")
     flags = compile_flags(isa or best_isa())
-    key = hashlib.sha256(open(source, "rb").read() + " ".join(flags).encode()).hexdigest()[:16]
+    # (the ISA headers it includes: those beside the source where it has them, else the working tree's)
+    headers = sorted(Path(source).resolve().parent.glob("isa_*.h")) or sorted(HERE.glob("isa_*.h"))
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in [Path(source), *headers])
+                         + " ".join(flags).encode()).hexdigest()[:16]
     target = f"/tmp/mili_linear_ab_{key}.so"
     subprocess.run(["cc", "-O3", *flags, "-fopenmp", "-shared", "-fPIC", f"-I{HERE}", source, "-o", target, "-lm"],
                    check=True)
