@@ -3,7 +3,7 @@ swapped into the running engine in turn, so that every version decodes the same 
 same memory, in the same minutes (this VM's memory bandwidth moves by ±20% over minutes; separate processes compare
 those minutes, not the kernels). Two measures:
 
-* ``--mode layers`` (default): one decode step's decoder layers (``CpuDecodeRunner.run``: one C call a layer) replayed
+* ``--mode layers`` (default): one decode step's decoder layers (``CpuDecodeRunner.run``: one C call over them) replayed
   over a step recorded after a ``--context``-token prompt, the versions alternating every 5 replays. The lm_head stays
   on the engine's own library.
 * ``--mode e2e``: whole greedy decodes of ``--output-len`` tokens after the prompt (``mili bench latency``'s measure),
@@ -11,7 +11,8 @@ those minutes, not the kernels). Two measures:
 
     python benchmarks/kernel_ab.py OLD.c NEW.c [--model M] [--mode layers|e2e] [--rounds 16] [--context 64]
 
-e.g. ``git show HEAD~1:mili/kernels/cpu/kernels.c > /tmp/old.c``. A version is a kernels.c path: the ISA headers it
+e.g. ``git show HEAD~1:mili/kernels/cpu/kernels.c > /tmp/old.c`` (a version needs ``mili_decode_layers``: kernels.c
+from 2026-11-26 on). A version is a kernels.c path: the ISA headers it
 includes are those beside it where it has them (a copy of ``mili/kernels/cpu`` with one file changed compares a
 header change), else the working tree's; ``SOURCE@ISA`` picks an ISA. Built by ``linear_ab.build`` (cc -O3, the ISA's
 flags, -fopenmp, under /tmp). Default

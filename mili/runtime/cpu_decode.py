@@ -1,9 +1,9 @@
-"""Decode steps on the CPU as one C call per decoder layer (``mili_decode_layer`` in kernels/cpu).
+"""Decode steps on the CPU as one C call over every decoder layer (``mili_decode_layers`` in kernels/cpu).
 
 The CPU counterpart of the CUDA graphs: on a decode-only batch the model's modules would cross from Python
 into a kernel ~15 times a layer, and the Python and torch work between those kernels (module calls, views,
 allocations, the KV store) cost about a quarter of a batch-32 step and a seventh of a batch-1 step. Here
-each layer is one call running the same kernels in the same order, so the result is bit for bit the
+the layers are one call running the same kernels in the same order, so the result is bit for bit the
 module path's (tested). A speculative verification (a sequence's last token and its drafts) runs here too,
 each token a row attending up to its own position as its decode would: the same bits as decoding those
 tokens one step at a time. Prefill steps, and models the kernels can't take whole, keep the module path.
@@ -87,7 +87,7 @@ class CpuDecodeRunner:
     def __init__(self, model):
         self.model = model
         self.lib = load()[0]
-        self.layers: list[LayerDesc] = []
+        self.layers: list[LayerDesc] | ctypes.Array = []
         self._linears: list[list[LinearDesc]] = []
         self.why_not = "" if self.lib is not None else "no CPU kernels"
         if self.lib is not None and model.config.is_moe:
@@ -106,12 +106,24 @@ class CpuDecodeRunner:
                 layer.input_layernorm.weight.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim,
                 mlp.down_proj.in_features, layer.input_layernorm.eps, attn.head_dim ** -0.5,
                 *(n.weight.data_ptr() for n in norms), *linears))
+        if self.layers:  # one array: mili_decode_layers runs them all in one call
+            self.layers = (LayerDesc * len(self.layers))(*self.layers)
+        self._kv_pointers: tuple[int, ctypes.Array, ctypes.Array] | None = None
         # the model's LoRA adapters' step (which slot each row runs), where it has them
         self.lora_step = next((m.step for m in model.modules() if isinstance(m, LoRALinear)), None)
         self.work_per_token = 0
         if self.layers:
             d = self.layers[0]
             self.work_per_token = (2 * d.hidden + _rows(d.qkv) + d.q_heads * d.head_dim + _rows(d.gate_up) + d.inter)
+
+    def _pointers(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[ctypes.Array, ctypes.Array]:
+        """Each layer's K and V pages' addresses, as arrays for mili_decode_layers (made again only if the caches
+        are not the ones they were made from)."""
+        key = kv_caches[0][0].data_ptr()
+        if self._kv_pointers is None or self._kv_pointers[0] != key:
+            arrays = [(_P * len(kv_caches))(*(pages.data_ptr() for pages in part)) for part in zip(*kv_caches)]
+            self._kv_pointers = (key, *arrays)
+        return self._kv_pointers[1], self._kv_pointers[2]
 
     @property
     def available(self) -> bool:
@@ -138,10 +150,10 @@ class CpuDecodeRunner:
             lens = torch.cat([torch.arange(c - q + 1, c + 1) for q, c in zip(batch.query_lens, batch.context_lens)])
         threads = torch.get_num_threads()
         lora = self.lora_step.slots.data_ptr() if self.lora_step is not None and self.lora_step.active else None
-        for i, (desc, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
-            self.lib.mili_decode_layer(ctypes.byref(desc), h.data_ptr(), residual.data_ptr(), int(i == 0),
-                                       k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), cos.data_ptr(),
-                                       sin.data_ptr(), table.data_ptr(), table.stride(0), lens.data_ptr(),
-                                       k_cache.shape[2], t, work.data_ptr(), lora, threads)
+        k_pointers, v_pointers = self._pointers(kv_caches)
+        self.lib.mili_decode_layers(self.layers, len(self.layers), h.data_ptr(), residual.data_ptr(), k_pointers,
+                                    v_pointers, slots.data_ptr(), cos.data_ptr(), sin.data_ptr(), table.data_ptr(),
+                                    table.stride(0), lens.data_ptr(), kv_caches[0][0].shape[2], t, work.data_ptr(),
+                                    lora, threads)
         rows = batch.logits_indices
         return self.model.model.norm(h[rows], residual[rows])[0]
