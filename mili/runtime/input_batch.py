@@ -69,7 +69,9 @@ class InputBatchBuilder:
         max_pages = max(len(t) for t in page_tables)
         page_table = torch.tensor([t + [0] * (max_pages - len(t)) for t in page_tables], dtype=torch.long)
         pos = torch.tensor(positions, dtype=torch.long)
-        seq_of_token = torch.repeat_interleave(torch.arange(len(page_tables)), torch.tensor(query_lens))
+        seq_of_token = torch.arange(len(page_tables))  # (a token a sequence: decodes)
+        if len(positions) != len(page_tables):
+            seq_of_token = torch.repeat_interleave(seq_of_token, torch.tensor(query_lens))
         slots = page_table[seq_of_token, pos // page_size] * page_size + pos % page_size
         kernel_lens = {}
         if self.device_lens:

@@ -327,14 +327,18 @@ class Sampler:
         self.apply_bitmask = apply_bitmask
         self.draw = draw  # (probs [R, V], meta) -> ids [R]: one of DRAWS, as the execution plan says
 
+    def greedy(self, logits: torch.Tensor, vocab_size: int) -> SamplerOutput:
+        """Each row's argmax over the vocabulary: what ``__call__`` gives rows that are all greedy with nothing else
+        to apply (no logprobs, penalties, blocked tokens or grammar)."""
+        return SamplerOutput(token_ids=self.argmax(logits[:, :vocab_size]).tolist(), logprobs=[None] * logits.shape[0])
+
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """``logits`` [B, >= vocab] in the model's dtype (a private float32 copy is made where needed)."""
         assert logits.dim() == 2 and logits.shape[0] == meta.num_rows, logits.shape
         assert logits.shape[1] >= meta.vocab_size, (logits.shape, meta.vocab_size)
         if (meta.greedy_rows.numel() == meta.num_rows and meta.logprob_rows is None and meta.blocked_rows is None
                 and meta.penalty_rows is None and meta.grammar_rows is None):
-            return SamplerOutput(token_ids=self.argmax(logits[:, :meta.vocab_size]).tolist(),
-                                 logprobs=[None] * meta.num_rows)
+            return self.greedy(logits, meta.vocab_size)
         # A private float32 copy (modified in place); columns past the vocab (padding) are dropped.
         logits = logits[:, :meta.vocab_size].to(torch.float32, copy=True)
         raw = logits.index_select(0, meta.logprob_rows) if meta.logprob_rows is not None else None  # a copy

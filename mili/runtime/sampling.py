@@ -27,6 +27,12 @@ def sampling_metadata(rows: list, vocab_size: int, device: torch.device) -> Samp
         device, drafts=drafts if any(d >= 0 for d in drafts) else None)
 
 
+def _argmax_only(params) -> bool:
+    """A row whose token is its logits' argmax and nothing else: greedy, no logprobs, no penalties, no min_tokens
+    (whose stop tokens the sampler blocks)."""
+    return params.greedy and params.logprobs is None and not params.uses_penalties and not params.min_tokens
+
+
 def sample_step(sampler: Sampler, logits: torch.Tensor, rows: list, grammar: Future | None, vocab_size: int,
                 device: torch.device) -> SamplerOutput:
     """The step's tokens, one per row of ``logits``. A failure that belongs to rows rather than to the
@@ -34,6 +40,8 @@ def sample_step(sampler: Sampler, logits: torch.Tensor, rows: list, grammar: Fut
     again one by one, and those that fail alone come back in ``errors`` (their requests end with that
     error, the core goes on); the other rows' tokens stand."""
     try:
+        if grammar is None and all(_argmax_only(r.seq.params) for r in rows):  # (no metadata tensors to build)
+            return sampler.greedy(logits, vocab_size)
         meta = sampling_metadata(rows, vocab_size, device)
         if grammar is not None:
             bitmask, meta.grammar_rows = grammar.result()
