@@ -9,6 +9,7 @@ parity.py       greedy outputs and logprobs against transformers' models
 server.py       a real `mili serve` process, its metrics, streams against it
 engine_state.py what an engine holds once its requests end (``LLMEngine.stats()``, ``check_integrity()``)
 fla_interpreter.py  flash-linear-attention's kernels under the Triton interpreter
+devices.py      where the Triton kernel tests run (a GPU with MILI_TEST_GPU=1, else the interpreter)
 
 tests/conftest.py builds each kind of checkpoint once per session (the ``*_checkpoint`` fixtures).
 

@@ -7,8 +7,6 @@ model with two adapters and the base model in one batch, and the hybrids (Qwen3.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -17,11 +15,10 @@ pytest.importorskip("triton")
 from mili import LLM, LoRARequest, SamplingParams  # noqa: E402
 from mili.kernels.triton.lora import lora_add, segments  # noqa: E402
 from mili.lora import LoRALinear, LoRAStep  # noqa: E402
+from support.devices import TRITON_DEVICE as DEVICE  # noqa: E402
 from support.lora import build_adapter, check_outputs  # noqa: E402
 from support.parity import hf_greedy  # noqa: E402
 
-# the kernels under the interpreter on the CPU, or compiled on a GPU with MILI_TEST_GPU=1 (tests/conftest.py)
-DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 
 
 def _weights(slots: int, shard_sizes: list[int], in_features: int, max_rank: int, ranks: list[int],

@@ -13,6 +13,8 @@ import pytest
 import torch
 
 triton = pytest.importorskip("triton")
+
+from support.devices import TRITON_DEVICE as DEVICE  # noqa: E402
 if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
     pytest.skip("Triton needs a GPU or TRITON_INTERPRET=1", allow_module_level=True)
 
@@ -23,7 +25,6 @@ from mili.kernels.triton.fp8 import fp8_bits_to_float, to_fp8  # noqa: E402
 
 tl = triton.language
 
-DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
        torch.float16: dict(atol=2e-3, rtol=2e-3)}
 

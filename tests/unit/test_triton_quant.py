@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 triton = pytest.importorskip("triton")
+
+from support.devices import TRITON_DEVICE as DEVICE  # noqa: E402
 if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
     pytest.skip("Triton needs a GPU or TRITON_INTERPRET=1", allow_module_level=True)
 
@@ -26,7 +28,6 @@ from mili.kernels.triton import quant_gemm as qg  # noqa: E402
 from mili.model import gpu_linear, quant  # noqa: E402
 from mili.model.cpu_linear import Fp8Linear  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 # float32: the kernels sum in another order than torch; bf16/fp16: and round the output once (the
 # interpreter's float32 -> bf16 cast truncates: one ulp)
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
