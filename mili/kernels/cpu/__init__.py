@@ -73,7 +73,6 @@ SIGNATURES = {  # name -> argument types (all return void but mili_amx_init, mil
     "mili_argmax_rows": [_P, _I, _I, _I, _P, ctypes.c_int],
     "mili_apply_bitmask": [_P, _I, _P, _I, _P, _I, _I, ctypes.c_int],
     "mili_store_kv": [_P, _I, _P, _I, _P, _P, _P, _I, _I, _I, _I],
-    "mili_decode_layer": [_P, _P, _P, ctypes.c_int, _P, _P, _P, _P, _P, _P, _I, _P, _I, _I, _P, _P, ctypes.c_int],
     "mili_decode_layers": [_P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _I, _P, _I, _I, _P, _P, ctypes.c_int],
     "mili_lora_add": [_P, _P, _I, _P, _I, _I, _P, ctypes.c_int],
     "mili_gdn_decode": [_P, _I, _P, _I, ctypes.c_int, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I,
