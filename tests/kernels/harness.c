@@ -1295,6 +1295,15 @@ int main(void) {
   test_linear(LIN_INT8G, 64, 48, 1024, 16, 1, 0, 0);
   test_linear(LIN_INT8G, 64, 48, 1024, 16, SCALES_K, 1, 0);
   for (int s = 0; s < 6; s++) test_linear(LIN_INT8G, i8g_MN[s][0], i8g_MN[s][1], 120, 24, s % 3, s / 3, 0);
+  /* few rows over many blocks (grouped_streams: each thread's blocks in S runs stepped through together): 37 and 9
+   * blocks give runs of unequal length, 3 fewer blocks than S runs a thread */
+  const int64_t run_MN[][2] = {{1, 592}, {3, 592}, {8, 144}, {1, 96}};
+  for (int s = 0; s < 4; s++) {
+    test_linear(LIN_INT4, run_MN[s][0], run_MN[s][1], 256, 32, s % 3, s % 2, 0);
+    test_linear(LIN_INT4_H2, run_MN[s][0], run_MN[s][1], 256, 16, SCALES_K, 1, 0);
+    test_linear(LIN_INT4_H1, run_MN[s][0], run_MN[s][1], 256, 32, SCALES_K, 0, 0);
+    test_linear(LIN_INT8G, run_MN[s][0], run_MN[s][1], 256, 32, s % 3, s % 2, 0);
+  }
   for (int g = 0; g < 2; g++)
     for (int sym = 0; sym <= 1; sym++) {
       test_linear(LIN_INT8G, 1, 48, 1024, i8g_groups[g], 1, sym, 1);

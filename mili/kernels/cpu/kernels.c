@@ -635,7 +635,7 @@ static run_scales scales_of_run(const void *ws, const void *wb, scale_form sf, i
 INT8_TARGET static inline __attribute__((always_inline)) void int4_micro(
     const uint8_t *w, int64_t wblock, int64_t high_at, const uint8_t *ws, const uint8_t *wb, scale_form sf, int64_t G,
     int64_t k8_per_group, const int8_t *xq, int64_t K, const float *sx, const int32_t *xsum, bf16 *y, int64_t ldy,
-    const int MR, const int NB, const int sym, const int two, const int hb) {
+    int64_t ystep, const int MR, const int NB, const int sym, const int two, const int hb) {
   const int mode = two ? SCALES_K : sf.mode == SCALES_F32 ? SCALES_F32 : SCALES_F16; /* (two: SCALES_K, a constant) */
   vf f[I4_MR][I4_NB_CAP], ds[I4_NB_CAP], db[I4_NB_CAP]; /* (ds, db: SCALES_K's d of the scales and offsets) */
   for (int j = 0; j < NB; j++) {
@@ -695,10 +695,10 @@ INT8_TARGET static inline __attribute__((always_inline)) void int4_micro(
     }
   }
   for (int i = 0; i < MR; i++)
-    for (int j = 0; j < NB; j++) vf_store_bf16(y + i * ldy + j * 16, f[i][j]);
+    for (int j = 0; j < NB; j++) vf_store_bf16(y + i * ldy + j * ystep, f[i][j]);
 }
 
-#define I4(MR, NB) int4_micro(w, wblock, high_at, ws, wb, sf, G, k8g, xq, K, sx, xsum, y, ldy, MR, NB, sym, two, hb)
+#define I4(MR, NB) int4_micro(w, wblock, high_at, ws, wb, sf, G, k8g, xq, K, sx, xsum, y, ldy, ystep, MR, NB, sym, two, hb)
 #define I4_NB_CASE(MR)                                  \
   switch (nb) {                                         \
     case 1: I4(MR, 1); break;                           \
@@ -733,8 +733,8 @@ INT8_TARGET static inline __attribute__((always_inline)) void int4_micro(
   }
 INT8_TARGET static void int4_micro_any(const uint8_t *w, int64_t wblock, int64_t high_at, const uint8_t *ws,
                                        const uint8_t *wb, scale_form sf, int64_t G, int64_t k8g, const int8_t *xq,
-                                       int64_t K, const float *sx, const int32_t *xsum, bf16 *y, int64_t ldy, int mr,
-                                       int nb, int high_bits) {
+                                       int64_t K, const float *sx, const int32_t *xsum, bf16 *y, int64_t ldy,
+                                       int64_t ystep, int mr, int nb, int high_bits) {
   if (sf.mode == SCALES_K) { /* (sym, hb and two constants in each instance: their branches fold away) */
     const int two = 1;
     I4_HB_CASE
@@ -761,8 +761,8 @@ INT8_TARGET static void int4_micro_any(const uint8_t *w, int64_t wblock, int64_t
  * each part's exact form (a symmetric part's b is 0, an offset part's u is q + 128). */
 INT8_TARGET static inline __attribute__((always_inline)) void int8g_micro(
     const uint8_t *w, int64_t wblock, const uint8_t *ws, const uint8_t *wb, scale_form sf, int64_t G, int64_t k4_per_group,
-    const int8_t *xq, int64_t K, const float *sx, const int32_t *xsum, bf16 *y, int64_t ldy, const int MR,
-    const int NB, const int sgn, const int offs, const int two) {
+    const int8_t *xq, int64_t K, const float *sx, const int32_t *xsum, bf16 *y, int64_t ldy, int64_t ystep,
+    const int MR, const int NB, const int sgn, const int offs, const int two) {
   const int mode = two ? SCALES_K : sf.mode == SCALES_F32 ? SCALES_F32 : SCALES_F16; /* (two: SCALES_K, a constant) */
   vf f[I8G_MR][I8G_NB_CAP], ds[I8G_NB_CAP], db[I8G_NB_CAP]; /* (ds, db: SCALES_K's d of the scales and offsets) */
   for (int j = 0; j < NB; j++) {
@@ -798,10 +798,10 @@ INT8_TARGET static inline __attribute__((always_inline)) void int8g_micro(
     }
   }
   for (int i = 0; i < MR; i++)
-    for (int j = 0; j < NB; j++) vf_store_bf16(y + i * ldy + j * 16, f[i][j]);
+    for (int j = 0; j < NB; j++) vf_store_bf16(y + i * ldy + j * ystep, f[i][j]);
 }
 
-#define I8G(MR, NB) int8g_micro(w, wblock, ws, wb, sf, G, k4g, xq, K, sx, xsum, y, ldy, MR, NB, sgn, offs, two)
+#define I8G(MR, NB) int8g_micro(w, wblock, ws, wb, sf, G, k4g, xq, K, sx, xsum, y, ldy, ystep, MR, NB, sgn, offs, two)
 #define I8G_NB_CASE(MR)                                 \
   switch (nb) {                                         \
     case 1: I8G(MR, 1); break;                          \
@@ -817,7 +817,7 @@ INT8_TARGET static inline __attribute__((always_inline)) void int8g_micro(
   }
 INT8_TARGET static void int8g_micro_any(const uint8_t *w, int64_t wblock, const uint8_t *ws, const uint8_t *wb, scale_form sf,
                                         int64_t G, int64_t k4g, const int8_t *xq, int64_t K, const float *sx,
-                                        const int32_t *xsum, bf16 *y, int64_t ldy, int mr, int nb,
+                                        const int32_t *xsum, bf16 *y, int64_t ldy, int64_t ystep, int mr, int nb,
                                         int signed_q) {
 #define I8G_FORM_CASE                \
   if (wb && !signed_q) {             \
@@ -854,22 +854,64 @@ static void int4_to_int8g(const uint8_t *w, int64_t wblock, int64_t nbs, int64_t
     }
 }
 
+/* Few rows (decode, M <= EXPAND_ROWS): each thread's contiguous share of the blocks is cut into S runs of R
+ * blocks (S: the blocks the micro-kernel takes at once, 4 on AVX-512), and the micro-kernel steps through them
+ * together, block i of every run in one call (the blocks R wblock bytes apart, their outputs R x 16 columns apart).
+ * So a thread reads S long streams at once (the weights, and as many of scales), each continuing from one call
+ * to the next. One stream (one block a call) or S short ones (S neighbouring blocks: a block is K / 2 x 16 bytes
+ * of int4, 8 KB at K = 1024) kept the hardware prefetchers from running far enough ahead: S long streams measured
+ * 1.17-1.28x one or S short ones on the Q4_0, Q4_K and Q8_0 layers of the 0.6B and 4B:8 shapes (benchmarks/NOTES.md,
+ * step 15). Each column's sums are the same: the results are the same bits. */
+static void grouped_streams(const uint8_t *w, int64_t wblock, const void *ws, const void *wb, scale_form sf,
+                            const grouped_x gx, bf16 *y, int64_t ldy, int64_t M, int64_t nblocks, int64_t K,
+                            int64_t group, int int8g, int high_bits, int nthreads) {
+  const int64_t G = K / group, parts = nblocks < nthreads ? nblocks : nthreads;
+  const int mr_max = int8g ? I8G_MR : I4_MR;
+  const int S = M == 1 ? (int8g ? I8G_NB_ONE : I4_NB_ONE) : (int8g ? I8G_NB : I4_NB);
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (parts > 1)
+  for (int64_t t = 0; t < parts; t++) { /* one a thread */
+    const int64_t b0 = nblocks * t / parts, len = nblocks * (t + 1) / parts - b0, R = (len + S - 1) / S;
+    scale_form sfr = sf; /* (one block to the next in a call: R blocks) */
+    sfr.stride = sf.stride * R;
+    for (int64_t i = 0; i < R; i++) {
+      int n = 1; /* the runs that still have an i-th block (only the last can be short) */
+      while (n < S && n * R + i < len) n++;
+      const int64_t b = b0 + i;
+      const uint8_t *s = (const uint8_t *)ws + b * sf.stride, *o = wb ? (const uint8_t *)wb + b * sf.stride : NULL;
+      for (int64_t m0 = 0; m0 < M; m0 += mr_max) {
+        const int mr = M - m0 < mr_max ? (int)(M - m0) : mr_max;
+        bf16 *yb = y + m0 * ldy + b * 16;
+        if (int8g)
+          int8g_micro_any(w + b * wblock, R * wblock, s, o, sfr, G, group / 4, gx.xq + m0 * K, K, gx.sx + m0 * G,
+                          gx.xsum + m0 * G, yb, ldy, R * 16, mr, n, int8g == 2);
+        else
+          int4_micro_any(w + b * wblock, R * wblock, K * 8, s, o, sfr, G, group / 8, gx.xq + m0 * K, K,
+                         gx.sx + m0 * G, gx.xsum + m0 * G, yb, ldy, R * 16, mr, n, high_bits);
+      }
+    }
+  }
+}
+
 /* The int4 and int8g kernels' one driver: y[M, N] (rows ldy apart) = x[M, K] @ W^T, W int8g (int8g 1; 2: signed with
  * offsets) or int4 with high_bits (0, 1 or 2), scales and offsets (wb NULL: none) in the form scale_mode (SCALES_K:
- * sub groups a super-block). x is quantized per row and group once; each thread takes a contiguous run of column
- * blocks (its share of the weights, streamed once when M is small) and all rows, a few at a time, while the run's
- * weights sit in its L2. */
+ * sub groups a super-block). x is quantized per row and group once; few rows go to grouped_streams. */
 static void grouped_linear(const uint8_t *w, const void *ws, const void *wb, const bf16 *x, bf16 *y, int64_t ldy,
                            int64_t M, int64_t N, int64_t K, int64_t group, int scale_mode, int64_t sub, int int8g,
                            int high_bits, int nthreads) {
   const int expand = !int8g && high_bits && M > EXPAND_ROWS; /* many rows: int8g's kernel over expanded blocks */
   const int eight = int8g || expand;                         /* (which micro-kernel runs) */
-  const int64_t G = K / group, nblocks = N / 16;
-  const int64_t per = M == 1 ? (eight ? I8G_NB_ONE : I4_NB_ONE) : (eight ? I8G_NB_CAP : I4_NB_CAP);
+  const int64_t G = K / group, nblocks = N / 16, per = eight ? I8G_NB_CAP : I4_NB_CAP;
   const int64_t ngroups = (nblocks + per - 1) / per, wblock = int8g ? K * 16 : K * (8 + 2 * high_bits);
   const int mr_max = eight ? I8G_MR : I4_MR;
   const scale_form sf = scale_form_of(scale_mode, G, sub);
   const grouped_x gx = quantize_groups(x, M, K, group, nthreads);
+  if (M <= EXPAND_ROWS) {
+    grouped_streams(w, wblock, ws, wb, sf, gx, y, ldy, M, nblocks, K, group, int8g, high_bits, nthreads);
+    free_groups(gx);
+    return;
+  }
+  /* Many rows (prefill): each thread takes groups of neighbouring blocks and every row over each group while its
+   * weights sit in L2; SCALES_K scales formed once a group (scales_of_run), int4 with high bits expanded. */
 #pragma omp parallel num_threads(nthreads) if (ngroups > 1)
   {
     /* one a thread, reused by its runs; 64-byte aligned as the packed weights are (a misaligned one made every row's
@@ -878,7 +920,7 @@ static void grouped_linear(const uint8_t *w, const void *ws, const void *wb, con
 #pragma omp for schedule(static)
     for (int64_t c = 0; c < ngroups; c++) {
       const int64_t nb0 = c * per, nbs = nblocks - nb0 < per ? nblocks - nb0 : per;
-      const run_scales rs = scales_of_run(ws, wb, sf, nb0, nbs, G, M > EXPAND_ROWS);
+      const run_scales rs = scales_of_run(ws, wb, sf, nb0, nbs, G, 1);
       const uint8_t *wc = w + nb0 * wblock;
       int64_t wbl = wblock;
       if (expand) { /* u = q, or without offsets q + 128 - (8 << hb): int8g's s (u - 128) is then s (q - 8 << hb) */
@@ -888,28 +930,23 @@ static void grouped_linear(const uint8_t *w, const void *ws, const void *wb, con
       }
       for (int64_t m0 = 0; m0 < M; m0 += mr_max) {
         const int mr = M - m0 < mr_max ? (int)(M - m0) : mr_max;
-        /* One row of nibbles alone (Q4_0, Q4_K, AWQ) takes one block at a time: a thread's blocks are contiguous,
-         * so it reads one stream, where NB blocks at once read NB streams of K / 2 x 16 bytes each (8 KB at
-         * K = 1024), too short for the hardware prefetchers to run ahead (0.6B layers 1.07-1.12x on AVX-512,
-         * 1.27x on AVX2; 4B's 20 KB blocks the same). The high-bit kernels' blocks are two streams already
-         * (nibbles, then high bits) and lose with one block (Q6_K 0.72x): they keep NB. */
-        const int64_t cap = mr == 1 ? (eight ? I8G_NB_ONE : high_bits ? I4_NB_ONE : 1) : (eight ? I8G_NB : I4_NB);
+        const int64_t cap = eight ? I8G_NB : I4_NB;
         for (int64_t b = 0; b < nbs;) {
           const int64_t n = nbs - b < cap ? nbs - b : cap;
           const uint8_t *s = rs.s + b * rs.f.stride, *o = rs.b ? rs.b + b * rs.f.stride : NULL;
           bf16 *yb = y + m0 * ldy + (nb0 + b) * 16;
           if (eight)
             int8g_micro_any(wc + b * wbl, wbl, s, o, rs.f, G, group / 4, gx.xq + m0 * K, K, gx.sx + m0 * G,
-                            gx.xsum + m0 * G, yb, ldy, mr, (int)n, int8g == 2);
+                            gx.xsum + m0 * G, yb, ldy, 16, mr, (int)n, int8g == 2);
           else
             int4_micro_any(wc + b * wbl, wbl, K * 8, s, o, rs.f, G, group / 8, gx.xq + m0 * K, K, gx.sx + m0 * G,
-                           gx.xsum + m0 * G, yb, ldy, mr, (int)n, high_bits);
+                           gx.xsum + m0 * G, yb, ldy, 16, mr, (int)n, high_bits);
           b += n;
         }
       }
       free(rs.buf);
-  }
-  free(expanded);
+    }
+    free(expanded);
   }
   free_groups(gx);
 }
