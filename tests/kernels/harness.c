@@ -318,9 +318,9 @@ static void lin_make(Lin *l, int kind, int64_t n, int64_t k, int64_t group, int 
       }
     l->packed = p, l->scales = s, l->aux = b;
   } else { /* q [N/16][K/8][64]: byte 4c + j, column c: k0 + j low nibble, k0 + 4 + j high; s, b [N/16][G][16].
-            * With hb high bits each block's nibbles are followed by its high bits, [K/8][16 hb]: byte b of a row's
-            * low (o = 0) or high (o = 1) nibbles has its bits above the nibble in byte b % (16 hb) of the row's plane,
-            * at bit 4 o + hb (b / (16 hb)) */
+            * With hb high bits each row of nibbles is followed by its high bits, [K/8][64 + 16 hb]: byte b of a
+            * row's low (o = 0) or high (o = 1) nibbles has its bits above the nibble in byte 64 + b % (16 hb) of the
+            * row, at bit 4 o + hb (b / (16 hb)) */
     const int64_t G = k / group;
     const int hb = high_bits_of(kind), top = (16 << hb) - 1;
     const int64_t wblock = k * (8 + 2 * hb);
@@ -333,8 +333,9 @@ static void lin_make(Lin *l, int kind, int64_t n, int64_t k, int64_t group, int 
         const uint8_t v = (uint8_t)rng_int(0, top);
         const int64_t o = (c % 8) / 4, b = (r % 16) * 4 + c % 4;
         l->q4[r * k + c] = v;
-        p[(r / 16) * wblock + (c / 8) * 64 + b] |= (uint8_t)(o ? (v & 15) << 4 : v & 15);
-        if (hb) p[(r / 16) * wblock + k * 8 + (c / 8) * 16 * hb + b % (16 * hb)] |= (uint8_t)((v >> 4) << (4 * o + hb * (b / (16 * hb))));
+        uint8_t *row = p + (r / 16) * wblock + (c / 8) * (64 + 16 * hb);
+        row[b] |= (uint8_t)(o ? (v & 15) << 4 : v & 15);
+        if (hb) row[64 + b % (16 * hb)] |= (uint8_t)((v >> 4) << (4 * o + hb * (b / (16 * hb))));
       }
     const int64_t sub = l->sub;
     void *s = scale_buffer(mode, n, G, sub), *b = sym ? NULL : scale_buffer(mode, n, G, sub);
@@ -652,8 +653,9 @@ static void test_linear(int kind, int64_t M, int64_t N, int64_t K, int64_t group
         } else if (is_int4(kind)) { /* (and every high bit set: q = 31, 63) */
           const int hb = high_bits_of(kind);
           l.q4[n * K + k] = (uint8_t)((16 << hb) - 1);
-          p4[(n / 16) * K * (8 + 2 * hb) + (k / 8) * 64 + (n % 16) * 4 + (k % 8) % 4] = 0xff;
-          if (hb) p4[(n / 16) * K * (8 + 2 * hb) + K * 8 + (k / 8) * 16 * hb + ((n % 16) * 4 + k % 4) % (16 * hb)] = 0xff;
+          uint8_t *row = p4 + (n / 16) * K * (8 + 2 * hb) + (k / 8) * (64 + 16 * hb);
+          row[(n % 16) * 4 + (k % 8) % 4] = 0xff;
+          if (hb) row[64 + ((n % 16) * 4 + k % 4) % (16 * hb)] = 0xff;
         } else if (kind == LIN_INT8G) { /* column n: all 0, all 255, or alternating (matching row 2's signs) */
           const uint8_t v = (uint8_t)(n % 3 == 0 ? 0 : n % 3 == 1 ? 255 : k % 2 ? 0 : 255);
           l.q4[n * K + k] = v;

@@ -552,9 +552,11 @@ static void free_groups(grouped_x gx) {
  *
  * With high bits (hb = 1 or 2: q in 0..31 or 0..63) the same kernel reads GGUF's Q5_K (d sc q - dmin m) and Q6_K
  * (d sc (q - 32): without offsets w = s (q - 8 << hb)) at about the file's bytes (0.69 and 0.82 a weight, where the
- * int8g kernel's bytes took 1.07): each block of 16 columns holds its nibbles as above, [K/8][64], then its high bits,
- * [K/8][16 hb] (a row's 128 values' bits above the nibble, in the ISA layer's lanes: isa_avx512.h, w_int4_high),
- * which are ORed in after the nibbles are unpacked. The sums are the same integers as int8g's over u = q (+ 128 - 32
+ * int8g kernel's bytes took 1.07): each row of a block of 16 columns is its 64 bytes of nibbles as above followed
+ * by their 16 hb bytes of high bits (the row's 128 values' bits above the nibble, in the ISA layer's lanes:
+ * isa_avx512.h, w_int4_high), [K/8][64 + 16 hb], ORed in after the nibbles are unpacked. A block is one stream:
+ * with the high bits after all the nibbles ([K/8][64], then [K/8][16 hb]) each block was two, and a decode's S long
+ * runs (grouped_streams) 2 S streams a thread, which measured 0.83-0.92x the interleaved rows on Q6_K and Q5_K. The sums are the same integers as int8g's over u = q (+ 128 - 32
  * without offsets), and the float32 steps after them the same, so the results are int8g's bits. Many rows (prefill)
  * expand each thread's blocks to int8g's layout once and run its kernel: there the unpacking, paid for every pair
  * of rows, would cost more than the bytes it saves. */
@@ -633,7 +635,7 @@ static run_scales scales_of_run(const void *ws, const void *wb, scale_form sf, i
 #define EXPAND_ROWS 8 /* more rows than this: SCALES_K expanded (scales_of_run) */
 
 INT8_TARGET static inline __attribute__((always_inline)) void int4_micro(
-    const uint8_t *w, int64_t wblock, int64_t high_at, const uint8_t *ws, const uint8_t *wb, scale_form sf, int64_t G,
+    const uint8_t *w, int64_t wblock, const uint8_t *ws, const uint8_t *wb, scale_form sf, int64_t G,
     int64_t k8_per_group, const int8_t *xq, int64_t K, const float *sx, const int32_t *xsum, bf16 *y, int64_t ldy,
     int64_t ystep, const int MR, const int NB, const int sym, const int two, const int hb) {
   const int mode = two ? SCALES_K : sf.mode == SCALES_F32 ? SCALES_F32 : SCALES_F16; /* (two: SCALES_K, a constant) */
@@ -662,8 +664,8 @@ INT8_TARGET static inline __attribute__((always_inline)) void int4_micro(
       for (int64_t p = p0; p < p_end && p < p0 + steps; p++) {
         wrow8 lo[I4_NB_CAP], hi[I4_NB_CAP];
         for (int j = 0; j < NB; j++) {
-          w_int4(w + j * wblock + p * 64, &lo[j], &hi[j], apart && !hb);
-          if (hb) w_int4_high(w + j * wblock + high_at + p * 16 * hb, &lo[j], &hi[j], hb);
+          w_int4(w + j * wblock + p * (64 + 16 * hb), &lo[j], &hi[j], apart && !hb);
+          if (hb) w_int4_high(w + j * wblock + p * (64 + 16 * hb) + 64, &lo[j], &hi[j], hb);
         }
         for (int i = 0; i < MR; i++) {
           const xq4 x0 = x_int8(xq + i * K + p * 8), x1 = x_int8(xq + i * K + p * 8 + 4);
@@ -698,7 +700,7 @@ INT8_TARGET static inline __attribute__((always_inline)) void int4_micro(
     for (int j = 0; j < NB; j++) vf_store_bf16(y + i * ldy + j * ystep, f[i][j]);
 }
 
-#define I4(MR, NB) int4_micro(w, wblock, high_at, ws, wb, sf, G, k8g, xq, K, sx, xsum, y, ldy, ystep, MR, NB, sym, two, hb)
+#define I4(MR, NB) int4_micro(w, wblock, ws, wb, sf, G, k8g, xq, K, sx, xsum, y, ldy, ystep, MR, NB, sym, two, hb)
 #define I4_NB_CASE(MR)                                  \
   switch (nb) {                                         \
     case 1: I4(MR, 1); break;                           \
@@ -731,7 +733,7 @@ INT8_TARGET static inline __attribute__((always_inline)) void int4_micro(
     const int hb = 0;              \
     I4_SYM_CASE                    \
   }
-INT8_TARGET static void int4_micro_any(const uint8_t *w, int64_t wblock, int64_t high_at, const uint8_t *ws,
+INT8_TARGET static void int4_micro_any(const uint8_t *w, int64_t wblock, const uint8_t *ws,
                                        const uint8_t *wb, scale_form sf, int64_t G, int64_t k8g, const int8_t *xq,
                                        int64_t K, const float *sx, const int32_t *xsum, bf16 *y, int64_t ldy,
                                        int64_t ystep, int mr, int nb, int high_bits) {
@@ -845,8 +847,8 @@ static void int4_to_int8g(const uint8_t *w, int64_t wblock, int64_t nbs, int64_t
   for (int64_t j = 0; j < nbs; j++)
     for (int64_t p = 0; p < K / 8; p++) {
       wrow8 lo, hi;
-      const uint8_t *hp = w + j * wblock + K * 8 + p * 16 * hb;
-      w_int4(w + j * wblock + p * 64, &lo, &hi, 0);
+      const uint8_t *row = w + j * wblock + p * (64 + 16 * hb), *hp = row + 64;
+      w_int4(row, &lo, &hi, 0);
       if (hb == 2) w_int4_high(hp, &lo, &hi, 2); /* (constants: the ISA layer's branches fold) */
       else w_int4_high(hp, &lo, &hi, 1);
       w_store8(out + (j * K / 8 + p) * 128, lo, add);
@@ -885,7 +887,7 @@ static void grouped_streams(const uint8_t *w, int64_t wblock, const void *ws, co
           int8g_micro_any(w + b * wblock, R * wblock, s, o, sfr, G, group / 4, gx.xq + m0 * K, K, gx.sx + m0 * G,
                           gx.xsum + m0 * G, yb, ldy, R * 16, mr, n, int8g == 2);
         else
-          int4_micro_any(w + b * wblock, R * wblock, K * 8, s, o, sfr, G, group / 8, gx.xq + m0 * K, K,
+          int4_micro_any(w + b * wblock, R * wblock, s, o, sfr, G, group / 8, gx.xq + m0 * K, K,
                          gx.sx + m0 * G, gx.xsum + m0 * G, yb, ldy, R * 16, mr, n, high_bits);
       }
     }
@@ -939,7 +941,7 @@ static void grouped_linear(const uint8_t *w, const void *ws, const void *wb, con
             int8g_micro_any(wc + b * wbl, wbl, s, o, rs.f, G, group / 4, gx.xq + m0 * K, K, gx.sx + m0 * G,
                             gx.xsum + m0 * G, yb, ldy, 16, mr, (int)n, int8g == 2);
           else
-            int4_micro_any(wc + b * wbl, wbl, K * 8, s, o, rs.f, G, group / 8, gx.xq + m0 * K, K, gx.sx + m0 * G,
+            int4_micro_any(wc + b * wbl, wbl, s, o, rs.f, G, group / 8, gx.xq + m0 * K, K, gx.sx + m0 * G,
                            gx.xsum + m0 * G, yb, ldy, 16, mr, (int)n, high_bits);
           b += n;
         }

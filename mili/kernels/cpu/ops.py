@@ -169,10 +169,10 @@ def pack_int4(q: torch.Tensor, scales, offsets, scale_dtype: torch.dtype = torch
     w = scale * (q - 8), none stored (GGUF's Q4_0).
 
     ``high_bits`` 1 or 2 (q in 0..31 or 0..63: GGUF's Q5_K, Q6_K; K % 32 == 0; without offsets w = scale * (q - 16)
-    or (q - 32)): each block of 16 rows also holds, after its nibbles, its values' bits above the nibble, 16
-    high_bits bytes a row of the nibbles: the row's 64 bytes of low nibbles (``lo``) and of high ones (``hi``) in lanes
-    of 16 high_bits bytes, byte b of lane L holding lo's value at bit high_bits L and hi's at 4 + high_bits L
-    (kernels.c, isa_avx512.h w_int4_high). The tensor is [N/16, K/8 + K high_bits / 32, 64]."""
+    or (q - 32)): each row of 64 bytes of nibbles is followed by its values' bits above the nibble, 16 high_bits
+    bytes: the row's 64 bytes of low nibbles (``lo``) and of high ones (``hi``) in lanes of 16 high_bits bytes, byte b
+    of lane L holding lo's value at bit high_bits L and hi's at 4 + high_bits L (kernels.c, isa_avx512.h w_int4_high).
+    A block is [K/8][64 + 16 high_bits] bytes; the tensor is [N/16, K/8 + K high_bits / 32, 64]."""
     n, k = q.shape
     assert q.dtype == torch.uint8 and (not q.numel() or int(q.max()) < 16 << high_bits), (q.dtype, high_bits)
     cols = q.view(n // 16, 16, k // 8, 2, 4).permute(0, 2, 3, 1, 4)  # [N/16, K/8, lo|hi, 16, 4]
@@ -184,7 +184,7 @@ def pack_int4(q: torch.Tensor, scales, offsets, scale_dtype: torch.dtype = torch
         top = (cols >> 4).reshape(n // 16, k // 8, 2, lanes, 16 * high_bits).to(torch.int32)  # [.., lo|hi, L, byte]
         shift = (4 * torch.arange(2).view(2, 1, 1) + high_bits * torch.arange(lanes).view(1, lanes, 1)).to(torch.int32)
         plane = (top << shift).sum(dim=(2, 3)).to(torch.uint8)  # [N/16, K/8, 16 high_bits]
-        packed = torch.cat([packed, plane.reshape(n // 16, -1, 64)], dim=1)
+        packed = torch.cat([packed, plane], dim=2).reshape(n // 16, -1, 64)
     return packed.contiguous(), pack_scales(scales, scale_dtype), None if offsets is None else pack_scales(offsets, scale_dtype)
 
 
@@ -228,11 +228,12 @@ def unpack_int4(packed: torch.Tensor, high_bits: int = 0) -> torch.Tensor:
     """:func:`pack_int4`'s q back: [N, K] uint8 (0..15, with high bits up to 31 or 63)."""
     nb, k = packed.shape[0], int4_in_features(packed, high_bits)
     k8 = k // 8
-    cols = packed[:, :k8].reshape(nb, k8, 16, 4)
+    rows = packed.reshape(nb, k8, 64 + 16 * high_bits)
+    cols = rows[:, :, :64].reshape(nb, k8, 16, 4)
     q = torch.stack([cols & 0x0F, cols >> 4], dim=2)  # [N/16, K/8, lo|hi, 16, 4]
     if high_bits:
         lanes = 4 // high_bits
-        plane = packed[:, k8:].reshape(nb, k8, 1, 1, 16 * high_bits).to(torch.int32)
+        plane = rows[:, :, 64:].reshape(nb, k8, 1, 1, 16 * high_bits).to(torch.int32)
         shift = (4 * torch.arange(2).view(2, 1, 1) + high_bits * torch.arange(lanes).view(1, lanes, 1)).to(torch.int32)
         top = ((plane >> shift) & ((1 << high_bits) - 1)).to(torch.uint8)  # [N/16, K/8, lo|hi, L, byte]
         q = q | (top.reshape(nb, k8, 2, 16, 4) << 4)
