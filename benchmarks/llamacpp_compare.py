@@ -1,6 +1,6 @@
 """MILI against llama.cpp on the CPU, side by side in one run: batch-1 decode and prefill for the same random
 checkpoint in each format pair (MILI bf16 / llama.cpp BF16, MILI int8 / Q8_0, MILI AWQ int4 / Q4_0), the same
-thread count, two passes with the engines' order swapped.
+thread count, in paired rounds (the engines back to back, their order swapped each round).
 
 llama.cpp comes from the ``llama-cpp-python`` sdist on PyPI (its vendored tree), built here with
 ``GGML_NATIVE=ON`` (only ``llama-bench`` and ``llama-quantize``); the checkpoint goes to GGUF BF16 with
@@ -27,11 +27,15 @@ environment, so set both when starting the script (it refuses otherwise)::
 ``native`` (the default): llama.cpp with ``GGML_NATIVE=ON`` (``build``), MILI's best path, and
 ``MILI_CPU_ISA`` must be unset. A 512-token prefill: ``--input-len 512`` (prompt + output up to 1024 tokens).
 
-Each figure is the median of ``--repeat`` runs (llama-bench's ``-r``; MILI's ``mili bench latency``
-measure). Both engines decode after the prompt: llama-bench's decode test runs at depth ``--input-len`` (``-d``),
-its prefill test from an empty context; each with flash attention off and on (``-fa 0,1``), the faster kept. The roofline is a copy (read + write) with the same thread count over the bytes a decode step
-reads: MILI's weights as loaded (the head as read), llama.cpp's GGUF file (tied: its token table is the
-output matrix, read whole each step).
+Per format, MILI's engine is loaded once; then ``--rounds`` paired rounds, each a copy-rate measure, one MILI
+measure (the median of ``--repeat`` requests, ``mili bench latency``'s measure) and one llama-bench run (its mean of
+``-r`` ``--repeat``) back to back, the engines' order swapped every round. A ratio is taken within each round and the
+table gives the rounds' median and range: this VM's memory bandwidth moves by ±20% over minutes, and a pair taken in
+the same half minute shares them. Both engines decode after the prompt: llama-bench's decode test runs at depth
+``--input-len`` (``-d``), its prefill test from an empty context; each with flash attention off and on (``-fa 0,1``),
+the faster kept. The roofline is a copy (read + write) with the same thread count, measured each round, over the
+bytes a decode step reads: MILI's weights as loaded (the head as read), llama.cpp's GGUF file (tied: its token table
+is the output matrix, read whole each step).
 """
 
 from __future__ import annotations
@@ -52,9 +56,9 @@ import torch
 from common import CACHE, machine, print_table, qwen3_checkpoint, random_prompt
 from quant_decode import _quantized_copy
 
-from mili.tools.bench import _measure_latency, memory_bandwidth, weight_bytes_per_step
 from mili.config import EngineConfig
 from mili.engine.llm_engine import LLMEngine
+from mili.tools.bench import _measure_latency, memory_bandwidth, weight_bytes_per_step
 
 MAX_MODEL_LEN = 1024  # MILI's context: --input-len + --output-len must fit
 # llama.cpp's build per --cpu-isa: (build folder, the CMake flags that pick its instruction set)
@@ -168,64 +172,69 @@ def run_llama(bin_dir: Path, model: Path, args) -> tuple[float, float]:
     return prefill["avg_ts"], decode["avg_ts"]
 
 
-def run_mili(path: str, quantization: str | None, args) -> tuple[float, float, int]:
-    """(prefill tok/s, decode tok/s, weight bytes a decode step reads)."""
+def load_mili(path: str, quantization: str | None, args) -> LLMEngine:
     if args.cpu_isa != "native":  # (main checked the environment; this covers a caller of compare())
         os.environ["MILI_CPU_ISA"] = args.cpu_isa
-    engine = LLMEngine(EngineConfig(model=path, dtype="bfloat16", quantization=quantization,
-                                    max_model_len=MAX_MODEL_LEN,
-                                    kv_cache_memory=1 << 30, num_threads=args.threads))
+    return LLMEngine(EngineConfig(model=path, dtype="bfloat16", quantization=quantization,
+                                  max_model_len=MAX_MODEL_LEN, kv_cache_memory=1 << 30, num_threads=args.threads))
+
+
+def run_mili(engine: LLMEngine, args) -> tuple[float, float]:
+    """(prefill tok/s, decode tok/s): ``mili bench latency``'s measure, the median of ``--repeat`` requests."""
     ttft, decode, _ = _measure_latency(engine, random_prompt(args.input_len, 0), args)
-    step = weight_bytes_per_step(engine.core.runner.model)
-    del engine
-    gc.collect()
-    return args.input_len / ttft, decode, step
+    return args.input_len / ttft, decode
+
+
+def spread(values: list[float], fmt: str = "{:.2f}", unit: str = "") -> str:
+    """The median of ``values`` and their range: 1.05x (0.98-1.12)."""
+    lo, mid, hi = min(values), statistics.median(values), max(values)
+    return f"{fmt.format(mid)}{unit} ({fmt.format(lo)}-{fmt.format(hi)})" if len(values) > 1 else fmt.format(mid) + unit
 
 
 def compare(spec: str, bin_dir: Path, args) -> None:
+    """Per format: MILI's engine loaded once, then ``--rounds`` paired rounds, each one MILI measure and one
+    llama-bench run back to back (their order swapped every round) and a copy roofline beside them. A round's
+    ratio compares two figures taken within the same half minute, so the machine's slower minutes (its memory
+    bandwidth moves by ±20% over minutes) fall on both engines alike; the table gives the rounds' median and range."""
     name, _, layers = spec.partition(":")
     dense = qwen3_checkpoint(name, layers=int(layers) if layers else None)
     pairs = SAME_FILE_PAIRS if args.same_file else PAIRS
     models = {kind: gguf(dense, kind, bin_dir) for _, _, kind in pairs}
     checkpoints = {"dense": dense} if args.same_file else {"dense": dense, "awq": _quantized_copy(dense, "awq")}
-    figures = {label: {"mili": [], "llama": []} for label, _, _ in pairs}
-    steps = {}
-    for run in range(2):  # pass 1: MILI first; pass 2: llama.cpp first
-        for engine in (("mili", "llama") if run == 0 else ("llama", "mili")):
-            for label, (ckpt, quantization), kind in pairs:
-                if engine == "mili":
-                    path = str(models[kind]) if ckpt == "gguf" else checkpoints[ckpt]
-                    prefill, decode, steps[label] = run_mili(path, quantization, args)
-                else:
-                    prefill, decode = run_llama(bin_dir, models[kind], args)
-                figures[label][engine].append((prefill, decode))
+    rows, copies = [], []
     torch.set_num_threads(args.threads)
-    bandwidth = memory_bandwidth()
-    rows = []
-    for label, _, kind in pairs:
-        mili, llama = figures[label]["mili"], figures[label]["llama"]
-        mili_decode, llama_decode = (statistics.median(d for _, d in x) for x in (mili, llama))
-        mili_prefill, llama_prefill = (statistics.median(p for p, _ in x) for x in (mili, llama))
-        llama_bytes = models[kind].stat().st_size
-        rows.append([label, " / ".join(f"{d:.1f}" for _, d in mili), " / ".join(f"{d:.1f}" for _, d in llama),
-                     f"{mili_decode / llama_decode:.2f}x",
-                     f"{100 * mili_decode * steps[label] / bandwidth:.0f}% / "
-                     f"{100 * llama_decode * llama_bytes / bandwidth:.0f}%",
-                     f"{steps[label] / 1e9:.3f} / {llama_bytes / 1e9:.3f}",
-                     f"{mili_prefill:.0f} / {llama_prefill:.0f}", f"{mili_prefill / llama_prefill:.2f}x"])
+    for label, (ckpt, quantization), kind in pairs:
+        engine = load_mili(str(models[kind]) if ckpt == "gguf" else checkpoints[ckpt], quantization, args)
+        step, llama_bytes = weight_bytes_per_step(engine.core.runner.model), models[kind].stat().st_size
+        got = {"mili": [], "llama": [], "bw": []}  # per round: (prefill, decode); copy B/s
+        for r in range(args.rounds):
+            got["bw"].append(memory_bandwidth())
+            for who in (("mili", "llama") if r % 2 == 0 else ("llama", "mili")):
+                got[who].append(run_mili(engine, args) if who == "mili" else run_llama(bin_dir, models[kind], args))
+        del engine
+        gc.collect()
+        copies += got["bw"]
+        (mp, md), (lp, ld) = (list(zip(*got[who])) for who in ("mili", "llama"))
+        rows.append([label, spread(md, "{:.1f}"), spread(ld, "{:.1f}"),
+                     spread([m / x for m, x in zip(md, ld)], unit="x"),
+                     spread([100 * m * step / b for m, b in zip(md, got["bw"])], "{:.0f}", "%"),
+                     spread([100 * x * llama_bytes / b for x, b in zip(ld, got["bw"])], "{:.0f}", "%"),
+                     f"{step / 1e9:.3f} / {llama_bytes / 1e9:.3f}",
+                     f"{statistics.median(mp):.0f} / {statistics.median(lp):.0f}",
+                     spread([m / x for m, x in zip(mp, lp)], unit="x")])
     print(f"\n{spec} (random weights): prompt {args.input_len}, {args.output_len} tokens, batch 1, "
-          f"{args.threads} threads each, median of {args.repeat} a pass; {machine()}; llama.cpp from "
-          f"llama-cpp-python {args.llama_cpp_python}; {args.threads}-thread copy {bandwidth / 1e9:.1f} GB/s")
+          f"{args.threads} threads each, {args.rounds} paired rounds of {args.repeat} runs an engine; {machine()}; "
+          f"llama.cpp from llama-cpp-python {args.llama_cpp_python}; copy {spread([b / 1e9 for b in copies], '{:.1f}')} GB/s")
     build, isa_flags = LLAMA_ISA[args.cpu_isa]
     print(f"ISA path {args.cpu_isa}: MILI with MILI_CPU_ISA={os.environ.get('MILI_CPU_ISA') or '(unset)'}, "
           f"torch {torch.backends.cpu.get_cpu_capability()}; llama.cpp's {args.cpu_isa} build ({build}/: "
           f"{' '.join(f.removeprefix('-D') for f in isa_flags if not f.endswith('=OFF'))}"
           f"{', GGML_NATIVE and the other ISA options OFF' if any(f.endswith('=OFF') for f in isa_flags) else ''}); "
           f"{cpu_model()}, {cpu_flags()}")
-    print_table(f"MILI vs llama.cpp, {spec}", [
-        "MILI / llama.cpp format", "MILI decode (pass 1 / 2)", "llama.cpp decode (pass 1 / 2)", "decode ratio",
-        "of copy roofline (MILI / llama.cpp)", "GB a step (MILI / llama.cpp)", "prefill tok/s (MILI / llama.cpp)",
-        "prefill ratio"], rows)
+    print_table(f"MILI vs llama.cpp, {spec} (each cell: the rounds' median, and their range)", [
+        "MILI / llama.cpp format", "MILI decode tok/s", "llama.cpp decode tok/s", "decode ratio",
+        "MILI, of copy roofline", "llama.cpp, of copy roofline", "GB a step (MILI / llama.cpp)",
+        "prefill tok/s (MILI / llama.cpp)", "prefill ratio"], rows)
 
 
 def main() -> None:
@@ -235,6 +244,7 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=4, help="paired rounds a format (MILI and llama.cpp back to back)")
     p.add_argument("--llama-cpp-python", default="0.3.36", help="the sdist whose vendored llama.cpp is built")
     p.add_argument("--same-file", action="store_true",
                    help="both engines read the same GGUF files (Q8_0, Q4_0, Q4_K_M from llama-quantize), MILI "
