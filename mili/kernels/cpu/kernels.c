@@ -556,10 +556,11 @@ static void free_groups(grouped_x gx) {
  * by their 16 hb bytes of high bits (the row's 128 values' bits above the nibble, in the ISA layer's lanes:
  * isa_avx512.h, w_int4_high), [K/8][64 + 16 hb], ORed in after the nibbles are unpacked. A block is one stream:
  * with the high bits after all the nibbles ([K/8][64], then [K/8][16 hb]) each block was two, and a decode's S long
- * runs (grouped_streams) 2 S streams a thread, which measured 0.83-0.92x the interleaved rows on Q6_K and Q5_K. The sums are the same integers as int8g's over u = q (+ 128 - 32
- * without offsets), and the float32 steps after them the same, so the results are int8g's bits. Many rows (prefill)
- * expand each thread's blocks to int8g's layout once and run its kernel: there the unpacking, paid for every pair
- * of rows, would cost more than the bytes it saves. */
+ * runs (grouped_streams) 2 S streams a thread, which measured 0.83-0.92x the interleaved rows on Q6_K and Q5_K.
+ * The sums are the same integers as int8g's over u = q (+ 128 - 32 without offsets), and the float32 steps after
+ * them the same, so the results are int8g's bits. Many rows (prefill) expand each thread's blocks to int8g's layout
+ * once and run its kernel: there the unpacking, paid for every pair of rows, would cost more than the bytes it
+ * saves. */
 
 /* The int4 and int8g kernels' scales (and offsets: the same form), one array each, per block of 16 output columns:
  *  SCALES_F16, SCALES_F32: [N/16][G][16] fp16 or float32 values;
