@@ -604,7 +604,7 @@ static inline __attribute__((always_inline)) vf load_scales(const uint8_t *block
 }
 
 /* One thread's run of nbs column blocks (from block nb0) of a layer's scales and offsets (b NULL: none), as its
- * micro-kernel calls read them. With many rows (expand: prefill), SCALES_K values are formed once into float32
+ * micro-kernel calls read them over many rows (prefill). SCALES_K values are formed once into float32
  * (buf, freed by the caller), the SCALES_F32 form of the same values: each pair of rows then reads them as that form
  * does, where forming them again for every pair cost ~13% of the int4 and int8g kernels' time at 64 rows. A row's
  * results are the same bits either way. */
@@ -614,10 +614,9 @@ typedef struct {
   float *buf;
 } run_scales;
 
-static run_scales scales_of_run(const void *ws, const void *wb, scale_form sf, int64_t nb0, int64_t nbs, int64_t G,
-                                int expand) {
+static run_scales scales_of_run(const void *ws, const void *wb, scale_form sf, int64_t nb0, int64_t nbs, int64_t G) {
   run_scales r = {(const uint8_t *)ws + nb0 * sf.stride, wb ? (const uint8_t *)wb + nb0 * sf.stride : NULL, sf, NULL};
-  if (!expand || sf.mode != SCALES_K) return r;
+  if (sf.mode != SCALES_K) return r;
   r.buf = malloc(sizeof(float) * (wb ? 2 : 1) * nbs * G * 16);
   for (int half = 0; half < (wb ? 2 : 1); half++) {
     const uint8_t *src = half ? r.b : r.s;
@@ -903,7 +902,7 @@ static void grouped_linear(const uint8_t *w, const void *ws, const void *wb, con
                            int high_bits, int nthreads) {
   const int expand = !int8g && high_bits && M > EXPAND_ROWS; /* many rows: int8g's kernel over expanded blocks */
   const int eight = int8g || expand;                         /* (which micro-kernel runs) */
-  const int64_t G = K / group, nblocks = N / 16, per = eight ? I8G_NB_CAP : I4_NB_CAP;
+  const int64_t G = K / group, nblocks = N / 16, per = eight ? I8G_NB : I4_NB; /* (a group: one call's blocks) */
   const int64_t ngroups = (nblocks + per - 1) / per, wblock = int8g ? K * 16 : K * (8 + 2 * high_bits);
   const int mr_max = eight ? I8G_MR : I4_MR;
   const scale_form sf = scale_form_of(scale_mode, G, sub);
@@ -923,7 +922,7 @@ static void grouped_linear(const uint8_t *w, const void *ws, const void *wb, con
 #pragma omp for schedule(static)
     for (int64_t c = 0; c < ngroups; c++) {
       const int64_t nb0 = c * per, nbs = nblocks - nb0 < per ? nblocks - nb0 : per;
-      const run_scales rs = scales_of_run(ws, wb, sf, nb0, nbs, G, 1);
+      const run_scales rs = scales_of_run(ws, wb, sf, nb0, nbs, G);
       const uint8_t *wc = w + nb0 * wblock;
       int64_t wbl = wblock;
       if (expand) { /* u = q, or without offsets q + 128 - (8 << hb): int8g's s (u - 128) is then s (q - 8 << hb) */
@@ -933,19 +932,13 @@ static void grouped_linear(const uint8_t *w, const void *ws, const void *wb, con
       }
       for (int64_t m0 = 0; m0 < M; m0 += mr_max) {
         const int mr = M - m0 < mr_max ? (int)(M - m0) : mr_max;
-        const int64_t cap = eight ? I8G_NB : I4_NB;
-        for (int64_t b = 0; b < nbs;) {
-          const int64_t n = nbs - b < cap ? nbs - b : cap;
-          const uint8_t *s = rs.s + b * rs.f.stride, *o = rs.b ? rs.b + b * rs.f.stride : NULL;
-          bf16 *yb = y + m0 * ldy + (nb0 + b) * 16;
-          if (eight)
-            int8g_micro_any(wc + b * wbl, wbl, s, o, rs.f, G, group / 4, gx.xq + m0 * K, K, gx.sx + m0 * G,
-                            gx.xsum + m0 * G, yb, ldy, 16, mr, (int)n, int8g == 2);
-          else
-            int4_micro_any(wc + b * wbl, wbl, s, o, rs.f, G, group / 8, gx.xq + m0 * K, K, gx.sx + m0 * G,
-                           gx.xsum + m0 * G, yb, ldy, 16, mr, (int)n, high_bits);
-          b += n;
-        }
+        bf16 *yb = y + m0 * ldy + nb0 * 16;
+        if (eight)
+          int8g_micro_any(wc, wbl, rs.s, rs.b, rs.f, G, group / 4, gx.xq + m0 * K, K, gx.sx + m0 * G,
+                          gx.xsum + m0 * G, yb, ldy, 16, mr, (int)nbs, int8g == 2);
+        else
+          int4_micro_any(wc, wbl, rs.s, rs.b, rs.f, G, group / 8, gx.xq + m0 * K, K, gx.sx + m0 * G,
+                         gx.xsum + m0 * G, yb, ldy, 16, mr, (int)nbs, high_bits);
       }
       free(rs.buf);
     }
