@@ -74,6 +74,7 @@ def test_linear_matches_torch(isa, m, n, k):
 
 @needs_kernels
 def test_kernel_linear_module_with_bias_and_leading_dims(isa):
+    torch.manual_seed(11)
     w, b = torch.randn(96, 64).to(BF16), torch.randn(96).to(BF16)
     x = torch.randn(2, 3, 64).to(BF16)
     out = KernelLinear(w, b)(x)
@@ -118,6 +119,7 @@ def test_qk_norm_rope_in_place_on_fused_qkv(isa, t):
 
 @needs_kernels
 def test_silu_and_mul(isa):
+    torch.manual_seed(12)
     gate_up = (torch.randn(7, 2 * 160) * 3).to(BF16)
     torch.testing.assert_close(ops.silu_and_mul(gate_up).float(), reference.silu_and_mul(gate_up).float(),
                                rtol=1e-2, atol=1e-2)
@@ -370,6 +372,7 @@ def test_argmax_reads_bf16_rows_and_takes_the_first_of_ties(isa, n):
 
 @needs_kernels
 def test_sampler_takes_the_kernel_argmax_only_when_nothing_else_is_asked(isa):
+    torch.manual_seed(13)
     from mili.runtime.sampler import Sampler, SamplingMetadata
 
     calls = []

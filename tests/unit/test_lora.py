@@ -147,6 +147,7 @@ def test_moe_attention_adapters_and_expert_adapters_refused(tmp_path):
 def test_a_quantized_base_takes_adapters(dense, quantization):
     """--quantization int8 / fp8 (MILI's kernels on the CPU, bf16): each projection is the quantized layer's output
     plus the adapter's s B (A x), computed beside it (within bf16's rounding of the products)."""
+    torch.manual_seed(0)
     from safetensors.torch import load_file
 
     base, _, requests = dense

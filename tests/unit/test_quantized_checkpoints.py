@@ -124,6 +124,7 @@ def test_a_quantized_weight_without_its_scale_is_refused(dense, tmp_path):
 
 # -- AWQ --------------------------------------------------------------------------------------------------
 def test_awq_packing_order():
+    torch.manual_seed(0)
     from mili.model.quant import pack_awq, unpack_awq
 
     # columns 0..7 holding the values 0..7 pack as AutoAWQ's nibble order 0 2 4 6 1 3 5 7 (low to high)

@@ -77,6 +77,7 @@ def test_fp8_gemm(dtype, fp8_activations, rows, split_k):
 
 
 def test_fp8_gemm_per_channel():
+    torch.manual_seed(0)
     n, k = 96, 64
     q, scale = _fp8_weight(n, k, (1, k), seed=2)
     x = torch.randn(3, k).to(DEVICE)
@@ -123,6 +124,7 @@ def test_int8_gemm(dtype, rows, split_k):
 def test_layers_compute_the_dequantized_weights():
     """A fused layer from three shards (q|k|v, k and v not whole 128-row blocks: their scales become per row),
     weight-only in float32, equals F.linear with the dequantized weights; W8A8 and AWQ agree with theirs."""
+    torch.manual_seed(1)
     shards = [_fp8_weight(rows, 192, (128, 128), seed=rows) for rows in (128, 64, 64)]
     parts = quant.concat_parts([quant.Fp8Parts(q, s, (128, 128)) for q, s in shards])
     assert parts.block == (1, 128) and parts.scale.shape == (256, 2)
@@ -242,6 +244,7 @@ def test_engine_float32_matches_the_dequantized_model(quantized, fmt, layer):
 def test_int8_gives_a_tied_head_its_own_int8_copy(qwen3_checkpoint):
     """A tied model under --quantization int8 on the Triton path: the embedding keeps its table for the lookup,
     the head computes with the table's int8 copy on the int8 GEMM (the CPU's int8 head does the same)."""
+    torch.manual_seed(2)
     llm = LLM(str(qwen3_checkpoint("mha_tied")), dtype="float32", quantization="int8", **ENGINE)
     model = llm.engine.core.runner.model
     head, table = model.lm_head, model.model.embed_tokens.weight
