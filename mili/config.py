@@ -11,7 +11,7 @@ import torch
 from mili.errors import InvalidRequest, ModelLoadError
 from mili.model.checks import check_architecture_settings
 from mili.model.demo import DEMO_HYBRID_MODEL, DEMO_MODEL, DEMO_RANDOM_MODEL
-from mili.options import check_value, option, options
+from mili.options import AUTO, check_value, option, options
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16,
@@ -348,8 +348,14 @@ class EngineConfig:
     num_state_snapshots: int | None = option(
         None, "hybrid models: recurrent-state snapshots the prefix cache keeps (default: another quarter of the KV "
               "budget, 2 to 4 per slot; 0 turns their prefix cache off)", minimum=0)
-    max_num_seqs: int = option(256, "most sequences in one batch", minimum=1, section="inference.max_batch_size")
-    max_num_batched_tokens: int = option(2048, "token budget of one step (decodes + prefill chunks)", minimum=1)
+    # (auto: the execution plan sizes both by the device, mili/runtime/plan.py's BATCH_LIMITS; an engine's config
+    # holds the values it chose once it has planned)
+    max_num_seqs: int | None = option(
+        None, "most sequences in one batch; auto: by the device (the CPU 256; a GPU 256, 512 from 36 GiB, 1024 from "
+              "70 GiB)", minimum=1, auto=True, section="inference.max_batch_size")
+    max_num_batched_tokens: int | None = option(
+        None, "token budget of one step (decodes + prefill chunks); auto: by the device (the CPU 2048; a GPU 2048, "
+              "4096 from 36 GiB, 8192 from 70 GiB)", minimum=1, auto=True)
     seed: int = option(0, "global random seed")
     num_threads: int | None = option(None, "CPU threads for torch")
     attention_backend: str = option(
@@ -357,6 +363,12 @@ class EngineConfig:
                 "TRITON_INTERPRET=1: slow, for testing)", choices=("auto", "torch", "triton"))
     enforce_eager: bool = option(
         False, "decode steps module by module: no CUDA graphs on CUDA, no fused one-call-per-layer step on the CPU")
+    async_scheduling: str = option(
+        "auto", "schedule each step while the device runs the one before (the sampled tokens stay on the device and "
+                "feed the next step; stop checks apply one step late, and a finished sequence's extra token is "
+                "dropped): auto = on CUDA, off on the CPU (whose steps have run when they return: nothing would "
+                "overlap). Off with speculative decoding or tensor parallelism; steps of requests with grammars or "
+                "penalties run in turn", choices=("auto", "on", "off"))
     gpu_memory_utilization: float = option(
         0.9, "CUDA: share of the GPU's memory for weights, activations and the KV cache")
     quantization: str | None = option(
@@ -423,6 +435,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         # the checks the metadata states (choices, integer minimums), then those it cannot
         for name, (field_, opt) in options(type(self)).items():
+            if opt.auto and isinstance(getattr(self, name), str) and getattr(self, name).lower() == AUTO:
+                setattr(self, name, None)  # (LLM(max_num_seqs="auto"): the plan picks it)
             wrong = check_value(name, field_, opt, getattr(self, name))
             if wrong:
                 raise InvalidRequest(wrong, param=name)
@@ -451,6 +465,12 @@ class EngineConfig:
             raise InvalidRequest(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})",
                                  param="max_cpu_loras")
         self.torch_device = resolve_device(self.device)
+
+    def with_batch_limits(self, max_num_seqs: int, max_num_batched_tokens: int) -> "EngineConfig":
+        """This config with the batch limits an engine runs (its execution plan's: auto sized by the device) in
+        place of auto: what the engine core builds from once it has planned, and what the API side validates
+        requests by once the core's ``Ready`` says them."""
+        return dataclasses.replace(self, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
 
     def takes_images(self, model_config: ModelConfig) -> bool:
         """Whether the vision tower is loaded and requests may carry images: an image-capable checkpoint, not

@@ -1,6 +1,6 @@
 """`mili serve --config FILE`: the original design's config layout (JSON or YAML), checked before loading.
 
-    inference: {device, dtype, max_batch_size}     -> --device, --dtype, --max-num-seqs
+    inference: {device, dtype, max_batch_size}     -> --device, --dtype, --max-num-seqs (a number, or auto)
     kv_cache:  {page_size, num_pages, dtype}       -> --page-size, --num-kv-pages (the pool, exactly),
                                                       --kv-cache-dtype (auto | fp8)
     sampling:  {temperature, top_p, top_k}         -> defaults for requests that leave them unset
@@ -25,7 +25,8 @@ from mili.errors import InvalidRequest
 SECTIONS = options.sections(EngineConfig)
 _ENGINE_OPTIONS = {name: opt for name, (_, opt) in options.options(EngineConfig).items()}
 SAMPLING_KEYS = ("temperature", "top_p", "top_k")
-# integer flags whose values must be >= 1 (the rest: seed any integer, port 0-65535)
+# integer flags whose values must be >= 1 (the rest: seed any integer, port 0-65535; max_num_seqs and
+# max_num_batched_tokens take auto too)
 _POSITIVE = {"max_num_seqs", "page_size", "num_kv_pages", "max_model_len", "max_num_batched_tokens",
              "kv_cache_memory", "num_threads", "max_queued_requests"}
 
@@ -117,6 +118,13 @@ def _convert(path: str, key: str, action: argparse.Action, value):
         if not isinstance(value, bool):
             raise bad("true or false")
         return action.const if value else action.default
+    engine_option = _ENGINE_OPTIONS.get(action.dest)
+    if engine_option and engine_option.auto:  # an integer, or auto (null too): the execution plan picks it
+        if value is None or (isinstance(value, str) and value.strip().lower() == options.AUTO):
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or value < (engine_option.minimum or 0):
+            raise bad(f"a {'positive' if engine_option.minimum == 1 else 'non-negative'} integer or auto")
+        return value
     if action.type in (int, float):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or (action.type is int
                                                                                and not isinstance(value, int)):
@@ -129,7 +137,6 @@ def _convert(path: str, key: str, action: argparse.Action, value):
         if action.dest == "gpu_memory_utilization" and not 0 < value <= 1:
             raise bad("in (0, 1]")
         return value
-    engine_option = _ENGINE_OPTIONS.get(action.dest)
     if engine_option and engine_option.mapping:  # a mapping (or its JSON): EngineConfig checks it
         if not isinstance(value, (dict, str)):
             raise bad(f"a mapping ({engine_option.mapping})")

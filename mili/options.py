@@ -35,6 +35,9 @@ class Option:
     mapping: str | None = None  # JSON text on the CLI, a mapping in a config file: what such a mapping holds
     listed: bool = False  # comma-separated text on the CLI, a list (or that text) in a config file
     cli_default: str | None = None  # the positional's default (the required field has none: model, the demo)
+    # None (the default) is "auto": the execution plan picks the value (mili/runtime/plan.py); the CLI, the config
+    # file and LLM() take the word auto for it, and the docs show it
+    auto: bool = False
 
 
 def option(default=MISSING, help: str = "", **meta) -> dataclasses.Field:
@@ -54,6 +57,14 @@ def flag_of(field: dataclasses.Field, opt: Option) -> str | None:
     if opt.flag:
         return opt.flag
     return ("--no-" if field.default is True else "--") + field.name.replace("_", "-")
+
+
+AUTO = "auto"
+
+
+def int_or_auto(text: str) -> int | None:
+    """An auto option's CLI value: an integer, or ``auto`` (None: the plan picks it)."""
+    return None if text.strip().lower() == AUTO else int(text)
 
 
 def value_type(cls, name: str):
@@ -76,7 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls) -> None:
                                 help=opt.help)
         else:
             extra = {"choices": list(opt.choices)} if opt.choices else {}
-            kind = value_type(cls, name)
+            kind = int_or_auto if opt.auto else value_type(cls, name)
             if kind is not None:
                 extra["type"] = kind
             metavar = opt.metavar or ("JSON" if opt.mapping else None)
@@ -145,6 +156,6 @@ def markdown_table(cls) -> str:
         keys = [f"`{opt.section}`"] if opt.section else []
         if opt.cli:
             keys.append(f"`{(flag or name).lstrip('-').replace('-', '_')}`")
-        default = opt.cli_default if f.default is MISSING else f.default
+        default = opt.cli_default if f.default is MISSING else AUTO if opt.auto else f.default
         rows.append(f"| {shown} | `{name}` | {' or '.join(keys) or '—'} | `{default}` | {cell(opt.help)} |")
     return "\n".join(rows) + "\n"

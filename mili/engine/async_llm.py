@@ -57,7 +57,6 @@ class AsyncLLM:
         """Start the engine core (in a process; ``core_in_thread`` for tests) and wait until it has loaded
         the model, or with ``link`` connect to a core another process started. Raises ModelLoadError /
         InvalidRequest if it cannot."""
-        self.config = config
         self.inputs = InputProcessor(config)  # fails fast on a bad checkpoint, before the core starts
         self.outputs = OutputProcessor(self.inputs.tokenizer)
         self._streams: dict[str, _Collector] = {}  # each request's outputs waiting for its consumer
@@ -92,10 +91,11 @@ class AsyncLLM:
         if self._owns_core:
             self._worker.start()
         self.info = wait_ready(self._from_core, self._worker)
-        self.inputs.core_info = self.info
+        self.inputs.core_ready(self.info)  # (its batch limits, auto sized by its device, in self.config)
         self._task: asyncio.Task | None = None
 
     # what the server reads
+    config = property(lambda self: self.inputs.config)
     tokenizer = property(lambda self: self.inputs.tokenizer)
     model_path = property(lambda self: self.inputs.model_path)
     model_config = property(lambda self: self.inputs.model_config)

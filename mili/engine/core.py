@@ -27,7 +27,7 @@ from mili.cache.state_pool import StatePool
 from mili.config import EngineConfig, ModelConfig
 from mili.engine.messages import (Abort, AddRequest, ClientGone, Dead, FinishSeqs, Ready, SeqDelta, Shutdown,
                                   SpecDecodeCounts, Stats, StepMessage, encode, input_decoder)
-from mili.engine.request import Request, Sequence, SeqStatus
+from mili.engine.request import PENDING_TOKEN, Request, Sequence, SeqStatus
 from mili.engine.scheduler import Scheduler
 from mili.errors import InvalidRequest
 from mili.process import die_with_parent, freeze_heap
@@ -52,6 +52,7 @@ class EngineCore:
             Drafter.check(config.speculative_config, model_path)
         # every choice of how the model runs, made once (refusing what cannot run before a weight loads)
         self.plan = plan(config, model_config, DeviceInfo.probe(config.torch_device, config.cpu_kernels))
+        self.config = config = self.plan.resolve(config)  # max_num_seqs, max_num_batched_tokens: auto sized
         log.info("execution plan: %s", "; ".join(f"{k}: {v}" for k, v in self.plan.describe().items()))
         if self.plan.cpu_paths:
             log.info("CPU paths: %s", "; ".join([self.plan.device.cpu_headline]
@@ -92,13 +93,19 @@ class EngineCore:
         self.vocab_size = model_config.vocab_size
         self.stats_due = False  # a request ended or left since the gauges were last read
         self.num_generated_tokens = 0
+        # scheduling ahead of the device (``step``): the step in flight, (its SchedulerOutput, StepResult, prompt
+        # logprobs), whose tokens are read once the next step is launched; and how many requests need each step's
+        # tokens on the host before the next is scheduled (grammars, penalties), which holds the overlap off
+        self.in_flight: tuple | None = None
+        self.num_sync_requests = 0
 
     def ready(self) -> Ready:
         dtype = str(self.runner.dtype).removeprefix("torch.")
         layout = self.runner.layout
         return Ready(self.max_model_len, str(self.runner.device), dtype, self.stats(), self.runner.weight_format,
                      self.runner.kv_cache_dtype, isinstance(self.prefix_cache, RadixCache), layout.num_state_slots,
-                     layout.state_bytes, layout.num_snapshots, self.plan.describe())
+                     layout.state_bytes, layout.num_snapshots, self.plan.describe(), self.config.max_num_seqs,
+                     self.config.max_num_batched_tokens, self.plan.batch.sized_by)
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, add: AddRequest) -> Request:
@@ -128,6 +135,7 @@ class EngineCore:
             request.seqs.append(Sequence(request, i, list(add.prompt_token_ids), len(add.prompt_token_ids),
                                          generator, status=SeqStatus.WAITING if i == 0 else SeqStatus.UNBORN))
         self.requests[add.request_id] = request
+        self.num_sync_requests += needs_host_tokens(params)
         if params.structured_outputs is None:
             self.scheduler.add(request)
         else:  # scheduled once its grammar is compiled, which happens off the step
@@ -205,49 +213,70 @@ class EngineCore:
         return bool(self.requests)
 
     # -- the step ----------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        """Something to schedule, a grammar compiling, or a step in flight whose tokens are still to be read."""
+        return self.scheduler.has_work() or bool(self.compiling) or self.in_flight is not None
+
     def step(self) -> list[SeqDelta]:
-        """Schedule, run the model once, sample; the new tokens (and prompt logprobs) of every sequence that moved."""
-        self.admit_compiled(wait=0.0 if self.scheduler.has_work() else 0.005)
+        """Schedule, run the model once, sample; the new tokens (and prompt logprobs) of every sequence that moved.
+
+        Ahead of the device (``plan.overlap``): the step is launched, then the previous one's tokens are read (they
+        were on their way to the host meanwhile) and returned, so the host prepares step N + 1 while the device
+        runs step N. Step N + 1's sequences that drew in step N take that token on the device (``pending_at``);
+        the stop checks apply when it is read, one step late, and what a finished sequence computed meanwhile is
+        dropped, never emitted. A step that needs its tokens on the host first (grammars, penalties) waits for
+        the step in flight, then runs on its own."""
+        self.admit_compiled(wait=0.0 if self.has_work() else 0.005)
+        overlap = self.plan.overlap and not self.num_sync_requests
+        deltas: list[SeqDelta] = []
+        if self.in_flight is not None and not overlap:
+            deltas += self._read(*self._take_in_flight())
         if not self.scheduler.has_work():
-            return []
+            if self.in_flight is not None:
+                deltas += self._read(*self._take_in_flight())
+            return deltas
         sched = self.scheduler.schedule()
         now = time.monotonic()
         for s in sched.scheduled:
             if s.seq.request.first_scheduled_time is None:
                 s.seq.request.first_scheduled_time = now
-        result = self.runner.execute(sched, self._grammar_bitmask(sched.sample_rows, sched.scheduled))
-        sampled, scored = result.tokens, result.scored
+        prev = self.in_flight
+        feed = None  # the previous step's draws, on the device, as its sequences' next inputs (a bad id made valid:
+        if prev is not None and prev[1].pending is not None:  # its sequence fails when read, and never feeds it again)
+            feed = (prev[1].pending.ids.clamp(0, self.vocab_size - 1),
+                    {seq: row for row, (seq, _) in enumerate(prev[0].sample_rows)})
+        result = self.runner.execute(sched, self._grammar_bitmask(sched.sample_rows, sched.scheduled), feed,
+                                     defer=overlap)
+        ats = None  # where its draws stand in the sequences' tokens until read (the next step takes them on the device)
+        if overlap:
+            ats = []
+            for seq, _ in sched.sample_rows:
+                seq.pending_at = len(seq.token_ids)
+                ats.append(seq.pending_at)
+                seq.token_ids.append(PENDING_TOKEN)
         self.scheduler.after_step(sched.scheduled, result.num_rejected)
         prompt_logprobs = {}  # sequence -> the prompt logprobs it scored this step (sent with its delta)
-        for seq, entries in scored:
+        for seq, entries in result.scored:
             seq.request.num_scored += len(entries)
             prompt_logprobs[seq] = entries
-        deltas, failed = [], set()  # (the requests that failed this step)
-        if sampled is not None:
-            self.spec_stats.add(sampled.num_drafted, sampled.num_accepted)
-            for row, ((seq, _), tokens, lps) in enumerate(zip(sched.sample_rows, sampled.token_ids, sampled.logprobs)):
-                if seq.request.request_id in failed:  # (a sibling sequence of it failed)
-                    continue
-                error = sampled.errors.get(row)
-                delta = self._delta(seq, [], None if lps and lps[0] is None else [], prompt_logprobs.pop(seq, None))
-                for token, lp in zip(tokens, lps):  # (more than one: accepted drafts)
-                    error = error or self._bad_token(token)
-                    if error is not None or seq.is_finished:
-                        break
-                    delta.token_ids.append(token)
-                    if lp is not None:
-                        delta.logprobs.append((lp.sampled_logprob, lp.sampled_rank, lp.top))
-                    try:  # (its grammar matcher is the request's own)
-                        self._append_token(seq, token, delta)
-                    except Exception as e:
-                        error = f"accepting token {token} failed: {type(e).__name__}: {e}"
-                self.num_generated_tokens += len(delta.token_ids)
-                if error is not None:
-                    failed.add(seq.request.request_id)
-                    self.fail_request(seq.request, error)
-                    continue
-                deltas.append(delta)
-                self._retire_if_finished(seq.request)
+        deltas += self._unsampled(sched, result, prompt_logprobs)
+        if prev is not None:
+            self.in_flight = None
+            deltas += self._read(*prev)
+        if overlap:
+            self.in_flight = (sched, result, prompt_logprobs, ats)
+        else:
+            deltas += self._read(sched, result, prompt_logprobs)
+        return deltas
+
+    def _take_in_flight(self) -> tuple:
+        in_flight, self.in_flight = self.in_flight, None
+        return in_flight
+
+    def _unsampled(self, sched, result, prompt_logprobs: dict) -> list[SeqDelta]:
+        """The deltas of a step's sequences that draw nothing: requests with max_tokens 0 whose prompt is now scored
+        (or pooled) end; sequences that scored prompt positions only send those (taken from ``prompt_logprobs``)."""
+        deltas = []
         for s in sched.scheduled:  # max_tokens 0: the prompt is scored (or pooled), nothing is generated
             seq = s.seq
             if seq.params.max_tokens == 0 and seq.num_computed_tokens == seq.num_tokens and not seq.is_finished:
@@ -257,7 +286,54 @@ class EngineCore:
                     delta.pooled = result.pooled.get(each)
                     deltas.append(delta)
                 self._retire_if_finished(seq.request)
-        deltas += [self._delta(seq, [], None, entries) for seq, entries in prompt_logprobs.items()]
+        sampling = {seq for seq, _ in sched.sample_rows}
+        for seq in [seq for seq in prompt_logprobs if seq not in sampling]:
+            deltas.append(self._delta(seq, [], None, prompt_logprobs.pop(seq)))
+        return deltas
+
+    def _read(self, sched, result, prompt_logprobs: dict, ats: list[int] | None = None) -> list[SeqDelta]:
+        """A step's drawn tokens taken in (read from the device if it was deferred; ``ats``: where each sampling row's
+        token stands in its sequence's tokens): each sequence's stop checks, and its delta. A sequence that ended
+        before (one step late: its last token was read after this step had started; an abort) drops its token."""
+        sampled = result.resolve(sched.sample_rows)
+        deltas, failed = [], set()  # (the requests that failed this step)
+        if sampled is None:
+            return deltas
+        self.spec_stats.add(sampled.num_drafted, sampled.num_accepted)
+        if ats is not None:
+            # every stand-in first takes the id the next step read on the device (clamped into the vocabulary), so a
+            # sequence that ends below (a failing sibling ends it too) gives the prefix cache keys its KV was made from
+            for (seq, _), at, tokens in zip(sched.sample_rows, ats, sampled.token_ids):
+                if not seq.is_finished:  # (a failed row drew NO_TOKEN: fed as 0)
+                    seq.token_ids[at] = min(max(tokens[0], 0), self.vocab_size - 1) if tokens else 0
+        for row, ((seq, _), tokens, lps) in enumerate(zip(sched.sample_rows, sampled.token_ids, sampled.logprobs)):
+            at = ats[row] if ats is not None else None
+            if seq.pending_at == at:
+                seq.pending_at = None  # (else it stands in a later step's token too)
+            if seq.is_finished or seq.request.request_id in failed:  # (it ended; or a sibling sequence failed)
+                if at is not None:
+                    del seq.token_ids[at:]
+                continue
+            error = sampled.errors.get(row)
+            delta = self._delta(seq, [], None if lps and lps[0] is None else [], prompt_logprobs.pop(seq, None))
+            for token, lp in zip(tokens, lps):  # (more than one: accepted drafts)
+                error = error or self._bad_token(token)
+                if error is not None or seq.is_finished:
+                    break
+                delta.token_ids.append(token)
+                if lp is not None:
+                    delta.logprobs.append((lp.sampled_logprob, lp.sampled_rank, lp.top))
+                try:  # (its grammar matcher is the request's own)
+                    self._append_token(seq, token, delta, at)
+                except Exception as e:
+                    error = f"accepting token {token} failed: {type(e).__name__}: {e}"
+            self.num_generated_tokens += len(delta.token_ids)
+            if error is not None:
+                failed.add(seq.request.request_id)
+                self.fail_request(seq.request, error)
+                continue
+            deltas.append(delta)
+            self._retire_if_finished(seq.request)
         return [d for d in deltas if d.request_id not in failed] if failed else deltas
 
     def _bad_token(self, token: int) -> str | None:
@@ -294,21 +370,28 @@ class EngineCore:
         """A request left the core: the gauges change, its images' claims on the encoder cache go, and its LoRA
         adapter may be dropped."""
         self.stats_due = True
+        self.num_sync_requests -= needs_host_tokens(request.params)
         if request.lora is not None:
             self.runner.loras.release(request.lora)
         if request.images is not None:
             self.runner.encoder_cache.release_all(request.images)  # (its claims go; the outputs may stay)
 
-    def _append_token(self, seq: Sequence, token: int, delta: SeqDelta) -> None:
+    def _append_token(self, seq: Sequence, token: int, delta: SeqDelta, at: int | None = None) -> None:
+        """``token`` taken into ``seq`` (at index ``at`` where it stood in as ``PENDING_TOKEN``), and its stop checks."""
         params = seq.params
-        seq.token_ids.append(token)
+        if at is None:
+            seq.token_ids.append(token)
+            length = seq.num_tokens
+        else:
+            seq.token_ids[at] = token
+            length = at + 1
         if seq.grammar is not None and seq.grammar.accept(token):  # the constrained output is complete
             seq.stop_reason = None if token in params.eos_token_ids or token not in params.stop_ids() else token
             self.scheduler.finish(seq, "stop")
         elif token in params.stop_ids():
             seq.stop_reason = None if token in params.eos_token_ids else token
             self.scheduler.finish(seq, "stop")
-        elif seq.num_tokens >= seq.request.max_total_tokens:
+        elif length >= seq.request.max_total_tokens:
             self.scheduler.finish(seq, "length")
         delta.finish_reason, delta.stop_reason = seq.finish_reason, seq.stop_reason
 
@@ -327,6 +410,12 @@ class EngineCore:
         if self.runner.encoder_cache is not None:
             live = {id(r.images) for r in self.requests.values()}
             self.runner.encoder_cache.check_integrity(alive=lambda images: id(images) in live)
+
+
+def needs_host_tokens(params) -> bool:
+    """Whether a request's next step needs its last tokens on the host (its grammar's matcher, penalties counting
+    them): while one runs, steps are not scheduled ahead of the device."""
+    return params.structured_outputs is not None or params.uses_penalties
 
 
 def run_core(core_factory, input_address: str | list[str], output_address: str | list[str],
@@ -474,7 +563,7 @@ def _loop(core: EngineCore, inputs, outputs: _Outputs, parent_pid: int | None) -
                 return 0
             elif isinstance(msg, ClientGone):
                 outputs.client_gone(core, msg.client)
-        if core.scheduler.has_work() or core.compiling:
+        if core.has_work():
             idle_stats_sent = False
             deltas = core.step()  # with only grammars compiling: waits a few ms for one
             errors, failures = core.take_failed(), core.take_failures()

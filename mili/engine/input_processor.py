@@ -49,6 +49,13 @@ class InputProcessor:
     def max_model_len(self) -> int:
         return self.core_info.max_model_len
 
+    def core_ready(self, ready: Ready) -> None:
+        """The loaded core's limits: its max_model_len, and the batch limits it runs (auto: its plan sized them by
+        its device), which take auto's place in this side's config."""
+        self.core_info = ready
+        if ready.max_num_seqs:  # (0: a core that does not say them)
+            self.config = self.config.with_batch_limits(ready.max_num_seqs, ready.max_num_batched_tokens)
+
     def make_request(self, prompt: str | list[int], params: SamplingParams, request_id: str,
                      images: list | None = None, lora=None) -> AddRequest:
         """Encode and validate one request; raises InvalidRequest / ContextLengthExceeded. ``images``: PIL images,
@@ -68,8 +75,9 @@ class InputProcessor:
             raise InvalidRequest("the prompt must not be empty", param="prompt")
         if any(not 0 <= t < vocab for t in params.stop_token_ids):  # (xgrammar's matcher fails on others)
             raise InvalidRequest(f"stop token ids must be integers in [0, {vocab})", param="stop_token_ids")
-        if params.n > self.config.max_num_seqs:
-            raise InvalidRequest(f"n ({params.n}) exceeds max_num_seqs ({self.config.max_num_seqs})", param="n")
+        max_num_seqs = self.config.max_num_seqs  # (the core's, once its Ready came: auto sized by its device)
+        if max_num_seqs is not None and params.n > max_num_seqs:
+            raise InvalidRequest(f"n ({params.n}) exceeds max_num_seqs ({max_num_seqs})", param="n")
         slots = self.core_info.state_slots if self.core_info is not None else 0
         if slots and params.n > slots:  # hybrids: the n sequences decode at once, each in its own slot
             raise InvalidRequest(f"n ({params.n}) exceeds the {slots} recurrent-state slots of this hybrid model "

@@ -20,6 +20,7 @@ from mili.engine.output_processor import OutputProcessor
 from mili.engine.request import Request
 from mili.errors import InvalidRequest
 from mili.outputs import RequestOutput
+from mili.process import freeze_heap
 from mili.sampling_params import SamplingParams
 
 T = TypeVar("T")
@@ -27,14 +28,17 @@ T = TypeVar("T")
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
-        self.config = config
         self.inputs = InputProcessor(config)
         self.core = EngineCore(config, self.inputs.model_config, self.inputs.model_path)
-        self.inputs.core_info = self.core.ready()
+        self.inputs.core_ready(self.core.ready())
         self.outputs = OutputProcessor(self.inputs.tokenizer)
         self._ids = itertools.count()
+        if self.core.plan.device.type == "cuda":  # (as the server's core process: no full collections mid-run)
+            freeze_heap()
 
-    # what callers read: the checkpoint (API side), and how the core runs it
+    # what callers read: the config (the batch limits the core runs in auto's place), the checkpoint (API side), and
+    # how the core runs it
+    config = property(lambda self: self.inputs.config)
     model_path = property(lambda self: self.inputs.model_path)
     model_config = property(lambda self: self.inputs.model_config)
     tokenizer = property(lambda self: self.inputs.tokenizer)

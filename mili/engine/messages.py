@@ -132,6 +132,11 @@ class Ready(msgspec.Struct, array_like=True, tag=True):
     state_bytes: int = 0
     state_snapshots: int = 0  # hybrid models: recurrent-state snapshots the prefix cache may keep
     plan: dict[str, str] = {}  # the execution plan in words (``ExecutionPlan.describe``), a line each
+    # the batch limits the core runs (auto: the plan sized them by the device; 0: not said), and for each whether
+    # "user" (asked) or "device" (auto) set it: the API side validates requests by them
+    max_num_seqs: int = 0
+    max_num_batched_tokens: int = 0
+    sized_by: dict[str, str] = {}
 
 
 class Dead(msgspec.Struct, array_like=True, tag=True):

@@ -23,6 +23,9 @@ if TYPE_CHECKING:
     from mili.structured import SeqGrammar
 
 
+PENDING_TOKEN = -2  # a token drawn on the device and not read yet (``Sequence.pending_at``); never a real id
+
+
 class SeqStatus(enum.Enum):
     UNBORN = "unborn"
     WAITING = "waiting"
@@ -52,6 +55,9 @@ class Sequence:
     # MTP speculative decoding: (first position, [rows, hidden]) the main model's final-normed hidden states
     # it keeps for the MTP head's next pairs and drafts (mili/speculative/mtp.py)
     mtp_hidden: tuple | None = None
+    # scheduling ahead of the device (engine/core.py): the index in ``token_ids`` of the token the step in flight
+    # draws, a stand-in (``PENDING_TOKEN``) until its draw is read; the next step takes it on the device
+    pending_at: int | None = None
 
     @property
     def params(self) -> SamplingParams:

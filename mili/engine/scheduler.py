@@ -115,6 +115,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.pending_at is not None and seq.num_tokens >= seq.request.max_total_tokens:
+                i += 1  # its token in flight is its last (its length): nothing more to compute
+                continue
             draft = self._draft(seq, budget) if drafter is not None and num_drafting < drafter.max_seqs else []
             n = self._chunk(seq, budget, len(draft))
             del draft[max(0, n - (seq.num_tokens - seq.num_computed_tokens)):]  # (a chunk cut short drops them)

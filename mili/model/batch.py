@@ -52,6 +52,10 @@ class ForwardBatch:
     state_slots: list[int] | None = None
     # M-RoPE models: the step's image tokens and what replaces their embeddings (None: no image token this step)
     images: ImageRows | None = None
+    # a mixed step replayed as a CUDA graph (runtime/cuda_graph.py): the tensors are the graph's static buffers, padded
+    # (sequences of no token, tokens of none), and the host lists above are not the step's: attention runs the
+    # one kernel over decodes and chunks whose launch reads no length (kernels/triton/varlen_attention.py)
+    varlen: bool = False
 
     @property
     def num_seqs(self) -> int:
@@ -61,7 +65,9 @@ class ForwardBatch:
 class AttentionBackend(Protocol):
     """Writes this step's K/V into the paged pool and attends over each sequence's pages. The pool's
     layout is the backend's: ``kv_cache_shape`` where it has one (the CPU backend's pages are head-major,
-    [num_pages, Hkv, page_size, D]), else [num_pages, page_size, Hkv, D]."""
+    [num_pages, Hkv, page_size, D]), else [num_pages, page_size, Hkv, D]. A backend may also offer
+    ``qk_norm_rope_store`` (the Triton one: Qwen3's q/k-norm + RoPE and the K/V store in one kernel), after which
+    its ``forward(..., stored=True)`` attends without storing."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,

@@ -13,17 +13,24 @@ TRITON_INTERPRET=1 (the Triton backend's path, for tests).
 
 ``quantized_layer`` picks the layer for one checkpoint layer's parts (``swap_linears`` calls it). A fused
 layer (q|k|v, gate|up) is one layer over its shards' parts, each shard's scales kept (``quant.concat_parts``).
+
+* ``SmallBatchLinear``: a bf16 / fp16 layer left plain, its weights as they are: decode batches of up to 8 rows on
+  the split-K Triton GEMV (mili/kernels/triton/gemv.py), larger ones on cuBLAS (F.linear). ``use_small_batch_gemv``
+  puts every plain layer (and a tied lm_head, over the embedding table) on it.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
-from mili.kernels.triton import quant_gemm
+from mili.kernels.triton import gemv, quant_gemm
 from mili.kernels.triton.quant_gemm import fp8_activations
 from mili.model import quant
 from mili.model.checks import WeightQuant
 from mili.model.cpu_linear import Fp8Linear, _SwappedLinear
+from mili.model.fused import RouterLinear
 from mili.model.quant import Fp8Parts, Int4Parts
 
 
@@ -66,6 +73,36 @@ class TritonInt8Linear(_SwappedLinear):
     def _matmul(self, x2d):
         out = quant_gemm.int8_linear(_rows(x2d), self.qweight, self.scales)
         return out if self.bias is None else out + self.bias
+
+
+class SmallBatchLinear(_SwappedLinear):
+    """A plain layer (same weight and bias tensors, nothing copied): up to ``gemv.GEMV_MAX_ROWS`` rows on the
+    split-K GEMV, more on F.linear. The choice is by the row count, a static shape under a CUDA graph."""
+
+    def __init__(self, weight, bias=None, shard_sizes=None):
+        super().__init__(weight, bias, shard_sizes)
+        # the layer's own Parameter (a tied head: the table's, registered twice, counted once)
+        self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
+
+    def _matmul(self, x2d):
+        if x2d.shape[0] > gemv.GEMV_MAX_ROWS:
+            return F.linear(x2d, self.weight, self.bias)
+        return gemv.gemv(_rows(x2d), self.weight, self.bias)
+
+
+def use_small_batch_gemv(model: nn.Module) -> None:
+    """Every plain bf16 / fp16 nn.Linear of ``model`` (FusedLinear too; the MoE router and the layers a format
+    swapped aside) becomes a ``SmallBatchLinear`` over its own weights; a tied lm_head one over the embedding
+    table (``compute_logits`` then calls it)."""
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if (isinstance(child, nn.Linear) and not isinstance(child, RouterLinear)
+                    and child.weight.dtype in (torch.bfloat16, torch.float16)):
+                setattr(module, name, SmallBatchLinear(child.weight, child.bias, getattr(child, "shard_sizes", None)))
+    if hasattr(model, "lm_head") and model.lm_head is None:  # tied: logits from the embedding table
+        table = model.model.embed_tokens.weight
+        if table.dtype in (torch.bfloat16, torch.float16):
+            model.lm_head = SmallBatchLinear(table)
 
 
 def quantized_layer(parts: Fp8Parts | Int4Parts, bias=None, shard_sizes=None, fp8_activations: bool = True):

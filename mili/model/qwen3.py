@@ -47,11 +47,16 @@ class Qwen3Attention(nn.Module):
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         t = h.shape[0]
         q, k, v = self.qkv_proj(h).split(self.qkv_proj.shard_sizes, dim=-1)
-        q, k = self.ops.qk_norm_rope(q.view(t, self.num_heads, self.head_dim),
-                                     k.view(t, self.num_kv_heads, self.head_dim),
-                                     self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, *cos_sin)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        o = self.backend.forward(q, k, v, k_cache, v_cache, batch, self.kv_scales)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k, v = k.view(t, self.num_kv_heads, self.head_dim), v.view(t, self.num_kv_heads, self.head_dim)
+        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        fused = getattr(self.backend, "qk_norm_rope_store", None)  # (Triton: the K/V store in the norm's launch)
+        if fused is not None:
+            q = fused(q, k, v, *norms, cos_sin, k_cache, v_cache, batch, self.kv_scales)
+            o = self.backend.forward(q, None, None, k_cache, v_cache, batch, self.kv_scales, stored=True)
+        else:
+            q, k = self.ops.qk_norm_rope(q, k, *norms, *cos_sin)
+            o = self.backend.forward(q, k, v, k_cache, v_cache, batch, self.kv_scales)
         return _reduce(self.o_proj(o.reshape(t, -1)), self.tp_size)
 
 

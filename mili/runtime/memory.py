@@ -62,7 +62,7 @@ class CacheMemory:
             budget = num_pages * bytes_per_page
         else:
             budget = self._kv_budget(bytes_per_page) - state_bytes
-            num_pages = min(budget // bytes_per_page, self.max_pages_per_seq * config.max_num_seqs)
+            num_pages = min(budget // bytes_per_page, self.max_pages_per_seq * plan.batch.max_num_seqs)
         if tp_size > 1:  # every rank holds the same pages (its own KV heads of them)
             agreed = torch.tensor([num_pages], dtype=torch.long)
             dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
@@ -128,7 +128,7 @@ class CacheMemory:
     def _profile_activation_peak(self) -> int:
         """Peak memory of a full-budget prefill (max_num_batched_tokens) above the weights."""
         self.model.init_rotary(self.max_model_len, self.device)  # rebuilt once the pool fixes the length
-        tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
+        tokens = min(self.plan.batch.max_num_batched_tokens, self.max_model_len)
         pages = -(-tokens // self.config.page_size)
         cfg, dev = self.model_config, self.device
         shape = (pages, self.config.page_size, cfg.num_key_value_heads, cfg.head_dim)
@@ -152,7 +152,7 @@ class CacheMemory:
         del kv
         torch.cuda.empty_cache()
         # the sampler at a full batch: float32 logits, a sorted copy with int64 indices, probabilities
-        sampler = self.config.max_num_seqs * cfg.vocab_size * 4 * 5
+        sampler = self.plan.batch.max_num_seqs * cfg.vocab_size * 4 * 5
         # a slice of prompt logprobs: its logits, a float32 copy, their log-softmax, a comparison mask
         prompt_slice = rows_per_slice(cfg.vocab_size) * cfg.vocab_size * 11
         return peak + sampler + prompt_slice

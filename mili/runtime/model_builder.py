@@ -78,8 +78,9 @@ def _use_gated_delta(model: torch.nn.Module, how: str) -> None:
 
 
 def _swap_linears(model, plan: ExecutionPlan, quantized: dict) -> None:
-    """The linear layers on their format's kernels (``plan.linears``), then the lm_head as ``plan.lm_head``.
-    ``quantized``: the checkpoint's layers the loader kept as stored."""
+    """The linear layers on their format's kernels (``plan.linears``), then the lm_head as ``plan.lm_head``, then
+    what stayed plain on the small-batch GEMV where the plan says. ``quantized``: the checkpoint's layers the loader
+    kept as stored."""
     skip_head = plan.lm_head is not None
     if plan.fp8_round_trip:
         fp8_round_trip_linears(model)
@@ -105,6 +106,10 @@ def _swap_linears(model, plan: ExecutionPlan, quantized: dict) -> None:
         swap_linears(model, "packed", skip_head=skip_head)
     if skip_head:
         swap_lm_head(model, plan.lm_head, kernels=plan.int8_kernels if plan.lm_head == "int8" else plan.cpu_kernels)
+    if plan.small_batch_gemv:  # (what the format left plain: decode batches on the split-K GEMV)
+        from mili.model.gpu_linear import use_small_batch_gemv
+
+        use_small_batch_gemv(model)
 
 
 def _cpu_form(parts) -> tuple | None:

@@ -23,7 +23,7 @@ from mili.runtime.model_builder import attention_and_ops, build_model
 from mili.runtime.plan import DeviceInfo, ExecutionPlan, plan
 from mili.runtime.pooler import pool
 from mili.runtime.prompt_logprobs import PromptScorer, rows_per_slice
-from mili.runtime.sampler import DRAWS, Sampler
+from mili.runtime.sampler import DRAWS, PendingSample, Sampler
 from mili.runtime.sampling import sample_step
 from mili.speculative.mtp import MtpDrafter
 from mili.speculative.verify import StepTokens, accept_drafts, rejected_positions, verification_rows
@@ -42,6 +42,14 @@ class StepResult:
     scored: list[tuple] = field(default_factory=list)
     num_rejected: dict = field(default_factory=dict)
     pooled: dict = field(default_factory=dict)  # pooling requests whose prompt completed: sequence -> its answer
+    # a deferred step (``execute(defer=True)``): the draw, still on the device; ``tokens`` once it is read
+    pending: PendingSample | None = None
+
+    def resolve(self, sample_rows: list) -> StepTokens | None:
+        """The step's tokens on the host: waits for a deferred draw (a step without drafts)."""
+        if self.tokens is None and self.pending is not None:
+            self.tokens = accept_drafts(self.pending.result(), [(seq, []) for seq, _ in sample_rows])
+        return self.tokens
 
 
 class ModelRunner:
@@ -89,12 +97,15 @@ class ModelRunner:
         self.layout = self.memory.layout  # (the engine core makes its page, slot and snapshot pools from it)
         self.batches = InputBatchBuilder(device, config.page_size, self.hybrid, self.plan.attention == "triton",
                                          self.model, self.encoder_cache,
-                                         self.vision_budget.tokens_per_call if self.vision_budget else 0)
+                                         self.vision_budget.tokens_per_call if self.vision_budget else 0,
+                                         config.max_num_seqs, self.memory.max_pages_per_seq)
         self.mtp = MtpDrafter(self.model, self.kv_caches[-1], self.batches.one_token_batch) \
             if self.plan.speculative == "mtp" else None  # (its KV: the pool's last layer)
         self.model.init_rotary(self.max_model_len, device)
         if hasattr(self.attention, "max_pages_per_seq"):
             self.attention.max_pages_per_seq = self.memory.max_pages_per_seq
+            if self.plan.step == "cuda-graphs":
+                self.attention.graph_sizes = self.plan.batch.graph_sizes
         self.sampler = Sampler(draw=DRAWS[self.plan.draw])
         if self.plan.device.cpu_kernels:  # MILI's CPU kernels: the bitmask (float32 logits: any model dtype)
             from mili.kernels.cpu import ops as cpu_ops
@@ -145,13 +156,13 @@ class ModelRunner:
         return self.model(batch, self.kv_caches)
 
     @torch.inference_mode()
-    def forward_logits(self, scheduled) -> tuple[torch.Tensor, list[tuple], dict]:
+    def forward_logits(self, scheduled, feed=None) -> tuple[torch.Tensor, list[tuple], dict]:
         """Run the model over a step: the last-token logits of each sequence that samples ([S, V], in the
         model's dtype; the sampler takes a float32 copy where it needs one; with CUDA graphs it may be a
         view of the graph's output buffer, valid until the next step), the prompt logprobs the step
         scored: [(sequence, its ``Scored`` entries in position order)], and the pooling requests' answers
-        {sequence: [floats]}."""
-        batch, scoring = self.batches.prepare(scheduled)
+        {sequence: [floats]}. ``feed``: the input ids still on the device (``InputBatchBuilder.prepare``)."""
+        batch, scoring = self.batches.prepare(scheduled, feed)
         if self.loras is not None:  # each token row's adapter, in the model's slots
             self.loras.prepare([s.seq.request.lora_id for s in scheduled for _ in range(s.num_new_tokens)],
                                self.device)
@@ -164,6 +175,9 @@ class ModelRunner:
                 if len(sampling) != len(scheduled):
                     logits = logits[torch.tensor(sampling, device=self.device)]
                 return logits, [], {}
+            hidden = self.graphs.mixed.run(batch)  # a mixed step: its logits rows' hidden states, or None
+            if hidden is not None:
+                return self.model.compute_logits(hidden), [], {}
         verifying = all(s.num_new_tokens == 1 or s.draft for s in scheduled)  # (decodes and verifications)
         hidden = self.cpu_decode.run(batch, self.kv_caches, verifying) if self.cpu_decode is not None else None
         if hidden is None:
@@ -230,9 +244,14 @@ class ModelRunner:
             self.workers = []
 
     @torch.inference_mode()
-    def execute(self, sched_out, grammar: Future | None = None) -> StepResult:
+    def execute(self, sched_out, grammar: Future | None = None, feed=None, defer: bool = False) -> StepResult:
         """Run one scheduled step. ``grammar``: a future of (token bitmask [sample rows, vocab / 32] int32, the
-        constrained rows), awaited once the logits are computed (it is filled meanwhile), or None."""
+        constrained rows), awaited once the logits are computed (it is filled meanwhile), or None.
+
+        Scheduling ahead of the device (the engine core's overlap): ``feed`` is the previous step's draw still on
+        the device, (ids [rows], {sequence: its row}), giving those sequences' last input token, and ``defer``
+        leaves this step's draw there (``StepResult.pending``; ``resolve`` reads it). A deferred step has no
+        drafts (the core overlaps only steps that need no token on the host)."""
         self.copy_pages(sched_out.page_copies)
         scheduled = sched_out.scheduled
         if not scheduled:
@@ -242,7 +261,7 @@ class ModelRunner:
         drafting = [s for s in scheduled if s.draft]
         if self.hybrid:  # a hybrid's state before its drafts, kept in a spare row (as many as drafting)
             self.copy_states([(s.seq.state_slot, row) for s, row in zip(drafting, self.states.spare_rows)])
-        logits, scored, pooled = self.forward_logits(scheduled)
+        logits, scored, pooled = self.forward_logits(scheduled, feed)
         self.copy_states(sched_out.state_copies)  # forked sequences take their parent's state as it now is
         if not sched_out.sample_rows:
             if self.mtp is not None:
@@ -251,7 +270,9 @@ class ModelRunner:
         rows, logits_rows = verification_rows(scheduled, sched_out.sample_rows)
         if logits_rows != list(range(logits.shape[0])):
             logits = logits.index_select(0, torch.tensor(logits_rows, device=self.device))
-        sampled = sample_step(self.sampler, logits, rows, grammar, self.model_config.vocab_size, self.device)
+        sampled = sample_step(self.sampler, logits, rows, grammar, self.model_config.vocab_size, self.device, defer)
+        if defer:
+            return StepResult(None, scored, pooled=pooled, pending=sampled)
         tokens = accept_drafts(sampled, [(seq, scheduled[i].draft) for seq, i in sched_out.sample_rows])
         by_seq = {seq: n for (seq, _), n in zip(sched_out.sample_rows, tokens.num_accepted)}
         rejected = rejected_positions(drafting, by_seq, self.hybrid)

@@ -3,12 +3,16 @@
 ``plan(EngineConfig, ModelConfig, DeviceInfo) -> ExecutionPlan`` is a pure function: the dtype, the attention
 back-end and its ops, each layer family's linear format and the lm_head's, the CPU kernels' ISA, the KV dtype,
 the Gated DeltaNet implementation, how a decode step runs (eagerly, as CUDA graphs, or as the C decode layer),
-the speculative method, the memory split's rules, and the Triton GEMMs' tiles for the device. It raises every
+the speculative method, the memory split's rules, the batch limits (``max_num_seqs``, ``max_num_batched_tokens``:
+auto sizes them by the device, ``BATCH_LIMITS``) and the CUDA graphs' batch sizes, and the Triton GEMMs' tiles
+for the device. It raises every
 refusal of a setting MILI cannot run faithfully, by name. ``DeviceInfo`` describes the device (``probe`` reads
 the real one; the tests write H100s, AVX2 laptops and aarch64 boards by hand), so the plan needs no device.
 
 The runner applies the plan and nothing else decides: the model builder (``model_builder.py``) builds the model
 on its ops and swaps its layers, the memory planner (``memory.py``) sizes the pools, the runner picks the step.
+The engine core runs on ``plan.resolve(config)``: the config with the plan's batch limits in place of auto, which
+the scheduler, the pools and the API side (through the core's ``Ready``) all read.
 The plan is printed at start-up, and ``/health`` and ``mili selftest`` show it.
 """
 
@@ -27,10 +31,37 @@ from mili.kernels.triton.launch import (INTERPRETER, MIN_CAPABILITY, DeviceSpec,
                                         gemm_config)
 from mili.model.checks import weight_quant
 
+GIB = 1 << 30
+# What auto makes of max_num_seqs and max_num_batched_tokens (vLLM's API-server defaults, by the device's memory):
+# the CPU keeps MILI's long-standing 256 / 2048; a GPU takes the first row whose memory it has, as
+# (GiB at least, max_num_seqs, max_num_batched_tokens). The thresholds sit below the nominal sizes, which cards
+# report less of: an 80 GB H100 or A100 has 79 GiB, a 141 GB H200 140 GiB, a 40 GB A100 39.5 GiB, a 48 GB L40S
+# 44 GiB; 24 and 32 GB cards (L4, RTX 4090, V100, RTX 5090: under 32 GiB) and a card of unknown memory keep 256 / 2048.
+BATCH_LIMITS = {"cpu": ((0, 256, 2048),), "cuda": ((70, 1024, 8192), (36, 512, 4096), (0, 256, 2048))}
+# CUDA graphs capture decode batches of up to this many sequences (vLLM's cap): a larger batch runs eagerly
+MAX_GRAPH_BATCH = 512
+GRAPH_LADDER = (1, 2, 4, 8, *range(16, MAX_GRAPH_BATCH + 1, 16))
+# the token counts a mixed step (prefill chunks, and decodes) is padded up to for its CUDA graph: padding at most
+# doubles a step of under 512 tokens and adds at most half above; a dozen graphs up to vLLM's largest default budget
+MIXED_LADDER = (64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
+
+
+def batch_limits(device: "DeviceInfo") -> tuple[int, int]:
+    """(max_num_seqs, max_num_batched_tokens) that auto picks on ``device``: ``BATCH_LIMITS``' row for its memory."""
+    rows = BATCH_LIMITS["cuda" if device.type == "cuda" else "cpu"]
+    return next((seqs, tokens) for gib, seqs, tokens in rows if device.memory >= gib * GIB)
+
+
+def graph_batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
+    """The decode batch sizes CUDA graphs capture: the ladder below min(max_num_seqs, MAX_GRAPH_BATCH), and that
+    size itself (a batch is padded up to the nearest; one above the largest runs eagerly)."""
+    top = min(max_num_seqs, MAX_GRAPH_BATCH)
+    return (*(b for b in GRAPH_LADDER if b < top), top)
+
 
 @dataclass(frozen=True)
 class DeviceInfo:
-    """What the plan needs to know of a device. CUDA: its SM version, shared memory per block and SM count.
+    """What the plan needs to know of a device. CUDA: its SM version, shared memory per block, SM count and memory.
     CPU: whether MILI's kernels load (``cpu_kernels``: their ISA; "" where none builds or passes its check, with
     ``cpu_kernels_why``), whether their int8/int4 paths run, whether oneDNN's bf16 packing runs."""
 
@@ -40,6 +71,7 @@ class DeviceInfo:
     capability: tuple[int, int] | None = None
     smem_per_block: int = 0
     num_sms: int = 0
+    memory: int = 0  # CUDA: the card's total memory in bytes (0: unknown); what auto sizes the batch limits by
     cpu_kernels: str = ""  # the ISA MILI's CPU kernels run (avx512, avx2, neon-dot...), "" if none loads
     cpu_kernels_why: str = ""  # why none loads
     int8_kernels_why: str = "no CPU kernels"  # "" where their int8 / int4 paths run (byte dot products), else why not
@@ -72,7 +104,8 @@ class DeviceInfo:
 
             index = device.index if device.index is not None else torch.cuda.current_device()
             spec = device_spec(torch.device("cuda", index))
-            return cls("cuda", spec.name, index, spec.capability, spec.smem_per_block, spec.num_sms, **common)
+            return cls("cuda", spec.name, index, spec.capability, spec.smem_per_block, spec.num_sms,
+                       torch.cuda.get_device_properties(index).total_memory, **common)
         from mili.kernels import cpu
 
         lib, why = cpu.load() if cpu_kernels else (None, "--no-cpu-kernels")
@@ -120,6 +153,28 @@ class MemoryPlan:
 
 
 @dataclass(frozen=True)
+class BatchPlan:
+    """How much one step takes: at most ``max_num_seqs`` sequences and ``max_num_batched_tokens`` tokens (decodes
+    and prefill chunks), each as asked or, where auto, by the device (``batch_limits``); ``sized_by`` says which.
+    ``graph_sizes``: the decode batch sizes CUDA graphs capture (where the step runs them)."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    seqs_by: str  # "user" (asked) | "device" (auto)
+    tokens_by: str
+    graph_sizes: tuple[int, ...]
+
+    @property
+    def sized_by(self) -> dict[str, str]:
+        return {"max_num_seqs": self.seqs_by, "max_num_batched_tokens": self.tokens_by}
+
+    def describe(self) -> str:
+        by = {"user": "as asked", "device": "by the device"}
+        return (f"{self.max_num_seqs} sequences ({by[self.seqs_by]}), {self.max_num_batched_tokens} tokens a step "
+                f"({by[self.tokens_by]})")
+
+
+@dataclass(frozen=True)
 class ExecutionPlan:
     """Every choice of how the model runs (see the module's doc); ``describe()`` is what the start-up log,
     ``/health`` and ``mili selftest`` show."""
@@ -143,6 +198,7 @@ class ExecutionPlan:
     step_why: str  # why not a faster step, where not
     speculative: str | None  # ngram | mtp
     memory: MemoryPlan
+    batch: BatchPlan
     cpu_paths: dict[str, str] = field(default_factory=dict)  # each layer family's CPU path, and why
     gemm_tiles: dict[str, GemmConfig] = field(default_factory=dict)  # the Triton GEMMs' tiles, by kind and phase
     tensor_parallel_size: int = 1
@@ -151,11 +207,23 @@ class ExecutionPlan:
     # how a sampled row draws its token: inverse-cdf (the CPU: one cumulative sum, a uniform per row) or
     # exponential-race (argmax of p / Exp(1): no host sync, for GPUs)
     draw: str = "inverse-cdf"
+    # the engine core schedules step N + 1 while the device runs step N (engine/core.py), or not, and why not
+    overlap: bool = False
+    overlap_why: str = ""
+    # the token counts CUDA graphs of mixed steps (prefill chunks, with or without decodes) capture (``MIXED_LADDER``)
+    mixed_graph_sizes: tuple[int, ...] = ()
 
     @property
     def cpu_kernels(self) -> bool:
         """MILI's C kernels run the model's layers (bf16, torch attention, one rank)."""
         return self.attention == "cpu"
+
+    @property
+    def small_batch_gemv(self) -> bool:
+        """The plain bf16 / fp16 linear layers (and a tied lm_head) run decode batches of up to 8 rows on the
+        split-K Triton GEMV, larger ones on cuBLAS (model/gpu_linear.py ``SmallBatchLinear``): CUDA, Triton back-end."""
+        return (self.attention == "triton" and self.device.type == "cuda"
+                and self.dtype in (torch.bfloat16, torch.float16))
 
     @property
     def dtype_name(self) -> str:
@@ -165,14 +233,33 @@ class ExecutionPlan:
     def kv_dtype_name(self) -> str:
         return "fp8_e4m3" if self.kv_dtype == torch.float8_e4m3fn else str(self.kv_dtype).removeprefix("torch.")
 
+    def resolve(self, config: EngineConfig) -> EngineConfig:
+        """``config`` with this plan's batch limits in place of auto (what the engine builds from)."""
+        return config.with_batch_limits(self.batch.max_num_seqs, self.batch.max_num_batched_tokens)
+
     def describe(self) -> dict[str, str]:
         """The plan in words, a line each (the start-up log, /health, mili selftest)."""
-        rows = {"device": f"{self.device.type} ({self.device.name})" if self.device.name else self.device.type,
+        about = [self.device.name] if self.device.name else []
+        if self.device.memory:
+            about.append(f"{self.device.memory / GIB:.1f} GiB")
+        sizes = self.batch.graph_sizes
+        graphs = ""
+        if self.step == "cuda-graphs":
+            eager = "; larger ones eagerly" if self.batch.max_num_seqs > sizes[-1] else ""
+            graphs = f" (decode batches of {sizes[0]} to {sizes[-1]} sequences{eager}"
+            mixed = self.mixed_graph_sizes
+            graphs += f"; mixed steps of up to {mixed[-1]} tokens, {len(mixed)} sizes)" if mixed else \
+                "; mixed steps eagerly)"
+        rows = {"device": f"{self.device.type} ({', '.join(about)})" if about else self.device.type,
                 "dtype": self.dtype_name, "attention": self.attention, "weights": self.weight_format,
-                "kv cache": self.kv_dtype_name, "step": self.step + (f" ({self.step_why})" if self.step_why else ""),
-                "speculative": self.speculative or "off"}
+                "kv cache": self.kv_dtype_name,
+                "step": self.step + (f" ({self.step_why})" if self.step_why else graphs),
+                "batch": self.batch.describe(), "speculative": self.speculative or "off",
+                "scheduling": "ahead of the device" if self.overlap else f"in turn ({self.overlap_why})"}
         if self.device.type == "cpu":
             rows["cpu kernels"] = self.device.cpu_kernels or f"off ({self.device.cpu_kernels_why})"
+        if self.small_batch_gemv:
+            rows["small batches"] = "linears of up to 8 rows on the split-K Triton GEMV"
         if self.gated_delta:
             rows["gated delta rule"] = self.gated_delta
         if self.tensor_parallel_size > 1:
@@ -247,14 +334,17 @@ def plan(config: EngineConfig, model_config: ModelConfig, device: DeviceInfo) ->
 
     step, step_why = _step(config, model_config, device, attention, cpu_kernels, speculative, tp,
                            linears == "kernel" or (linears == "int8" and int8_kernels))
-    memory = _memory(config, device, attention, hybrid)
+    batch = _batch(config, device)
+    memory = _memory(config, device, attention, hybrid, batch.max_num_seqs)
     paths = family_paths(device.cpu_kernels, device.cpu_kernels_why, device.int8_kernels_why, device.onednn_bf16,
                          off) if on_cpu else {}
     threads = config.num_threads or (max(1, device.cpu_count // tp) if tp > 1 else None) if on_cpu else None
     return ExecutionPlan(device, dtype, max_model_len, attention, kv_dtype, linears, int8_kernels, fp8_act,
                          keep_quantized, fp8_round_trip, lm_head, weight_format, gated_delta, step, step_why,
-                         speculative, memory, paths, _gemm_tiles(device, dtype, linears), tp,
-                         config.takes_images(model_config), threads, "inverse-cdf" if on_cpu else "exponential-race")
+                         speculative, memory, batch, paths, _gemm_tiles(device, dtype, linears), tp,
+                         config.takes_images(model_config), threads, "inverse-cdf" if on_cpu else "exponential-race",
+                         *_overlap(config, device, speculative, tp),
+                         _mixed_graph_sizes(step, model_config, config.takes_images(model_config), batch))
 
 
 def _dtype(config: EngineConfig, model_config: ModelConfig, device: DeviceInfo) -> torch.dtype:
@@ -388,7 +478,44 @@ def _step(config, model_config, device, attention, cpu_kernels, speculative, tp,
     return "eager", ""
 
 
-def _memory(config: EngineConfig, device: DeviceInfo, attention: str, hybrid: bool) -> MemoryPlan:
+def _mixed_graph_sizes(step: str, model_config: ModelConfig, vision: bool, batch: BatchPlan) -> tuple[int, ...]:
+    """The token counts of the mixed steps' CUDA graphs: ``MIXED_LADDER`` below max_num_batched_tokens, and that;
+    none where decode steps run eagerly, for the hybrids (the Gated DeltaNet chunks' kernels take their lengths on
+    the host) and for image models (M-RoPE positions)."""
+    if step != "cuda-graphs" or model_config.is_hybrid or vision:
+        return ()
+    top = batch.max_num_batched_tokens
+    return (*(t for t in MIXED_LADDER if t < top), top)
+
+
+def _overlap(config: EngineConfig, device: DeviceInfo, speculative: str | None, tp: int) -> tuple[bool, str]:
+    """Whether the engine core schedules ahead of the device (--async-scheduling), and why not where not: auto on
+    CUDA only (a CPU step has run when it returns, so nothing would overlap; "on" runs the same loop there, for
+    tests). Speculative steps verify drafts on the host, and the other tensor-parallel ranks take each step's input
+    ids from rank 0's broadcast, which has no tokens still on the device."""
+    asked = config.async_scheduling
+    if asked == "off":
+        return False, "--async-scheduling off"
+    if speculative is not None:
+        return False, "speculative decoding verifies its drafts on the host"
+    if tp > 1:
+        return False, "tensor parallelism: the other ranks take each step's inputs from rank 0's host"
+    if asked == "auto" and device.type != "cuda":
+        return False, "a CPU step has run when it returns: nothing to overlap"
+    return True, ""
+
+
+def _batch(config: EngineConfig, device: DeviceInfo) -> BatchPlan:
+    """The batch limits: as asked, or where auto (None) by the device; the CUDA graphs' sizes from them."""
+    seqs, tokens = batch_limits(device)
+    asked_seqs, asked_tokens = config.max_num_seqs, config.max_num_batched_tokens
+    max_num_seqs = asked_seqs if asked_seqs is not None else seqs
+    return BatchPlan(max_num_seqs, asked_tokens if asked_tokens is not None else tokens,
+                     "device" if asked_seqs is None else "user", "device" if asked_tokens is None else "user",
+                     graph_batch_sizes(max_num_seqs))
+
+
+def _memory(config: EngineConfig, device: DeviceInfo, attention: str, hybrid: bool, max_num_seqs: int) -> MemoryPlan:
     budget = config.kv_cache_memory
     if budget is None and device.type != "cuda":
         from mili.config import default_kv_cache_bytes
@@ -396,7 +523,7 @@ def _memory(config: EngineConfig, device: DeviceInfo, attention: str, hybrid: bo
         budget = default_kv_cache_bytes()
     spec = config.speculative_config
     return MemoryPlan(budget, config.num_kv_pages, hybrid, config.num_state_slots, config.num_state_snapshots,
-                      config.max_num_seqs, config.enable_prefix_caching,
+                      max_num_seqs, config.enable_prefix_caching,
                       spec.disable_by_batch_size if spec is not None else 0, hybrid and attention == "triton",
                       device.type == "cpu")
 

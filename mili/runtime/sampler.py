@@ -49,6 +49,35 @@ class SamplerOutput:
     errors: dict[int, str] = field(default_factory=dict)  # row -> why sampling it failed (its token: NO_TOKEN)
 
 
+class PendingSample:
+    """A step's draw still on the device (``Sampler(..., defer=True)``): ``ids`` [rows] stay there, where the next
+    step's inputs read them, while their copy to the host runs (through pinned memory, without blocking);
+    ``result()`` waits for that copy alone and gives the ``SamplerOutput`` (the logprobs are read then too)."""
+
+    def __init__(self, ids: torch.Tensor, logprobs=None, done: SamplerOutput | None = None):
+        self.ids, self._logprobs, self._done = ids, logprobs, done
+        self._host, self._event = ids, None
+        if done is None and ids.is_cuda:
+            self._host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+            self._host.copy_(ids, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    @classmethod
+    def of(cls, out: SamplerOutput, device: torch.device) -> "PendingSample":
+        """A draw already on the host (the per-row fallback) in the same wrapper."""
+        return cls(torch.tensor(out.token_ids, dtype=torch.long).to(device), done=out)
+
+    def result(self) -> SamplerOutput:
+        if self._done is None:
+            if self._event is not None:
+                self._event.synchronize()
+            token_ids = self._host.tolist()
+            logprobs = self._logprobs(token_ids) if self._logprobs is not None else [None] * len(token_ids)
+            self._done = SamplerOutput(token_ids, logprobs)
+        return self._done
+
+
 _TOP_K_PARTIAL_MAX = 1024  # top-k up to this ranks only each row's k best (a topk), not the whole vocabulary
 
 
@@ -327,18 +356,23 @@ class Sampler:
         self.apply_bitmask = apply_bitmask
         self.draw = draw  # (probs [R, V], meta) -> ids [R]: one of DRAWS, as the execution plan says
 
-    def greedy(self, logits: torch.Tensor, vocab_size: int) -> SamplerOutput:
+    def greedy(self, logits: torch.Tensor, vocab_size: int, defer: bool = False) -> SamplerOutput | PendingSample:
         """Each row's argmax over the vocabulary: what ``__call__`` gives rows that are all greedy with nothing else
         to apply (no logprobs, penalties, blocked tokens or grammar)."""
-        return SamplerOutput(token_ids=self.argmax(logits[:, :vocab_size]).tolist(), logprobs=[None] * logits.shape[0])
+        ids = self.argmax(logits[:, :vocab_size])
+        if defer:
+            return PendingSample(ids)
+        return SamplerOutput(token_ids=ids.tolist(), logprobs=[None] * logits.shape[0])
 
-    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        """``logits`` [B, >= vocab] in the model's dtype (a private float32 copy is made where needed)."""
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata,
+                 defer: bool = False) -> SamplerOutput | PendingSample:
+        """``logits`` [B, >= vocab] in the model's dtype (a private float32 copy is made where needed). ``defer``: the
+        draw stays on the device (a ``PendingSample``: nothing here waits for the device)."""
         assert logits.dim() == 2 and logits.shape[0] == meta.num_rows, logits.shape
         assert logits.shape[1] >= meta.vocab_size, (logits.shape, meta.vocab_size)
         if (meta.greedy_rows.numel() == meta.num_rows and meta.logprob_rows is None and meta.blocked_rows is None
                 and meta.penalty_rows is None and meta.grammar_rows is None):
-            return self.greedy(logits, meta.vocab_size)
+            return self.greedy(logits, meta.vocab_size, defer)
         # A private float32 copy (modified in place); columns past the vocab (padding) are dropped.
         logits = logits[:, :meta.vocab_size].to(torch.float32, copy=True)
         raw = logits.index_select(0, meta.logprob_rows) if meta.logprob_rows is not None else None  # a copy
@@ -366,11 +400,13 @@ class Sampler:
             no_mass[meta.random_rows] = _no_mass(x)  # (truncation keeps a row's best token: this is the masks')
         sampled.masked_fill_(no_mass, NO_TOKEN)  # a row with no token left draws nothing
 
-        token_ids = sampled.tolist()
-        logprobs: list[TokenLogprobs | None] = [None] * meta.num_rows
-        if raw is not None:
-            logprobs = self._logprobs(raw, sampled[meta.logprob_rows], meta, logprobs)
-        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+        def logprobs(_token_ids=None) -> list[TokenLogprobs | None]:
+            out: list[TokenLogprobs | None] = [None] * meta.num_rows
+            return self._logprobs(raw, sampled[meta.logprob_rows], meta, out) if raw is not None else out
+
+        if defer:
+            return PendingSample(sampled, logprobs if raw is not None else None)
+        return SamplerOutput(token_ids=sampled.tolist(), logprobs=logprobs())
 
     @staticmethod
     def _process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

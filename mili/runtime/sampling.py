@@ -8,7 +8,7 @@ from concurrent.futures import Future
 
 import torch
 
-from mili.runtime.sampler import NO_TOKEN, Sampler, SamplerOutput, SamplingMetadata
+from mili.runtime.sampler import NO_TOKEN, PendingSample, Sampler, SamplerOutput, SamplingMetadata
 
 log = logging.getLogger("mili")
 
@@ -34,21 +34,28 @@ def _argmax_only(params) -> bool:
 
 
 def sample_step(sampler: Sampler, logits: torch.Tensor, rows: list, grammar: Future | None, vocab_size: int,
-                device: torch.device) -> SamplerOutput:
-    """The step's tokens, one per row of ``logits``. A failure that belongs to rows rather than to the
-    step (their parameters, a grammar's bitmask, the draw) does not end the step: the rows are sampled
-    again one by one, and those that fail alone come back in ``errors`` (their requests end with that
-    error, the core goes on); the other rows' tokens stand."""
+                device: torch.device, defer: bool = False) -> SamplerOutput | PendingSample:
+    """The step's tokens, one per row of ``logits`` (``defer``: still on the device, a ``PendingSample``). A failure
+    that belongs to rows rather than to the step (their parameters, a grammar's bitmask, the draw) does not end
+    the step: the rows are sampled again one by one, and those that fail alone come back in ``errors`` (their
+    requests end with that error, the core goes on); the other rows' tokens stand."""
     try:
         if grammar is None and all(_argmax_only(r.seq.params) for r in rows):  # (no metadata tensors to build)
-            return sampler.greedy(logits, vocab_size)
+            return sampler.greedy(logits, vocab_size, defer)
         meta = sampling_metadata(rows, vocab_size, device)
         if grammar is not None:
             bitmask, meta.grammar_rows = grammar.result()
             meta.grammar_bitmask = bitmask.to(device, non_blocking=True)
-        return sampler(logits, meta)
+        return sampler(logits, meta, defer)
     except Exception:
         log.exception("sampling a step of %d rows failed: sampling them one by one", len(rows))
+    out = _sample_rows_apart(sampler, logits, rows, vocab_size, device)
+    return PendingSample.of(out, device) if defer else out
+
+
+def _sample_rows_apart(sampler: Sampler, logits: torch.Tensor, rows: list, vocab_size: int,
+                       device: torch.device) -> SamplerOutput:
+    """Each row on its own; a row that fails draws NO_TOKEN and its error."""
     out = SamplerOutput([], [])
     for row, each in enumerate(rows):
         try:

@@ -44,6 +44,9 @@ async def health(http: Request):
             "prefix_caching": engine.info.prefix_caching, "tool_call_parser": st.tool_call_parser,
             "task": engine.inputs.task.name,
             "execution_plan": engine.info.plan,
+            # the batch limits the core runs, and for each whether the device (auto) or the user set it
+            "max_num_seqs": engine.config.max_num_seqs, "max_num_batched_tokens": engine.config.max_num_batched_tokens,
+            "batch_limits_from": engine.info.sized_by,
             "engine_core_pid": engine.core_pid, "api_server_pid": os.getpid(),
             # every API process (mili serve --api-server-count): their CPU is the server's
             "api_server_pids": st.api_servers.pids() if st.api_servers else [os.getpid()],

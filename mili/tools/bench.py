@@ -439,7 +439,7 @@ def add_parser(sub) -> None:
                         '"num_speculative_tokens": 3}\'; the acceptance rate is printed')
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--kv-cache-memory", type=int, default=2 << 30)
-    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-seqs", type=int, default=None, help="default: auto (the engine sizes it by the device)")
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--input-len", type=int, default=512, help="latency: prompt tokens")

@@ -94,6 +94,10 @@ def test_health_and_root(server):
     assert health["quantization"] == "unquantized" and health["kv_cache_dtype"] == "float32"
     plan = health["execution_plan"]  # the plan the core made (mili/runtime/plan.py), in words
     assert plan["dtype"] == "float32" and plan["attention"] == "torch" and plan["weights"] == "unquantized"
+    # the batch limits the core runs (auto: sized by the device, the CPU's 256 / 2048), reached over its Ready message
+    assert (health["max_num_seqs"], health["max_num_batched_tokens"]) == (256, 2048)
+    assert health["batch_limits_from"] == {"max_num_seqs": "device", "max_num_batched_tokens": "device"}
+    assert plan["batch"] == "256 sequences (by the device), 2048 tokens a step (by the device)"
     root = curl(f"{server.url}/")
     assert {"message", "version", "docs", "health", "generate"} <= set(root)
     assert root["health"] == "/health" and root["generate"] == "/generate" and "POST /generate" in root["endpoints"]

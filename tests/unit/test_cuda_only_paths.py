@@ -89,6 +89,39 @@ def test_graph_replay_path_equals_eager(kind, tiny_checkpoint, tmp_path):
     llm.engine.check_integrity()
 
 
+class CountingMixed:
+    """Counts the mixed steps a ``MixedStepGraphs`` replays."""
+
+    def __init__(self, mixed):
+        self.mixed, self.replays = mixed, 0
+
+    def run(self, batch):
+        out = self.mixed.run(batch)
+        self.replays += out is not None
+        return out
+
+
+def test_mixed_step_graphs_equal_eager(tiny_checkpoint):
+    """Steps with prefill chunks and decodes (a 24-token budget, prompts of several lengths) replayed through the
+    mixed-step graphs (padded to 16 or 32 tokens over 6 sequence rows; attention by the one kernel whose launch reads
+    no length) give the eager steps' greedy tokens."""
+    import dataclasses
+
+    kw = dict(dtype="float32", attention_backend="triton", enforce_eager=True, max_num_seqs=6,
+              max_num_batched_tokens=24, kv_cache_memory=2**20)
+    prompts = [[5, 6, 7], [9] * 30, [3, 4], list(range(40, 61)), [8] * 7, [2]]
+    eager = _greedy(LLM(str(tiny_checkpoint), **kw), prompts)
+    llm = LLM(str(tiny_checkpoint), **kw)
+    runner = llm.engine.core.runner
+    runner.plan = dataclasses.replace(runner.plan, mixed_graph_sizes=(16, 32))  # (the CPU's plan captures none)
+    runner.graphs = EagerGraphs(runner)
+    assert set(runner.graphs.mixed.graphs) == {16, 32}
+    runner.graphs.mixed = counting = CountingMixed(runner.graphs.mixed)
+    assert _greedy(llm, prompts) == eager
+    assert counting.replays >= 2
+    llm.engine.check_integrity()
+
+
 def test_device_spec_from_the_device_properties(monkeypatch):
     l4 = SimpleNamespace(name="NVIDIA L4", major=8, minor=9, multi_processor_count=58)
     h100 = SimpleNamespace(name="NVIDIA H100", major=9, minor=0, multi_processor_count=132,
@@ -111,4 +144,5 @@ def test_selftest_cuda_kernel_checks_run_under_the_interpreter():
     dev = torch.device("cpu")
     rows = kernels._norm_checks(TritonOps, dev, torch.bfloat16) + kernels._attention_checks(dev, torch.bfloat16, True)
     rows += kernels._gemm_checks(dev, torch.bfloat16, True) + [kernels._moe_check(dev, torch.bfloat16)]
+    rows += kernels._fused_checks(dev, torch.bfloat16, True)
     assert all(ok for _, ok, _ in rows), rows

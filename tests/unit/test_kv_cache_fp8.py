@@ -18,6 +18,7 @@ TRITON = dict(attention_backend="triton", max_model_len=64)
 
 
 def test_fp8_pages_twice_as_many_and_reported(tiny_checkpoint):
+    torch.manual_seed(0)
     memory = 48 * 1024  # bf16: 2 layers x K,V x 16 tokens x 2 heads x 32 x 2 bytes = 8 KiB a page: 6 pages
     bf16 = LLM(str(tiny_checkpoint), dtype="bfloat16", kv_cache_memory=memory, **TRITON)
     fp8 = LLM(str(tiny_checkpoint), dtype="bfloat16", kv_cache_memory=memory, kv_cache_dtype="fp8", **TRITON)
@@ -82,6 +83,7 @@ def test_fp8_kv_cache_kl_within_its_rounding_budget(tmp_path, qwen3_tokenizer):
     fp8 = prompt_logprobs(LLM(str(dense), kv_cache_dtype="fp8", **common), prompt)
     noisy = LLM(str(dense), **common)
     backend = noisy.engine.core.runner.attention
+    backend.qk_norm_rope_store = None  # (no fused norm + store: the layers store K/V through forward, noised here)
     store_and_attend = backend.forward
     generator = torch.Generator().manual_seed(0)
 

@@ -32,8 +32,9 @@ def _run(args: list[str]) -> str:
 def test_every_kernel_compiles_for_every_target():
     out = _run([])
     for kernel in ("_rms_norm_kernel", "_qk_norm_rope_kernel", "_store_kv_kernel", "_decode_kernel",
-                   "_decode_reduce_kernel", "_prefill_kernel", "_fp8_gemm_kernel", "_int4_gemm_kernel", "_int8_gemm_kernel",
-                   "_group_quant_kernel", "_grouped_gemm_kernel", "_lora_shrink_kernel", "_lora_expand_kernel"):
+                   "_decode_reduce_kernel", "_varlen_kernel", "_fp8_gemm_kernel", "_int4_gemm_kernel", "_int8_gemm_kernel",
+                   "_group_quant_kernel", "_grouped_gemm_kernel", "_lora_shrink_kernel", "_lora_expand_kernel",
+                   "_silu_and_mul_kernel", "_qk_norm_rope_store_kernel", "_gemv_kernel", "_gemv_reduce_kernel"):
         assert kernel in out
     for target in TARGETS:
         assert f"| {target} " in out

@@ -8,7 +8,8 @@ import torch
 pytest.importorskip("triton")
 
 from mili import LLM, InvalidRequest, SamplingParams  # noqa: E402
-from mili.runtime.cuda_graph import graph_batch_sizes, padded_batch_size  # noqa: E402
+from mili.runtime.cuda_graph import padded_batch_size  # noqa: E402
+from mili.runtime.plan import graph_batch_sizes  # noqa: E402
 
 
 def test_engine_on_triton_matches_hf(tiny_checkpoint):
@@ -45,7 +46,10 @@ def test_backend_choice(tiny_checkpoint, monkeypatch):
 
 def test_cuda_graph_ladder():
     sizes = graph_batch_sizes(256)
-    assert sizes[:5] == [1, 2, 4, 8, 16] and sizes[-1] == 256 and sizes == sorted(set(sizes))
-    assert graph_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert sizes[:5] == (1, 2, 4, 8, 16) and sizes[-1] == 256 and list(sizes) == sorted(set(sizes))
+    assert graph_batch_sizes(20) == (1, 2, 4, 8, 16, 20)
     assert [padded_batch_size(n, sizes) for n in (1, 3, 8, 9, 17, 256)] == [1, 4, 8, 16, 32, 256]
     assert padded_batch_size(257, sizes) is None
+    # vLLM's cap: no graph above 512 sequences (a larger decode batch runs eagerly)
+    assert graph_batch_sizes(1024) == graph_batch_sizes(512) and graph_batch_sizes(1024)[-1] == 512
+    assert padded_batch_size(513, graph_batch_sizes(1024)) is None

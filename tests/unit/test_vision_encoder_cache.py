@@ -184,7 +184,8 @@ def test_the_start_up_budget_follows_the_processor_and_the_limits(tmp_path):
                              deepstack_visual_indexes=[5, 11, 17])
     model_config = SimpleNamespace(vision_config=vision)
     (tmp_path / "preprocessor_config.json").write_text(json.dumps({"size": {"longest_edge": 16777216}}))
-    config = EngineConfig(model=str(tmp_path), device="cpu")
+    # (the config as the engine core hands it on: the plan's batch limits in auto's place, the CPU's 2048 tokens)
+    config = EngineConfig(model=str(tmp_path), device="cpu", max_num_batched_tokens=2048)
     plan = VisionBudget.plan(config, model_config, str(tmp_path), torch.bfloat16, max_model_len=262144)
     assert (plan.max_image_tokens, plan.tokens_per_call, plan.cache_tokens) == (16384, 16384, 16384)
     assert output_bytes_per_token(vision, torch.bfloat16) == 4 * 2048 * 2
@@ -193,7 +194,8 @@ def test_the_start_up_budget_follows_the_processor_and_the_limits(tmp_path):
     assert short.max_image_tokens == 4096
     (tmp_path / "preprocessor_config.json").write_text(json.dumps({"size": {"longest_edge": 200704}}))  # 196 tokens
     for limit, per_call in ((4, 4 * 196), (20, 10 * 196)):
-        config = EngineConfig(model=str(tmp_path), device="cpu", limit_mm_per_prompt={"image": limit})
+        config = EngineConfig(model=str(tmp_path), device="cpu", limit_mm_per_prompt={"image": limit},
+                              max_num_batched_tokens=2048)
         plan = VisionBudget.plan(config, model_config, str(tmp_path), torch.bfloat16, max_model_len=262144)
         assert plan.tokens_per_call == per_call and plan.cache_tokens == 2048
 

@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from mili.kernels import reference
 from mili.kernels.triton.attention import _dot, exact_dots
+from mili.kernels.triton.swiglu import silu_and_mul
 
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 32
 
@@ -91,7 +91,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     weights = topk_weights.contiguous().view(-1)
     gate_up = torch.empty(num_pairs, w13.shape[1], dtype=x.dtype, device=x.device)
     _grouped_gemm(x, w13, gate_up, pairs, block_expert, weights, num_pairs, k, False, False)
-    act = reference.silu_and_mul(gate_up)
+    act = silu_and_mul(gate_up)
     out = torch.empty(num_pairs, w2.shape[1], dtype=x.dtype, device=x.device)
     _grouped_gemm(act, w2, out, pairs, block_expert, weights, num_pairs, k, True, True)
     return out.view(t, k, -1).sum(dim=1)

@@ -116,6 +116,10 @@ def run(device: torch.device, quick: bool) -> list[tuple[str, str, str, str]]:
         rows += [("kernels", name, OK if ok else FAIL, detail) for name, ok, detail in found]
         if device.type == "cuda":
             rows += _run("cuda graphs", "replay == eager (bf16, greedy)", lambda: parity.graph_equals_eager(dense, dev))
+            rows += _run("cuda graphs", "mixed steps: replay == eager (bf16, greedy)",
+                         lambda: parity.mixed_graphs_equal_eager(dense, dev))
+            rows += _run("async steps", "host syncs a step (sync debug mode)",
+                         lambda: parity.async_steps_sync_once(dense, dev))
         else:
             rows.append(("cuda graphs", "replay == eager", SKIP, "CUDA only"))
         path = dense if quick else speed.build_06b(Path(tmp) / "qwen3-0.6b-shape")

@@ -1,11 +1,13 @@
 """The device's kernels against their torch references (``mili/kernels/reference.py``), at the Qwen3 head
-dim (128) and GQA: on CUDA the Triton kernels (norms, RoPE, the KV store, paged decode and prefill, FP8 KV
-pages on SM 89+, the FP8, AWQ and int8 GEMMs with and without split K, fused MoE experts); on the CPU MILI's C
-kernels where they build (they need AVX-512 BF16), else nothing (the torch path is the reference itself)."""
+dim (128) and GQA: on CUDA the Triton kernels (norms, RoPE, the KV store, paged decode and mixed steps, FP8 KV
+pages on SM 89+, the FP8, AWQ and int8 GEMMs with and without split K, fused MoE experts, SwiGLU, the q/k-norm +
+RoPE + K/V store launch, the small-batch GEMV); on the CPU MILI's C kernels where they build (they need AVX-512
+BF16), else nothing (the torch path is the reference itself)."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from mili.kernels import reference as ref
 
@@ -44,6 +46,7 @@ def _norm_checks(ops, dev, dtype) -> list[tuple[str, bool, str]]:
 
 def _attention_checks(dev, dtype, kv_fp8: bool) -> list[tuple[str, bool, str]]:
     from mili.kernels.triton import attention as ta
+    from mili.kernels.triton.varlen_attention import paged_attention_varlen
 
     g = torch.Generator().manual_seed(1)
     pages, page, hq, hkv, d = 64, 16, 16, 8, 128
@@ -80,10 +83,10 @@ def _attention_checks(dev, dtype, kv_fp8: bool) -> list[tuple[str, bool, str]]:
     qlens = [1, 9, 40, 150]
     qs = torch.randn(sum(qlens), hq, d, generator=g).to(dtype).to(dev)
     starts = torch.tensor([0, 1, 10, 50], dtype=torch.int32, device=dev)
-    got = ta.paged_prefill(qs, k_cache, v_cache, table, starts, torch.tensor(qlens, dtype=torch.int32, device=dev),
-                           ctx_t, max(qlens), d ** -0.5, k_scale=scales[0], v_scale=scales[1])
+    got = paged_attention_varlen(qs, k_cache, v_cache, table, starts,
+                                 torch.tensor(qlens, dtype=torch.int32, device=dev), ctx_t, d ** -0.5, *scales)
     want = ref.paged_attention(qs, kc_ref, vc_ref, table, qlens, ctx, d ** -0.5)
-    out.append((name + "paged prefill (prefix + chunk)", *_close(got, want, TOL[dtype])))
+    out.append((name + "paged attention, a decode and chunks (prefix + chunk)", *_close(got, want, TOL[dtype])))
     return out
 
 
@@ -114,6 +117,40 @@ def _gemm_checks(dev, dtype, fp8_act: bool) -> list[tuple[str, bool, str]]:
         out.append((f"AWQ int4 GEMM ({phase})", *_close(got, want, tol)))
         got, want = qg.int8_linear(x, q8, scales8), ref.int8_linear(x, q8, scales8)
         out.append((f"int8 GEMM weight-only ({phase})", *_close(got, want, TOL[dtype])))
+    return out
+
+
+def _fused_checks(dev, dtype, kv_fp8: bool) -> list[tuple[str, bool, str]]:
+    """The small-batch fusions: SwiGLU in one pass, q/k-norm + RoPE with the K/V store (the unfused kernels' q and
+    pages, exactly), the split-K GEMV (one decode row, and eight)."""
+    from mili.kernels.triton import attention as ta
+    from mili.kernels.triton import gemv, norm_rope, swiglu
+
+    g = torch.Generator().manual_seed(4)
+    gate_up = (torch.randn(5, 2 * 3072, generator=g) * 4).to(dtype).to(dev)
+    out = [("SwiGLU", *_close(swiglu.silu_and_mul(gate_up), ref.silu_and_mul(gate_up),
+                              (1e-5, 1e-5) if dtype == torch.float32 else (1e-5, 2 ** -6)))]  # (two roundings)
+    t, hq, hkv, d = 6, 16, 8, 128
+    q, k, v = torch.randn(t, (hq + 2 * hkv) * d, generator=g).to(dtype).to(dev).split([hq * d, hkv * d, hkv * d], -1)
+    q, k, v = q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d)
+    qw, kw = ((torch.rand(d, generator=g) + 0.5).to(dtype).to(dev) for _ in range(2))
+    emb = torch.cat([torch.arange(t, dtype=torch.float32)[:, None] / 10000 ** (torch.arange(0, d, 2) / d)] * 2, -1)
+    cos, sin = emb.cos().to(dev), emb.sin().to(dev)
+    slots = torch.tensor([3, 17, -1, 40, 63, 5], device=dev)
+    pages = [torch.zeros(4, 16, hkv, d, dtype=torch.float8_e4m3fn if kv_fp8 else dtype, device=dev) for _ in range(4)]
+    scales = (0.5, 2.0) if kv_fp8 else (1.0, 1.0)
+    want_q, normed_k = norm_rope.qk_norm_rope(q, k, qw, kw, 1e-6, cos, sin)
+    ta.store_kv(normed_k, v, pages[0], pages[1], slots, *scales)
+    got_q = norm_rope.qk_norm_rope_store(q, k, v, qw, kw, 1e-6, cos, sin, pages[2], pages[3], slots, *scales)
+    same = [torch.equal(a.view(torch.uint8) if kv_fp8 else a, b.view(torch.uint8) if kv_fp8 else b)
+            for a, b in ((got_q, want_q), (pages[2], pages[0]), (pages[3], pages[1]))]
+    out.append(("FP8 KV pages: " * kv_fp8 + "q/k norm + RoPE + K/V store (= unfused)", all(same),
+                f"q, K, V identical: {same}"))
+    w = (torch.randn(1024, 3072, generator=g) * 0.05).to(dtype).to(dev)
+    for rows in (1, 8):
+        x = torch.randn(rows, 3072, generator=g).to(dtype).to(dev)
+        out.append((f"split-K GEMV ({rows} rows)", *_close(gemv.gemv(x, w), F.linear(x.float(), w.float()),
+                                                           TOL[dtype])))
     return out
 
 
@@ -152,8 +189,9 @@ def check(device: torch.device) -> list[tuple[str, bool, str]]:
     for dtype in (torch.bfloat16, torch.float32):
         label = str(dtype).removeprefix("torch.")
         found = _norm_checks(TritonOps, device, dtype) + _attention_checks(device, dtype, False)
+        found += _fused_checks(device, dtype, False)
         if has_fp8 and dtype == torch.bfloat16:
-            found += _attention_checks(device, dtype, True)
+            found += _attention_checks(device, dtype, True) + _fused_checks(device, dtype, True)
         found += _gemm_checks(device, dtype, has_fp8 and dtype != torch.float32)
         found.append(_moe_check(device, dtype))
         rows += [(f"{name} ({label})", ok, d) for name, ok, d in found]

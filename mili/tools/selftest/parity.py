@@ -170,3 +170,63 @@ def graph_equals_eager(path: Path, device: str) -> tuple[bool, str]:
             return False, "no CUDA graphs were captured"
     same = sum(a == b for a, b in zip(*runs))
     return same == len(ids), f"{same}/{len(ids)} prompts identical (batch sizes 1-8 captured)"
+
+
+def mixed_graphs_equal_eager(path: Path, device: str) -> tuple[bool, str]:
+    """CUDA graphs of mixed steps (a 48-token budget: prompts' chunks beside other sequences' decodes) replayed
+    against --enforce-eager: the same greedy tokens, bf16; and how many mixed steps replayed."""
+    from mili import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    ids = [{"prompt_token_ids": p} for p in prompts(256, n=8)]
+    runs, replays = [], [0]
+    for eager in (False, True):
+        llm = LLM(str(path), dtype="bfloat16", device=device, kv_cache_memory=16 * 2**20, enforce_eager=eager,
+                  max_num_seqs=8, max_num_batched_tokens=48)
+        graphs = llm.engine.core.runner.graphs
+        if not eager:
+            if graphs is None or not graphs.mixed.graphs:
+                return False, "no CUDA graphs of mixed steps were captured"
+            run = graphs.mixed.run
+
+            def counting(batch, run=run):
+                out = run(batch)
+                replays[0] += out is not None
+                return out
+
+            graphs.mixed.run = counting
+        runs.append([o.outputs[0].token_ids for o in llm.generate(ids, params, use_tqdm=False)])
+    same = sum(a == b for a, b in zip(*runs))
+    return same == len(ids) and replays[0] > 0, f"{same}/{len(ids)} prompts identical, {replays[0]} mixed steps replayed"
+
+
+def async_steps_sync_once(path: Path, device: str) -> tuple[bool, str]:
+    """Decode steps scheduled ahead of the device (--async-scheduling on) wait on the device at most once a step: the
+    read of the previous step's tokens. Counted by torch's sync debug mode over 8 steady steps of 6 greedy
+    sequences (a blocking copy, .item() or .tolist() of a device tensor on the way in would add one a step)."""
+    import warnings
+
+    from mili import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    llm = LLM(str(path), dtype="bfloat16", device=device, kv_cache_memory=16 * 2**20, max_num_seqs=8,
+              async_scheduling="on")
+    llm.generate([{"prompt_token_ids": p} for p in prompts(256, n=2)], params, use_tqdm=False)  # (warm-up)
+    engine = llm.engine
+    for i, p in enumerate(prompts(256, n=6, seed=2)):
+        engine.add_request(p, params, request_id=f"sync-{i}")
+    for _ in range(4):  # (prefill, and the first decodes)
+        engine.step()
+    steps = 8
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(steps):
+                engine.step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    syncs = sum("synchroniz" in str(w.message) for w in caught)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return syncs <= steps, f"{syncs} host syncs in {steps} steps"

@@ -3,7 +3,8 @@ the wrappers' own configuration functions (``*_meta``, ``quant_gemm.gemm_plan``)
 phases the runner sees: model dtypes bf16 / fp16 / float32, FP8 block and per-channel weights (W8A8 on SM 89+,
 weight-only elsewhere and in float32), AWQ int4, ``--quantization int8`` (weight-only, every linear and the
 lm_head, MoE experts one by one), FP8 KV pages (SM 89+), LoRA adapters (ranks up to 256, fused layers of 1 to 3
-shards); decode (batches of 1 to 512 rows, split K), prefill (chunks up to 2048 tokens).
+shards), the small-batch GEMV on plain bf16 / fp16 linears (1 to 8 rows); decode (batches of 1 to 512 rows, split
+K), prefill (chunks up to 2048 tokens; attention: the one kernel over a step's decodes and chunks).
 
 Must be called where ``TRITON_INTERPRET`` is unset (``exact_dots`` reads it: the GPU's choice is wanted).
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from mili.kernels.triton import attention, fused_moe, lora, norm_rope, quant_gemm
+from mili.kernels.triton import attention, fused_moe, gemv, lora, norm_rope, quant_gemm, swiglu, varlen_attention
 from mili.tools.triton_checks.aot import Launch
 from mili.kernels.triton.launch import DeviceSpec, gemm_smem_bound
 from mili.kernels.triton.quant_gemm import fp8_activations
@@ -20,7 +21,6 @@ from mili.kernels.triton.quant_gemm import fp8_activations
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ROWS = (1, 4, 8, 16, 32, 64, 256, 2048)  # decode batches (CUDA graphs' ladder) and prefill chunks
 PAGE_SIZES = (16, 32, 64)  # what the Triton backend accepts (config.py)
-MAX_MODEL_LENS = (256, 4096, 40960)  # fixes the decode split count, hence the reduce kernel's BLOCK_S
 AWQ_GROUPS = (128, 64, 32)
 LORA_RANKS = (8, 16, 64, 256)  # --max-lora-rank: what the kernels' tiles depend on (the expand's BLOCK_K, RANK)
 F32, I32, I64, F8, U8, I8 = torch.float32, torch.int32, torch.int64, torch.float8_e4m3fn, torch.uint8, torch.int8
@@ -40,16 +40,17 @@ def _attention(cfg: dict, dtype, kv, page: int) -> list[Launch]:
     out = [Launch("attention._store_kv_kernel", "any", _consts(attention.store_kv_meta(d, kv)),
                   _ptrs(K=dtype, V=dtype, KC=kv, VC=kv, SLOTS=I64), ("k_scale", "v_scale"),
                   ("stride_kt", "stride_vt", "stride_cs", "stride_ch", "stride_kh", "stride_vh"), needs_fp8=fp8),
-           Launch("attention._decode_kernel", "decode", _consts(attention.decode_meta(group, page, d, dtype)),
-                  _ptrs(Q=dtype, KC=kv, VC=kv, PT=I64, CTX=I32, OUT_ACC=F32, OUT_ML=F32), ("scale", "v_scale"),
-                  ("stride_qb", "stride_qh", "stride_cp", "stride_cs", "stride_ch", "stride_ab", "stride_ah"),
-                  needs_fp8=fp8),
-           Launch("attention._prefill_kernel", "prefill", _consts(attention.prefill_meta(group, page, d, dtype)),
+           *(Launch("attention._decode_kernel", "decode", _consts(attention.decode_meta(group, page, d, dtype, single)),
+                    _ptrs(Q=dtype, KC=kv, VC=kv, PT=I64, CTX=I32, OUT=dtype, OUT_ACC=F32, OUT_ML=F32),
+                    ("scale", "v_scale"), ("stride_qb", "stride_qh", "stride_cp", "stride_cs", "stride_ch", "stride_ob",
+                                           "stride_oh", "stride_ab", "stride_ah"), needs_fp8=fp8)
+             for single in (False, True)),
+           Launch("varlen_attention._varlen_kernel", "prefill",
+                  _consts(varlen_attention.varlen_meta(group, page, d, dtype)),
                   _ptrs(Q=dtype, KC=kv, VC=kv, OUT=dtype, PT=I64, QSTART=I32, QLEN=I32, CTX=I32), ("scale", "v_scale"),
                   ("stride_qt", "stride_qh", "stride_cp", "stride_cs", "stride_ch", "stride_ot", "stride_oh"),
                   needs_fp8=fp8)]
-    for max_len in MAX_MODEL_LENS:
-        splits, _ = attention.decode_splits(-(-max_len // page))
+    for splits in attention.decode_reduce_splits():  # (the split count depends on the batch and the device)
         out.append(Launch("attention._decode_reduce_kernel", "decode",
                           _consts(attention.decode_reduce_meta(d, splits)), _ptrs(ACC=F32, ML=F32, OUT=dtype),
                           aligned=("stride_ab", "stride_ah", "stride_ob", "stride_oh")))
@@ -64,6 +65,46 @@ def _norms(cfg: dict, dtype) -> list[Launch]:
         [Launch("norm_rope._qk_norm_rope_kernel", "any", _consts(norm_rope.qk_norm_rope_meta(d)),
                 _ptrs(X=dtype, W=dtype, COS=F32, SIN=F32, OUT=dtype), ("eps",),
                 ("stride_xt", "stride_xh", "stride_ot", "stride_oh", "stride_c"))]
+
+
+def _norm_rope_store(cfg: dict, dtype, kv) -> list[Launch]:
+    """Qwen3 attention's q/k-norm + RoPE with the K/V store (the Triton back-end's one launch), into ``kv`` pages."""
+    return [Launch("norm_rope._qk_norm_rope_store_kernel", "any",
+                   _consts(norm_rope.qk_norm_rope_store_meta(cfg["head_dim"], kv)),
+                   _ptrs(Q=dtype, K=dtype, V=dtype, QW=dtype, KW=dtype, COS=F32, SIN=F32, Q_OUT=dtype, KC=kv, VC=kv,
+                         SLOTS=I64), ("eps", "k_scale", "v_scale"),
+                   ("stride_qt", "stride_kt", "stride_vt", "stride_ot", "stride_cs", "stride_ch", "stride_qh",
+                    "stride_kh", "stride_vh", "stride_oh", "stride_c"), needs_fp8=kv == F8)]
+
+
+def _swiglu(cfg: dict, dtype) -> list[Launch]:
+    """SwiGLU of the dense MLP and of a MoE model's experts (fused_moe's activation)."""
+    widths = {cfg["intermediate_size"], cfg.get("moe_intermediate_size") or cfg["intermediate_size"]}
+    return [Launch("swiglu._silu_and_mul_kernel", "any", _consts(swiglu.silu_and_mul_meta(i)),
+                   _ptrs(GATE_UP=dtype, OUT=dtype), aligned=("stride_g", "stride_o")) for i in sorted(widths)]
+
+
+def _gemv(cfg: dict, dtype, spec: DeviceSpec) -> list[Launch]:
+    """The small-batch GEMV (decode batches of 1 to 8 rows; its tiles do not depend on the rows) on the plain
+    bf16 / fp16 linears and the lm_head, with its reduce pass where K is split; with a bias where the attention
+    has one."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return []
+    out = []
+    bias = (False, True) if cfg.get("attention_bias") else (False,)
+    for n, k in linear_shapes(cfg) + [(cfg["vocab_size"], cfg["hidden_size"])]:
+        for has_bias in bias:
+            gc = gemv.gemv_config(n, k, dtype, spec)
+            meta = gemv.gemv_meta(gc, dtype, has_bias)
+            options = dict(num_warps=meta.pop("num_warps"), num_stages=meta.pop("num_stages"))
+            out.append(Launch("gemv._gemv_kernel", "split-K" if gc.split > 1 else "decode", _consts(meta),
+                              _ptrs(X=dtype, W=dtype, BIAS=dtype, OUT=F32 if gc.split > 1 else dtype),
+                              aligned=("K", "stride_xm", "stride_wn", "stride_os", "stride_om"), **options))
+            if gc.split > 1:
+                out.append(Launch("gemv._gemv_reduce_kernel", "split-K", _consts(gemv.gemv_reduce_meta(has_bias)),
+                                  _ptrs(PARTS=F32, BIAS=dtype, OUT=dtype),
+                                  aligned=("N", "stride_ps", "stride_pm", "stride_om")))
+    return out
 
 
 def linear_shapes(cfg: dict) -> list[tuple[int, int]]:
@@ -170,8 +211,9 @@ def launches(configs: list[dict], spec: DeviceSpec, full: bool = True) -> list[L
     for cfg in configs:
         for dtype in dtypes:
             found = _norms(cfg, dtype) + _moe(cfg, dtype) + _gemms(cfg, dtype, spec, AWQ_GROUPS if full else (128,)) \
-                + _lora(dtype)
+                + _lora(dtype) + _swiglu(cfg, dtype) + _gemv(cfg, dtype, spec)
             for kv in (dtype, F8) if spec.has_fp8 else (dtype,):
+                found += _norm_rope_store(cfg, dtype, kv)
                 for page in pages:
                     found += _attention(cfg, dtype, kv, page)
             for launch in found:
@@ -182,10 +224,10 @@ def launches(configs: list[dict], spec: DeviceSpec, full: bool = True) -> list[L
 
 
 def gemm_bounded(launch: Launch) -> bool:
-    """A GEMM whose tiles the runtime picks by ``launch.gemm_smem_bound`` (the quantized and the MoE GEMMs; the
-    LoRA kernels' small tiles are held to the device's limit alone)."""
+    """A GEMM whose tiles the runtime picks by ``launch.gemm_smem_bound`` (the quantized and the MoE GEMMs, the
+    GEMV; the LoRA kernels' small tiles are held to the device's limit alone)."""
     c = dict(launch.constexprs)
-    return "BLOCK_N" in c and "BLOCK_K" in c and launch.kernel.startswith(("quant_gemm.", "fused_moe."))
+    return "BLOCK_N" in c and "BLOCK_K" in c and launch.kernel.startswith(("quant_gemm.", "fused_moe.", "gemv."))
 
 
 def risk(launch: Launch) -> int:
@@ -193,17 +235,21 @@ def risk(launch: Launch) -> int:
     bound), then the most constexpr volume."""
     c = dict(launch.constexprs)
     if gemm_bounded(launch):
-        a = 1 if dict(launch.pointers).get("A") == F8 else dict(launch.pointers)["A"].itemsize
-        w = 0.5 if "GROUP" in c else 1
+        ptrs = dict(launch.pointers)
+        if "X" in ptrs:  # (the GEMV: x and W both of the model's dtype)
+            a = w = ptrs["X"].itemsize
+        else:
+            a, w = 1 if ptrs.get("A") == F8 else ptrs["A"].itemsize, 0.5 if "GROUP" in c else 1
         return gemm_smem_bound(c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], a, w, launch.num_stages)
     return sum(v for v in c.values() if isinstance(v, int) and not isinstance(v, bool))
 
 
 def representatives(all_launches: list[Launch]) -> list[Launch]:
-    """One launch per (kernel, phase, FP8-ness, float32 dots): the riskiest."""
+    """One launch per (kernel, phase, FP8-ness, float32 dots, decode's one-split form): the riskiest."""
     best: dict[tuple, Launch] = {}
     for launch in all_launches:
-        key = (launch.kernel, launch.phase, launch.needs_fp8, dict(launch.constexprs).get("EXACT", False))
+        c = dict(launch.constexprs)
+        key = (launch.kernel, launch.phase, launch.needs_fp8, c.get("EXACT", False), c.get("SINGLE", False))
         if key not in best or risk(launch) > risk(best[key]):
             best[key] = launch
     return list(best.values())
