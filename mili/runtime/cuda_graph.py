@@ -54,7 +54,7 @@ class CudaGraphRunner:
             self.state_keep = torch.zeros(top, dtype=torch.bool, device=dev)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
-        self.mixed = MixedStepGraphs(self, runner.plan.mixed_graph_sizes, runner.config.max_num_seqs)
+        self.mixed = MixedStepGraphs(self, runner.plan.mixed_graph_sizes, runner.plan.batch.max_num_seqs)
         with torch.inference_mode():
             self.mixed.capture()  # (largest first: the smaller ones, and the decode graphs, reuse its memory)
             for bs in reversed(self.sizes):

@@ -116,7 +116,8 @@ class PageTables:
     pages; the page a copy-on-write replaced; a whole table that was replaced, after a preemption or a prefix-cache
     start), then gathers its sequences' rows. Nothing is rebuilt per token that lasts a request.
 
-    A row is a sequence's until it stops running (finished, preempted); rows are reclaimed when none is free. Past a
+    A row is a sequence's until no row is free: then every sequence not in the step gives its row back (one still
+    running is written anew when it comes back; there are twice ``max_num_seqs`` rows, so that is rare). Past a
     table's end a row holds some page id it held before (or 0): never read, as attention stops at the context. The
     table a row mirrors is tracked by identity: the scheduler replaces a sequence's list when it starts it afresh,
     and changes it in place otherwise (appends, the copy-on-write of its last computed page, a cut after rejected
@@ -135,7 +136,7 @@ class PageTables:
             pages = seq.page_table
             known = self.mirror.get(seq)
             if known is None:
-                row, start = self._row(), 0
+                row, start = self._row(seqs), 0
             elif known[1] is not pages:  # (replaced: written anew)
                 row, start = known[0], 0
             else:  # (a copy-on-write replaces the page its next token goes into, where its computed tokens end)
@@ -152,10 +153,9 @@ class PageTables:
         width = max(len(seq.page_table) for seq in seqs)
         return self.table.index_select(0, to_device(torch.tensor(rows), self.device))[:, :width]
 
-    def _row(self) -> int:
-        if not self.free:  # rows of sequences no longer running go back
-            from mili.engine.request import SeqStatus
-
-            for seq in [s for s in self.mirror if s.status != SeqStatus.RUNNING]:
+    def _row(self, step: list) -> int:
+        if not self.free:  # the rows of every sequence not in this step go back (one still running is written anew)
+            keep = set(step)
+            for seq in [s for s in self.mirror if s not in keep]:
                 self.free.append(self.mirror.pop(seq)[0])
         return self.free.pop()

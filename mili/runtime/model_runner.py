@@ -70,6 +70,7 @@ class ModelRunner:
             parallel.init_group(rank, self.tp_size, address, device)
             model_config = shard
         self.plan = execution_plan or plan(config, model_config, DeviceInfo.probe(device, config.cpu_kernels))
+        config = self.plan.resolve(config)  # (a torchrun rank > 0 comes with auto batch limits: its plan sizes them)
         if self.plan.num_threads:
             torch.set_num_threads(self.plan.num_threads)
         self.config, self.model_config, self.device, self.dtype = config, model_config, device, self.plan.dtype
@@ -98,7 +99,7 @@ class ModelRunner:
         self.batches = InputBatchBuilder(device, config.page_size, self.hybrid, self.plan.attention == "triton",
                                          self.model, self.encoder_cache,
                                          self.vision_budget.tokens_per_call if self.vision_budget else 0,
-                                         config.max_num_seqs, self.memory.max_pages_per_seq)
+                                         self.plan.batch.max_num_seqs, self.memory.max_pages_per_seq)
         self.mtp = MtpDrafter(self.model, self.kv_caches[-1], self.batches.one_token_batch) \
             if self.plan.speculative == "mtp" else None  # (its KV: the pool's last layer)
         self.model.init_rotary(self.max_model_len, device)
