@@ -73,7 +73,7 @@ class PendingSample:
             if self._event is not None:
                 self._event.synchronize()
             token_ids = self._host.tolist()
-            logprobs = self._logprobs(token_ids) if self._logprobs is not None else [None] * len(token_ids)
+            logprobs = self._logprobs() if self._logprobs is not None else [None] * len(token_ids)
             self._done = SamplerOutput(token_ids, logprobs)
         return self._done
 
@@ -400,7 +400,7 @@ class Sampler:
             no_mass[meta.random_rows] = _no_mass(x)  # (truncation keeps a row's best token: this is the masks')
         sampled.masked_fill_(no_mass, NO_TOKEN)  # a row with no token left draws nothing
 
-        def logprobs(_token_ids=None) -> list[TokenLogprobs | None]:
+        def logprobs() -> list[TokenLogprobs | None]:
             out: list[TokenLogprobs | None] = [None] * meta.num_rows
             return self._logprobs(raw, sampled[meta.logprob_rows], meta, out) if raw is not None else out
 
