@@ -143,10 +143,10 @@ class Scheduler:
     def _admit(self, budget: int, scheduled: list[ScheduledSeq], copies: list) -> int:
         if self.policy == "lpm" and 1 < len(self.waiting) <= LPM_MAX_QUEUE:
             self._order_by_cached_prefix()
+        seats = sum(map(_width, self.running))  # (a running first sequence's unborn siblings hold theirs)
         while self.waiting and budget > 0:
             seq = self.waiting[0]
-            width = 1 + len(seq.request.unborn()) if seq.index == 0 else 1
-            if len(self.running) + width > self.max_num_seqs:
+            if seats + _width(seq) > self.max_num_seqs:
                 break
             if self._waits_for_prefix(seq) or not self._adapter_fits(seq):
                 break
@@ -168,6 +168,7 @@ class Scheduler:
                 seq.request.num_cached_tokens = seq.num_computed_tokens
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
+            seats += _width(seq)
             scheduled.append(ScheduledSeq(seq, n))
             budget -= n
         return budget
@@ -370,3 +371,9 @@ def _shared_pages(a: list[int], b: list[int], size: int) -> int:
     while (n + 1) * size <= min(len(a), len(b)) and a[n * size:(n + 1) * size] == b[n * size:(n + 1) * size]:
         n += 1
     return n
+
+
+def _width(seq: Sequence) -> int:
+    """The sequence rows ``seq`` takes in a step: a first sequence's unborn siblings are forked from it when its
+    prompt is computed, so they count from its admission."""
+    return 1 + len(seq.request.unborn()) if seq.index == 0 else 1

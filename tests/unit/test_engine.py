@@ -97,6 +97,27 @@ def test_n_shares_prompt_pages(llm):
     _assert_clean(llm)
 
 
+def test_max_num_seqs_counts_the_siblings_n_will_fork(tiny_checkpoint):
+    """n > 1: a first sequence's unborn siblings hold their seats from its admission, so no step runs more than
+    max_num_seqs sequences once they fork (a request admitted beside them would overrun the page-table rows)."""
+    small = LLM(str(tiny_checkpoint), dtype="float32", max_num_seqs=4, max_num_batched_tokens=64)
+    engine = small.engine
+    widest = []
+    schedule = engine.core.scheduler.schedule
+
+    def recording_schedule():
+        out = schedule()
+        widest.append(len(engine.core.scheduler.running))
+        return out
+
+    engine.core.scheduler.schedule = recording_schedule
+    params = [SamplingParams(n=n, temperature=0, max_tokens=3, ignore_eos=True) for n in (3, 1, 3, 2)]
+    outs = small.generate([{"prompt_token_ids": [i]} for i in range(4)], params, use_tqdm=False)
+    assert [len(o.outputs) for o in outs] == [3, 1, 3, 2]
+    assert max(widest) == 4  # (3 + 1 fit; the second n = 3 waits for them, then 2 wait for it)
+    _assert_clean(small)
+
+
 def test_seeded_sampling_is_batch_independent(llm):
     params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=1234, ignore_eos=True)
     prompt = _prompts(1, seed=9)[0]
