@@ -645,6 +645,8 @@ def header(args) -> list[str]:
             commit += " (with uncommitted changes)" if dirty else ""
         except (OSError, subprocess.CalledProcessError):
             commit = "unknown (no .git here: set MILI_GIT_COMMIT, or carry the wheels folder's COMMIT)"
+    if os.environ.get("MILI_WHEELS_COMMIT"):  # (gpu_wheels.sh wrote it where the wheels were fetched)
+        commit += f"; the wheels folder's COMMIT: {os.environ['MILI_WHEELS_COMMIT']}"
     gpu = "none"
     if shutil.which("nvidia-smi"):
         q = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],

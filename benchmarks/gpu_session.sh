@@ -12,7 +12,7 @@
 # --wheels DIR (or MILI_WHEELS=DIR): pip-installs DIR/*.whl (--no-index --no-deps) into a folder put first on
 # PYTHONPATH (MILI_WHEELS_TARGET, default /tmp/mili-wheels), leaving the image's packages alone. Without it, or
 # with wheels missing, the packages MILI needs that cannot be imported are named (the rows that need them fail).
-# The commit printed is git's, else $MILI_GIT_COMMIT, else DIR/COMMIT (written by gpu_wheels.sh).
+# The commit printed is $MILI_GIT_COMMIT, else git's; and DIR/COMMIT's (written by gpu_wheels.sh) beside it.
 # Other arguments go to benchmarks/gpu_session.py (--model PATH, --budget S, --logs DIR).
 set -uo pipefail
 start=$SECONDS
@@ -47,9 +47,9 @@ if [ -n "$wheels" ]; then
       echo "ERROR: pip could not install the wheels in $wheels" >&2
     fi
   fi
-  if [ -z "${MILI_GIT_COMMIT:-}" ] && ! git rev-parse HEAD >/dev/null 2>&1 && [ -f "$wheels/COMMIT" ]; then
-    MILI_GIT_COMMIT="$(cat "$wheels/COMMIT") (from the wheels folder's COMMIT)"
-    export MILI_GIT_COMMIT
+  if [ -f "$wheels/COMMIT" ]; then  # (the device tool's copy may carry an older .git: both are printed)
+    MILI_WHEELS_COMMIT="$(cat "$wheels/COMMIT")"
+    export MILI_WHEELS_COMMIT
   fi
 fi
 

@@ -39,13 +39,13 @@ fi
 echo "$commit" > "$DIR/COMMIT"
 ls -1 "$DIR"
 # what a device call sends: the tracked files (those present), the untracked ones git does not ignore, and DIR
-sizes() { xargs -0 stat -c %s 2>/dev/null | awk '{s += $1} END {printf "%.1f", s / 1048576}'; }
+sizes() { { xargs -0 stat -c %s 2>/dev/null || true; } | awk '{s += $1} END {printf "%.1f", s / 1048576}'; }
 tracked=$(git ls-files -z | sizes)
 untracked=$(git ls-files -z -o --exclude-standard | sizes)
 wheels=$(find "$DIR" -type f -print0 | sizes)
 total=$(awk "BEGIN {printf \"%.1f\", $tracked + $untracked + $wheels}")
 echo "a device call with $DIR carried sends about $total MiB (tracked $tracked, untracked $untracked, wheels $wheels)"
 if awk "BEGIN {exit !($total >= 64)}"; then
-  echo "WARNING: over the device tool's 64 MiB: for the call, move mili/demo/checkpoint*/model.safetensors (unused" \
-       "by gpu_session.sh) into .whl/aside/ (ignored, not carried), and back after"
+  echo "WARNING: over the device tool's 64 MiB: for the call, move mili/demo/checkpoint-hybrid/model.safetensors" \
+       "(unused by gpu_session.sh and selftest) into .whl/aside/ (ignored, not carried), and back after"
 fi

@@ -143,7 +143,7 @@ class Scheduler:
     def _admit(self, budget: int, scheduled: list[ScheduledSeq], copies: list) -> int:
         if self.policy == "lpm" and 1 < len(self.waiting) <= LPM_MAX_QUEUE:
             self._order_by_cached_prefix()
-        seats = sum(map(_width, self.running))  # (a running first sequence's unborn siblings hold theirs)
+        seats = sum(map(_width, self.running)) if self.waiting else 0  # (unborn siblings hold their seats)
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             if seats + _width(seq) > self.max_num_seqs:

@@ -34,15 +34,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from mili.config import ModelConfig
-from mili.kernels.gated_delta import (causal_conv1d, causal_conv1d_step, chunk_gated_delta_rule,
-                                      recurrent_gated_delta_step)
-from mili.kernels.reference import TorchOps, rotate_half
-from mili.model.layers import GatedRMSNorm, RotaryEmbedding, ZeroCentredRMSNorm
-from mili.model.fused import STACKED_PARAMS, FusedLinear
 from mili.distributed import gather_logits, vocab_shard
+from mili.kernels.gated_delta import (
+    causal_conv1d,
+    causal_conv1d_step,
+    chunk_gated_delta_rule,
+    recurrent_gated_delta_step,
+)
+from mili.kernels.reference import TorchOps, rotate_half
+from mili.model.batch import AttentionBackend, ForwardBatch
+from mili.model.fused import STACKED_PARAMS, FusedLinear
+from mili.model.layers import GatedRMSNorm, RotaryEmbedding, ZeroCentredRMSNorm
 from mili.model.qwen3 import Qwen3MLP, Qwen3MoeBlock, VocabParallelEmbedding, _reduce
 from mili.model.vision import VisionOutput, VisionTower, flatten_patch_weight
-from mili.model.batch import AttentionBackend, ForwardBatch
+from mili.runtime.host_copy import tensor_on
 
 # a prefill chunk this short runs on the CPU kernel's recurrence, token by token, rather than as a chunk of 64
 SHORT_PREFILL = 16
@@ -105,12 +110,12 @@ class RecurrentBatch:
         nd, slots = batch.num_decodes, batch.state_slots
         fresh = [batch.context_lens[i] == batch.query_lens[i] for i in range(batch.num_seqs)]
         device = batch.input_ids.device
-        keep = torch.tensor([not f for f in fresh[:nd]], device=device) if any(fresh[:nd]) else None
+        keep = tensor_on([not f for f in fresh[:nd]], device, torch.bool) if any(fresh[:nd]) else None
         prefills, start = [], nd
         for i in range(nd, batch.num_seqs):
             prefills.append((start, start + batch.query_lens[i], slots[i], fresh[i]))
             start += batch.query_lens[i]
-        return cls(torch.tensor(slots[:nd], dtype=torch.long, device=device), keep, prefills)
+        return cls(tensor_on(slots[:nd], device), keep, prefills)
 
 
 class GatedDeltaNet(nn.Module):

@@ -22,6 +22,7 @@ import torch
 
 from mili.model.batch import ForwardBatch
 from mili.model.qwen3_5 import RecurrentBatch
+from mili.runtime.host_copy import tensor_on
 
 log = logging.getLogger("mili")
 
@@ -109,9 +110,9 @@ class CudaGraphRunner:
         self.positions[n:bs].zero_()
         if self.hybrid:
             fresh = [c == q for c, q in zip(batch.context_lens, batch.query_lens)]
-            self.state_slots[:n].copy_(torch.tensor(batch.state_slots, dtype=torch.long), non_blocking=True)
+            self.state_slots[:n].copy_(tensor_on(batch.state_slots, self.runner.device))
             self.state_slots[n:bs].fill_(self.scratch_row)
-            self.state_keep[:n].copy_(torch.tensor([not f for f in fresh], dtype=torch.bool), non_blocking=True)
+            self.state_keep[:n].copy_(tensor_on([not f for f in fresh], self.runner.device, torch.bool))
             self.state_keep[n:bs].fill_(False)
         graph, logits = self.graphs[bs]
         graph.replay()

@@ -10,15 +10,8 @@ import itertools
 import torch
 
 from mili.model.batch import ForwardBatch
+from mili.runtime.host_copy import to_device
 from mili.runtime.images import StepImages
-
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on ``device`` without blocking the host: to a GPU through pinned memory (``non_blocking``; the
-    pinned block is kept until the copy has run), on the CPU the tensor itself."""
-    if device.type == "cpu":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 class InputBatchBuilder:

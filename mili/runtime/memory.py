@@ -20,6 +20,7 @@ from mili.config import EngineConfig, ModelConfig
 from mili.errors import InvalidRequest
 from mili.model.batch import ForwardBatch
 from mili.runtime.attention.torch_backend import TorchAttentionBackend
+from mili.runtime.host_copy import tensor_on
 from mili.runtime.plan import ExecutionPlan
 from mili.runtime.prompt_logprobs import rows_per_slice
 from mili.runtime.recurrent_state import RecurrentStateCache
@@ -159,8 +160,8 @@ class CacheMemory:
 
     def copy_pages(self, copies: list[tuple[int, int]]) -> None:
         """Copy KV pages (copy-on-write of a shared partial page), byte for byte (FP8 pages too)."""
-        src = torch.tensor([s for s, _ in copies], device=self.device)
-        dst = torch.tensor([d for _, d in copies], device=self.device)
+        src = tensor_on([s for s, _ in copies], self.device)
+        dst = tensor_on([d for _, d in copies], self.device)
         for k_cache, v_cache in self.kv_caches:
             for cache in (k_cache.view(torch.uint8), v_cache.view(torch.uint8)):
                 cache[dst] = cache[src]

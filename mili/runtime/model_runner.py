@@ -17,6 +17,7 @@ from mili.config import EngineConfig, ModelConfig
 from mili.process import die_with_parent
 from mili.runtime import parallel
 from mili.runtime.encoder_cache import EncoderCache, VisionBudget
+from mili.runtime.host_copy import tensor_on
 from mili.runtime.input_batch import InputBatchBuilder
 from mili.runtime.memory import CacheMemory
 from mili.runtime.model_builder import attention_and_ops, build_model
@@ -26,7 +27,12 @@ from mili.runtime.prompt_logprobs import PromptScorer, rows_per_slice
 from mili.runtime.sampler import DRAWS, PendingSample, Sampler
 from mili.runtime.sampling import sample_step
 from mili.speculative.mtp import MtpDrafter
-from mili.speculative.verify import StepTokens, accept_drafts, rejected_positions, verification_rows
+from mili.speculative.verify import (
+    StepTokens,
+    accept_drafts,
+    rejected_positions,
+    verification_rows,
+)
 
 log = logging.getLogger("mili")
 
@@ -174,7 +180,7 @@ class ModelRunner:
             if logits is not None:
                 sampling = [i for i, s in enumerate(scheduled) if s.samples]
                 if len(sampling) != len(scheduled):
-                    logits = logits[torch.tensor(sampling, device=self.device)]
+                    logits = logits[tensor_on(sampling, self.device)]
                 return logits, [], {}
             hidden = self.graphs.mixed.run(batch)  # a mixed step: its logits rows' hidden states, or None
             if hidden is not None:
@@ -270,7 +276,7 @@ class ModelRunner:
             return StepResult(None, scored, pooled=pooled)
         rows, logits_rows = verification_rows(scheduled, sched_out.sample_rows)
         if logits_rows != list(range(logits.shape[0])):
-            logits = logits.index_select(0, torch.tensor(logits_rows, device=self.device))
+            logits = logits.index_select(0, tensor_on(logits_rows, self.device))
         sampled = sample_step(self.sampler, logits, rows, grammar, self.model_config.vocab_size, self.device, defer)
         if defer:
             return StepResult(None, scored, pooled=pooled, pending=sampled)

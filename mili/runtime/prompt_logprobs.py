@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from mili.runtime.host_copy import tensor_on
+
 SLICE_ELEMENTS = 1 << 25  # float32 logits of one slice at most (128 MiB)
 MAX_SLICE_ROWS = 512
 
@@ -31,7 +33,7 @@ class PromptScorer:
 
     def __init__(self, targets: list[int], num_top: list[int], vocab_size: int, device: torch.device):
         """``targets[r]``: the prompt token row r scores; ``num_top[r]``: how many alternatives it wants."""
-        self.targets = torch.tensor(targets, dtype=torch.long, device=device).unsqueeze(1)
+        self.targets = tensor_on(targets, device).unsqueeze(1)
         self.num_top = num_top
         self.max_top = min(max(num_top), vocab_size)
         self.vocab_size = vocab_size

@@ -17,6 +17,7 @@ import torch
 
 from mili.config import ModelConfig
 from mili.model.qwen3_5 import LinearAttentionShape, ssm_state_dtype
+from mili.runtime.host_copy import tensor_on
 
 log = logging.getLogger("mili")
 
@@ -62,7 +63,7 @@ class RecurrentStateCache:
         """Copy states row to row ((src, dst) pairs: slots or snapshots) in every layer."""
         if not copies:
             return
-        src = torch.tensor([s for s, _ in copies], device=self.device)
-        dst = torch.tensor([d for _, d in copies], device=self.device)
+        src = tensor_on([s for s, _ in copies], self.device)
+        dst = tensor_on([d for _, d in copies], self.device)
         for conv, ssm in self.caches:
             conv[dst], ssm[dst] = conv[src], ssm[src]

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mili.runtime.host_copy import tensor_on
 from mili.sampling_params import GREEDY_EPS, SamplingParams
 
 _NEG_INF = float("-inf")
@@ -66,7 +67,7 @@ class PendingSample:
     @classmethod
     def of(cls, out: SamplerOutput, device: torch.device) -> "PendingSample":
         """A draw already on the host (the per-row fallback) in the same wrapper."""
-        return cls(torch.tensor(out.token_ids, dtype=torch.long).to(device), done=out)
+        return cls(tensor_on(out.token_ids, device), done=out)
 
     def result(self) -> SamplerOutput:
         if self._done is None:
@@ -84,12 +85,11 @@ _TOP_K_PARTIAL_MAX = 1024  # top-k up to this ranks only each row's k best (a to
 def _pad(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
     """[len(rows), max_len] long tensor, right-padded with ``pad``; ids above ``pad`` are clamped to it."""
     width = max(1, max(len(r) for r in rows))
-    return torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long,
-                        device=device).clamp_(0, pad)
+    return tensor_on([r + [pad] * (width - len(r)) for r in rows], device).clamp_(0, pad)
 
 
 def _rows(idx: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(idx, dtype=torch.long, device=device)
+    return tensor_on(idx, device)
 
 
 @dataclass
@@ -142,7 +142,7 @@ class SamplingMetadata:
         rp = [params[i] for i in rand]
 
         def per_random(values: list, dtype: torch.dtype, needed: bool) -> torch.Tensor | None:
-            return torch.tensor(values, dtype=dtype, device=device) if needed else None
+            return tensor_on(values, device, dtype) if needed else None
 
         temps = [_bounded("temperature", p.temperature) for p in rp]
         top_k = [vocab_size if p.top_k < 0 else min(p.top_k, vocab_size) for p in rp]
@@ -155,12 +155,12 @@ class SamplingMetadata:
         num_lp = [params[i].logprobs for i in lp]
 
         def per_pen(attr: str) -> torch.Tensor | None:
-            return torch.tensor([_bounded(attr, getattr(params[i], attr)) for i in pen], dtype=torch.float32,
-                                device=device) if pen else None
+            return tensor_on([_bounded(attr, getattr(params[i], attr)) for i in pen], device, torch.float32) \
+                if pen else None
 
         rand_drafts = [drafts[i] for i in rand] if drafts is not None else []
         return cls(
-            drafts=torch.tensor(rand_drafts, dtype=torch.long, device=device) if any(d >= 0 for d in rand_drafts)
+            drafts=tensor_on(rand_drafts, device) if any(d >= 0 for d in rand_drafts)
             else None,
             num_drafted_rows=sum(d >= 0 for d in rand_drafts),
             draft_seeded=[(j, g) for j, g in seeded if rand_drafts[j] >= 0] if rand_drafts else [],

@@ -120,6 +120,8 @@ def run(device: torch.device, quick: bool) -> list[tuple[str, str, str, str]]:
                          lambda: parity.mixed_graphs_equal_eager(dense, dev))
             rows += _run("async steps", "host syncs a step (sync debug mode)",
                          lambda: parity.async_steps_sync_once(dense, dev))
+            rows += _run("async steps", "a launch never waits on the device",
+                         lambda: parity.async_launch_never_waits(dense, dev))
         else:
             rows.append(("cuda graphs", "replay == eager", SKIP, "CUDA only"))
         path = dense if quick else speed.build_06b(Path(tmp) / "qwen3-0.6b-shape")

@@ -230,3 +230,37 @@ def async_steps_sync_once(path: Path, device: str) -> tuple[bool, str]:
     while engine.has_unfinished_requests():
         engine.step()
     return syncs <= steps, f"{syncs} host syncs in {steps} steps"
+
+
+def async_launch_never_waits(path: Path, device: str) -> tuple[bool, str]:
+    """Preparing and launching a step never waits on the device (a copy from pageable memory does, unseen by the
+    sync debug mode): with ~50 ms of device work queued behind step N, ``step()`` (launch N + 1, read N) returns
+    well before that work ends. Greedy and seeded random rows together (the sampler's metadata for both)."""
+    import time
+
+    from mili import LLM, SamplingParams
+
+    llm = LLM(str(path), dtype="bfloat16", device=device, kv_cache_memory=16 * 2**20, max_num_seqs=8,
+              async_scheduling="on")
+    engine = llm.engine
+    for i, p in enumerate(prompts(256, n=6, seed=3)):
+        params = SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=64, ignore_eos=True)
+        engine.add_request(p, params, request_id=f"launch-{i}")
+    for _ in range(6):  # (prefill, graphs warm)
+        engine.step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    torch.cuda._sleep(10**8)
+    torch.cuda.synchronize()
+    queued = time.perf_counter() - start
+    took = []
+    for _ in range(4):  # (each from an idle device: else the read of step N waits behind the last round's sleep)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(10**8)
+        start = time.perf_counter()
+        engine.step()
+        took.append(time.perf_counter() - start)
+    torch.cuda.synchronize()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return max(took) < queued / 2, f"a step took {max(took) * 1e3:.1f} ms at most with {queued * 1e3:.0f} ms queued"
