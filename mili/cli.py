@@ -9,6 +9,7 @@ import sys
 
 from mili import options
 from mili.config import EngineConfig
+from mili.server_options import ServerConfig
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -77,14 +78,15 @@ def cmd_rerank(args: argparse.Namespace) -> int:
     return 0
 
 
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    """The server's settings out of parsed `mili serve` flags, checked (an InvalidRequest naming a wrong one)."""
+    return ServerConfig(**options.values_from(args, ServerConfig))
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from mili.engine.async_llm import AsyncLLM
-    from mili.errors import InvalidRequest
 
-    if args.api_server_count < 1:
-        raise InvalidRequest(f"--api-server-count must be at least 1, not {args.api_server_count}",
-                             param="api_server_count")
-    if args.api_server_count > 1:  # one engine core, several API processes on one port
+    if server_config(args).api_server_count > 1:  # one engine core, several API processes on one port
         from mili.server.api_servers import serve_api_servers
 
         return serve_api_servers(args, EngineConfig(**engine_kwargs(args)), _api_server_main)
@@ -139,28 +141,30 @@ def serve_http(args: argparse.Namespace, engine, sockets=None, api_servers=None)
 
     import uvicorn
 
+    server_options = server_config(args)
     # --log-level is MILI's too (the per-request lines are INFO), not only uvicorn's
-    logging.getLogger("mili").setLevel(args.log_level.upper())
+    logging.getLogger("mili").setLevel(server_options.log_level.upper())
 
     from mili.server.app import build_app
 
-    name = args.served_model_name or args.model
-    api_key = args.api_key or os.environ.get("MILI_API_KEY") or None
-    runtime_updating = (args.allow_runtime_lora_updating
+    name = server_options.served_model_name or args.model
+    api_key = server_options.api_key or os.environ.get("MILI_API_KEY") or None
+    runtime_updating = (server_options.allow_runtime_lora_updating
                         or os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"))
-    app = build_app(engine, name, api_key=api_key, max_queued_requests=args.max_queued_requests,
-                    sampling_defaults=args.sampling_defaults, tool_call_parser=args.tool_call_parser,
-                    api_servers=api_servers, lora_modules=parse_lora_modules(args.lora_modules or []),
+    app = build_app(engine, name, api_key=api_key, max_queued_requests=server_options.max_queued_requests,
+                    sampling_defaults=args.sampling_defaults, tool_call_parser=server_options.tool_call_parser,
+                    api_servers=api_servers, lora_modules=parse_lora_modules(server_options.lora_modules or []),
                     runtime_lora_updating=runtime_updating)
+    host, port = server_options.host, server_options.port
     if api_servers is None or api_servers.index == 0:
         logging.getLogger("mili").info(
             "serving %s as %r on http://%s:%d (chat page: http://%s:%d/ui; tool calls: %s%s)", engine.model_path,
-            name, args.host, args.port, args.host, args.port, app.state.mili.tool_call_parser,
+            name, host, port, host, port, app.state.mili.tool_call_parser,
             f"; {api_servers.count} API processes" if api_servers else "")
     from mili.server.step_stream import with_raw_send
 
-    config = uvicorn.Config(with_raw_send(app), host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.shutdown_timeout, access_log=False)
+    config = uvicorn.Config(with_raw_send(app), host=host, port=port, log_level=server_options.log_level,
+                            timeout_graceful_shutdown=server_options.shutdown_timeout, access_log=False)
     server = uvicorn.Server(config)
 
     def engine_died() -> None:
@@ -227,40 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible and native HTTP APIs")
     add_engine_args(srv)
-    srv.add_argument("--host", default="127.0.0.1", help="address to bind")
-    srv.add_argument("--port", type=int, default=8000, help="port to listen on")
-    srv.add_argument("--served-model-name", default=None,
-                     help="the model name clients send (default: the MODEL argument)")
-    srv.add_argument("--api-key", default=None,
-                     help="require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics "
-                          "(default: env MILI_API_KEY; none = open)")
-    srv.add_argument("--max-queued-requests", type=int, default=1024,
-                     help="waiting requests beyond this are refused with 503 and Retry-After")
-    srv.add_argument("--shutdown-timeout", type=float, default=10.0,
-                     help="seconds in-flight requests get to finish on SIGTERM/SIGINT")
-    srv.add_argument("--tool-call-parser", default="auto", choices=["auto", "hermes", "qwen3_xml"],
-                     help="the form of the model's tool calls: hermes (Qwen3, Qwen3-Next: JSON in <tool_call>), "
-                          "qwen3_xml (Qwen3.5/3.6: <function=NAME><parameter=ARG>); auto (default): the XML form "
-                          "when the chat template renders <function=, else hermes")
-    srv.add_argument("--api-server-count", type=int, default=1, metavar="N",
-                     help="API server processes on the one port (its listening socket shared), all feeding one "
-                          "engine core: one scheduler, one batch, one prefix cache. For when one process's CPU "
-                          "(tokenizing, detokenizing, JSON, SSE) limits throughput. /metrics and /health answer "
-                          "for the whole server. If the engine core dies, every API process fails its streams "
-                          "and the server exits non-zero; if an API process dies, the others drain as on SIGTERM "
-                          "and the server exits non-zero (a supervisor restarts it). Default 1: one process")
-    srv.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
-                     help="LoRA adapters (PEFT folders) served by name, with --enable-lora: name=path, or vLLM's "
-                          "JSON form '{\"name\": ..., \"path\": ...}'; a request names one in its model field")
-    srv.add_argument("--allow-runtime-lora-updating", action="store_true",
-                     help="with --enable-lora: POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's env "
-                          "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True works too)")
-    srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
-                     help="the server's logging (MILI's and uvicorn's): warning silences the line per request")
-    srv.add_argument("--config", default=None, metavar="FILE",
-                     help="a JSON or YAML file of settings: inference.{device, dtype, max_batch_size}, "
-                          "kv_cache.{page_size, num_pages}, sampling.{temperature, top_p, top_k} (request "
-                          "defaults), and any flag of this command by its name; flags given here override it")
+    options.add_arguments(srv, ServerConfig)  # the server's own flags, one per ServerConfig field
     srv.set_defaults(func=cmd_serve, sampling_defaults={})
     parser.serve_parser = srv  # main() applies a --config file as this parser's defaults
 

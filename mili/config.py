@@ -11,7 +11,7 @@ import torch
 from mili.errors import InvalidRequest, ModelLoadError
 from mili.model.checks import check_architecture_settings
 from mili.model.demo import DEMO_HYBRID_MODEL, DEMO_MODEL, DEMO_RANDOM_MODEL
-from mili.options import AUTO, check_value, option, options
+from mili.options import check, option
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16,
@@ -335,9 +335,9 @@ class EngineConfig:
                         accepts=tuple(name for name in _DTYPES if name not in ("bfloat16", "float16", "float32")),
                         section="inference.dtype")
     max_model_len: int | None = option(
-        None, "longest prompt + output in tokens (default: the model's, capped by the KV cache)")
+        None, "longest prompt + output in tokens (default: the model's, capped by the KV cache)", minimum=2)
     kv_cache_memory: int | None = option(
-        None, "bytes for the paged KV cache (default 2 GiB, or env MILI_KV_CACHE_MEMORY)")
+        None, "bytes for the paged KV cache (default 2 GiB, or env MILI_KV_CACHE_MEMORY)", minimum=1)
     page_size: int = option(16, "tokens per KV page", minimum=1, section="kv_cache.page_size")
     num_kv_pages: int | None = option(
         None, "the KV cache's exact number of pages (overrides --kv-cache-memory)", minimum=1,
@@ -357,7 +357,7 @@ class EngineConfig:
         None, "token budget of one step (decodes + prefill chunks); auto: by the device (the CPU 2048; a GPU 2048, "
               "4096 from 36 GiB, 8192 from 70 GiB)", minimum=1, auto=True)
     seed: int = option(0, "global random seed")
-    num_threads: int | None = option(None, "CPU threads for torch")
+    num_threads: int | None = option(None, "CPU threads for torch", minimum=1)
     attention_backend: str = option(
         "auto", "attention and norm kernels: auto = Triton on CUDA, torch elsewhere (Triton on the CPU needs "
                 "TRITON_INTERPRET=1: slow, for testing)", choices=("auto", "torch", "triton"))
@@ -370,7 +370,7 @@ class EngineConfig:
                 "overlap). Off with speculative decoding or tensor parallelism; steps of requests with grammars or "
                 "penalties run in turn", choices=("auto", "on", "off"))
     gpu_memory_utilization: float = option(
-        0.9, "CUDA: share of the GPU's memory for weights, activations and the KV cache")
+        0.9, "CUDA: share of the GPU's memory for weights, activations and the KV cache", above=0, maximum=1)
     quantization: str | None = option(
         None, "quantize an unquantized checkpoint as it loads, one scale per output channel: int8 (a Triton "
               "weight-only GEMM on CUDA, MILI's int8 kernels on the CPU), or fp8 (e4m3; FP8 GEMMs on CUDA SM 89+, "
@@ -433,30 +433,18 @@ class EngineConfig:
                 "starvation guard)", choices=("fcfs", "lpm"))
 
     def __post_init__(self) -> None:
-        # the checks the metadata states (choices, integer minimums), then those it cannot
-        for name, (field_, opt) in options(type(self)).items():
-            if opt.auto and isinstance(getattr(self, name), str) and getattr(self, name).lower() == AUTO:
-                setattr(self, name, None)  # (LLM(max_num_seqs="auto"): the plan picks it)
-            wrong = check_value(name, field_, opt, getattr(self, name))
-            if wrong:
-                raise InvalidRequest(wrong, param=name)
+        # the checks the metadata states (choices, ranges; auto is None), then those it cannot: a folder that must
+        # exist, the mappings' contents, and those between fields
+        check(self, InvalidRequest)
         self.limit_mm_per_prompt = parse_mm_limits(self.limit_mm_per_prompt)
         if isinstance(self.allowed_media_domains, str):
             self.allowed_media_domains = [d.strip().lower() for d in self.allowed_media_domains.split(",") if d.strip()]
         if self.allowed_local_media_path is not None and not os.path.isdir(self.allowed_local_media_path):
             raise InvalidRequest(f"allowed_local_media_path {self.allowed_local_media_path!r} is not a folder",
                                  param="allowed_local_media_path")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise InvalidRequest(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}",
-                                 param="gpu_memory_utilization")
         if self.lm_head_dtype == "int8" and self.tensor_parallel_size > 1:
             raise InvalidRequest("--lm-head-dtype int8 runs on the CPU's linear layers, one rank (not with tensor "
                                  "parallelism)", param="lm_head_dtype")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise InvalidRequest(f"max_model_len must be >= 2, got {self.max_model_len}", param="max_model_len")
-        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
-            raise InvalidRequest(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}",
-                                 param="kv_cache_memory")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.enable_lora and self.tensor_parallel_size > 1:
             raise InvalidRequest("LoRA adapters run on one rank: --enable-lora with --tensor-parallel-size 1",

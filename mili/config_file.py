@@ -5,7 +5,9 @@
                                                       --kv-cache-dtype (auto | fp8)
     sampling:  {temperature, top_p, top_k}         -> defaults for requests that leave them unset
     any other top-level key: a `mili serve` flag by its name (max_model_len: 4096, no_prefix_cache: true,
-    speculative_config: {method: ngram, num_speculative_tokens: 3})
+    speculative_config: {method: ngram, num_speculative_tokens: 3}, port: 8080)
+
+Each key's checks are its option's metadata (mili/options.py: EngineConfig's and ServerConfig's fields).
 
 Flags on the command line override the file. An unknown key, a wrong type or an impossible value is a
 ``ConfigFileError`` naming the key, raised before anything loads.
@@ -20,15 +22,14 @@ from pathlib import Path
 from mili import options
 from mili.config import EngineConfig
 from mili.errors import InvalidRequest
+from mili.server_options import ServerConfig
 
 # {section: {key: EngineConfig field}}, from the fields' metadata (their `section`)
 SECTIONS = options.sections(EngineConfig)
-_ENGINE_OPTIONS = {name: opt for name, (_, opt) in options.options(EngineConfig).items()}
+# every option a `mili serve` flag sets, by field name: (its Option, its number type or None)
+OPTIONS = {name: (opt, options.value_type(cls, name)) for cls in (EngineConfig, ServerConfig)
+           for name, (_, opt) in options.options(cls).items()}
 SAMPLING_KEYS = ("temperature", "top_p", "top_k")
-# integer flags whose values must be >= 1 (the rest: seed any integer, port 0-65535; max_num_seqs and
-# max_num_batched_tokens take auto too)
-_POSITIVE = {"max_num_seqs", "page_size", "num_kv_pages", "max_model_len", "max_num_batched_tokens",
-             "kv_cache_memory", "num_threads", "max_queued_requests"}
 
 
 class ConfigFileError(InvalidRequest):
@@ -40,7 +41,8 @@ class ConfigFileError(InvalidRequest):
 def read_config_file(path: str, parser: argparse.ArgumentParser) -> tuple[dict, dict]:
     """(flag values by argparse dest, sampling defaults) from ``path``, checked against ``parser``'s flags."""
     data = _parse(path)
-    flags = _flags(parser)
+    flags = {key: action for key, action in _flags(parser).items()
+             if action.dest not in OPTIONS or OPTIONS[action.dest][0].in_file}
     values: dict[str, object] = {}
     sampling: dict[str, object] = {}
     where: dict[str, str] = {}  # dest -> the key that set it (to name both in a conflict)
@@ -66,7 +68,7 @@ def read_config_file(path: str, parser: argparse.ArgumentParser) -> tuple[dict, 
                     raise _unknown(path, name, f"{key} takes {', '.join(SECTIONS[key])}")
                 else:
                     put(name, flags[SECTIONS[key][sub]], sub_value)
-        elif key.replace("-", "_") in flags and key.replace("-", "_") != "config":
+        elif key.replace("-", "_") in flags:
             put(key, flags[key.replace("-", "_")], value)
         else:
             raise _unknown(path, key, f"sections: {', '.join([*SECTIONS, 'sampling'])}; or a `mili serve` flag "
@@ -118,33 +120,36 @@ def _convert(path: str, key: str, action: argparse.Action, value):
         if not isinstance(value, bool):
             raise bad("true or false")
         return action.const if value else action.default
-    engine_option = _ENGINE_OPTIONS.get(action.dest)
-    if engine_option and engine_option.auto:  # an integer, or auto (null too): the execution plan picks it
+    opt, kind = OPTIONS.get(action.dest, (None, None))
+    if opt is not None and opt.auto:  # an integer, or auto (null too): the execution plan picks it
         if value is None or (isinstance(value, str) and value.strip().lower() == options.AUTO):
             return None
-        if isinstance(value, bool) or not isinstance(value, int) or value < (engine_option.minimum or 0):
-            raise bad(f"a {'positive' if engine_option.minimum == 1 else 'non-negative'} integer or auto")
+        if not options.in_range(opt, int, value):
+            raise bad(f"{options.range_words(opt, int) or 'an integer'} or auto")
         return value
     if action.type in (int, float):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or (action.type is int
                                                                                and not isinstance(value, int)):
             raise bad("an integer" if action.type is int else "a number")
         value = action.type(value)
-        if action.dest in _POSITIVE and value < 1:
-            raise bad("a positive integer")
-        if action.dest == "port" and not 0 <= value <= 65535:
-            raise bad("a port number (0-65535)")
-        if action.dest == "gpu_memory_utilization" and not 0 < value <= 1:
-            raise bad("in (0, 1]")
+        words = opt and options.range_words(opt, kind)
+        if words and not options.in_range(opt, kind, value):
+            raise bad(words)
         return value
-    if engine_option and engine_option.mapping:  # a mapping (or its JSON): EngineConfig checks it
+    if opt is not None and opt.mapping:  # a mapping (or its JSON): EngineConfig checks it
         if not isinstance(value, (dict, str)):
-            raise bad(f"a mapping ({engine_option.mapping})")
+            raise bad(f"a mapping ({opt.mapping})")
         return value if isinstance(value, str) else json.dumps(value)
-    if engine_option and engine_option.listed and isinstance(value, list):  # a list of hosts, or their text
+    if opt is not None and opt.listed and isinstance(value, list):  # a list of hosts, or their text
         if not all(isinstance(host, str) for host in value):
             raise bad("a list of host names")
         return ",".join(value)
+    if opt is not None and opt.nargs:  # a list of texts, or one
+        if isinstance(value, str):
+            return [value]
+        if not isinstance(value, list) or not value or not all(isinstance(item, str) for item in value):
+            raise bad("a list of strings")
+        return value
     if not isinstance(value, str):
         raise bad("a string")
     if action.choices is not None and value not in action.choices:

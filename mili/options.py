@@ -1,6 +1,8 @@
 """Engine options, each written once: an ``EngineConfig`` field whose ``option(...)`` metadata generates its CLI
 flag, its config-file key, the checks of its value and its row in the docs' option table
-(docs/reference/options.md, written by mili/tools/reference.py).
+(docs/reference/options.md, written by mili/tools/reference.py). `mili serve`'s own options are ``ServerConfig``'s
+fields the same way (mili/server_options.py), and `mili bench` takes some engine options' flags (``names``, with
+its own ``defaults``).
 
     page_size: int = option(16, "tokens per KV page", minimum=1, section="kv_cache.page_size")
 
@@ -15,7 +17,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import functools
 import typing
+from collections.abc import Iterable
 from dataclasses import MISSING, dataclass
 
 
@@ -29,11 +33,17 @@ class Option:
     cli: bool = True  # False: an LLM() keyword only, no flag and no config-file key
     choices: tuple | None = None  # the values the CLI offers (and the check accepts; None too where it is the default)
     accepts: tuple = ()  # more values the check accepts (LLM(dtype="bf16")), not offered on the CLI
-    minimum: int | None = None  # integers: the least value accepted (1: positive, 0: non-negative); None passes
+    # numbers: the range accepted (minimum and maximum inclusive, above exclusive: gpu_memory_utilization's (0, 1]);
+    # an integer option with minimum 1 is "a positive integer", 0 "a non-negative integer"; None passes (unset)
+    minimum: int | float | None = None
+    maximum: int | float | None = None
+    above: int | float | None = None
     metavar: str | None = None
     section: str | None = None  # "inference.max_batch_size": also a key in one of the config file's sections
     mapping: str | None = None  # JSON text on the CLI, a mapping in a config file: what such a mapping holds
     listed: bool = False  # comma-separated text on the CLI, a list (or that text) in a config file
+    nargs: str | None = None  # "+": one or more values after the flag (a list, or one text, in a config file)
+    in_file: bool = True  # False: a flag no config-file key sets (--config itself)
     cli_default: str | None = None  # the positional's default (the required field has none: model, the demo)
     # None (the default) is "auto": the execution plan picks the value (mili/runtime/plan.py); the CLI, the config
     # file and LLM() take the word auto for it, and the docs show it
@@ -67,21 +77,29 @@ def int_or_auto(text: str) -> int | None:
     return None if text.strip().lower() == AUTO else int(text)
 
 
+@functools.cache
+def _hints(cls) -> dict:
+    return typing.get_type_hints(cls)
+
+
 def value_type(cls, name: str):
     """int or float where the field holds one (beside None), else None: argparse keeps the text."""
-    hint = typing.get_type_hints(cls)[name]
+    hint = _hints(cls)[name]
     kinds = set(typing.get_args(hint)) or {hint}
     return next((t for t in (int, float) if t in kinds), None)
 
 
-def add_arguments(parser: argparse.ArgumentParser, cls) -> None:
-    """One argparse argument per option field of ``cls``, in declaration order."""
+def add_arguments(parser: argparse.ArgumentParser, cls, names: Iterable[str] | None = None,
+                  defaults: dict | None = None) -> None:
+    """One argparse argument per option field of ``cls``, in declaration order: every one, or those of ``names``;
+    ``defaults``: other defaults than the fields' (mili bench's, which runs small)."""
+    chosen, defaults = (None if names is None else set(names)), defaults or {}
     for name, (f, opt) in options(cls).items():
-        if not opt.cli:
+        if not opt.cli or (chosen is not None and name not in chosen):
             continue
         flag = flag_of(f, opt)
         if flag is None:  # the required field: an optional positional with the CLI's own default
-            parser.add_argument(name, nargs="?", default=opt.cli_default, help=opt.help)
+            parser.add_argument(name, nargs="?", default=defaults.get(name, opt.cli_default), help=opt.help)
         elif isinstance(f.default, bool):  # (--x stores True, --no-x stores False)
             parser.add_argument(flag, *opt.aliases, dest=name, action="store_false" if f.default else "store_true",
                                 help=opt.help)
@@ -93,12 +111,24 @@ def add_arguments(parser: argparse.ArgumentParser, cls) -> None:
             metavar = opt.metavar or ("JSON" if opt.mapping else None)
             if metavar:
                 extra["metavar"] = metavar
-            parser.add_argument(flag, *opt.aliases, dest=name, default=f.default, help=opt.help, **extra)
+            if opt.nargs:
+                extra["nargs"] = opt.nargs
+            parser.add_argument(flag, *opt.aliases, dest=name, default=defaults.get(name, f.default), help=opt.help,
+                                **extra)
 
 
-def values_from(args: argparse.Namespace, cls) -> dict:
-    """The option fields' values out of parsed arguments (those a parser of ``add_arguments`` made)."""
-    return {name: getattr(args, name) for name, (_, opt) in options(cls).items() if opt.cli}
+def values_from(args: argparse.Namespace, cls, names: Iterable[str] | None = None) -> dict:
+    """The option fields' values out of parsed arguments (those a parser of ``add_arguments`` made): every flag's,
+    or those of ``names``."""
+    chosen = None if names is None else set(names)
+    return {name: getattr(args, name) for name, (_, opt) in options(cls).items()
+            if opt.cli and (chosen is None or name in chosen)}
+
+
+def actions_of(parser: argparse.ArgumentParser, cls) -> dict[str, argparse.Action]:
+    """The parser's arguments that are option fields of ``cls``, by field name."""
+    known = options(cls)
+    return {a.dest: a for a in parser._actions if a.dest in known}
 
 
 def sections(cls) -> dict[str, dict[str, str]]:
@@ -117,16 +147,60 @@ def _words(values) -> str:
     return values[0] if len(values) == 1 else f"{', '.join(values[:-1])} or {values[-1]}"
 
 
-def check_value(name: str, field: dataclasses.Field, opt: Option, value) -> str | None:
-    """What is wrong with ``value`` by the metadata's choices and minimum (None: nothing it can tell)."""
+def range_words(opt: Option, kind) -> str | None:
+    """What a number option must be, in words ("a positive integer", "a number in (0, 1]"); None: any number."""
+    low, high, above = opt.minimum, opt.maximum, opt.above
+    integer = kind is not float
+    noun = "an integer" if integer else "a number"
+    if high is None:
+        if above is not None:
+            return f"{noun} > {above}"
+        if low is None:
+            return None
+        if integer and low in (0, 1):
+            return "a positive integer" if low == 1 else "a non-negative integer"
+        return f"{noun} >= {low}"
+    if integer and low is not None:
+        return f"an integer from {low} to {high}"
+    left = f"({above}" if above is not None else f"[{low}" if low is not None else "(-inf"
+    return f"{noun} in {left}, {high}]"
+
+
+def in_range(opt: Option, kind, value) -> bool:
+    """Whether ``value`` is a number of the option's kind (an int for an integer option) within its range."""
+    if isinstance(value, bool) or not isinstance(value, int if kind is not float else (int, float)):
+        return False
+    return ((opt.minimum is None or value >= opt.minimum) and (opt.maximum is None or value <= opt.maximum)
+            and (opt.above is None or value > opt.above))
+
+
+def check_value(name: str, field: dataclasses.Field, opt: Option, value, kind=None) -> str | None:
+    """What is wrong with ``value`` by the metadata's choices and range (None: nothing it can tell); ``kind``: the
+    field's number type (value_type), int where it is None."""
     if value is None and field.default is None:
         return None
     if opt.choices is not None and value not in (*opt.choices, *opt.accepts):
         offered = [*opt.choices, *(["none"] if field.default is None else [])]
         return f"{name} must be {_words(offered)}, got {value!r}"
-    if opt.minimum is not None and (not isinstance(value, int) or value < opt.minimum):
-        return f"{name} must be a {'positive' if opt.minimum == 1 else 'non-negative'} integer, got {value!r}"
+    words = range_words(opt, kind)
+    if words and not in_range(opt, kind, value):
+        return f"{name} must be {words}, got {value!r}"
     return None
+
+
+def check(obj, error) -> None:
+    """Every option field of the dataclass ``obj`` by its metadata: an auto field's word auto becomes None (the plan
+    picks it), then the first wrong value raises ``error(message, param=name)``. (Frozen dataclasses too: their
+    __post_init__ calls it before anything reads them.)"""
+    cls = type(obj)
+    for name, (field_, opt) in options(cls).items():
+        value = getattr(obj, name)
+        if opt.auto and isinstance(value, str) and value.strip().lower() == AUTO:
+            value = None
+            object.__setattr__(obj, name, None)  # (LLM(max_num_seqs="auto"): the plan picks it)
+        wrong = check_value(name, field_, opt, value, value_type(cls, name))
+        if wrong:
+            raise error(wrong, param=name)
 
 
 def check_names(cls, names, caller: str) -> None:

@@ -1,7 +1,7 @@
 """AsyncLLM: the server's engine. The engine core runs in its own process; this side tokenizes, validates,
 and turns the core's one-message-per-step deltas into per-request asyncio streams.
 
-    API process                                   engine core process (mili.engine.core.run_core)
+    API process                                   engine core process (mili.engine.core_process)
     add_request ── AddRequest ──► ZMQ PUSH/PULL ──► drain inputs, step, send one StepMessage per step
     output loop ◄── StepMessage ◄── ZMQ PUSH/PULL ◄──┘
       OutputProcessor: detokenize, stop strings (→ FinishSeqs to the core), per-request queues
@@ -76,13 +76,14 @@ class AsyncLLM:
         if link is not None:
             self._worker = SharedCoreProcess(link.core_pid)
         elif core_in_thread:
-            from mili.engine.core import EngineCore, run_core
+            from mili.engine.core import EngineCore
+            from mili.engine.core_process import run_core
 
             self.core = EngineCore(config, self.inputs.model_config, self.inputs.model_path)
             self._worker = threading.Thread(target=run_core, args=(lambda: self.core, f"ipc://{ipc}-in",
                                             f"ipc://{ipc}-out"), name="mili-engine-core", daemon=True)
         else:
-            from mili.engine.core import core_process_main
+            from mili.engine.core_process import core_process_main
 
             self._worker = multiprocessing.get_context("spawn").Process(
                 target=core_process_main, name="mili-engine-core", daemon=False,

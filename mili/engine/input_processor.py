@@ -13,7 +13,11 @@ from mili.engine.media import check_count
 from mili.engine.messages import AddRequest, Ready
 from mili.engine.pooling import resolve_task
 from mili.errors import ContextLengthExceeded, InvalidRequest, ModelLoadError
-from mili.model.checkpoint import load_generation_defaults, load_hf_config, resolve_model_path
+from mili.model.checkpoint import (
+    load_generation_defaults,
+    load_hf_config,
+    resolve_model_path,
+)
 from mili.sampling_params import SamplingParams
 from mili.structured import check as check_structured
 from mili.tokenizer.tokenizer import encode_prompt, load_eos_token_ids, load_tokenizer
@@ -28,7 +32,9 @@ class InputProcessor:
         hf_config = load_hf_config(self.model_path)
         self.model_config = ModelConfig.from_hf(hf_config)
         config.resolve_max_model_len(self.model_config)  # an impossible max_model_len fails here, early
-        from mili.model.gguf import tokenizer_error  # (a GGUF model's folder: checkpoint.py made it)
+        from mili.model.gguf import (
+            tokenizer_error,  # (a GGUF model's folder: checkpoint.py made it)
+        )
 
         why = None if config.tokenizer else tokenizer_error(self.model_path)
         if why is not None:

@@ -28,7 +28,7 @@ class SharedCore:
     def __init__(self, config: EngineConfig, num_clients: int):
         """Start the engine core for ``num_clients`` API processes and wait until it has loaded the model
         (raises ModelLoadError / InvalidRequest if it cannot, as ``AsyncLLM`` does)."""
-        from mili.engine.core import core_process_main
+        from mili.engine.core_process import core_process_main
 
         inputs = InputProcessor(config)  # fails fast on a bad checkpoint, before the core starts
         base = ipc_prefix()

@@ -35,6 +35,7 @@ from torch import nn
 
 from mili.config import ModelConfig
 from mili.distributed import gather_logits, vocab_shard
+from mili.host_copy import tensor_on
 from mili.kernels.gated_delta import (
     causal_conv1d,
     causal_conv1d_step,
@@ -47,7 +48,6 @@ from mili.model.fused import STACKED_PARAMS, FusedLinear
 from mili.model.layers import GatedRMSNorm, RotaryEmbedding, ZeroCentredRMSNorm
 from mili.model.qwen3 import Qwen3MLP, Qwen3MoeBlock, VocabParallelEmbedding, _reduce
 from mili.model.vision import VisionOutput, VisionTower, flatten_patch_weight
-from mili.runtime.host_copy import tensor_on
 
 # a prefill chunk this short runs on the CPU kernel's recurrence, token by token, rather than as a chunk of 64
 SHORT_PREFILL = 16

@@ -20,9 +20,9 @@ import logging
 
 import torch
 
+from mili.host_copy import tensor_on
 from mili.model.batch import ForwardBatch
 from mili.model.qwen3_5 import RecurrentBatch
-from mili.runtime.host_copy import tensor_on
 
 log = logging.getLogger("mili")
 

@@ -9,8 +9,8 @@ import itertools
 
 import torch
 
+from mili.host_copy import to_device
 from mili.model.batch import ForwardBatch
-from mili.runtime.host_copy import to_device
 from mili.runtime.images import StepImages
 
 

@@ -18,9 +18,9 @@ import torch.distributed as dist
 
 from mili.config import EngineConfig, ModelConfig
 from mili.errors import InvalidRequest
+from mili.host_copy import tensor_on
 from mili.model.batch import ForwardBatch
 from mili.runtime.attention.torch_backend import TorchAttentionBackend
-from mili.runtime.host_copy import tensor_on
 from mili.runtime.plan import ExecutionPlan
 from mili.runtime.prompt_logprobs import rows_per_slice
 from mili.runtime.recurrent_state import RecurrentStateCache

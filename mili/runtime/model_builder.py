@@ -13,8 +13,8 @@ import torch
 
 from mili.config import ModelConfig
 from mili.kernels import gated_delta_fla
-from mili.kernels.reference import TorchOps
 from mili.kernels.cpu import ops as cpu_ops
+from mili.kernels.reference import TorchOps
 from mili.model import quant
 from mili.model.cpu_linear import (Int4Linear, Int8GroupLinear, SplitLinear, fp8_round_trip_linears, int4_layer,
                                    swap_linears, swap_lm_head)

@@ -14,14 +14,14 @@ from dataclasses import dataclass, field
 import torch
 
 from mili.config import EngineConfig, ModelConfig
+from mili.host_copy import tensor_on
 from mili.process import die_with_parent
 from mili.runtime import parallel
 from mili.runtime.encoder_cache import EncoderCache, VisionBudget
-from mili.runtime.host_copy import tensor_on
 from mili.runtime.input_batch import InputBatchBuilder
 from mili.runtime.memory import CacheMemory
 from mili.runtime.model_builder import attention_and_ops, build_model
-from mili.runtime.plan import DeviceInfo, ExecutionPlan, plan
+from mili.runtime.plan import DeviceInfo, ExecutionPlan, LoRAKernel, plan
 from mili.runtime.pooler import pool
 from mili.runtime.prompt_logprobs import PromptScorer, rows_per_slice
 from mili.runtime.sampler import DRAWS, PendingSample, Sampler
@@ -84,12 +84,12 @@ class ModelRunner:
         max_pages = -(-self.plan.max_model_len // config.page_size)
         self.attention, ops = attention_and_ops(self.plan, max_pages)
         self.model = build_model(self.plan, model_config, path, device, self.attention, ops)
-        self.loras = None  # LoRA adapters (mili/lora.py): their slots beside each projection
-        if config.enable_lora:
+        self.loras = None  # LoRA adapters (mili/lora.py): their slots beside each projection, on the plan's kernel
+        if self.plan.lora is not None:
             from mili.lora import LoRASlots, add_lora_layers
 
             step = add_lora_layers(self.model, config.max_loras, config.max_lora_rank, self.plan.dtype, device,
-                                   kernels=self.plan.cpu_kernels, triton=self.plan.attention == "triton")
+                                   kernels=self.plan.lora is LoRAKernel.CPU, triton=self.plan.lora is LoRAKernel.TRITON)
             self.loras = LoRASlots(self.model, step, config.max_loras, config.max_lora_rank,
                                    config.max_cpu_loras or config.max_loras)
         self.vision_budget = self.encoder_cache = None  # the tower's memory plan and its outputs by image

@@ -3,14 +3,16 @@
 ``plan(EngineConfig, ModelConfig, DeviceInfo) -> ExecutionPlan`` is a pure function: the dtype, the attention
 back-end and its ops, each layer family's linear format and the lm_head's, the CPU kernels' ISA, the KV dtype,
 the Gated DeltaNet implementation, how a decode step runs (eagerly, as CUDA graphs, or as the C decode layer),
-the speculative method, the memory split's rules, the batch limits (``max_num_seqs``, ``max_num_batched_tokens``:
+the speculative method, the prefix cache the engine core keeps (``PrefixCacheKind``), where LoRA adapters' products
+run (``LoRAKernel``), the memory split's rules, the batch limits (``max_num_seqs``, ``max_num_batched_tokens``:
 auto sizes them by the device, ``BATCH_LIMITS``) and the CUDA graphs' batch sizes, and the Triton GEMMs' tiles
 for the device. It raises every
 refusal of a setting MILI cannot run faithfully, by name. ``DeviceInfo`` describes the device (``probe`` reads
 the real one; the tests write H100s, AVX2 laptops and aarch64 boards by hand), so the plan needs no device.
 
 The runner applies the plan and nothing else decides: the model builder (``model_builder.py``) builds the model
-on its ops and swaps its layers, the memory planner (``memory.py``) sizes the pools, the runner picks the step.
+on its ops and swaps its layers, the memory planner (``memory.py``) sizes the pools, the runner picks the step
+and the LoRA kernel, the engine core makes the prefix cache of the plan's kind.
 The engine core runs on ``plan.resolve(config)``: the config with the plan's batch limits in place of auto, which
 the scheduler, the pools and the API side (through the core's ``Ready``) all read.
 The plan is printed at start-up, and ``/health`` and ``mili selftest`` show it.
@@ -18,6 +20,7 @@ The plan is printed at start-up, and ``/health`` and ``mili selftest`` show it.
 
 from __future__ import annotations
 
+import enum
 import importlib.util
 import os
 from dataclasses import dataclass, field
@@ -57,6 +60,25 @@ def graph_batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
     size itself (a batch is padded up to the nearest; one above the largest runs eagerly)."""
     top = min(max_num_seqs, MAX_GRAPH_BATCH)
     return (*(b for b in GRAPH_LADDER if b < top), top)
+
+
+class PrefixCacheKind(enum.Enum):
+    """The prefix cache the engine core keeps (mili/cache): none, a radix tree of KV pages, or (the hybrids) a radix
+    tree of KV pages and snapshots of the recurrent state, from which a hybrid resumes."""
+
+    NONE = "off"
+    RADIX = "radix tree of KV pages"
+    HYBRID_RADIX = "radix tree of KV pages and recurrent-state snapshots"
+
+
+class LoRAKernel(enum.Enum):
+    """Where the LoRA adapters' products run, beside each projection (mili/lora.py): torch's matmuls over every slot,
+    MILI's CPU kernels (bf16; a layer of more than 3 shards on torch's), or the Triton kernel (each row its own
+    slot's product only: CUDA, or the CPU under TRITON_INTERPRET)."""
+
+    TORCH = "torch"
+    CPU = "cpu kernels"
+    TRITON = "triton"
 
 
 @dataclass(frozen=True)
@@ -212,6 +234,10 @@ class ExecutionPlan:
     overlap_why: str = ""
     # the token counts CUDA graphs of mixed steps (prefill chunks, with or without decodes) capture (``MIXED_LADDER``)
     mixed_graph_sizes: tuple[int, ...] = ()
+    # the prefix cache the engine core keeps, and why none where none but asked
+    prefix_cache: PrefixCacheKind = PrefixCacheKind.NONE
+    prefix_cache_why: str = ""
+    lora: LoRAKernel | None = None  # where the LoRA adapters' products run (None: no --enable-lora)
 
     @property
     def cpu_kernels(self) -> bool:
@@ -255,7 +281,11 @@ class ExecutionPlan:
                 "kv cache": self.kv_dtype_name,
                 "step": self.step + (f" ({self.step_why})" if self.step_why else graphs),
                 "batch": self.batch.describe(), "speculative": self.speculative or "off",
-                "scheduling": "ahead of the device" if self.overlap else f"in turn ({self.overlap_why})"}
+                "scheduling": "ahead of the device" if self.overlap else f"in turn ({self.overlap_why})",
+                "prefix cache": self.prefix_cache.value + (f" ({self.prefix_cache_why})" if self.prefix_cache_why
+                                                           else "")}
+        if self.lora is not None:
+            rows["lora"] = self.lora.value
         if self.device.type == "cpu":
             rows["cpu kernels"] = self.device.cpu_kernels or f"off ({self.device.cpu_kernels_why})"
         if self.small_batch_gemv:
@@ -344,7 +374,8 @@ def plan(config: EngineConfig, model_config: ModelConfig, device: DeviceInfo) ->
                          speculative, memory, batch, paths, _gemm_tiles(device, dtype, linears), tp,
                          config.takes_images(model_config), threads, "inverse-cdf" if on_cpu else "exponential-race",
                          *_overlap(config, device, speculative, tp),
-                         _mixed_graph_sizes(step, model_config, config.takes_images(model_config), batch))
+                         _mixed_graph_sizes(step, model_config, config.takes_images(model_config), batch),
+                         *_prefix_cache(config, hybrid), lora=_lora_kernel(config, attention))
 
 
 def _dtype(config: EngineConfig, model_config: ModelConfig, device: DeviceInfo) -> torch.dtype:
@@ -503,6 +534,25 @@ def _overlap(config: EngineConfig, device: DeviceInfo, speculative: str | None, 
     if asked == "auto" and device.type != "cuda":
         return False, "a CPU step has run when it returns: nothing to overlap"
     return True, ""
+
+
+def _prefix_cache(config: EngineConfig, hybrid: bool) -> tuple[PrefixCacheKind, str]:
+    """The prefix cache (--enable-prefix-caching): a radix tree of KV pages; a hybrid's also keeps snapshots of the
+    recurrent state (``MemoryPlan.states``: as many as asked, else from the budget), none when asked for none."""
+    if not config.enable_prefix_caching:
+        return PrefixCacheKind.NONE, ""
+    if not hybrid:
+        return PrefixCacheKind.RADIX, ""
+    if config.num_state_snapshots == 0:
+        return PrefixCacheKind.NONE, "num_state_snapshots is 0 (a hybrid model resumes only from a snapshot)"
+    return PrefixCacheKind.HYBRID_RADIX, ""
+
+
+def _lora_kernel(config: EngineConfig, attention: str) -> LoRAKernel | None:
+    """Where the LoRA adapters' products run: beside the layers' own kernels (Triton's, MILI's CPU ones), else torch."""
+    if not config.enable_lora:
+        return None
+    return {"triton": LoRAKernel.TRITON, "cpu": LoRAKernel.CPU}.get(attention, LoRAKernel.TORCH)
 
 
 def _batch(config: EngineConfig, device: DeviceInfo) -> BatchPlan:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from mili.runtime.host_copy import tensor_on
+from mili.host_copy import tensor_on
 
 SLICE_ELEMENTS = 1 << 25  # float32 logits of one slice at most (128 MiB)
 MAX_SLICE_ROWS = 512

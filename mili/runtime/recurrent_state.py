@@ -16,8 +16,8 @@ import logging
 import torch
 
 from mili.config import ModelConfig
+from mili.host_copy import tensor_on
 from mili.model.qwen3_5 import LinearAttentionShape, ssm_state_dtype
-from mili.runtime.host_copy import tensor_on
 
 log = logging.getLogger("mili")
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mili.runtime.host_copy import tensor_on
+from mili.host_copy import tensor_on
 from mili.sampling_params import GREEDY_EPS, SamplingParams
 
 _NEG_INF = float("-inf")

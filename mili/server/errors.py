@@ -14,6 +14,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mili.errors import EngineDeadError, MiliError, RequestFailed
+from mili.server.fields import BRANCH_TAGS
 
 log = logging.getLogger("mili")
 
@@ -137,7 +138,7 @@ def _validation_error(errors: list) -> APIError:
     if first.get("type") == "json_invalid":
         msg = f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg', ''))}"
         return APIError(400, msg, code="invalid_json")
-    loc = [str(x) for x in first.get("loc", ()) if x != "body" and "[" not in str(x)]
+    loc = [str(x) for x in first.get("loc", ()) if x != "body" and "[" not in str(x) and x not in BRANCH_TAGS]
     if not loc and first.get("type") in ("model_attributes_type", "dict_type", "missing"):
         return APIError(400, "the request body must be a JSON object (send Content-Type: application/json)",
                         code="invalid_json")

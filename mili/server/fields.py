@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar
 
-from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WrapValidator,
-                      model_validator)
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, Tag, ValidationError,
+                      WrapValidator, model_validator)
 
 from mili.sampling_params import SEED_RANGE
 from mili.tokenizer.tokenizer import RESERVED_TEMPLATE_KWARGS
@@ -138,3 +138,12 @@ class TypeNeeds(Strict):
         if self.type == kind and getattr(self, name) is None:
             raise ValueError(f"{field} is required when type is {kind}")
         return self
+
+
+BRANCH_TAGS: set[str] = set()  # the tags of unions told apart by a discriminator (not part of a field's location)
+
+
+def branch(name: str) -> Tag:
+    """The tag of a union's branch (with a callable ``Discriminator``): an error names the field without it."""
+    BRANCH_TAGS.add(name)
+    return Tag(name)

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, WithJsonSchema
+from pydantic import ConfigDict, Discriminator, Field, WithJsonSchema
 
 from mili.engine.media import ImageRef, template_content
 from mili.errors import InvalidRequest
 from mili.sampling_params import SamplingParams, StructuredOutputsParams
 from mili.server.fields import (AsSent, Count, Logprobs, MaxTokens, ModelName, OnField, OnlyFalse, Open, Seed,
-                                Strict, TemplateKwargs, Text, TopK, integer, requires, runtime_maximum, token_ids)
+                                Strict, TemplateKwargs, Text, TopK, branch, integer, requires, runtime_maximum,
+                                token_ids)
 from mili.structured import MAX_WHITESPACE
 from mili.structured import check as check_structured
 from mili.tokenizer.tool_parsers import forced_tag
@@ -348,22 +349,42 @@ class GenerateRequest(Strict):
         return SamplingParams(max_tokens=self.max_tokens, seed=self.seed, stop=self.stop, **picked)
 
 
-class TokenizeRequest(Strict):
-    """Exactly one of prompt and messages."""
+class TokenizeCompletionRequest(Strict):
+    """vLLM's ``/tokenize`` for a prompt."""
 
-    model_config = ConfigDict(json_schema_extra={"oneOf": [
-        {"properties": {"prompt": {"type": "string"}}, "required": ["prompt"]},
-        {"properties": {"messages": {"type": "array"}}, "required": ["messages"]}], "allOf": [_CONTINUE]})
-
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    model: ModelName | None = None
+    prompt: str
     add_special_tokens: bool = True
+    return_token_strs: bool = Field(False, description="also each token's text (the tokenizer's pieces)")
+
+
+class TokenizeChatRequest(Strict):
+    """vLLM's ``/tokenize`` for a conversation, rendered as ``/v1/chat/completions`` renders it (``tools`` too)."""
+
+    model_config = ConfigDict(json_schema_extra={"allOf": [_CONTINUE]})
+
+    model: ModelName | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
     continue_final_message: bool = Field(False, description=_CONTINUE_DOC)
+    add_special_tokens: bool = Field(False, description="the tokenizer's own specials around the rendered text (the "
+                                                        "template writes the chat's)")
     chat_template_kwargs: TemplateKwargs | None = None
+    tools: Annotated[list[Tool], AsSent] | None = None
+    return_token_strs: bool = Field(False, description="also each token's text (the tokenizer's pieces)")
+
+
+def _tokenize_form(body: Any) -> str:
+    return "tokenize-chat" if isinstance(body, dict) and "messages" in body else "tokenize-prompt"
+
+
+# Either form, told apart by ``messages`` (a body with both has a field the other forbids: a 400 naming it)
+TokenizeRequest = Annotated[Annotated[TokenizeCompletionRequest, branch("tokenize-prompt")] |
+                            Annotated[TokenizeChatRequest, branch("tokenize-chat")], Discriminator(_tokenize_form)]
 
 
 class DetokenizeRequest(Strict):
+    model: ModelName | None = None
     tokens: Annotated[token_ids(), OnField]
 
 

@@ -9,7 +9,7 @@ from fastapi.responses import FileResponse, HTMLResponse, PlainTextResponse, Res
 
 import mili
 from mili.server.errors import APIError, error_responses
-from mili.server.protocol import DetokenizeRequest, TokenizeRequest, template_messages
+from mili.server.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeRequest, template_messages
 from mili.server.state import state_of
 from mili.tokenizer.tokenizer import encode_chat, encode_prompt
 
@@ -33,24 +33,29 @@ async def version():
     return {"version": mili.__version__}
 
 
-@router.post("/tokenize", responses=error_responses(400))
+@router.post("/tokenize", responses=error_responses(400, 404))
 async def tokenize(body: TokenizeRequest, http: Request):
+    """vLLM's ``/tokenize``: a prompt's token ids, or a conversation's as ``/v1/chat/completions`` renders it."""
     st = state_of(http)
-    if (body.prompt is None) == (body.messages is None):
-        raise APIError(400, "give exactly one of prompt or messages", param="prompt")
-    if body.messages is not None:
+    st.check_model(body.model)
+    if isinstance(body, TokenizeChatRequest):
+        kwargs = body.chat_template_kwargs or {}
         messages, images = template_messages(body.messages)
-        _, ids = encode_chat(st.tokenizer, messages, body.add_generation_prompt, body.chat_template_kwargs,
-                             body.continue_final_message)
-        ids = await st.with_images(ids, images)
+        text, _ = encode_chat(st.tokenizer, messages, body.add_generation_prompt,
+                              {**kwargs, "tools": body.tools} if body.tools else kwargs, body.continue_final_message)
+        ids = await st.with_images(encode_prompt(st.tokenizer, text, body.add_special_tokens), images)
     else:
         ids = encode_prompt(st.tokenizer, body.prompt, body.add_special_tokens)
-    return {"tokens": ids, "count": len(ids), "max_model_len": st.engine.max_model_len}
+    out = {"count": len(ids), "max_model_len": st.engine.max_model_len, "tokens": ids, "token_strs": None}
+    if body.return_token_strs:
+        out["token_strs"] = st.tokenizer.convert_ids_to_tokens(ids)
+    return out
 
 
-@router.post("/detokenize", responses=error_responses(400))
+@router.post("/detokenize", responses=error_responses(400, 404))
 async def detokenize(body: DetokenizeRequest, http: Request):
     st = state_of(http)
+    st.check_model(body.model)
     vocab = st.engine.model_config.vocab_size
     if any(not 0 <= t < vocab for t in body.tokens):
         raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")

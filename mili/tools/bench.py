@@ -112,15 +112,19 @@ def step_bytes(runner, context: int) -> dict[str, int]:
     return {"weights": weight_bytes_per_step(runner.model), "kv": kv, "state": state}
 
 
+# the engine options `mili bench` takes (their flags made from EngineConfig's fields, as `mili serve`'s are), and the
+# defaults it runs at where they are not the engine's
+ENGINE_OPTIONS = ("model", "dtype", "max_model_len", "kv_cache_memory", "max_num_seqs", "seed", "num_threads",
+                  "quantization", "lm_head_dtype", "cpu_kernels", "speculative_config")
+ENGINE_DEFAULTS = {"max_model_len": 4096, "kv_cache_memory": 2 << 30}
+
+
 def _engine(args):
+    from mili import options
     from mili.config import EngineConfig
     from mili.engine.llm_engine import LLMEngine
 
-    return LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-                                  kv_cache_memory=args.kv_cache_memory, quantization=args.quantization,
-                                  lm_head_dtype=getattr(args, "lm_head_dtype", "auto"),
-                                  max_num_seqs=args.max_num_seqs, num_threads=args.num_threads,
-                                  cpu_kernels=args.cpu_kernels, speculative_config=args.speculative_config))
+    return LLMEngine(EngineConfig(**options.values_from(args, EngineConfig, ENGINE_OPTIONS)))
 
 
 def spec_summary(engine) -> str | None:
@@ -422,26 +426,15 @@ def serve(args) -> None:
 
 
 def add_parser(sub) -> None:
-    from mili.model.demo import DEMO_MODEL
+    from mili import options
+    from mili.config import EngineConfig
 
     p = sub.add_parser("bench", help="benchmarks: latency | throughput | serve")
     p.add_argument("mode", choices=["latency", "throughput", "serve"])
-    p.add_argument("model", nargs="?", default=DEMO_MODEL, help="checkpoint (latency, throughput)")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--quantization", default=None, choices=[None, "int8", "fp8"])
-    p.add_argument("--lm-head-dtype", default="auto", choices=["auto", "bf16", "int8"])
-    p.add_argument("--no-cpu-kernels", dest="cpu_kernels", action="store_false",
-                   help="torch ops and oneDNN instead of MILI's CPU kernels")
+    # the checkpoint (latency, throughput) and the engine's options; --seed seeds the requests too
+    options.add_arguments(p, EngineConfig, ENGINE_OPTIONS, ENGINE_DEFAULTS)
     p.add_argument("--baseline", default=None, choices=[None, "hf", "bf16"],
                    help="also run HF transformers generate (hf), or latency: MILI unquantized (bf16)")
-    p.add_argument("--speculative-config", default=None, metavar="JSON",
-                   help='speculative decoding (latency, throughput), e.g. \'{"method": "ngram", '
-                        '"num_speculative_tokens": 3}\'; the acceptance rate is printed')
-    p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--kv-cache-memory", type=int, default=2 << 30)
-    p.add_argument("--max-num-seqs", type=int, default=None, help="default: auto (the engine sizes it by the device)")
-    p.add_argument("--num-threads", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--input-len", type=int, default=512, help="latency: prompt tokens")
     p.add_argument("--output-len", type=int, default=128, help="latency: output tokens")
     p.add_argument("--repeat", type=int, default=3, help="latency: runs (median)")

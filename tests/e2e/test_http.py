@@ -8,6 +8,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from support.checkpoints import QWEN3_TOKENIZER
 from support.server import Server, metric
 
 
@@ -114,6 +115,40 @@ def test_tokenize_detokenize_version(server):
     assert httpx.post(server.url + "/detokenize", json={"tokens": [9707, 1879]}).json()["prompt"] == "Hello world"
     _error(httpx.post(server.url + "/detokenize", json={"tokens": [-3]}), 400, "tokens")
     assert httpx.get(server.url + "/version").json()["version"]
+
+
+def test_tokenize_and_detokenize_take_vllms_requests(server):
+    """vLLM's /tokenize and /detokenize bodies as its clients send them (``model`` included), answered in its
+    shape; each form's fields only with that form."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(QWEN3_TOKENIZER)
+    out = httpx.post(server.url + "/tokenize", json={"model": "test", "prompt": "Hello world",
+                                                     "return_token_strs": True}).json()
+    assert out == {"count": 2, "max_model_len": 1024, "tokens": [9707, 1879], "token_strs": ["Hello", "Ġworld"]}
+    assert httpx.post(server.url + "/tokenize", json={"prompt": "Hi"}).json()["token_strs"] is None
+    tools = [{"type": "function", "function": {"name": "weather", "description": "the weather in a city",
+                                               "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+    messages = [{"role": "user", "content": "Rain in Paris?"}]
+    chat = httpx.post(server.url + "/tokenize", json={"model": "test", "messages": messages, "tools": tools,
+                                                      "add_generation_prompt": True,
+                                                      "chat_template_kwargs": {"enable_thinking": False}}).json()
+    text = tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True,
+                                   enable_thinking=False)
+    assert '"weather"' in text and chat["tokens"] == tok(text, add_special_tokens=False)["input_ids"]
+    assert chat["count"] == len(chat["tokens"]) and chat["token_strs"] is None
+    assert httpx.post(server.url + "/detokenize", json={"model": "test", "tokens": [9707, 1879]}).json() == {
+        "prompt": "Hello world"}
+    # a chat form's option with a prompt (schemathesis found it accepted, against the document), both forms at once,
+    # neither, and a model the server does not serve
+    _error(httpx.post(server.url + "/tokenize", json={"prompt": "x", "add_generation_prompt": True,
+                                                      "continue_final_message": True}), 400, "add_generation_prompt")
+    _error(httpx.post(server.url + "/tokenize", json={"prompt": "x", "messages": messages}), 400, "prompt")
+    _error(httpx.post(server.url + "/tokenize", json={}), 400, "prompt")
+    _error(httpx.post(server.url + "/tokenize", json={"messages": messages + [{"role": "assistant", "content": "It"}],
+                                                      "continue_final_message": True}), 400)
+    _error(httpx.post(server.url + "/tokenize", json={"model": "gpt-4", "prompt": "x"}), 404, "model")
+    _error(httpx.post(server.url + "/detokenize", json={"model": "gpt-4", "tokens": [1]}), 404, "model")
 
 
 def test_metrics_exposition(server):

@@ -106,7 +106,8 @@ def test_document_says_what_the_server_does(demo_server):
             if method == "post":
                 assert responses["400"]["content"]["application/json"]["schema"]["$ref"].endswith(error), path
                 body = _schema(doc, op["requestBody"]["content"]["application/json"]["schema"])
-                assert body["additionalProperties"] is False, path  # unknown fields are a 400
+                forms = [_schema(doc, form) for form in body.get("oneOf", [body])]  # (/tokenize: two forms)
+                assert all(form["additionalProperties"] is False for form in forms), path  # unknown fields: a 400
     for path in GENERATION:
         responses = doc["paths"][path]["post"]["responses"]
         assert set(responses["200"]["content"]) == {"application/json", "text/event-stream"}
@@ -128,6 +129,11 @@ def test_document_says_what_the_server_does(demo_server):
     assert "max_tokens" in messages["required"] and messages["properties"]["temperature"]["anyOf"][0]["maximum"] == 1
     assert {"type": "integer", "minimum": 1, "maximum": 63} in (
         schemas["ResponsesRequest"]["properties"]["max_output_tokens"]["anyOf"])
+    tokenize = doc["paths"]["/tokenize"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert {_schema(doc, form)["title"] for form in tokenize["oneOf"]} == {"TokenizeCompletionRequest",
+                                                                          "TokenizeChatRequest"}
+    assert "add_generation_prompt" not in schemas["TokenizeCompletionRequest"]["properties"]
+    assert {"model", "return_token_strs", "tools"} <= set(schemas["TokenizeChatRequest"]["properties"])
     detok = doc["components"]["schemas"]["DetokenizeRequest"]["properties"]["tokens"]["items"]
     assert (detok["minimum"], detok["maximum"]) == (0, 319)
     assert "securitySchemes" not in doc["components"]

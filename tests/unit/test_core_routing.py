@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from mili.engine.core import _Outputs
+from mili.engine.core_process import _Outputs
 from mili.engine.messages import AddRequest, Dead, SeqDelta, Stats, StepMessage, encode, output_decoder
 from mili.sampling_params import SamplingParams
 

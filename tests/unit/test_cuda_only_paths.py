@@ -20,8 +20,9 @@ Reached here or elsewhere on the CPU:
 Not reachable without a GPU (each needs a CUDA device or NCCL): the capture itself (``_capture``:
 ``torch.cuda.CUDAGraph``, the memory pool), the KV budget from ``torch.cuda.mem_get_info`` and the profiled
 activation peak (``CacheMemory._kv_budget``, ``_profile_activation_peak``), the FP8 KV and Triton refusals on
-a real device (the plan's ``_kv_dtype`` below SM 8.9 and its ``check_device``: their logic is ``check_device``,
-tested), ``selftest.parity.graph_equals_eager``, tensor parallelism over NCCL.
+a real device (the plan's ``_kv_dtype`` below SM 8.9 and its ``check_device``: their logic is tested on device
+descriptions, tests/unit/test_plan.py and test_triton_compile.py), ``selftest.parity.graph_equals_eager``, tensor
+parallelism over NCCL.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ of them to the fields, and the flags and config-file sections users already type
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import inspect
 import json
@@ -17,9 +18,11 @@ from mili.cli import build_parser, engine_kwargs
 from mili.config import EngineConfig
 from mili.config_file import SECTIONS, ConfigFileError, read_config_file
 from mili.errors import InvalidRequest
+from mili.server_options import ServerConfig
 
 OPTIONS_PAGE = Path(__file__).parents[2] / "docs" / "reference" / "options.md"
 OPTIONS = options.options(EngineConfig)
+SERVER_OPTIONS = options.options(ServerConfig)
 
 # The engine's flags as users type them (a contract: a renamed field must not rename its flag unnoticed)
 ENGINE_FLAGS = {
@@ -30,6 +33,11 @@ ENGINE_FLAGS = {
     "--no-cpu-weight-prepack", "--no-prefix-cache", "--speculative-config", "--language-model-only",
     "--limit-mm-per-prompt", "--allowed-media-domains", "--allow-remote-media", "--allowed-local-media-path",
     "--schedule-policy", "--task", "--enable-lora", "--max-loras", "--max-lora-rank", "--max-cpu-loras"}
+# `mili serve`'s own flags and their defaults (a contract too)
+SERVER_FLAGS = {"--host": "127.0.0.1", "--port": 8000, "--served-model-name": None, "--api-key": None,
+                "--max-queued-requests": 1024, "--shutdown-timeout": 10.0, "--tool-call-parser": "auto",
+                "--api-server-count": 1, "--lora-modules": None, "--allow-runtime-lora-updating": False,
+                "--log-level": "info", "--config": None}
 
 
 def _subparser(name: str):
@@ -59,7 +67,7 @@ def test_every_field_is_an_option_and_the_flags_are_the_ones_users_type():
                 assert action.choices == list(opt.choices)
 
 
-def _sample(name: str, field, opt):
+def _sample(name: str, field, opt, cls=EngineConfig):
     """A value other than the default for the field's config-file key, and what the file makes of it."""
     if isinstance(field.default, bool):
         return True, not field.default  # (the key is the flag's name: no_prefix_cache: true turns it off)
@@ -70,21 +78,26 @@ def _sample(name: str, field, opt):
         return {"a": 1}, json.dumps({"a": 1})
     if opt.listed:
         return ["a.example", "b.example"], "a.example,b.example"
-    kind = options.value_type(EngineConfig, name)
+    if opt.nargs:
+        return ["a=/x", "b=/y"], ["a=/x", "b=/y"]
+    kind = options.value_type(cls, name)
     if kind is not None:
         return kind(3) if kind is int else 0.5, kind(3) if kind is int else 0.5
     return "x", "x"
 
 
-@pytest.mark.parametrize("name", [n for n, (_, opt) in OPTIONS.items() if opt.cli])
-def test_each_option_by_its_config_file_key_and_its_flag(tmp_path, name):
-    """The file's key (the flag's name, underscored) and the flag itself set the field, and engine_kwargs hands it
-    on to EngineConfig under the field's name."""
-    field, opt = OPTIONS[name]
+@pytest.mark.parametrize("cls, name", [(cls, n) for cls in (EngineConfig, ServerConfig)
+                                       for n, (_, opt) in options.options(cls).items() if opt.cli and opt.in_file])
+def test_each_option_by_its_config_file_key_and_its_flag(tmp_path, cls, name):
+    """The file's key (the flag's name, underscored) and the flag itself set the field, and engine_kwargs (the
+    server's: server_config) hands it on under the field's name."""
+    from mili.cli import server_config
+
+    field, opt = options.options(cls)[name]
     parser, serve = _subparser("serve")
     flag = options.flag_of(field, opt)
     key = (flag or name).lstrip("-").replace("-", "_")
-    written, read = _sample(name, field, opt)
+    written, read = _sample(name, field, opt, cls)
     (tmp_path / "c.json").write_text(json.dumps({key: written}))
     values, _ = read_config_file(str(tmp_path / "c.json"), serve)
     assert values == {name: read}
@@ -93,8 +106,112 @@ def test_each_option_by_its_config_file_key_and_its_flag(tmp_path, name):
     elif isinstance(field.default, bool):
         argv = ["serve", flag]
     else:
-        argv = ["serve", flag, str(read)]
-    assert engine_kwargs(parser.parse_args(argv))[name] == read
+        argv = ["serve", flag, *(read if isinstance(read, list) else [str(read)])]
+    args = parser.parse_args(argv)
+    taken = engine_kwargs(args) if cls is EngineConfig else dataclasses.asdict(server_config(args))
+    assert taken[name] == read
+
+
+def test_every_serve_flag_is_an_option_field():
+    """No `mili serve` flag is written by hand: each argument is an EngineConfig or a ServerConfig field's, made
+    from its metadata (the help, the choices, the default), and the server's flags are the ones users type."""
+    serve = _subparser("serve")[1]
+    fields = {**OPTIONS, **SERVER_OPTIONS}
+    assert not set(OPTIONS) & set(SERVER_OPTIONS)
+    for action in serve._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        assert action.dest in fields, f"mili serve {action.option_strings or action.dest} is no option's field"
+        field, opt = fields[action.dest]
+        assert action.help == opt.help and action.option_strings[:1] == [
+            f for f in [options.flag_of(field, opt)] if f], action.dest
+    server = options.actions_of(serve, ServerConfig)
+    assert set(server) == set(SERVER_OPTIONS)
+    assert {a.option_strings[0]: a.default for a in server.values()} == SERVER_FLAGS
+    assert ServerConfig() == ServerConfig(**options.values_from(build_parser().parse_args(["serve"]), ServerConfig))
+
+
+def test_every_config_file_key_is_an_option():
+    """The config file's keys: its sections' (each an EngineConfig field's ``section``), sampling's, and at the top
+    level each option's flag by its name; --config itself is none (``in_file``)."""
+    from mili.config_file import OPTIONS as FILE_OPTIONS
+    from mili.config_file import _flags
+
+    serve = _subparser("serve")[1]
+    assert set(FILE_OPTIONS) == set(OPTIONS) | set(SERVER_OPTIONS)
+    for key, action in _flags(serve).items():
+        assert action.dest in FILE_OPTIONS, key
+    for section in SECTIONS.values():
+        assert set(section.values()) <= set(OPTIONS)
+
+
+def test_config_file_ranges_are_the_options_metadata(tmp_path):
+    """A key's range is its option's (``minimum``/``maximum``/``above``), the same check EngineConfig and
+    ServerConfig make: no list of names beside the metadata."""
+    serve = _subparser("serve")[1]
+    for text, message in [("port: 70000\n", "port must be an integer from 0 to 65535, got 70000"),
+                          ("max_queued_requests: 0\n", "max_queued_requests must be a positive integer"),
+                          ("api_server_count: 0\n", "api_server_count must be a positive integer"),
+                          ("gpu_memory_utilization: 0\n", "gpu_memory_utilization must be a number in (0, 1]"),
+                          ("max_model_len: 1\n", "max_model_len must be an integer >= 2"),
+                          ("kv_cache_memory: 0\n", "kv_cache_memory must be a positive integer"),
+                          ("num_threads: 0\n", "num_threads must be a positive integer"),
+                          ("config: other.yaml\n", "unknown key 'config'"),
+                          ("lora_modules: 3\n", "lora_modules must be a list of strings")]:
+        (tmp_path / "bad.yaml").write_text(text)
+        with pytest.raises(ConfigFileError) as e:
+            read_config_file(str(tmp_path / "bad.yaml"), serve)
+        assert message in str(e.value), (text, str(e.value))
+    (tmp_path / "one.yaml").write_text("lora_modules: a=/x\nport: 0\ngpu_memory_utilization: 1\n")
+    assert read_config_file(str(tmp_path / "one.yaml"), serve)[0] == {
+        "lora_modules": ["a=/x"], "port": 0, "gpu_memory_utilization": 1.0}
+
+
+def test_ranges_are_checked_by_the_metadata_naming_the_option():
+    for kwargs, message in [({"gpu_memory_utilization": 0.0}, "gpu_memory_utilization must be a number in (0, 1]"),
+                            ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization must be a number in (0, 1]"),
+                            ({"max_model_len": 1}, "max_model_len must be an integer >= 2, got 1"),
+                            ({"kv_cache_memory": 0}, "kv_cache_memory must be a positive integer, got 0"),
+                            ({"num_threads": 0}, "num_threads must be a positive integer, got 0")]:
+        with pytest.raises(InvalidRequest, match=re.escape(message)) as e:
+            EngineConfig("m", **kwargs)
+        assert e.value.param == next(iter(kwargs))
+    assert EngineConfig("m", gpu_memory_utilization=1).gpu_memory_utilization == 1
+    for kwargs, message in [({"port": -1}, "port must be an integer from 0 to 65535, got -1"),
+                            ({"api_server_count": 0}, "api_server_count must be a positive integer, got 0"),
+                            ({"log_level": "loud"}, "log_level must be debug, info, warning or error")]:
+        with pytest.raises(InvalidRequest, match=re.escape(message)) as e:
+            ServerConfig(**kwargs)
+        assert e.value.param == next(iter(kwargs))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ServerConfig().port = 1
+
+
+def test_bench_takes_the_engine_options_flags():
+    """`mili bench`'s engine flags are EngineConfig's fields' (their spelling, help and choices), with bench's own
+    defaults stated in one place (mili/tools/bench.py's ENGINE_DEFAULTS); none of its other flags spells an engine
+    option's."""
+    from mili.tools.bench import ENGINE_DEFAULTS, ENGINE_OPTIONS
+
+    bench = _subparser("bench")[1]
+    engine = options.actions_of(bench, EngineConfig)
+    assert set(engine) == set(ENGINE_OPTIONS) and set(ENGINE_DEFAULTS) <= set(ENGINE_OPTIONS)
+    for name, action in engine.items():
+        field, opt = OPTIONS[name]
+        assert action.help == opt.help and (action.choices == list(opt.choices) if opt.choices else True), name
+        expected = ENGINE_DEFAULTS.get(name, opt.cli_default if name == "model" else field.default)
+        assert action.default == expected, name
+    engine_flags = {o for a in _engine_actions(_subparser("serve")[1]).values() for o in a.option_strings}
+    own = [a for a in bench._actions if a.dest not in engine]
+    assert not {o for a in own for o in a.option_strings} & engine_flags
+    assert not {a.dest for a in own} & set(OPTIONS)
+
+
+def test_the_generated_reference_is_current():
+    """Every generated part of the docs (the option tables, each command's arguments) is what the code makes now."""
+    from mili.tools import reference
+
+    assert reference.stale() == [], "the docs' generated reference is stale: run python -m mili.tools.reference"
 
 
 def test_the_config_file_sections_are_the_original_designs():

@@ -11,7 +11,7 @@ from transformers import Qwen3Config, Qwen3MoeConfig
 
 from mili.config import EngineConfig, ModelConfig
 from mili.errors import InvalidRequest
-from mili.runtime.plan import DeviceInfo, plan
+from mili.runtime.plan import DeviceInfo, LoRAKernel, PrefixCacheKind, plan
 
 KIB = 1024
 H100 = DeviceInfo("cuda", "H100", 0, (9, 0), 227 * KIB, 132, triton=True, fla=True)
@@ -201,6 +201,27 @@ def test_the_fused_cpu_decode_takes_only_layers_it_runs_whole():
 def test_sampling_draws_without_a_host_sync_on_gpus():
     assert plan(engine(), qwen3(), ZEN3).draw == "inverse-cdf"
     assert plan(engine(), qwen3(), H100).draw == "exponential-race"
+
+
+def test_the_prefix_cache_and_the_lora_kernel_are_chosen_here():
+    """The engine core keeps the prefix cache of the plan's kind, and the runner puts the LoRA adapters' products
+    on the plan's kernel: neither decides after the plan."""
+    hybrid = dataclasses.replace(qwen3(), layer_types=["linear_attention", "full_attention"])
+    assert plan(engine(), qwen3(), ZEN3).prefix_cache is PrefixCacheKind.RADIX
+    assert plan(engine(), hybrid, ZEN3).prefix_cache is PrefixCacheKind.HYBRID_RADIX
+    assert plan(engine(num_state_snapshots=3), hybrid, H100).prefix_cache is PrefixCacheKind.HYBRID_RADIX
+    off = plan(engine(num_state_snapshots=0), hybrid, ZEN3)  # a hybrid resumes only from a snapshot
+    assert off.prefix_cache is PrefixCacheKind.NONE and "num_state_snapshots is 0" in off.prefix_cache_why
+    assert "num_state_snapshots is 0" in off.describe()["prefix cache"]
+    asked_off = plan(engine(enable_prefix_caching=False), qwen3(), H100)
+    assert (asked_off.prefix_cache, asked_off.prefix_cache_why) == (PrefixCacheKind.NONE, "")
+    assert asked_off.describe()["prefix cache"] == "off"
+    assert plan(engine(), qwen3(), ZEN3).lora is None and "lora" not in plan(engine(), qwen3(), ZEN3).describe()
+    for device, kw, kernel in ((H100, {}, LoRAKernel.TRITON), (ZEN3, {}, LoRAKernel.CPU),
+                               (ZEN3, {"cpu_kernels": False}, LoRAKernel.TORCH), (NO_KERNELS, {}, LoRAKernel.TORCH),
+                               (INTERPRETER, {"attention_backend": "triton"}, LoRAKernel.TRITON)):
+        p = plan(engine(enable_lora=True, **kw), qwen3(), device)
+        assert p.lora is kernel and p.describe()["lora"] == kernel.value
 
 
 def test_the_memory_split():
