@@ -259,7 +259,7 @@ def group_offline(args, s, t) -> None:
     greedy = dict(temperature=0.0, ignore_eos=True)
 
     def decode_roofline():
-        weights = weight_bytes_per_step(engine.core.runner.model)
+        weights = weight_bytes_per_step(engine.core.runner.parts.model)
         found["roof"] = found["bw"] / weights
         emit("1b", found["roof"], "tok/s", f"{weights / 2**30:.3f} GiB of weights a step (its KV not counted)")
 

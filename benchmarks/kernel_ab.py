@@ -41,7 +41,7 @@ DEFAULT_MODEL = CACHE / "Qwen3-0.6B-random-bfloat16-s0-Q4_0.gguf"
 
 def recorded_step(engine, prompt: list[int]):
     """(batch, kv caches) of the first decode step after ``prompt`` (the fused layers' inputs)."""
-    runner = engine.core.runner.cpu_decode
+    runner = engine.core.runner.parts.cpu_decode
     assert runner is not None, "the engine runs no fused CPU decode (GPU, MoE, or the kernels are off)"
     saved, run = [], runner.run
 
@@ -73,7 +73,7 @@ def main() -> None:
     libs = [build(s) for s in args.sources]
     engine = LLMEngine(EngineConfig(model=args.model, dtype="bfloat16", max_model_len=args.context + args.output_len + 8,
                                     kv_cache_memory=1 << 30, num_threads=args.threads))
-    cpu_decode = engine.core.runner.cpu_decode
+    cpu_decode = engine.core.runner.parts.cpu_decode
     prompt = [1000 + i for i in range(args.context)]
     _run(engine, [prompt], [4])  # warm up
     engine.reset_prefix_cache()

@@ -205,7 +205,7 @@ def compare(spec: str, bin_dir: Path, args) -> None:
     torch.set_num_threads(args.threads)
     for label, (ckpt, quantization), kind in pairs:
         engine = load_mili(str(models[kind]) if ckpt == "gguf" else checkpoints[ckpt], quantization, args)
-        step, llama_bytes = weight_bytes_per_step(engine.core.runner.model), models[kind].stat().st_size
+        step, llama_bytes = weight_bytes_per_step(engine.core.runner.parts.model), models[kind].stat().st_size
         got = {"mili": [], "llama": [], "bw": []}  # per round: (prefill, decode); copy B/s
         for r in range(args.rounds):
             got["bw"].append(memory_bandwidth())

@@ -102,9 +102,9 @@ def run_shapes(args) -> None:
                                             max_model_len=1024, kv_cache_memory=1 << 30,
                                             num_threads=args.num_threads))
             ttft, decode, bandwidth = _measure_latency(engine, prompt, args)
-            step = weight_bytes_per_step(engine.core.runner.model)
+            step = weight_bytes_per_step(engine.core.runner.parts.model)
             roofline = bandwidth / step
-            rows.append([label, engine.core.runner.weight_format, step / 1e9, decode, roofline,
+            rows.append([label, engine.core.runner.parts.plan.weight_format, step / 1e9, decode, roofline,
                          f"{100 * decode / roofline:.0f}%"])
             del engine
             gc.collect()

@@ -127,14 +127,14 @@ def engine_for(path: str, spec: dict | None, threads: int | None) -> LLMEngine:
 def corrupt(engine: LLMEngine, q: float) -> None:
     """Each drafted token is replaced by another with probability q (independently; seeded)."""
     rng, vocab = random.Random(2026), engine.model_config.vocab_size
-    if engine.core.runner.mtp is not None:  # the head's drafts, as the runner computes them
-        draft = engine.core.runner.mtp.draft
+    if engine.core.runner.parts.mtp is not None:  # the head's drafts, as the runner computes them
+        draft = engine.core.runner.parts.mtp.draft
 
         def spoilt(scheduled):
             draft(scheduled)
             for s in scheduled:
                 s.draft[:] = [t if rng.random() >= q else (t + 1) % vocab for t in s.draft]
-        engine.core.runner.mtp.draft = spoilt
+        engine.core.runner.parts.mtp.draft = spoilt
         return
     propose = engine.core.drafter.propose
     engine.core.drafter.propose = lambda seq, k: [t if rng.random() >= q else (t + 1) % vocab
@@ -185,7 +185,7 @@ def bench_model(name: str, args) -> None:
         accept, per_step = rate(engine, before) if spec else (0.0, 1.0)
         parts = step_bytes(engine.core.runner, args.input_len + args.output_len // 2)
         roofline = bandwidth / (sum(parts.values()) + (spec or {}).get("num_speculative_tokens", 0)
-                                * mtp_draft_bytes(engine.core.runner.model))
+                                * mtp_draft_bytes(engine.core.runner.parts.model))
         off = off or speed
         rows.append([label, f"{100 * accept:.0f}%" if spec else "-", per_step, speed, f"{speed / off:.2f}x",
                      f"{per_step * roofline:.1f}", f"{100 * speed / (per_step * roofline):.0f}%"])

@@ -77,7 +77,7 @@ def random_image(side: int, seed: int):
 
 def tower(engine, args) -> dict:
     """Seconds per ``encode_images`` call, each size in turn (the first round a warm-up)."""
-    model, images = engine.core.runner.model, engine.inputs.images
+    model, images = engine.core.runner.parts.model, engine.inputs.images
     inputs = {}
     for side in SIZES:
         _, add = images.prepare([TOKENS["image_token_id"]], [random_image(side, side)])
@@ -175,7 +175,7 @@ def main() -> None:
                                     enable_prefix_caching=False))
     towers, ttfts = tower(engine, args), first_token(engine, args)
     print(f"\nMILI vision, Qwen3-VL-2B shape (tower whole, text cut to {args.layers} layers), random weights, "
-          f"{args.dtype}, weights: {engine.core.runner.weight_format}; {machine()}; median of {args.runs} runs after a "
+          f"{args.dtype}, weights: {engine.plan.weight_format}; {machine()}; median of {args.runs} runs after a "
           f"warm-up, alternating")
     rows = [[f"{side}×{side}", f"{(side // 16) ** 2}", f"{(side // 32) ** 2}", statistics.median(t),
              f"{min(t):.3f}-{max(t):.3f}"] for side, t in towers.items()]

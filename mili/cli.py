@@ -9,7 +9,7 @@ import sys
 
 from mili import options
 from mili.config import EngineConfig
-from mili.server_options import ServerConfig
+from mili.server_options import ServerConfig, effort_budgets
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -146,6 +146,7 @@ def serve_http(args: argparse.Namespace, engine, sockets=None, api_servers=None)
     logging.getLogger("mili").setLevel(server_options.log_level.upper())
 
     from mili.server.app import build_app
+    from mili.server.state import ReasoningBudgets
 
     name = server_options.served_model_name or args.model
     api_key = server_options.api_key or os.environ.get("MILI_API_KEY") or None
@@ -154,7 +155,9 @@ def serve_http(args: argparse.Namespace, engine, sockets=None, api_servers=None)
     app = build_app(engine, name, api_key=api_key, max_queued_requests=server_options.max_queued_requests,
                     sampling_defaults=args.sampling_defaults, tool_call_parser=server_options.tool_call_parser,
                     api_servers=api_servers, lora_modules=parse_lora_modules(server_options.lora_modules or []),
-                    runtime_lora_updating=runtime_updating)
+                    runtime_lora_updating=runtime_updating, reasoning=ReasoningBudgets(
+                        server_options.reasoning_budget, server_options.reasoning_budget_message,
+                        effort_budgets(server_options.reasoning_effort_budgets)))
     host, port = server_options.host, server_options.port
     if api_servers is None or api_servers.index == 0:
         logging.getLogger("mili").info(
@@ -267,11 +270,12 @@ def _torchrun(args: argparse.Namespace, rank: int) -> int:
     if rank == 0:
         return args.func(args)
     from mili.engine.input_processor import InputProcessor
-    from mili.runtime.model_runner import worker_main
+    from mili.runtime.model_runner import ModelRunner
+    from mili.runtime.parallel import worker_main
 
     config = EngineConfig(**engine_kwargs(args))
     inputs = InputProcessor(config)  # the checkpoint's config, refused here as on rank 0 if MILI can't run it
-    worker_main(config, inputs.model_config, inputs.model_path, rank, "env://", os.getppid())
+    worker_main(ModelRunner, config, inputs.model_config, inputs.model_path, rank, "env://", os.getppid())
     return 0
 
 

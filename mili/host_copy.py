@@ -9,14 +9,15 @@ from __future__ import annotations
 import torch
 
 
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """A host tensor on ``device`` without blocking the host: to a GPU through pinned memory (``non_blocking``; torch's
     host allocator keeps the pinned block until the copy has run), on the CPU the tensor itself."""
+    device = torch.device(device)
     if device.type == "cpu":
         return t
     return t.pin_memory().to(device, non_blocking=True)
 
 
-def tensor_on(values: list, device: torch.device, dtype: torch.dtype | None = torch.long) -> torch.Tensor:
+def tensor_on(values: list, device: torch.device | str, dtype: torch.dtype | None = torch.long) -> torch.Tensor:
     """``torch.tensor(values, dtype=dtype)`` on ``device``, through ``to_device``."""
     return to_device(torch.tensor(values, dtype=dtype), device)

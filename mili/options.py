@@ -45,6 +45,7 @@ class Option:
     nargs: str | None = None  # "+": one or more values after the flag (a list, or one text, in a config file)
     in_file: bool = True  # False: a flag no config-file key sets (--config itself)
     cli_default: str | None = None  # the positional's default (the required field has none: model, the demo)
+    example: str | None = None  # a text value in the form the field's own check wants (its tests set it)
     # None (the default) is "auto": the execution plan picks the value (mili/runtime/plan.py); the CLI, the config
     # file and LLM() take the word auto for it, and the docs show it
     auto: bool = False

@@ -73,6 +73,16 @@ class PoolingParams:
             raise InvalidRequest(f"pooling task must be 'embed' or 'score', got {self.task!r}", param="task")
 
 
+@dataclass(frozen=True)
+class ThinkingTokens:
+    """A thinking model's markers and what a budget forces when it runs out (filled by the engine from the
+    tokenizer): ``start`` and ``end`` (``<think>``, ``</think>``), ``forced`` (the budget's message, then ``end``)."""
+
+    start: int
+    end: int
+    forced: tuple[int, ...]
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -95,8 +105,13 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     # a pooling request (embeddings, scores): the prompt only, its last token pooled (max_tokens 0); None: generate
     pooling: PoolingParams | None = None
+    # a thinking model's reasoning, at most this many tokens after <think>: then the message (if any) and </think> are
+    # forced, and the answer follows (vLLM's thinking_token_budget, llama.cpp's --reasoning-budget); None: no limit
+    thinking_token_budget: int | None = None
+    thinking_budget_message: str | None = None  # the text forced before </think> when the budget runs out
     # Filled by the engine from the checkpoint's generation config; not set by users.
     eos_token_ids: list[int] = field(default_factory=list, repr=False)
+    thinking_tokens: ThinkingTokens | None = field(default=None, repr=False)  # (with a thinking budget)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -150,6 +165,12 @@ class SamplingParams:
             bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
+        if self.thinking_token_budget is not None and (not isinstance(self.thinking_token_budget, int)
+                                                       or isinstance(self.thinking_token_budget, bool)
+                                                       or not 0 <= self.thinking_token_budget < 2**31):
+            bad("thinking_token_budget", "must be an integer in [0, 2**31)")
+        if self.thinking_budget_message is not None and not isinstance(self.thinking_budget_message, str):
+            bad("thinking_budget_message", "must be a string")
         if self.structured_outputs is not None and self.min_tokens:
             bad("min_tokens", "cannot be combined with structured outputs (the grammar decides where the output "
                 "ends)")

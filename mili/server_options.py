@@ -42,6 +42,19 @@ class ServerConfig:
     allow_runtime_lora_updating: bool = option(
         False, "with --enable-lora: POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's env "
                "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True works too)")
+    reasoning_budget: int | None = option(
+        None, "a thinking model's reasoning, at most N tokens a request: then --reasoning-budget-message and </think> "
+              "are forced and the answer follows (llama.cpp's flag). A request's own budget wins (thinking_token_budget, "
+              "reasoning_effort, reasoning.effort, Anthropic's thinking.budget_tokens); 0: no thinking (the template's "
+              "enable_thinking false); default: no limit", minimum=0, metavar="N")
+    reasoning_budget_message: str | None = option(
+        None, "text forced before </think> when a thinking budget runs out, as written (Qwen's recipe: '\\n\\n"
+              "Considering the limited time by the user, I have to give the solution based on the thinking directly "
+              "now.\\n'); default: none, </think> alone", metavar="TEXT")
+    reasoning_effort_budgets: str = option(
+        "low=1024,medium=4096,high=16384", "the thinking budgets of OpenAI's reasoning_effort (chat) and "
+        "reasoning.effort (Responses): EFFORT=N pairs, comma-separated (none and minimal: 0, no thinking; an effort "
+        "not listed: no limit)", metavar="EFFORT=N,...", example="low=256,high=8192")
     log_level: str = option("info", "the server's logging (MILI's and uvicorn's): warning silences the line per "
                                     "request", choices=("debug", "info", "warning", "error"))
     config: str | None = option(
@@ -51,3 +64,20 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         check(self, InvalidRequest)
+        effort_budgets(self.reasoning_effort_budgets)
+
+
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+
+
+def effort_budgets(text: str) -> dict[str, int | None]:
+    """--reasoning-effort-budgets' pairs as {effort: budget} over every effort (none and minimal 0, others unlisted
+    None: no limit); a bad pair is refused by name."""
+    budgets: dict[str, int | None] = {effort: None for effort in EFFORTS} | {"none": 0, "minimal": 0}
+    for pair in filter(None, (p.strip() for p in text.split(","))):
+        effort, _, value = pair.partition("=")
+        if effort.strip() not in EFFORTS or not value.strip().isdigit():
+            raise InvalidRequest(f"reasoning_effort_budgets: {pair!r} is not EFFORT=N with EFFORT one of "
+                                 f"{', '.join(EFFORTS)} and N an integer >= 0", param="reasoning_effort_budgets")
+        budgets[effort.strip()] = int(value)
+    return budgets

@@ -23,6 +23,7 @@ from mili.config import EngineConfig, ModelConfig
 from mili.engine.messages import AddRequest, Ready, SeqDelta, SpecDecodeCounts, Stats
 from mili.engine.request import PENDING_TOKEN, Request, Sequence, SeqStatus
 from mili.engine.scheduler import Scheduler
+from mili.engine.thinking import ThinkingBudget
 from mili.errors import InvalidRequest
 from mili.runtime.images import request_images
 from mili.runtime.model_runner import ModelRunner
@@ -52,7 +53,7 @@ class EngineCore:
         self.runner = ModelRunner(config, model_config, model_path, execution_plan=self.plan)
         # the pools that hand out the runner's KV pages and recurrent-state rows: the core's, as the scheduler and
         # the prefix cache that use them
-        layout = self.runner.layout
+        layout = self.runner.parts.layout
         self.max_model_len = layout.max_model_len
         self.pages = PagePool(layout.num_pages, layout.page_size)
         self.state_slots = StatePool(layout.num_state_slots) if layout.num_state_slots else None
@@ -92,10 +93,11 @@ class EngineCore:
         self.num_sync_requests = 0
 
     def ready(self) -> Ready:
-        dtype = str(self.runner.dtype).removeprefix("torch.")
-        layout = self.runner.layout
-        return Ready(self.max_model_len, str(self.runner.device), dtype, self.stats(), self.runner.weight_format,
-                     self.runner.kv_cache_dtype, isinstance(self.prefix_cache, RadixCache), layout.num_state_slots,
+        parts = self.runner.parts
+        dtype = str(parts.dtype).removeprefix("torch.")
+        layout = parts.layout
+        return Ready(self.max_model_len, str(parts.device), dtype, self.stats(), parts.plan.weight_format,
+                     parts.plan.kv_dtype_name, isinstance(self.prefix_cache, RadixCache), layout.num_state_slots,
                      layout.state_bytes, layout.num_snapshots, self.plan.describe(), self.config.max_num_seqs,
                      self.config.max_num_batched_tokens, self.plan.batch.sized_by)
 
@@ -110,22 +112,25 @@ class EngineCore:
         request = Request(add.request_id, None, list(add.prompt_token_ids), params, add.max_total_tokens,
                           arrival_time=add.arrival_time)
         if add.images is not None:
-            request.images = request_images(self.runner.model, self.config, self.runner.model_config,
+            request.images = request_images(self.runner.parts.model, self.config, self.runner.parts.model_config,
                                             add.prompt_token_ids, add.images)
         if add.lora is not None:  # (loaded and checked against the base on first use; refused by name)
-            if self.runner.loras is None:
+            if self.runner.parts.loras is None:
                 raise InvalidRequest("this engine was started without --enable-lora: it serves no LoRA adapters",
                                      param="lora_request")
             from mili.lora import LoRARequest
 
             request.lora = LoRARequest(*add.lora)
-            self.runner.loras.acquire(request.lora)
+            self.runner.parts.loras.acquire(request.lora)
         for i in range(params.n):
             generator = None
             if params.seed is not None:  # sequence i of a seeded request draws from its own stream
-                generator = torch.Generator(self.runner.device).manual_seed(params.seed + 7919 * i)
+                generator = torch.Generator(self.runner.parts.device).manual_seed(params.seed + 7919 * i)
             request.seqs.append(Sequence(request, i, list(add.prompt_token_ids), len(add.prompt_token_ids),
                                          generator, status=SeqStatus.WAITING if i == 0 else SeqStatus.UNBORN))
+            if params.thinking_token_budget is not None and params.thinking_tokens is not None:
+                request.seqs[-1].thinking = ThinkingBudget(params.thinking_token_budget, params.thinking_tokens,
+                                                           add.prompt_token_ids)
         self.requests[add.request_id] = request
         self.num_sync_requests += needs_host_tokens(params)
         if params.structured_outputs is None:
@@ -136,7 +141,8 @@ class EngineCore:
 
     def grammar_manager(self) -> GrammarManager:
         if self.grammars is None:  # made on the first constrained request: no cost to a server without any
-            self.grammars = GrammarManager(self.config.tokenizer or self.model_path, self.runner.model_config.vocab_size)
+            self.grammars = GrammarManager(self.config.tokenizer or self.model_path,
+                                           self.runner.parts.model_config.vocab_size)
         return self.grammars
 
     def admit_compiled(self, wait: float = 0.0) -> None:
@@ -364,9 +370,9 @@ class EngineCore:
         self.stats_due = True
         self.num_sync_requests -= needs_host_tokens(request.params)
         if request.lora is not None:
-            self.runner.loras.release(request.lora)
+            self.runner.parts.loras.release(request.lora)
         if request.images is not None:
-            self.runner.encoder_cache.release_all(request.images)  # (its claims go; the outputs may stay)
+            self.runner.parts.encoder_cache.release_all(request.images)  # (its claims go; the outputs may stay)
 
     def _append_token(self, seq: Sequence, token: int, delta: SeqDelta, at: int | None = None) -> None:
         """``token`` taken into ``seq`` (at index ``at`` where it stood in as ``PENDING_TOKEN``), and its stop checks."""
@@ -377,6 +383,8 @@ class EngineCore:
         else:
             seq.token_ids[at] = token
             length = at + 1
+        if seq.thinking is not None:
+            seq.thinking.accept(token)
         if seq.grammar is not None and seq.grammar.accept(token):  # the constrained output is complete
             seq.stop_reason = None if token in params.eos_token_ids or token not in params.stop_ids() else token
             self.scheduler.finish(seq, "stop")
@@ -399,12 +407,12 @@ class EngineCore:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
-        if self.runner.encoder_cache is not None:
+        if self.runner.parts.encoder_cache is not None:
             live = {id(r.images) for r in self.requests.values()}
-            self.runner.encoder_cache.check_integrity(alive=lambda images: id(images) in live)
+            self.runner.parts.encoder_cache.check_integrity(alive=lambda images: id(images) in live)
 
 
 def needs_host_tokens(params) -> bool:
     """Whether a request's next step needs its last tokens on the host (its grammar's matcher, penalties counting
-    them): while one runs, steps are not scheduled ahead of the device."""
-    return params.structured_outputs is not None or params.uses_penalties
+    them, a thinking budget forcing its end): while one runs, steps are not scheduled ahead of the device."""
+    return params.structured_outputs is not None or params.uses_penalties or params.thinking_token_budget is not None

@@ -20,6 +20,7 @@ from mili.model.checkpoint import (
 )
 from mili.sampling_params import SamplingParams
 from mili.structured import check as check_structured
+from mili.tokenizer.reasoning import thinking_tokens
 from mili.tokenizer.tokenizer import encode_prompt, load_eos_token_ids, load_tokenizer
 
 
@@ -97,8 +98,18 @@ class InputProcessor:
             token_ids, image_input = self.images.prepare(token_ids, images)
         max_total = self._check_length(len(token_ids), params.max_tokens)
         params = dataclasses.replace(params, eos_token_ids=list(self.eos_token_ids))
+        if params.thinking_token_budget is not None:
+            params.thinking_tokens = thinking_tokens(self.tokenizer, params.thinking_budget_message)
+            if params.thinking_tokens is None:
+                raise InvalidRequest("thinking_token_budget needs a model that thinks: this tokenizer has no <think> "
+                                     "and </think> tokens", param="thinking_token_budget")
         return AddRequest(request_id, token_ids, params, max_total, time.monotonic(), images=image_input,
                           lora=(lora.lora_name, lora.lora_int_id, lora.lora_path) if lora is not None else None)
+
+    @property
+    def thinks(self) -> bool:
+        """The model thinks: its vocabulary has ``<think>`` and ``</think>`` (a thinking budget can apply)."""
+        return thinking_tokens(self.tokenizer, None) is not None
 
     def check_task(self, asked: str) -> None:
         """A request the task serves: text generation on a generate engine, embeddings on an embed one, scores on a

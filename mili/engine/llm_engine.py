@@ -55,7 +55,7 @@ class LLMEngine:
     def apply_model(self, func: Callable[[torch.nn.Module], T]) -> T:
         """``func(model)`` on the loaded model (rank 0's, with tensor parallelism), as vLLM's ``LLM.apply_model``:
         to look at its layers or weights."""
-        return func(self.core.runner.model)
+        return func(self.core.runner.parts.model)
 
     def reset_prefix_cache(self) -> int:
         """Evict every page and state snapshot the prefix cache holds idle (the next prompts miss); returns the

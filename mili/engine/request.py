@@ -20,6 +20,7 @@ from mili.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from mili.lora import LoRARequest
     from mili.runtime.images import RequestImages
+    from mili.engine.thinking import ThinkingBudget
     from mili.structured import SeqGrammar
 
 
@@ -58,6 +59,7 @@ class Sequence:
     # scheduling ahead of the device (engine/core.py): the index in ``token_ids`` of the token the step in flight
     # draws, a stand-in (``PENDING_TOKEN``) until its draw is read; the next step takes it on the device
     pending_at: int | None = None
+    thinking: "ThinkingBudget | None" = None  # a thinking budget's count and forced tokens (engine/thinking.py)
 
     @property
     def params(self) -> SamplingParams:

@@ -265,7 +265,8 @@ class Scheduler:
         if (k < 1 or left > 1 + self.drafter.num_tokens or seq.params.max_tokens == 0 or seq.request.scoring_prompt
                 or (seq.index == 0 and seq.request.unborn())):
             return []
-        return self.drafter.propose(seq, k)
+        draft = self.drafter.propose(seq, k)
+        return seq.thinking.trim(draft) if seq.thinking is not None else draft
 
     def _reserve(self, seq: Sequence, n: int, copies: list[tuple[int, int]]) -> bool:
         """Give ``seq`` pages for ``n`` more tokens, copying a shared page it would write into."""

@@ -35,7 +35,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mili.errors import InvalidRequest
 from mili.kernels import cpu as cpu_kernels
 from mili.kernels.cpu import ops as cpu_ops
 from mili.model import quant
@@ -281,17 +280,20 @@ def int4_layer(parts: quant.Int4Parts, bias, shard_sizes) -> Int4Linear | None:
     return Int4Linear.from_awq(parts, bias, shard_sizes)
 
 
-def swap_lm_head(model: nn.Module, dtype: str, kernels: bool) -> None:
-    """The lm_head as ``dtype``: int8 (``Int8Linear`` per output channel, on MILI's int8 kernel when
-    ``kernels``; a tied embedding keeps its table for the lookup and the head gets its own int8 copy) or bf16
-    (the model's dtype: on MILI's bf16 kernel when ``kernels`` can take it, a tied table packed once and shared
-    as swap_linears does; else oneDNN-packed, a tied head left on the plain table). ``swap_linears(...,
-    skip_head=True)`` leaves the head for this."""
+def int8_head(model: nn.Module, kernels: bool) -> None:
+    """The lm_head as ``Int8Linear`` per output channel (on MILI's int8 kernel when ``kernels``; a tied embedding
+    keeps its table for the lookup and the head gets its own int8 copy: int8 halves the bytes the head reads)."""
+    tied = model.lm_head is None
+    model.lm_head = Int8Linear(model.model.embed_tokens.weight if tied else model.lm_head.weight, kernels=kernels)
+
+
+def bf16_head(model: nn.Module, kernels: bool) -> None:
+    """The lm_head in the model's dtype: on MILI's bf16 kernel when ``kernels`` and it can take it, a tied table
+    packed once and shared (``PackedEmbedding``); else oneDNN-packed, a tied head left on the plain table (a packed
+    copy would cost another vocab x hidden matrix of memory, 311 MB for Qwen3-0.6B, for ~4 ms per decode step)."""
     embed, tied = model.model.embed_tokens, model.lm_head is None
     weight = embed.weight if tied else model.lm_head.weight
-    if dtype == "int8":
-        model.lm_head = Int8Linear(weight, kernels=kernels)
-    elif kernels and cpu_ops.linear_supported(weight):
+    if kernels and cpu_ops.linear_supported(weight):
         model.lm_head = KernelLinear(weight)
         if tied:  # the table stored once, packed
             model.model.embed_tokens = PackedEmbedding(model.lm_head)
@@ -299,32 +301,16 @@ def swap_lm_head(model: nn.Module, dtype: str, kernels: bool) -> None:
         model.lm_head = PackedLinear(weight)
 
 
-def swap_linears(model: nn.Module, kind: str, kernels: bool = False, quantized: dict | None = None,
-                 make_quantized=None, skip_head: bool = False, make_layer=None, make_fused=None) -> None:
-    """Replace every nn.Linear of ``model`` (and its lm_head, tied or not) with ``kind``: kernel | packed |
-    int8 | triton-int8 | fp8 | plain (left as it is). With kernel, a layer the kernel can't take (in_features not a
-    multiple of 32) is packed instead; int8 uses MILI's int8 kernel when ``kernels``; triton-int8 the same int8
-    weights on the Triton int8 GEMM (``make_layer``: ``gpu_linear.TritonInt8Linear``); fp8 (CUDA) quantizes per
-    channel, the lm_head aside. ``quantized``: a checkpoint's layers kept quantized by the loader (weight name ->
-    parts); a layer whose shards all have parts becomes ``make_quantized(parts, bias, shard_sizes)`` (a fused
-    layer's joined by ``quant.concat_parts``), unless that returns None; the other layers become ``kind``.
-    ``make_fused(shards' parts, bias, shard_sizes)``, where given, makes a fused layer from its shards' parts
-    unjoined first (the CPU's: shards of different GGUF types, each on its own kernel form); None from it: joined.
-    ``skip_head``: the lm_head (and a tied table) left as it is, for ``swap_lm_head``."""
-    if kind not in ("kernel", "packed", "int8", "triton-int8", "fp8", "plain"):
-        raise InvalidRequest(f"unknown linear kind {kind!r}", param="quantization")
-
-    def make(weight, bias=None, shard_sizes=None):
-        if kind == "int8":
-            return Int8Linear(weight, bias, shard_sizes, kernels=kernels)
-        if kind == "triton-int8":  # (gpu_linear's TritonInt8Linear, passed in: triton's import only where it runs)
-            return make_layer(weight, bias, shard_sizes)
-        if kind == "fp8":
-            return Fp8Linear(weight, bias, shard_sizes)
-        if kind == "kernel" and cpu_ops.linear_supported(weight):
-            return KernelLinear(weight, bias, shard_sizes)
-        # packed: oneDNN's blocked bf16 where it runs (else the layer stays aten's)
-        return PackedLinear(weight, bias, shard_sizes) if prepack_available(weight.dtype) else None
+def swap_linears(model: nn.Module, make=None, quantized: dict | None = None, make_quantized=None,
+                 skip_head: bool = False, make_fused=None) -> None:
+    """Replace every nn.Linear of ``model`` (the MoE router aside; an untied lm_head too unless ``skip_head``) and
+    each stacked expert's slices with ``make(weight, bias, shard_sizes)``, a weight format's layer (None from it:
+    the layer stays as it is; ``make`` None: every layer, and the stacked experts, stay as they are).
+    ``quantized``: a checkpoint's layers kept quantized by the loader (weight name -> parts); a layer whose shards
+    all have parts becomes ``make_quantized(parts, bias, shard_sizes)`` (a fused layer's joined by
+    ``quant.concat_parts``), unless that returns None. ``make_fused(shards' parts, bias, shard_sizes)``, where given,
+    makes a fused layer from its shards' parts unjoined first (the CPU's: shards of different GGUF types, each on
+    its own kernel form); None from it: joined. A tied lm_head (None) is left to the format (``formats``)."""
 
     def make_from_parts(name, child):
         stacked = getattr(model, "stacked_params", STACKED_PARAMS)  # (the hybrids': the linear attention's too)
@@ -358,7 +344,7 @@ def swap_linears(model: nn.Module, kind: str, kernels: bool = False, quantized: 
         return layer if layer is not None else make(parts.dequantize().to(weight.dtype), None, shard_sizes)
 
     for module_name, module in list(model.named_modules()):
-        if isinstance(module, FusedExperts) and kind == "plain":
+        if isinstance(module, FusedExperts) and make is None:
             continue
         if isinstance(module, FusedExperts):  # each expert's slices of the stacked weights, then drop those
             inter = module.inter
@@ -379,21 +365,11 @@ def swap_linears(model: nn.Module, kind: str, kernels: bool = False, quantized: 
             continue
         for child_name, child in list(module.named_children()):
             name = f"{module_name}.{child_name}" if module_name else child_name
-            if (kind == "fp8" or skip_head) and name == "lm_head":
+            if skip_head and name == "lm_head":
                 continue
             if isinstance(child, nn.Linear) and not isinstance(child, RouterLinear):  # FusedLinear too
                 layer = make_from_parts(name, child) if quantized else None
-                if layer is None and kind != "plain":
+                if layer is None and make is not None:
                     layer = make(child.weight, child.bias, getattr(child, "shard_sizes", None))
                 if layer is not None:
                     setattr(module, child_name, layer)
-    if model.lm_head is not None or kind in ("fp8", "plain") or skip_head:
-        return
-    if kind == "int8":  # int8 halves the bytes the head reads: it gets its own (smaller) copy
-        swap_lm_head(model, "int8", kernels)
-    elif kind == "triton-int8":  # likewise, on the Triton GEMM
-        model.lm_head = make(model.model.embed_tokens.weight)
-    elif kind == "kernel":  # the table, stored once, packed (where the kernel takes it)
-        swap_lm_head(model, "bf16", kernels=True)
-    # Otherwise a tied head stays on the plain table: a packed copy would cost another vocab x hidden
-    # matrix of memory (311 MB for Qwen3-0.6B) for ~4 ms per decode step.

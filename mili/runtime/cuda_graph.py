@@ -34,6 +34,8 @@ def padded_batch_size(n: int, sizes: list[int]) -> int | None:
 
 class CudaGraphRunner:
     def __init__(self, runner):
+        """``runner``: what the model runner runs on (``model_builder.RunnerParts``: the plan, the device, the model,
+        its caches)."""
         self.runner = runner
         self.sizes = list(runner.plan.batch.graph_sizes)  # (the plan's ladder: up to min(max_num_seqs, 512))
         dev, top = runner.device, self.sizes[-1]

@@ -1,41 +1,45 @@
-"""The model builder: a model as the execution plan says. It is the one place that applies the plan's kernel
-choices to a model: the attention back-end and its ops table (given to the model's constructors), the Gated
-DeltaNet implementation (set on each such layer), and the linear layers swapped for their format's kernels
-once the weights are in."""
+"""The model builder: a model as the execution plan says, and what the runner runs it on (``build_runner_parts``:
+the caches, the batch builder, the sampler, the drafter, the step's CUDA graphs or C decode layer). It is the one
+place that applies the plan's kernel choices to a model: the attention back-end and its ops table (given to the
+model's constructors), the Gated DeltaNet implementation (set on each such layer), and the linear layers swapped for
+their format's kernels once the weights are in."""
 
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
+from dataclasses import dataclass
 
 import torch
 
-from mili.config import ModelConfig
+from mili.config import EngineConfig, ModelConfig
 from mili.kernels import gated_delta_fla
-from mili.kernels.cpu import ops as cpu_ops
 from mili.kernels.reference import TorchOps
-from mili.model import quant
-from mili.model.cpu_linear import (Int4Linear, Int8GroupLinear, SplitLinear, fp8_round_trip_linears, int4_layer,
-                                   swap_linears, swap_lm_head)
+from mili.model.cpu_linear import fp8_round_trip_linears
 from mili.model.loader import load_weights
 from mili.model.qwen3 import Qwen3ForCausalLM
 from mili.model.qwen3_5 import GatedDeltaNet, Qwen3_5ForCausalLM
 from mili.model.qwen3_vl import Qwen3VLForConditionalGeneration
 from mili.runtime.attention.torch_backend import TorchAttentionBackend
-from mili.runtime.plan import ExecutionPlan
+from mili.runtime.encoder_cache import EncoderCache, VisionBudget
+from mili.runtime.input_batch import InputBatchBuilder
+from mili.runtime.memory import CacheMemory
+from mili.runtime.plan import (AttentionBackend, ExecutionPlan, GatedDeltaImpl, LoRAKernel, SpeculativeMethod,
+                               StepKind)
+from mili.runtime.sampler import DRAWS, Sampler
+from mili.speculative.mtp import MtpDrafter
 
 log = logging.getLogger("mili")
 
 
 def attention_and_ops(plan: ExecutionPlan, max_pages_per_seq: int):
     """The plan's attention back-end (an instance) and ops table (a class of static kernels)."""
-    if plan.attention == "triton":
+    if plan.attention is AttentionBackend.TRITON:
         from mili.kernels.triton.ops import TritonOps
         from mili.runtime.attention.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend(max_pages_per_seq), TritonOps
-    if plan.attention == "cpu":
+    if plan.attention is AttentionBackend.CPU:
         from mili.kernels.cpu.ops import CpuOps
         from mili.runtime.attention.cpu_backend import CpuAttentionBackend
 
@@ -45,7 +49,7 @@ def attention_and_ops(plan: ExecutionPlan, max_pages_per_seq: int):
 
 def build_model(plan: ExecutionPlan, model_config: ModelConfig, path: str, device: torch.device, attention, ops):
     """The model on ``device`` with its weights from ``path``, its kernels as ``plan`` says."""
-    mtp = plan.speculative == "mtp"
+    mtp = plan.speculative is SpeculativeMethod.MTP
     with torch.device("meta"):
         if model_config.is_hybrid:
             model = Qwen3_5ForCausalLM(model_config, attention, plan.dtype, ops, mtp=mtp, vision=plan.vision)
@@ -64,120 +68,134 @@ def build_model(plan: ExecutionPlan, model_config: ModelConfig, path: str, devic
     return model
 
 
-def _use_gated_delta(model: torch.nn.Module, how: str) -> None:
-    """Each Gated DeltaNet layer on the plan's implementation: fla (flash-linear-attention's kernels, CUDA),
-    torch+cpu (the model's torch code, each decode step in one call of MILI's C kernel), torch."""
-    fla = gated_delta_fla.FlaGatedDelta() if how == "fla" else None
+@dataclass(eq=False)
+class RunnerParts:
+    """What a runner runs on, built as the plan says (``build_runner_parts``): read by the engine core (the model,
+    its config, the caches' layout, the LoRA slots, the encoder cache), the tools and the tests; run by the runner.
+    ``model_config``: this rank's shard; ``config``: the plan's (``ExecutionPlan.resolve``)."""
+
+    plan: ExecutionPlan
+    config: EngineConfig
+    model_config: ModelConfig
+    device: torch.device
+    attention: object  # the attention back-end (an instance)
+    model: torch.nn.Module
+    memory: CacheMemory  # the KV pages and recurrent states, and their layout
+    batches: InputBatchBuilder
+    sampler: Sampler
+    loras: object = None  # the LoRA adapters' slots beside each projection (mili/lora.py ``LoRASlots``)
+    vision_budget: VisionBudget | None = None  # the vision tower's memory plan
+    encoder_cache: EncoderCache | None = None  # its outputs by image
+    mtp: MtpDrafter | None = None
+    graphs: object = None  # a decode step as CUDA graphs (``CudaGraphRunner``)
+    cpu_decode: object = None  # or as one C call per layer (``CpuDecodeRunner``)
+
+    hybrid = property(lambda self: self.model_config.is_hybrid)
+    dtype = property(lambda self: self.plan.dtype)
+    kv_caches = property(lambda self: self.memory.kv_caches)
+    states = property(lambda self: self.memory.states)  # a hybrid's recurrent states (None otherwise)
+    layout = property(lambda self: self.memory.layout)  # (the engine core makes its page, slot and snapshot pools)
+    max_model_len = property(lambda self: self.memory.max_model_len)  # (the KV pool may lower the plan's)
+    max_pages_per_seq = property(lambda self: self.memory.max_pages_per_seq)
+
+    def run_model(self, batch) -> torch.Tensor:
+        """The model over one batch, with its caches: KV pages (and, for a hybrid, the recurrent states)."""
+        if self.hybrid:
+            return self.model(batch, self.kv_caches, self.states.caches)
+        return self.model(batch, self.kv_caches)
+
+
+def build_runner_parts(plan: ExecutionPlan, config: EngineConfig, model_config: ModelConfig, path: str,
+                       device: torch.device, tp_size: int = 1) -> RunnerParts:
+    """The model and all a runner runs it on (``RunnerParts``), as ``plan`` says: torch's threads, the attention
+    back-end and the model on its ops, the LoRA slots, the vision tower's budget and encoder cache, the caches (which
+    may lower max_model_len to what they hold), the batch builder, the MTP drafter, the rotary tables, the sampler
+    (on MILI's CPU kernels where they load), and the step's CUDA graphs or C decode layer."""
+    if plan.num_threads:
+        torch.set_num_threads(plan.num_threads)
+    attention, ops = attention_and_ops(plan, -(-plan.max_model_len // config.page_size))
+    model = build_model(plan, model_config, path, device, attention, ops)
+    loras = None
+    if plan.lora is not None:
+        from mili.lora import LoRASlots, add_lora_layers
+
+        step = add_lora_layers(model, config.max_loras, config.max_lora_rank, plan.dtype, device,
+                               kernels=plan.lora is LoRAKernel.CPU, triton=plan.lora is LoRAKernel.TRITON)
+        loras = LoRASlots(model, step, config.max_loras, config.max_lora_rank, config.max_cpu_loras or config.max_loras)
+    vision_budget = encoder_cache = None
+    if plan.vision:
+        vision_budget = VisionBudget.plan(config, model_config, path, plan.dtype, plan.max_model_len)
+        encoder_cache = EncoderCache(vision_budget.cache_tokens)
+        log.info("vision tower: %s", vision_budget.describe())
+    memory = CacheMemory(plan, config, model_config, model, attention, device, vision_budget, tp_size)
+    batches = InputBatchBuilder(device, config.page_size, model_config.is_hybrid,
+                                plan.attention is AttentionBackend.TRITON, model, encoder_cache,
+                                vision_budget.tokens_per_call if vision_budget else 0, plan.batch.max_num_seqs,
+                                memory.max_pages_per_seq)
+    mtp = MtpDrafter(model, memory.kv_caches[-1], batches.one_token_batch) \
+        if plan.speculative is SpeculativeMethod.MTP else None  # (its KV: the pool's last layer)
+    model.init_rotary(memory.max_model_len, device)
+    if hasattr(attention, "max_pages_per_seq"):
+        attention.max_pages_per_seq = memory.max_pages_per_seq
+        if plan.step is StepKind.CUDA_GRAPHS:
+            attention.graph_sizes = plan.batch.graph_sizes
+    parts = RunnerParts(plan, config, model_config, device, attention, model, memory, batches, _sampler(plan), loras,
+                        vision_budget, encoder_cache, mtp)
+    if plan.step is StepKind.CUDA_GRAPHS:
+        from mili.runtime.cuda_graph import CudaGraphRunner
+
+        parts.graphs = CudaGraphRunner(parts)
+    elif plan.step is StepKind.CPU_DECODE:
+        from mili.runtime.cpu_decode import CpuDecodeRunner
+
+        parts.cpu_decode = CpuDecodeRunner(model)
+        if not parts.cpu_decode.available:  # (the plan's checks missed a case: run it eagerly, and say so)
+            log.warning("fused CPU decode off, though planned (%s)", parts.cpu_decode.why_not)
+            parts.cpu_decode = None
+    elif plan.step_why:
+        log.info("decode steps: eager (%s)", plan.step_why)
+    return parts
+
+
+def _sampler(plan: ExecutionPlan) -> Sampler:
+    """The sampler on the plan's draw; where MILI's CPU kernels load, on their bitmask (float32 logits: any model
+    dtype), and where they run the model, on their argmax too (reading bf16 logits in place)."""
+    sampler = Sampler(draw=DRAWS[plan.draw])
+    if plan.device.cpu_kernels:
+        from mili.kernels.cpu import ops as cpu_ops
+
+        sampler.apply_bitmask = cpu_ops.apply_bitmask
+        if plan.cpu_kernels:
+            sampler.argmax = cpu_ops.argmax
+    return sampler
+
+
+def _use_gated_delta(model: torch.nn.Module, how: GatedDeltaImpl) -> None:
+    """Each Gated DeltaNet layer on the plan's implementation (``GatedDeltaImpl``)."""
+    fla = gated_delta_fla.FlaGatedDelta() if how is GatedDeltaImpl.FLA else None
     for layer in model.modules():
         if isinstance(layer, GatedDeltaNet):
             layer.kernels = fla
-            if how == "torch+cpu":
+            if how is GatedDeltaImpl.TORCH_CPU:
                 layer.use_cpu_kernel()
-    log.info("gated delta rule: %s", {"fla": "flash-linear-attention's Triton kernels",
-                                      "torch+cpu": "torch (decode steps: MILI's CPU kernel)"}.get(how, "torch"))
+    log.info("gated delta rule: %s", {GatedDeltaImpl.FLA: "flash-linear-attention's Triton kernels",
+                                      GatedDeltaImpl.TORCH_CPU: "torch (decode steps: MILI's CPU kernel)",
+                                      GatedDeltaImpl.TORCH: "torch"}[how])
 
 
 def _swap_linears(model, plan: ExecutionPlan, quantized: dict) -> None:
-    """The linear layers on their format's kernels (``plan.linears``), then the lm_head as ``plan.lm_head``, then
-    what stayed plain on the small-batch GEMV where the plan says. ``quantized``: the checkpoint's layers the loader
-    kept as stored."""
-    skip_head = plan.lm_head is not None
+    """The linear layers on their format's kernels (``plan.linears``, a ``formats.LinearFormat``), then the lm_head
+    on ``plan.lm_head``'s, then what stayed plain on the small-batch GEMV where the plan says. ``quantized``: the
+    checkpoint's layers the loader kept as stored."""
     if plan.fp8_round_trip:
         fp8_round_trip_linears(model)
-    if plan.linears == "triton":
-        from mili.model import gpu_linear
-
-        swap_linears(model, "plain", quantized=quantized,
-                     make_quantized=functools.partial(gpu_linear.quantized_layer, fp8_activations=plan.fp8_activations))
-    elif plan.linears == "fp8":
-        swap_linears(model, "fp8")
-    elif plan.linears == "int8":
-        swap_linears(model, "int8", kernels=plan.int8_kernels, skip_head=skip_head)
-    elif plan.linears == "triton-int8":
-        from mili.model.gpu_linear import TritonInt8Linear  # (triton's import: only where its GEMMs run)
-
-        swap_linears(model, "triton-int8", skip_head=skip_head, make_layer=TritonInt8Linear)
-    elif plan.linears == "kernel":
-        if model.lm_head is None and "lm_head.weight" in quantized and not skip_head:  # a tied head kept as stored
-            model.lm_head = _quantized_cpu_layer(quantized["lm_head.weight"], None, None)  # (None: the table's)
-        swap_linears(model, "kernel", quantized=quantized, make_quantized=_quantized_cpu_layer, skip_head=skip_head,
-                     make_fused=_split_cpu_layer)
-    elif plan.linears == "packed":
-        swap_linears(model, "packed", skip_head=skip_head)
-    if skip_head:
-        swap_lm_head(model, plan.lm_head, kernels=plan.int8_kernels if plan.lm_head == "int8" else plan.cpu_kernels)
+    plan.linears.apply(model, quantized, skip_head=plan.lm_head is not None)
+    if plan.lm_head is not None:
+        plan.lm_head.apply_head(model)
     if plan.small_batch_gemv:  # (what the format left plain: decode batches on the split-K GEMV)
         from mili.model.gpu_linear import use_small_batch_gemv
 
         use_small_batch_gemv(model)
-
-
-def _cpu_form(parts) -> tuple | None:
-    """How the CPU's kernels take a layer's parts, as (kernel, high bits, symmetric, group, two-level scales), or
-    None where no kernel can (the shape): "int4" with 0, 1 or 2 bits above the nibble (AWQ; GGUF's Q4_0 and Q4_K; its
-    Q5_K and Q6_K), "int8g" (GGUF's Q8_0, and the parts of a fused layer that mix forms)."""
-    if not isinstance(parts, quant.GroupParts):
-        return ("awq", 0, False, 0, False) if isinstance(parts, quant.Int4Parts) else None
-    out, k = parts.q.shape
-    group = k // parts.scales.shape[1]
-    symmetric = not parts.offsets.any()
-    # the K-quants' scales and offsets in their two levels, as the file stores them; the others' float values
-    two_level = parts.scales_k is not None and (symmetric or parts.offsets_k is not None)
-    q_min, q_max = int(parts.q.min()), int(parts.q.max())
-    high_bits = max(0, parts.bits - 4)
-    if high_bits < 3 and cpu_ops.int4_supported(out, k, group) and (not high_bits or k % 32 == 0):
-        zero = 8 << high_bits  # (without offsets w = s (q - zero): q held as q + zero)
-        if symmetric and -zero <= q_min and q_max < zero:  # Q4_0: d (q - 8); Q6_K: d sc (q - 32)
-            return "int4", high_bits, True, group, two_level
-        if not symmetric and q_min >= 0 and q_max < 16 << high_bits:  # Q4_K, Q5_K: (d sc) q - dmin m
-            return "int4", high_bits, False, group, two_level
-    if not cpu_ops.int8g_supported(out, k, group):
-        return None
-    return "int8g", 0, symmetric, group, two_level
-
-
-def _quantized_cpu_layer(parts, bias, shard_sizes):
-    """A layer kept as stored on the CPU's kernels (``_cpu_form``): AWQ's and GGUF's 4-bit quants on the int4 kernel,
-    GGUF's Q5_K and Q6_K on it with their bits above the nibble, GGUF's 8-bit ones (and a fused layer whose parts mix
-    types, where joined) on the int8g kernel; None (the dequantized weights on the bf16 kernel) where the kernel
-    can't take the shape."""
-    form = _cpu_form(parts)
-    if form is None or form[0] == "awq":
-        return int4_layer(parts, bias, shard_sizes) if form else None
-    kernel, high_bits, symmetric, _, two_level = form
-    scales = parts.scales_k if two_level else parts.scales
-    offsets = None if symmetric else parts.offsets_k if two_level else parts.offsets
-    if kernel == "int4":
-        q = parts.q.to(torch.int16) + (8 << high_bits) if symmetric else parts.q
-        return Int4Linear(q.to(torch.uint8), scales, offsets, bias, shard_sizes, high_bits=high_bits)
-    if symmetric:  # Q8_0: w = s q, stored as u = q + 128 with no offsets
-        return Int8GroupLinear((parts.q.to(torch.int16) + 128).to(torch.uint8), scales, None, bias, shard_sizes)
-    if parts.q.min() >= 0:  # w = s q + b, u = q
-        return Int8GroupLinear(parts.q.to(torch.uint8), scales, offsets, bias, shard_sizes)
-    # both (a fused layer's joined parts: Q4_K beside Q6_K): w = s (u - 128) + b, every part's exact form
-    return Int8GroupLinear((parts.q.to(torch.int16) + 128).to(torch.uint8), scales, offsets, bias,
-                           shard_sizes, signed=True)
-
-
-def _split_cpu_layer(shards: list, bias, shard_sizes):
-    """A fused layer whose shards take different kernel forms (GGUF's Q4_K_M: Q4_K q and k beside a Q6_K v) as one
-    layer per run of shards of one form (``SplitLinear``), each read at its own bytes, where joined they would all
-    take the widest form (int8g: 1.07 bytes a weight). None where the shards share a form (joined as before), or a
-    run's rows are not whole blocks of 16."""
-    forms = [_cpu_form(p) for p in shards]
-    if None in forms or len(set(forms)) == 1:
-        return None
-    runs: list[list] = []
-    for form, parts in zip(forms, shards):
-        if runs and runs[-1][0] == form:
-            runs[-1][1].append(parts)
-        else:
-            runs.append([form, [parts]])
-    joined = [quant.concat_parts(ps) if len(ps) > 1 else ps[0] for _, ps in runs]
-    if any(p.q.shape[0] % 16 for p in joined):
-        return None
-    layers = [_quantized_cpu_layer(p, None, None) for p in joined]
-    return None if None in layers else SplitLinear(layers, bias, shard_sizes)
 
 
 def _release_freed_memory() -> None:

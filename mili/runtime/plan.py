@@ -33,6 +33,12 @@ from mili.kernels.cpu import family_paths
 from mili.kernels.triton.launch import (INTERPRETER, MIN_CAPABILITY, DeviceSpec, GemmConfig, check_device,
                                         gemm_config)
 from mili.model.checks import weight_quant
+from mili.model.formats import LinearFormat
+from mili.model.formats.fp8 import Fp8
+from mili.model.formats.int8 import Int8, TritonInt8
+from mili.model.formats.kernel import Kernel
+from mili.model.formats.plain import Packed, Plain
+from mili.model.formats.triton import Triton
 
 GIB = 1 << 30
 # What auto makes of max_num_seqs and max_num_batched_tokens (vLLM's API-server defaults, by the device's memory):
@@ -60,6 +66,48 @@ def graph_batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
     size itself (a batch is padded up to the nearest; one above the largest runs eagerly)."""
     top = min(max_num_seqs, MAX_GRAPH_BATCH)
     return (*(b for b in GRAPH_LADDER if b < top), top)
+
+
+class AttentionBackend(enum.Enum):
+    """The attention back-end, and the ops table of that name (model_builder.py): torch's, MILI's C kernels (the
+    CPU: bf16, one rank), or Triton's (CUDA, or the CPU under TRITON_INTERPRET)."""
+
+    TORCH = "torch"
+    CPU = "cpu"
+    TRITON = "triton"
+
+
+class StepKind(enum.Enum):
+    """How a decode step runs: eagerly, as CUDA graphs (the Triton back-end on CUDA), or as the C decode layer (one
+    C call per layer: MILI's CPU kernels)."""
+
+    EAGER = "eager"
+    CUDA_GRAPHS = "cuda-graphs"
+    CPU_DECODE = "cpu-decode"
+
+
+class SpeculativeMethod(enum.Enum):
+    """Where the drafts come from (mili/speculative): n-gram lookup in the sequence, or the model's MTP head."""
+
+    NGRAM = "ngram"
+    MTP = "mtp"
+
+
+class DrawKind(enum.Enum):
+    """How a sampled row draws its token (sampler.py ``DRAWS``): inverse-cdf (one cumulative sum, a uniform per row:
+    the CPU) or exponential-race (argmax of p / Exp(1): no host sync, for GPUs)."""
+
+    INVERSE_CDF = "inverse-cdf"
+    EXPONENTIAL_RACE = "exponential-race"
+
+
+class GatedDeltaImpl(enum.Enum):
+    """The hybrids' Gated DeltaNet layers: flash-linear-attention's Triton kernels (CUDA), the model's torch code
+    with each decode step in one call of MILI's C kernel, or the torch code alone."""
+
+    FLA = "fla"
+    TORCH_CPU = "torch+cpu"
+    TORCH = "torch"
 
 
 class PrefixCacheKind(enum.Enum):
@@ -204,21 +252,22 @@ class ExecutionPlan:
     device: DeviceInfo
     dtype: torch.dtype
     max_model_len: int  # the asked or the checkpoint's (the KV pool may lower it)
-    attention: str  # torch | cpu (MILI's C kernels) | triton: the back-end, and the ops table of that name
+    attention: AttentionBackend  # the back-end, and the ops table of that name
     kv_dtype: torch.dtype
-    # the body's layers: plain | packed (oneDNN) | kernel (MILI's C) | int8 (the CPU's kernel, or aten's weight-only
-    # int8) | triton-int8 (--quantization int8 on the Triton int8 GEMM) | fp8 | triton (a quantized checkpoint's)
-    linears: str
+    # the body's layers' format (mili/model/formats): plain | packed (oneDNN) | kernel (MILI's C) | int8 (the CPU's
+    # kernel, or aten's weight-only int8) | triton-int8 (--quantization int8 on the Triton int8 GEMM) | fp8 | triton
+    # (a quantized checkpoint's)
+    linears: LinearFormat
     int8_kernels: bool  # int8 layers on MILI's W8A8 kernel (else aten's weight-only int8)
     fp8_activations: bool  # the Triton FP8 GEMMs take FP8 activations (W8A8: SM 89+ in a 16-bit model)
     keep_quantized: bool  # the loader keeps a quantized checkpoint's layers as stored (Triton GEMMs, CPU int4)
     fp8_round_trip: bool  # --quantization fp8 off the FP8 GEMMs: weights through FP8 and back, then as linears
-    lm_head: str | None  # int8 | bf16 (the model's dtype) | None (as the body's swap leaves it)
+    lm_head: LinearFormat | None  # int8 | bf16 (kernel or packed: the model's dtype) | None (as the body's leaves it)
     weight_format: str  # what the weights compute as, in words
-    gated_delta: str | None  # hybrids: fla | torch | torch+cpu (the decode step in one C call)
-    step: str  # eager | cuda-graphs | cpu-decode (the decode layer in one C call)
+    gated_delta: GatedDeltaImpl | None  # hybrids only
+    step: StepKind
     step_why: str  # why not a faster step, where not
-    speculative: str | None  # ngram | mtp
+    speculative: SpeculativeMethod | None
     memory: MemoryPlan
     batch: BatchPlan
     cpu_paths: dict[str, str] = field(default_factory=dict)  # each layer family's CPU path, and why
@@ -228,7 +277,7 @@ class ExecutionPlan:
     num_threads: int | None = None  # the CPU: torch's threads (None: torch's default)
     # how a sampled row draws its token: inverse-cdf (the CPU: one cumulative sum, a uniform per row) or
     # exponential-race (argmax of p / Exp(1): no host sync, for GPUs)
-    draw: str = "inverse-cdf"
+    draw: DrawKind = DrawKind.INVERSE_CDF
     # the engine core schedules step N + 1 while the device runs step N (engine/core.py), or not, and why not
     overlap: bool = False
     overlap_why: str = ""
@@ -242,13 +291,13 @@ class ExecutionPlan:
     @property
     def cpu_kernels(self) -> bool:
         """MILI's C kernels run the model's layers (bf16, torch attention, one rank)."""
-        return self.attention == "cpu"
+        return self.attention is AttentionBackend.CPU
 
     @property
     def small_batch_gemv(self) -> bool:
         """The plain bf16 / fp16 linear layers (and a tied lm_head) run decode batches of up to 8 rows on the
         split-K Triton GEMV, larger ones on cuBLAS (model/gpu_linear.py ``SmallBatchLinear``): CUDA, Triton back-end."""
-        return (self.attention == "triton" and self.device.type == "cuda"
+        return (self.attention is AttentionBackend.TRITON and self.device.type == "cuda"
                 and self.dtype in (torch.bfloat16, torch.float16))
 
     @property
@@ -270,17 +319,17 @@ class ExecutionPlan:
             about.append(f"{self.device.memory / GIB:.1f} GiB")
         sizes = self.batch.graph_sizes
         graphs = ""
-        if self.step == "cuda-graphs":
+        if self.step is StepKind.CUDA_GRAPHS:
             eager = "; larger ones eagerly" if self.batch.max_num_seqs > sizes[-1] else ""
             graphs = f" (decode batches of {sizes[0]} to {sizes[-1]} sequences{eager}"
             mixed = self.mixed_graph_sizes
             graphs += f"; mixed steps of up to {mixed[-1]} tokens, {len(mixed)} sizes)" if mixed else \
                 "; mixed steps eagerly)"
         rows = {"device": f"{self.device.type} ({', '.join(about)})" if about else self.device.type,
-                "dtype": self.dtype_name, "attention": self.attention, "weights": self.weight_format,
+                "dtype": self.dtype_name, "attention": self.attention.value, "weights": self.weight_format,
                 "kv cache": self.kv_dtype_name,
-                "step": self.step + (f" ({self.step_why})" if self.step_why else graphs),
-                "batch": self.batch.describe(), "speculative": self.speculative or "off",
+                "step": self.step.value + (f" ({self.step_why})" if self.step_why else graphs),
+                "batch": self.batch.describe(), "speculative": self.speculative.value if self.speculative else "off",
                 "scheduling": "ahead of the device" if self.overlap else f"in turn ({self.overlap_why})",
                 "prefix cache": self.prefix_cache.value + (f" ({self.prefix_cache_why})" if self.prefix_cache_why
                                                            else "")}
@@ -291,7 +340,7 @@ class ExecutionPlan:
         if self.small_batch_gemv:
             rows["small batches"] = "linears of up to 8 rows on the split-K Triton GEMV"
         if self.gated_delta:
-            rows["gated delta rule"] = self.gated_delta
+            rows["gated delta rule"] = self.gated_delta.value
         if self.tensor_parallel_size > 1:
             rows["tensor parallel"] = str(self.tensor_parallel_size)
         if self.gemm_tiles:
@@ -308,22 +357,23 @@ def plan(config: EngineConfig, model_config: ModelConfig, device: DeviceInfo) ->
     max_model_len = config.resolve_max_model_len(model_config)
     attention = _attention_backend(config, device)
     kv_dtype = _kv_dtype(config, attention, dtype, device)
-    if attention == "triton" and on_cuda:
+    if attention is AttentionBackend.TRITON and on_cuda:
         check_device(device.spec, dtype, kv_dtype == torch.float8_e4m3fn)
 
     # MILI's C kernels: on the CPU, in bf16, with the torch attention path, where they load (one rank)
     off = (f"the model runs {str(dtype).removeprefix('torch.')}; the kernels are bf16's" if dtype != torch.bfloat16
-           else "the Triton attention back-end" if attention != "torch"
+           else "the Triton attention back-end" if attention is not AttentionBackend.TORCH
            else "tensor parallelism" if tp > 1 else "")
     cpu_kernels = on_cpu and config.cpu_kernels and not off and bool(device.cpu_kernels)
     if cpu_kernels:
-        attention = "cpu"
+        attention = AttentionBackend.CPU
 
     if config.enable_lora and model_config.num_labels:
         raise InvalidRequest("LoRA adapters run on the generative models (not on a classification head)",
                              param="enable_lora")
-    speculative = config.speculative_config.method if config.speculative_config is not None else None
-    if speculative == "mtp" and (not hybrid or tp > 1):
+    speculative = SpeculativeMethod(config.speculative_config.method) if config.speculative_config is not None \
+        else None
+    if speculative is SpeculativeMethod.MTP and (not hybrid or tp > 1):
         raise InvalidRequest("speculative_config: method mtp runs the hybrid models' MTP head (Qwen3.5 / 3.6, "
                              "Qwen3-Next) without tensor parallelism", param="speculative_config")
 
@@ -335,7 +385,8 @@ def plan(config: EngineConfig, model_config: ModelConfig, device: DeviceInfo) ->
             raise InvalidRequest(f"hybrid models (Qwen3-Next, Qwen3.5) on CUDA need flash-linear-attention's "
                                  f"kernels: {INSTALL_HINT} (or pip install 'mili[cuda]')", param="device")
         kernel_step = on_cpu and config.cpu_kernels and bool(device.cpu_kernels)  # (any dtype)
-        gated_delta = "fla" if on_cuda else "torch+cpu" if kernel_step else "torch"
+        gated_delta = GatedDeltaImpl.FLA if on_cuda else GatedDeltaImpl.TORCH_CPU if kernel_step else \
+            GatedDeltaImpl.TORCH
 
     quant = weight_quant({"quantization_config": getattr(model_config.hf_config, "quantization_config", None)})
     method = getattr(quant, "method", None)
@@ -343,27 +394,27 @@ def plan(config: EngineConfig, model_config: ModelConfig, device: DeviceInfo) ->
         raise InvalidRequest("GGUF models do not run with tensor parallelism yet (their blocks are not split over "
                              "ranks): run it on one device", param="tensor_parallel_size")
     triton_linears = (quant is not None and method != "gguf" and not config.quantization and tp == 1 and not hybrid
-                      and (on_cuda or attention == "triton"))
+                      and (on_cuda or attention is AttentionBackend.TRITON))
     if config.lm_head_dtype == "int8" and (not on_cpu or triton_linears):
         raise InvalidRequest("--lm-head-dtype int8 runs on the CPU's linear layers (not on CUDA or the Triton "
                              "layers)", param="lm_head_dtype")
     int8_kernels = cpu_kernels and device.int8_kernels
     # where --quantization int8 runs on the Triton int8 GEMM: CUDA (SM 8.0+, triton installed), and the Triton
     # backend under TRITON_INTERPRET (tests); elsewhere the CPU's int8 paths (MILI's kernel, aten's weight-only)
-    int8_gemm = device.triton and (attention == "triton" or (on_cuda and device.capability >= MIN_CAPABILITY))
+    int8_gemm = device.triton and (attention is AttentionBackend.TRITON
+                                   or (on_cuda and device.capability >= MIN_CAPABILITY))
     keep_quantized = triton_linears or (int8_kernels and method in ("awq", "gguf"))
     fp8_act = triton_linears and _fp8_activations(device, dtype)
     linears, weight_format, fp8_round_trip = _linears(config, quant, dtype, device, hybrid, tp, triton_linears,
                                                       fp8_act, cpu_kernels, int8_kernels, int8_gemm, keep_quantized,
                                                       model_config.is_moe)
     lm_head = _lm_head(config, on_cpu and tp == 1 and not triton_linears, keep_quantized and cpu_kernels and
-                       not hybrid and config.quantization is None and method == "awq")
+                       not hybrid and config.quantization is None and method == "awq", int8_kernels, cpu_kernels)
     if lm_head is not None:
-        name = lm_head if lm_head == "int8" else str(dtype).removeprefix("torch.")
-        weight_format += f", lm_head {name}" + (" (W8A8 kernel)" if lm_head == "int8" and int8_kernels else "")
+        weight_format += f", lm_head {lm_head.describe_head(dtype)}"
 
     step, step_why = _step(config, model_config, device, attention, cpu_kernels, speculative, tp,
-                           linears == "kernel" or (linears == "int8" and int8_kernels))
+                           linears.fused_decode)
     batch = _batch(config, device)
     memory = _memory(config, device, attention, hybrid, batch.max_num_seqs)
     paths = family_paths(device.cpu_kernels, device.cpu_kernels_why, device.int8_kernels_why, device.onednn_bf16,
@@ -372,7 +423,8 @@ def plan(config: EngineConfig, model_config: ModelConfig, device: DeviceInfo) ->
     return ExecutionPlan(device, dtype, max_model_len, attention, kv_dtype, linears, int8_kernels, fp8_act,
                          keep_quantized, fp8_round_trip, lm_head, weight_format, gated_delta, step, step_why,
                          speculative, memory, batch, paths, _gemm_tiles(device, dtype, linears), tp,
-                         config.takes_images(model_config), threads, "inverse-cdf" if on_cpu else "exponential-race",
+                         config.takes_images(model_config), threads,
+                         DrawKind.INVERSE_CDF if on_cpu else DrawKind.EXPONENTIAL_RACE,
                          *_overlap(config, device, speculative, tp),
                          _mixed_graph_sizes(step, model_config, config.takes_images(model_config), batch),
                          *_prefix_cache(config, hybrid), lora=_lora_kernel(config, attention))
@@ -386,7 +438,7 @@ def _dtype(config: EngineConfig, model_config: ModelConfig, device: DeviceInfo) 
     return torch.bfloat16 if device.type == "cpu" and dtype == torch.float16 else dtype
 
 
-def _attention_backend(config: EngineConfig, device: DeviceInfo) -> str:
+def _attention_backend(config: EngineConfig, device: DeviceInfo) -> AttentionBackend:
     """torch | triton: auto picks Triton on CUDA. Triton elsewhere needs TRITON_INTERPRET=1."""
     on_cuda = device.type == "cuda"
     name = config.attention_backend
@@ -405,15 +457,15 @@ def _attention_backend(config: EngineConfig, device: DeviceInfo) -> str:
             # and spill (bf16): the compile check's finding (mili/tools/triton_checks/compile_check.py)
             raise InvalidRequest(f"the Triton backend needs page_size a power of two >= 16 and <= 64 (a key "
                                  f"block is one page), got {page}", param="page_size")
-    return name
+    return AttentionBackend(name)
 
 
-def _kv_dtype(config: EngineConfig, attention: str, dtype: torch.dtype, device: DeviceInfo) -> torch.dtype:
+def _kv_dtype(config: EngineConfig, attention: AttentionBackend, dtype: torch.dtype, device: DeviceInfo) -> torch.dtype:
     """The KV pages' dtype: the model's (auto), or float8_e4m3fn (fp8: half the bytes a token, twice the pages in
     the same memory), which the Triton kernels read and write on GPUs with FP8."""
     if config.kv_cache_dtype == "auto":
         return dtype
-    if attention != "triton":
+    if attention is not AttentionBackend.TRITON:
         raise InvalidRequest("--kv-cache-dtype fp8 needs the Triton attention backend (CUDA); the CPU's "
                              "torch and C-kernel attention read pages in the model's dtype", param="kv_cache_dtype")
     if device.type == "cuda" and device.capability < (8, 9):
@@ -423,7 +475,7 @@ def _kv_dtype(config: EngineConfig, attention: str, dtype: torch.dtype, device: 
 
 
 def _linears(config, quant, dtype, device, hybrid, tp, triton_linears, fp8_act, cpu_kernels, int8_kernels,
-             int8_gemm, keep_quantized, moe) -> tuple[str, str, bool]:
+             int8_gemm, keep_quantized, moe) -> tuple[LinearFormat, str, bool]:
     """(the body's linear format, what the weights compute as, whether fp8 weights round-trip first)."""
     name = str(dtype).removeprefix("torch.")
     dequantized = f"{quant.describe()}, dequantized to {name}" if quant else "unquantized"
@@ -432,21 +484,21 @@ def _linears(config, quant, dtype, device, hybrid, tp, triton_linears, fp8_act, 
             raise InvalidRequest(f"--quantization {config.quantization} is not supported for hybrid models yet",
                                  param="quantization")
         if quant and not (quant.method == "gguf" and cpu_kernels):  # (GGUF's blocks run on the CPU's kernels)
-            return "plain", f"{quant.describe()}, dequantized", False
+            return Plain(), f"{quant.describe()}, dequantized", False
     if config.quantization and quant is not None:
         raise InvalidRequest(f"--quantization {config.quantization}: the checkpoint is already quantized "
                              f"({quant.describe()})", param="quantization")
     if tp > 1:
         if config.quantization:
             raise InvalidRequest("quantization with tensor parallelism is not supported yet", param="quantization")
-        return "plain", f"{quant.describe()}, dequantized" if quant else "unquantized", False
+        return Plain(), f"{quant.describe()}, dequantized" if quant else "unquantized", False
     if triton_linears:
         from mili.model.gpu_linear import describe
 
-        return "triton", describe(quant, fp8_act, moe, dtype), False
+        return Triton(fp8_act, quant.group_size), describe(quant, fp8_act, moe, dtype), False
     fp8 = config.quantization == "fp8"
     if fp8 and device.type == "cuda" and device.capability >= (8, 9):
-        return "fp8", "fp8 e4m3 per channel (torch._scaled_mm, per-token activations)", True
+        return Fp8(), "fp8 e4m3 per channel (torch._scaled_mm, per-token activations)", True
     cpu_bf16 = device.type == "cpu" and dtype == torch.bfloat16
     method = getattr(quant, "method", None)
     if config.quantization in ("int8", "fp8") or (quant is not None and quant.method not in ("awq", "gguf")
@@ -454,14 +506,14 @@ def _linears(config, quant, dtype, device, hybrid, tp, triton_linears, fp8_act, 
         origin = quant.describe() if quant else ("fp8 values" if fp8 else "")
         triton = int8_gemm and config.quantization is not None  # (not a checkpoint's: those took the Triton GEMMs)
         how = "Triton, weight-only" if triton else "W8A8 kernel" if int8_kernels else "weight-only"
-        return "triton-int8" if triton else "int8", (f"int8 per channel ({how})"
+        return TritonInt8() if triton else Int8(int8_kernels), (f"int8 per channel ({how})"
                                                      + (f", requantized from {origin}" if origin else "")), fp8
     if cpu_kernels:
         kernels = "the int4 and int8 kernels (W4A8, W8A8)" if method == "gguf" else "the int4 kernel (W4A8)"
-        return "kernel", f"{quant.describe()} on {kernels}" if keep_quantized else dequantized, False
+        return Kernel(), f"{quant.describe()} on {kernels}" if keep_quantized else dequantized, False
     if device.type == "cpu" and config.cpu_weight_prepack and dtype == torch.bfloat16 and not device.onednn_bf16:
-        return "packed", dequantized, False
-    return "plain", dequantized, False
+        return Packed(), dequantized, False
+    return Plain(), dequantized, False
 
 
 def _fp8_activations(device: DeviceInfo, dtype: torch.dtype) -> bool:
@@ -470,56 +522,66 @@ def _fp8_activations(device: DeviceInfo, dtype: torch.dtype) -> bool:
     return fp8_activations(device.type, device.capability, dtype)
 
 
-def _lm_head(config: EngineConfig, on_cpu_layers: bool, int4_body: bool) -> str | None:
-    """What ``lm_head_dtype`` makes of the head: int8, bf16, or None (as the body's swap leaves it: int8 with an
-    int8 body, else the model's dtype). auto quantizes it where the body is an int4 checkpoint on the int4 kernel
-    (int8 bodies already quantize their head); bf16 means unquantized (a float32 model's head stays float32)."""
-    if config.lm_head_dtype == "auto":
-        return "int8" if int4_body else None
-    return config.lm_head_dtype if on_cpu_layers else None  # (int8 elsewhere: refused above)
+def _lm_head(config: EngineConfig, on_cpu_layers: bool, int4_body: bool, int8_kernels: bool,
+             cpu_kernels: bool) -> LinearFormat | None:
+    """The head's format as ``lm_head_dtype`` makes it: int8 (``Int8``, on MILI's W8A8 kernel where it runs), bf16
+    (the model's dtype: ``Kernel`` on MILI's CPU kernels, else ``Packed``), or None (as the body's format leaves it:
+    int8 with an int8 body, else the model's dtype). auto quantizes it where the body is an int4 checkpoint on the
+    int4 kernel (int8 bodies already quantize their head); bf16 means unquantized (a float32 model's head stays
+    float32)."""
+    asked = config.lm_head_dtype
+    if asked == "auto":
+        asked = "int8" if int4_body else None
+    elif not on_cpu_layers:  # (int8 elsewhere: refused above)
+        asked = None
+    if asked == "int8":
+        return Int8(int8_kernels)
+    return (Kernel() if cpu_kernels else Packed()) if asked == "bf16" else None
 
 
-def _step(config, model_config, device, attention, cpu_kernels, speculative, tp, kernel_linears) -> tuple[str, str]:
+def _step(config, model_config, device, attention, cpu_kernels, speculative, tp,
+          kernel_linears) -> tuple[StepKind, str]:
     """How a decode step runs: CUDA graphs (the Triton back-end on CUDA), the C decode layer (MILI's CPU kernels,
     dense models whose layers it takes whole), or eagerly; and why not faster where not."""
     if config.enforce_eager:
-        return "eager", "--enforce-eager" if device.type == "cuda" or cpu_kernels else ""
+        return StepKind.EAGER, "--enforce-eager" if device.type == "cuda" or cpu_kernels else ""
     if device.type == "cuda":
         if config.enable_lora:
-            return "eager", "LoRA adapters (their products run beside each layer's) until verified under capture"
+            return StepKind.EAGER, "LoRA adapters (their products run beside each layer's) until verified under capture"
         if model_config.is_moe or tp > 1:
-            return "eager", "MoE and tensor-parallel models run eagerly until verified under capture"
-        if speculative == "mtp":
-            return "eager", "MTP drafts read every row's hidden state"
-        if attention == "triton":
-            return "cuda-graphs", ""
-        return "eager", "the torch attention back-end"
+            return StepKind.EAGER, "MoE and tensor-parallel models run eagerly until verified under capture"
+        if speculative is SpeculativeMethod.MTP:
+            return StepKind.EAGER, "MTP drafts read every row's hidden state"
+        if attention is AttentionBackend.TRITON:
+            return StepKind.CUDA_GRAPHS, ""
+        return StepKind.EAGER, "the torch attention back-end"
     if cpu_kernels and not model_config.is_hybrid:
         cfg = model_config
         if cfg.is_moe:
-            return "eager", "a mixture-of-experts model (its layers run as modules, experts on the kernels)"
+            return StepKind.EAGER, "a mixture-of-experts model (its layers run as modules, experts on the kernels)"
         if cfg.head_dim % 32 or cfg.head_dim > 1024:  # (the fused q/k-norm kernel's bounds)
-            return "eager", f"head_dim {cfg.head_dim}: the fused decode layer takes multiples of 32"
+            return StepKind.EAGER, f"head_dim {cfg.head_dim}: the fused decode layer takes multiples of 32"
         outputs = ((cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim, cfg.hidden_size,
                    2 * cfg.intermediate_size)  # (the fused layer's products: qkv, o / down, gate_up)
         if not kernel_linears or getattr(cfg.hf_config, "attention_bias", False) or any(n % 16 for n in outputs):
-            return "eager", "a layer the fused decode layer can't take (bias, sizes not a multiple of 16, or " \
+            return StepKind.EAGER, "a layer the fused decode layer can't take (bias, sizes not a multiple of 16, or " \
                             "another linear kind)"
-        return "cpu-decode", ""
-    return "eager", ""
+        return StepKind.CPU_DECODE, ""
+    return StepKind.EAGER, ""
 
 
-def _mixed_graph_sizes(step: str, model_config: ModelConfig, vision: bool, batch: BatchPlan) -> tuple[int, ...]:
+def _mixed_graph_sizes(step: StepKind, model_config: ModelConfig, vision: bool, batch: BatchPlan) -> tuple[int, ...]:
     """The token counts of the mixed steps' CUDA graphs: ``MIXED_LADDER`` below max_num_batched_tokens, and that;
     none where decode steps run eagerly, for the hybrids (the Gated DeltaNet chunks' kernels take their lengths on
     the host) and for image models (M-RoPE positions)."""
-    if step != "cuda-graphs" or model_config.is_hybrid or vision:
+    if step is not StepKind.CUDA_GRAPHS or model_config.is_hybrid or vision:
         return ()
     top = batch.max_num_batched_tokens
     return (*(t for t in MIXED_LADDER if t < top), top)
 
 
-def _overlap(config: EngineConfig, device: DeviceInfo, speculative: str | None, tp: int) -> tuple[bool, str]:
+def _overlap(config: EngineConfig, device: DeviceInfo, speculative: SpeculativeMethod | None,
+             tp: int) -> tuple[bool, str]:
     """Whether the engine core schedules ahead of the device (--async-scheduling), and why not where not: auto on
     CUDA only (a CPU step has run when it returns, so nothing would overlap; "on" runs the same loop there, for
     tests). Speculative steps verify drafts on the host, and the other tensor-parallel ranks take each step's input
@@ -548,11 +610,12 @@ def _prefix_cache(config: EngineConfig, hybrid: bool) -> tuple[PrefixCacheKind, 
     return PrefixCacheKind.HYBRID_RADIX, ""
 
 
-def _lora_kernel(config: EngineConfig, attention: str) -> LoRAKernel | None:
+def _lora_kernel(config: EngineConfig, attention: AttentionBackend) -> LoRAKernel | None:
     """Where the LoRA adapters' products run: beside the layers' own kernels (Triton's, MILI's CPU ones), else torch."""
     if not config.enable_lora:
         return None
-    return {"triton": LoRAKernel.TRITON, "cpu": LoRAKernel.CPU}.get(attention, LoRAKernel.TORCH)
+    return {AttentionBackend.TRITON: LoRAKernel.TRITON, AttentionBackend.CPU: LoRAKernel.CPU}.get(attention,
+                                                                                              LoRAKernel.TORCH)
 
 
 def _batch(config: EngineConfig, device: DeviceInfo) -> BatchPlan:
@@ -565,7 +628,8 @@ def _batch(config: EngineConfig, device: DeviceInfo) -> BatchPlan:
                      graph_batch_sizes(max_num_seqs))
 
 
-def _memory(config: EngineConfig, device: DeviceInfo, attention: str, hybrid: bool, max_num_seqs: int) -> MemoryPlan:
+def _memory(config: EngineConfig, device: DeviceInfo, attention: AttentionBackend, hybrid: bool,
+            max_num_seqs: int) -> MemoryPlan:
     budget = config.kv_cache_memory
     if budget is None and device.type != "cuda":
         from mili.config import default_kv_cache_bytes
@@ -574,15 +638,15 @@ def _memory(config: EngineConfig, device: DeviceInfo, attention: str, hybrid: bo
     spec = config.speculative_config
     return MemoryPlan(budget, config.num_kv_pages, hybrid, config.num_state_slots, config.num_state_snapshots,
                       max_num_seqs, config.enable_prefix_caching,
-                      spec.disable_by_batch_size if spec is not None else 0, hybrid and attention == "triton",
+                      spec.disable_by_batch_size if spec is not None else 0,
+                      hybrid and attention is AttentionBackend.TRITON,
                       device.type == "cpu")
 
 
-def _gemm_tiles(device: DeviceInfo, dtype: torch.dtype, linears: str) -> dict[str, GemmConfig]:
+def _gemm_tiles(device: DeviceInfo, dtype: torch.dtype, linears: LinearFormat) -> dict[str, GemmConfig]:
     """The Triton GEMMs' tiles on this device for a decode row and a full prefill chunk (what the wrappers pick
     at launch from the same function; ``check_device`` has made sure each kind has one): a quantized
     checkpoint's FP8 and int4 GEMMs, or the int8 GEMM; none for other linears."""
-    kinds = {"triton": (("fp8", 1), ("int4", 0.5)), "triton-int8": (("int8", 1),)}.get(linears, ())
     a_bytes, exact = dtype.itemsize, dtype == torch.float32
     return {f"{kind} {phase}": gemm_config(m, 128, a_bytes, w, exact, device.spec)
-            for kind, w in kinds for phase, m in (("decode", 1), ("prefill", 2048))}
+            for kind, w in linears.gemm_kinds for phase, m in (("decode", 1), ("prefill", 2048))}

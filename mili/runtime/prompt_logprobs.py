@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from mili.host_copy import tensor_on
+from mili.runtime.pooler import pool
 
 SLICE_ELEMENTS = 1 << 25  # float32 logits of one slice at most (128 MiB)
 MAX_SLICE_ROWS = 512
@@ -63,3 +64,37 @@ class PromptScorer:
             at += n
         assert at == len(self.scored), (at, len(self.scored))
         return out
+
+
+def prompt_scorer(scoring: list, vocab_size: int, device: torch.device) -> PromptScorer | None:
+    """The scorer of a step's prompt rows (``InputBatchBuilder.prepare``'s ``scoring``: [(sequence, its positions)]:
+    position p scores prompt token p + 1), or None where the step scores none."""
+    if not scoring:
+        return None
+    return PromptScorer([seq.token_ids[p + 1] for seq, rows in scoring for p in rows],
+                        [seq.params.prompt_logprobs for seq, rows in scoring for _ in rows], vocab_size, device)
+
+
+def scored_by_sequence(scoring: list, scorer: PromptScorer | None) -> list[tuple]:
+    """[(sequence, its ``Scored`` entries in position order)] of a step's ``scoring``, once ``scorer`` has its rows."""
+    if scorer is None:
+        return []
+    return list(zip([seq for seq, _ in scoring], scorer.split([len(rows) for _, rows in scoring])))
+
+
+def step_logits(model, hidden: torch.Tensor, batch, vocab_size: int,
+                scorer: PromptScorer | None = None) -> tuple[torch.Tensor, list]:
+    """The logits of the sampling rows of ``hidden``, and the answers of its pooling rows (``pooler.py``); its last
+    ``num_prompt_rows`` rows (prompt positions) have theirs made a slice at a time and handed to ``scorer``. Every
+    tensor-parallel rank makes the same calls (each gathers the vocabulary shards)."""
+    num_prompt_rows, num_pool_rows = batch.num_prompt_rows, batch.num_pool_rows
+    num_sampling = hidden.shape[0] - num_prompt_rows - num_pool_rows
+    logits = model.compute_logits(hidden[:num_sampling])
+    pooled = pool(model, hidden[num_sampling:num_sampling + num_pool_rows], batch.pooling) if num_pool_rows else []
+    first = num_sampling + num_pool_rows
+    step = rows_per_slice(vocab_size)
+    for start in range(0, num_prompt_rows, step):
+        part = model.compute_logits(hidden[first + start:first + start + step])
+        if scorer is not None:
+            scorer(start, part)
+    return logits, pooled

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mili.host_copy import tensor_on
+from mili.runtime.plan import DrawKind
 from mili.sampling_params import GREEDY_EPS, SamplingParams
 
 _NEG_INF = float("-inf")
@@ -124,6 +125,9 @@ class SamplingMetadata:
     # ([num_rows, ceil(V / 32)] int32, one bit a token); set by the model runner.
     grammar_rows: list[int] | None = None
     grammar_bitmask: torch.Tensor | None = None
+    # Rows whose token is forced whatever the logits say (a thinking budget's end): sampled[forced_rows] = tokens
+    forced_rows: torch.Tensor | None = None
+    forced_tokens: torch.Tensor | None = None
     # Speculative decoding: each sampled row's draft token (-1: none), in random_rows' order ([R]); a row with
     # a draft accepts it with its probability, else draws from the rest (``_verify_drafts``). Greedy rows take
     # their argmax: the caller accepts a draft equal to it.
@@ -134,7 +138,9 @@ class SamplingMetadata:
     @classmethod
     def build(cls, params: list[SamplingParams], generators: list[torch.Generator | None],
               prompt_token_ids: list[list[int]], output_token_ids: list[list[int]],
-              vocab_size: int, device: torch.device, drafts: list[int] | None = None) -> "SamplingMetadata":
+              vocab_size: int, device: torch.device, drafts: list[int] | None = None,
+              forced: list[tuple[int, int]] | None = None) -> "SamplingMetadata":
+        """``forced``: (row, token) pairs drawn as given."""
         n = len(params)
         assert len(generators) == len(prompt_token_ids) == len(output_token_ids) == n
         greedy = [i for i, p in enumerate(params) if p.greedy]
@@ -183,6 +189,8 @@ class SamplingMetadata:
             output_ids=_pad([output_token_ids[i] for i in pen], vocab_size, device) if pen else None,
             logprob_rows=_rows(lp, device) if lp else None,
             num_logprobs=num_lp, max_logprobs=min(max(num_lp, default=0), vocab_size),
+            forced_rows=_rows([r for r, _ in forced], device) if forced else None,
+            forced_tokens=_rows([t for _, t in forced], device) if forced else None,
         )
 
 
@@ -301,7 +309,7 @@ def _inverse_cdf(probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     return torch.searchsorted(cdf, u, right=True).squeeze(1)
 
 
-DRAWS = {"inverse-cdf": _inverse_cdf, "exponential-race": _exponential_race}  # (the plan's ``draw`` names them)
+DRAWS = {DrawKind.INVERSE_CDF: _inverse_cdf, DrawKind.EXPONENTIAL_RACE: _exponential_race}  # (the plan's ``draw``)
 
 
 def _verify_drafts(probs: torch.Tensor, meta: SamplingMetadata, draw) -> torch.Tensor:
@@ -371,7 +379,7 @@ class Sampler:
         assert logits.dim() == 2 and logits.shape[0] == meta.num_rows, logits.shape
         assert logits.shape[1] >= meta.vocab_size, (logits.shape, meta.vocab_size)
         if (meta.greedy_rows.numel() == meta.num_rows and meta.logprob_rows is None and meta.blocked_rows is None
-                and meta.penalty_rows is None and meta.grammar_rows is None):
+                and meta.penalty_rows is None and meta.grammar_rows is None and meta.forced_rows is None):
             return self.greedy(logits, meta.vocab_size, defer)
         # A private float32 copy (modified in place); columns past the vocab (padding) are dropped.
         logits = logits[:, :meta.vocab_size].to(torch.float32, copy=True)
@@ -399,6 +407,8 @@ class Sampler:
             sampled[meta.random_rows] = drawn.clamp_(0, meta.vocab_size - 1)
             no_mass[meta.random_rows] = _no_mass(x)  # (truncation keeps a row's best token: this is the masks')
         sampled.masked_fill_(no_mass, NO_TOKEN)  # a row with no token left draws nothing
+        if meta.forced_rows is not None:
+            sampled[meta.forced_rows] = meta.forced_tokens
 
         def logprobs() -> list[TokenLogprobs | None]:
             out: list[TokenLogprobs | None] = [None] * meta.num_rows

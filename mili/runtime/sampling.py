@@ -20,17 +20,20 @@ def sampling_metadata(rows: list, vocab_size: int, device: torch.device) -> Samp
     penalties = any(r.seq.params.uses_penalties for r in rows)
     counts = penalties or any(r.seq.params.min_tokens for r in rows)
     drafts = [r.draft for r in rows]
+    forced = [(j, r.seq.thinking.forced_next) for j, r in enumerate(rows)
+              if r.seq.thinking is not None and r.seq.thinking.forced_next is not None]
     return SamplingMetadata.build(
         [r.seq.params for r in rows], [r.seq.generator for r in rows],
         [r.seq.token_ids[:r.seq.prompt_len] if penalties else [] for r in rows],
         [r.seq.output_token_ids + r.ahead if counts else [] for r in rows], vocab_size,
-        device, drafts=drafts if any(d >= 0 for d in drafts) else None)
+        device, drafts=drafts if any(d >= 0 for d in drafts) else None, forced=forced)
 
 
 def _argmax_only(params) -> bool:
     """A row whose token is its logits' argmax and nothing else: greedy, no logprobs, no penalties, no min_tokens
     (whose stop tokens the sampler blocks)."""
-    return params.greedy and params.logprobs is None and not params.uses_penalties and not params.min_tokens
+    return (params.greedy and params.logprobs is None and not params.uses_penalties and not params.min_tokens
+            and params.thinking_token_budget is None)
 
 
 def sample_step(sampler: Sampler, logits: torch.Tensor, rows: list, grammar: Future | None, vocab_size: int,

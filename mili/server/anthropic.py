@@ -154,6 +154,11 @@ _ONE_CONSTRAINT = requires("tool_choice", _FORCED, {"properties": {"output_confi
     {"type": "null"}, {"properties": {"format": {"type": "null"}}}]}}})
 
 
+def thinking_on(body) -> bool:
+    """Qwen3 thinks unless ``thinking`` says disabled (enabled: within its budget_tokens, enforced)."""
+    return body.thinking is not None and body.thinking.type != "disabled"
+
+
 class CountTokensRequest(Strict):
     model_config = ConfigDict(json_schema_extra={"allOf": [_FORCED_TOOLS]})
 
@@ -174,7 +179,7 @@ class CountTokensRequest(Strict):
                            {"any": "required"}.get(choice.type, choice.type))
         tools = [{"type": "function", "function": {**t.model_dump(include={"name", "description"}, exclude_none=True),
                                                    "parameters": t.input_schema}} for t in self.tools or []]
-        thinking = self.thinking is not None and self.thinking.type != "disabled"
+        thinking = thinking_on(self)
         prefill = self.messages[-1].role == "assistant"  # the reply continues it, as Anthropic's API does
         return ChatCompletionRequest(
             messages=self._messages(), tools=tools or None, tool_choice=tool_choice,
@@ -244,7 +249,8 @@ class MessagesRequest(CountTokensRequest):
             raise InvalidRequest(f"output_config.format cannot be combined with tool_choice {self.tool_choice.type}",
                                  param="output_config")
         return super().chat(max_tokens=self.max_tokens, stop=self.stop_sequences, temperature=self.temperature,
-                            top_p=self.top_p, top_k=self.top_k, response_format=None if fmt is None else {
+                            top_p=self.top_p, top_k=self.top_k, thinking_token_budget=budget if thinking_on(self)
+                            else None, response_format=None if fmt is None else {
                                 "type": "json_schema", "json_schema": {"name": "output", "schema": fmt.schema_}})
 
 
@@ -252,7 +258,7 @@ class MessagesRequest(CountTokensRequest):
 async def count_tokens(body: CountTokensRequest, http: Request):
     st = state_of(http)
     st.check_model(body.model)
-    prompt = ChatPrompt.render(st.tokenizer, body.chat(), st.tool_call_parser)
+    prompt = ChatPrompt.render(st.tokenizer, body.chat(), st.tool_call_parser, st.reasoning)
     return {"input_tokens": len(await st.with_images(prompt.token_ids, prompt.images))}
 
 

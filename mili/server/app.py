@@ -17,7 +17,7 @@ from mili.engine.async_llm import AsyncLLM
 from mili.server import adapters, anthropic, native, openai, pooling, responses, utility
 from mili.server.errors import APIError, error_response, install_error_handlers
 from mili.server.openapi import document
-from mili.server.state import ServerState
+from mili.server.state import ReasoningBudgets, ServerState
 
 log = logging.getLogger("mili")
 OPEN_PATHS = {"/health", "/metrics", "/ui"}  # no API key needed (the chat page asks for one itself)
@@ -61,11 +61,11 @@ def unserved_paths(task: str, runtime_lora_updating: bool) -> list[str]:
 def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
               max_queued_requests: int = 1024, sampling_defaults: dict | None = None,
               tool_call_parser: str = "auto", api_servers=None, lora_modules: list[tuple[str, str]] = (),
-              runtime_lora_updating: bool = False) -> FastAPI:
+              runtime_lora_updating: bool = False, reasoning: ReasoningBudgets | None = None) -> FastAPI:
     """``api_servers`` (mili.server.api_servers.ApiServers): this is one of several API processes. ``lora_modules``:
     (name, path) of the LoRA adapters served from the start; ``runtime_lora_updating``: /v1/load_lora_adapter on."""
     state = ServerState(engine, model_name, api_key, max_queued_requests, sampling_defaults, tool_call_parser,
-                        api_servers)
+                        api_servers, reasoning)
     state.runtime_lora_updating = runtime_lora_updating
     for name, path in lora_modules:
         state.add_lora(name, path)

@@ -18,7 +18,7 @@ from typing import Any
 from mili.engine.media import ImageRef
 from mili.outputs import RequestOutput
 from mili.sampling_params import SamplingParams
-from mili.server.state import ServerState
+from mili.server.state import ReasoningBudgets, ServerState
 from mili.server.protocol import ChatCompletionRequest, template_messages
 from mili.tokenizer.reasoning import THINK_END, THINK_START, ReasoningStream, constraint_start
 from mili.tokenizer.tokenizer import encode_chat
@@ -38,10 +38,18 @@ class ChatPrompt:
     tool_parser: str = "hermes"  # the form the model writes calls in (tool_parsers.py)
     tool_defs: list[dict] | None = None  # the request's tools (their schemas type XML arguments)
     images: list[ImageRef] = field(default_factory=list)  # its image parts, in order (loaded by ServerState.start)
+    budget: int | None = None  # the reply's thinking budget (None: none)
+    budget_message: str | None = None
 
     @classmethod
-    def render(cls, tokenizer, body: ChatCompletionRequest, tool_parser: str = "hermes") -> ChatPrompt:
+    def render(cls, tokenizer, body: ChatCompletionRequest, tool_parser: str = "hermes",
+               reasoning: ReasoningBudgets | None = None) -> ChatPrompt:
+        """``reasoning``: the server's budgets (a budget of 0 renders the template with thinking off, unless the
+        request's chat_template_kwargs set enable_thinking themselves)."""
+        budget = (reasoning or ReasoningBudgets()).budget(body.thinking_token_budget, body.reasoning_effort)
         kwargs = body.chat_template_kwargs or {}
+        if budget == 0 and "enable_thinking" not in kwargs:
+            kwargs = {**kwargs, "enable_thinking": False}
         tool_mode, _ = body.tool_mode()
         template_kwargs = {**kwargs, "tools": body.tools} if body.tools else kwargs
         messages, images = template_messages(body.messages)
@@ -52,11 +60,13 @@ class ChatPrompt:
         if body.continue_final_message:  # the reply continues the final turn: inside its thinking if left open
             turn = text[text.rfind(TURN_START):]
             thinking = opened = thinking and turn.rfind(THINK_START) > turn.rfind(THINK_END)
-        return cls(text, token_ids, thinking, opened, tool_mode != "none", tool_parser, body.tools, images)
+        return cls(text, token_ids, thinking, opened, tool_mode != "none", tool_parser, body.tools, images,
+                   budget if thinking else None, reasoning.message if reasoning is not None else None)
 
     def params(self, tokenizer, body: ChatCompletionRequest, max_tokens: int | None, logprobs: int | None,
                defaults: dict[str, Any]) -> SamplingParams:
         params = body.sampling_params(max_tokens, logprobs, defaults, self.tool_parser)
+        params.thinking_token_budget, params.thinking_budget_message = self.budget, self.budget_message
         if params.structured_outputs is not None:
             params.structured_outputs.start_after_token_id = constraint_start(tokenizer, self.text, self.thinking)
         return params
@@ -72,7 +82,7 @@ class ChatPrompt:
 
 def render_chat(st: ServerState, body: ChatCompletionRequest) -> tuple[ChatPrompt, SamplingParams]:
     """``body`` rendered, and its one engine request's sampling parameters (no logprobs)."""
-    prompt = ChatPrompt.render(st.tokenizer, body, st.tool_call_parser)
+    prompt = ChatPrompt.render(st.tokenizer, body, st.tool_call_parser, st.reasoning)
     return prompt, prompt.params(st.tokenizer, body, body.max_tokens, None, st.openai_defaults)
 
 

@@ -74,7 +74,8 @@ async def status(request_id: str, http: Request):
 async def generate(body: GenerateRequest, http: Request):
     """The original design's reply: ``tokens`` are the prompt's ids then the generated ones."""
     st = state_of(http)
-    params = body.sampling_params(st.sampling_defaults)
+    budget = st.reasoning.budget(body.thinking_token_budget, None)
+    params = body.sampling_params(st.sampling_defaults, budget, st.reasoning.message)
     rid = new_id("gen")
 
     def reply(out) -> dict:

@@ -13,7 +13,7 @@ from mili.server.chat import ChatPrompt
 from mili.server.errors import APIError, error_responses, streamed
 from mili.server.sse import DONE, EventStream, json_bytes, sse, sse_error
 from mili.server.protocol import ChatCompletionRequest, CompletionRequest
-from mili.tokenizer.reasoning import THINK_START, ReasoningStream, split_reasoning
+from mili.tokenizer.reasoning import THINK_START, ReasoningStream, split_reasoning, think_end_token_id
 from mili.tokenizer.tool_calls import call_json, new_call_id
 
 router = APIRouter()
@@ -33,11 +33,22 @@ async def models(http: Request):
         "task": st.engine.inputs.task.name}, *adapters]}
 
 
-def _usage(finals: list[RequestOutput]) -> dict:
+def _usage(finals: list[RequestOutput], think_end: int | None = None) -> dict:
+    """``think_end``: a thinking chat reply's ``</think>`` id: its tokens through it (all, if it never came) are
+    counted as ``completion_tokens_details.reasoning_tokens``."""
     prompt = sum(len(f.prompt_token_ids) for f in finals)
     completion = sum(len(o.token_ids) for f in finals for o in f.outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(f.num_cached_tokens for f in finals)}}
+    usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+             "prompt_tokens_details": {"cached_tokens": sum(f.num_cached_tokens for f in finals)}}
+    if think_end is not None:
+        usage["completion_tokens_details"] = {"reasoning_tokens": sum(
+            o.token_ids.index(think_end) + 1 if think_end in o.token_ids else len(o.token_ids)
+            for f in finals for o in f.outputs)}
+    return usage
+
+
+def _think_end(st, prompt: ChatPrompt) -> int | None:
+    return think_end_token_id(st.tokenizer) if prompt.thinking else None
 
 
 async def _collect(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
@@ -226,7 +237,7 @@ def _chat_logprobs(o: CompletionOutput, start: int, n: int) -> dict | None:
 async def chat_completions(body: ChatCompletionRequest, http: Request):
     st = state_of(http)
     lora = st.check_model(body.model)
-    prompt = ChatPrompt.render(st.tokenizer, body, st.tool_call_parser)
+    prompt = ChatPrompt.render(st.tokenizer, body, st.tool_call_parser, st.reasoning)
     thinking, opened = prompt.thinking, prompt.opened
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if body.max_tokens is not None and body.max_tokens >= st.engine.max_model_len:  # (even when overridden)
@@ -254,10 +265,11 @@ async def chat_completions(body: ChatCompletionRequest, http: Request):
             choices.append({"index": o.index, "message": message, "logprobs": _chat_logprobs(o, 0, nlp),
                             "finish_reason": finish})
         extra = {"prompt_logprobs": _prompt_logprobs(final)} if final.prompt_logprobs is not None else {}
-        return {**head, "choices": choices, "usage": _usage([final]), **extra}
+        return {**head, "choices": choices, "usage": _usage([final], _think_end(st, prompt)), **extra}
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    events = _ChatEvents({**head, "object": "chat.completion.chunk"}, prompt, nlp, include_usage)
+    events = _ChatEvents({**head, "object": "chat.completion.chunk"}, prompt, nlp, include_usage,
+                         _think_end(st, prompt))
     return await st.start_stream([prompt.token_ids], [params], rid, events, [prompt.images], lora=lora)
 
 
@@ -265,8 +277,9 @@ class _ChatEvents:
     """A streamed chat completion's chunks (server/step_stream.py's Events): the role first, then reasoning,
     content and tool calls as the parsers release them."""
 
-    def __init__(self, chunk_head: dict, prompt: ChatPrompt, nlp: int, include_usage: bool):
+    def __init__(self, chunk_head: dict, prompt: ChatPrompt, nlp: int, include_usage: bool, think_end: int | None):
         self.chunk_head, self.prompt, self.nlp, self.include_usage = chunk_head, prompt, nlp, include_usage
+        self.think_end = think_end
         self.event = EventStream(chunk_head)
         self.choices: dict[int, _Choice] = {}
         self.final: RequestOutput | None = None
@@ -308,7 +321,7 @@ class _ChatEvents:
     def end(self) -> bytes:
         if not self.include_usage or self.final is None:
             return DONE
-        return sse({**self.chunk_head, "choices": [], "usage": _usage([self.final])}) + DONE
+        return sse({**self.chunk_head, "choices": [], "usage": _usage([self.final], self.think_end)}) + DONE
 
     def fail(self, error: BaseException) -> bytes:
         return sse_error(error) + DONE

@@ -64,6 +64,9 @@ class StructuredOutputs(Strict):
     backend: str | None = None  # accepted; MILI's is xgrammar
 
 
+THINKING_MAX = 2**31 - 1  # a thinking budget's largest (any longer reply is past every context)
+
+
 class _Sampling(Strict):
     """Parameters shared by /v1/completions and /v1/chat/completions (OpenAI's, then vLLM's extras)."""
 
@@ -290,6 +293,12 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Annotated[Literal["none", "auto", "required"] | NamedToolChoice, AsSent] | None = Field(
         None, description="required needs tools; a named function must be one of tools")
     parallel_tool_calls: bool | None = None
+    thinking_token_budget: integer(ge=0, le=THINKING_MAX, description=(
+        "a thinking model reasons at most this many tokens, then </think> is forced and the answer follows (vLLM's; "
+        "0: no thinking)")) | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = Field(
+        None, description="OpenAI's: a thinking budget of the server's --reasoning-effort-budgets (none, minimal: "
+                          "no thinking); thinking_token_budget, when given, wins")
 
     def tool_mode(self) -> tuple[str, str | None]:
         """("none" | "auto" | "required" | "named", the named function): what ``tools``/``tool_choice`` ask."""
@@ -341,12 +350,18 @@ class GenerateRequest(Strict):
     seed: Seed | None = None
     stop: Annotated[Text | list[Text], OnField] | None = None
     model: ModelName | None = None
+    thinking_token_budget: integer(ge=0, le=THINKING_MAX, description=(
+        "a thinking model reasons at most this many tokens after the <think> it writes, then </think> is forced "
+        "(default: the server's --reasoning-budget)")) | None = None
 
-    def sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
-        """``defaults``: the server's sampling defaults for the fields the request leaves unset."""
+    def sampling_params(self, defaults: dict[str, Any], budget: int | None = None,
+                        budget_message: str | None = None) -> SamplingParams:
+        """``defaults``: the server's sampling defaults for the fields the request leaves unset; ``budget``: the
+        thinking budget (the request's, else the server's)."""
         picked = {k: getattr(self, k) if getattr(self, k) is not None else defaults.get(k, GENERATE_DEFAULTS[k])
                   for k in GENERATE_DEFAULTS}
-        return SamplingParams(max_tokens=self.max_tokens, seed=self.seed, stop=self.stop, **picked)
+        return SamplingParams(max_tokens=self.max_tokens, seed=self.seed, stop=self.stop, thinking_token_budget=budget,
+                              thinking_budget_message=budget_message, **picked)
 
 
 class TokenizeCompletionRequest(Strict):

@@ -190,7 +190,8 @@ class ResponsesRequest(Strict):
         return ChatCompletionRequest(
             messages=self._messages(), max_tokens=self.max_output_tokens, temperature=self.temperature,
             top_p=self.top_p, chat_template_kwargs={"enable_thinking": self.thinking}, tools=tools or None,
-            tool_choice=choice, parallel_tool_calls=self.parallel_tool_calls, response_format=self._response_format())
+            tool_choice=choice, parallel_tool_calls=self.parallel_tool_calls, response_format=self._response_format(),
+            reasoning_effort=self.reasoning.effort if self.thinking else None)
 
     def _response_format(self) -> dict | None:
         fmt = self.text.format if self.text is not None else None

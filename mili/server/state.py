@@ -12,6 +12,7 @@ import uuid
 import weakref
 from collections import OrderedDict
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 from fastapi import Request
 
@@ -22,16 +23,40 @@ from mili.sampling_params import SamplingParams
 from mili.server.errors import APIError
 from mili.server.metrics import Metrics
 from mili.server.step_stream import Events, StepStream
+from mili.server_options import ServerConfig, effort_budgets
 from mili.tokenizer.tool_parsers import resolve_tool_call_parser
 
 log = logging.getLogger("mili")
 _RECENT = 1000  # requests remembered for /status
 
 
+@dataclass(frozen=True)
+class ReasoningBudgets:
+    """The server's thinking budgets: ``default`` (--reasoning-budget; None: no limit), ``message``
+    (--reasoning-budget-message) and ``efforts`` (--reasoning-effort-budgets, over every effort)."""
+
+    default: int | None = None
+    message: str | None = None
+    efforts: dict[str, int | None] = field(default_factory=lambda: effort_budgets(
+        ServerConfig.__dataclass_fields__["reasoning_effort_budgets"].default))
+
+    def budget(self, asked: int | None, effort: str | None) -> int | None:
+        """A request's budget: its own (thinking_token_budget, budget_tokens), else its effort's, else the server's."""
+        if asked is not None:
+            return asked
+        if effort is not None:
+            return self.efforts[effort]
+        return self.default
+
+
 class ServerState:
     def __init__(self, engine: AsyncLLM, model_name: str, api_key: str | None, max_queued_requests: int,
-                 sampling_defaults: dict | None = None, tool_call_parser: str = "auto", api_servers=None):
+                 sampling_defaults: dict | None = None, tool_call_parser: str = "auto", api_servers=None,
+                 reasoning: ReasoningBudgets | None = None):
         self.engine = engine
+        self.reasoning = reasoning or ReasoningBudgets()
+        if not engine.inputs.thinks:  # (the server's budgets are for thinking models; a request's own is refused)
+            self.reasoning = ReasoningBudgets(None, None, dict.fromkeys(self.reasoning.efforts))
         self.api_servers = api_servers  # one of several API processes (mili.server.api_servers): the others
         self.tokenizer = engine.tokenizer
         # the form the model writes tool calls in: hermes (Qwen3) or qwen3_xml (Qwen3.5/3.6), from its template

@@ -1,11 +1,15 @@
-"""Verification: which drafted tokens a step accepts, from the sampler's draw at each drafted position."""
+"""Verification: which drafted tokens a step accepts, from the sampler's draw at each drafted position; and a step's
+drafts around its model run on the runner (``DraftedStep``), with what the step gives back (``StepResult``)."""
 
 from __future__ import annotations
 
 import itertools
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from mili.runtime.sampler import SamplerOutput, TokenLogprobs
+from mili.host_copy import tensor_on
+from mili.runtime.sampler import PendingSample, SamplerOutput, TokenLogprobs
+from mili.runtime.sampling import sample_step
 
 
 @dataclass(eq=False)
@@ -82,3 +86,66 @@ def rejected_positions(drafting: list, num_accepted: dict, hybrid: bool) -> dict
         n = len(s.draft) - num_accepted[s.seq]
         rejected[s.seq] = s.num_new_tokens if n and hybrid else n
     return rejected
+
+
+@dataclass
+class StepResult:
+    """What a step gives back to the engine core: the sampled tokens (None if no sequence samples), the prompt
+    logprobs it scored (``ModelRunner.forward_logits``), per sequence that verified drafts, the positions of the step
+    that stay uncomputed (``rejected_positions``), which the scheduler accounts, and the answers of pooling requests
+    (``pooler.py``)."""
+
+    tokens: StepTokens | None = None
+    scored: list[tuple] = field(default_factory=list)
+    num_rejected: dict = field(default_factory=dict)
+    pooled: dict = field(default_factory=dict)  # pooling requests whose prompt completed: sequence -> its answer
+    # a deferred step (``execute(defer=True)``): the draw, still on the device; ``tokens`` once it is read
+    pending: PendingSample | None = None
+
+    def resolve(self, sample_rows: list) -> StepTokens | None:
+        """The step's tokens on the host: waits for a deferred draw (a step without drafts)."""
+        if self.tokens is None and self.pending is not None:
+            self.tokens = accept_drafts(self.pending.result(), [(seq, []) for seq, _ in sample_rows])
+        return self.tokens
+
+
+class DraftedStep:
+    """A step's drafts around its model run (``ModelRunner.execute``). Made before the model runs: the drafts the
+    scheduler left to the MTP head are made, and a hybrid's state before its drafts is kept in a spare row (as many as
+    drafting). ``finish``, once the logits are in: the draw, which drafts it accepts, a state that took rejected
+    drafts put back to before the chunk (computed again), and the MTP head told what stands.
+    ``copy_states``: the runner's (rank 0 sends the copies to the other tensor-parallel ranks)."""
+
+    def __init__(self, scheduled: list, mtp, hybrid: bool, states, copy_states):
+        self.scheduled, self.mtp, self.hybrid, self.states, self.copy_states = scheduled, mtp, hybrid, states, \
+            copy_states
+        if mtp is not None:  # the drafts the scheduler left to the MTP head
+            mtp.draft(scheduled)
+        self.drafting = [s for s in scheduled if s.draft]
+        if hybrid:  # a hybrid's state before its drafts, kept in a spare row (as many as drafting)
+            copy_states([(s.seq.state_slot, row) for s, row in zip(self.drafting, states.spare_rows)])
+
+    def finish(self, sample_rows: list, logits, scored: list, pooled: dict, sampler, grammar: Future | None,
+               vocab_size: int, device, defer: bool) -> StepResult:
+        """The step's result from its logits (``sample_rows``: the scheduler's; ``defer``: the draw stays on the
+        device, ``StepResult.pending``, a step without drafts)."""
+        scheduled = self.scheduled
+        if not sample_rows:
+            if self.mtp is not None:
+                self.mtp.keep(scheduled, [], {}, {})
+            return StepResult(None, scored, pooled=pooled)
+        rows, logits_rows = verification_rows(scheduled, sample_rows)
+        if logits_rows != list(range(logits.shape[0])):
+            logits = logits.index_select(0, tensor_on(logits_rows, device))
+        sampled = sample_step(sampler, logits, rows, grammar, vocab_size, device, defer)
+        if defer:
+            return StepResult(None, scored, pooled=pooled, pending=sampled)
+        tokens = accept_drafts(sampled, [(seq, scheduled[i].draft) for seq, i in sample_rows])
+        by_seq = {seq: n for (seq, _), n in zip(sample_rows, tokens.num_accepted)}
+        rejected = rejected_positions(self.drafting, by_seq, self.hybrid)
+        if self.hybrid:  # a state that took rejected drafts goes back to before the chunk, computed again
+            self.copy_states([(row, s.seq.state_slot) for s, row in zip(self.drafting, self.states.spare_rows)
+                              if rejected.get(s.seq)])
+        if self.mtp is not None:
+            self.mtp.keep(scheduled, sample_rows, by_seq, rejected)
+        return StepResult(tokens, scored, rejected, pooled)

@@ -10,6 +10,8 @@ is stripped (Qwen3 writes ``</think>\n\n``, so the content starts with those new
 
 from __future__ import annotations
 
+from mili.sampling_params import ThinkingTokens
+
 THINK_START, THINK_END = "<think>", "</think>"
 
 
@@ -61,8 +63,22 @@ class ReasoningStream:
 
 def think_end_token_id(tokenizer) -> int | None:
     """The id of ``</think>`` when the vocabulary has it as one token (every Qwen3's), else None."""
-    token_id = tokenizer.convert_tokens_to_ids(THINK_END)
+    return _one_token(tokenizer, THINK_END)
+
+
+def _one_token(tokenizer, text: str) -> int | None:
+    token_id = tokenizer.convert_tokens_to_ids(text)
     return token_id if isinstance(token_id, int) and token_id != tokenizer.unk_token_id else None
+
+
+def thinking_tokens(tokenizer, message: str | None) -> ThinkingTokens | None:
+    """What a thinking budget needs of the tokenizer: ``<think>`` and ``</think>`` as single tokens (None where the
+    vocabulary lacks them: the model does not think), and the ids it forces: ``message`` (as written), ``</think>``."""
+    start, end = _one_token(tokenizer, THINK_START), _one_token(tokenizer, THINK_END)
+    if start is None or end is None:
+        return None
+    forced = tokenizer.encode(message, add_special_tokens=False) if message else []
+    return ThinkingTokens(start, end, (*forced, end))
 
 
 def constraint_start(tokenizer, prompt_text: str, thinking: bool) -> int | None:

@@ -106,10 +106,11 @@ def step_bytes(runner, context: int) -> dict[str, int]:
     """What one batch-1 decode step at ``context`` tokens reads and writes: the weights (read), the KV of the
     full-attention layers (read: K and V of every earlier token), and a hybrid's recurrent state (each linear
     layer's conv and SSM state read and written back)."""
-    cfg = runner.model_config
-    kv = 2 * cfg.num_attention_layers * context * cfg.num_key_value_heads * cfg.head_dim * runner.kv_dtype.itemsize
-    state = 2 * runner.states.bytes_per_slot if runner.states is not None else 0
-    return {"weights": weight_bytes_per_step(runner.model), "kv": kv, "state": state}
+    parts = runner.parts
+    cfg = parts.model_config
+    kv = 2 * cfg.num_attention_layers * context * cfg.num_key_value_heads * cfg.head_dim * parts.plan.kv_dtype.itemsize
+    state = 2 * parts.states.bytes_per_slot if parts.states is not None else 0
+    return {"weights": weight_bytes_per_step(parts.model), "kv": kv, "state": state}
 
 
 # the engine options `mili bench` takes (their flags made from EngineConfig's fields, as `mili serve`'s are), and the
@@ -151,8 +152,8 @@ def _run(engine, prompts, out_lens, decode_stats: list | None = None) -> tuple[l
 def _hf_model(engine):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(engine.model_path, dtype=engine.core.runner.dtype).to(
-        engine.core.runner.device).eval()
+    return AutoModelForCausalLM.from_pretrained(engine.model_path, dtype=engine.core.runner.parts.dtype).to(
+        engine.core.runner.parts.device).eval()
 
 
 @torch.inference_mode()
@@ -170,9 +171,9 @@ def _hf_generate(model, batch: list[list[int]], new_tokens: int) -> float:
 
 
 def _header(args, engine) -> None:
-    print(f"mili bench {args.mode}: model {engine.model_path}, dtype {str(engine.core.runner.dtype)[6:]}, "
-          f"quantization {args.quantization or 'none'}, device {engine.core.runner.device}, "
-          f"CPU kernels {'on (' + cpu.isa() + ')' if engine.core.runner.cpu_kernels else 'off'}, "
+    print(f"mili bench {args.mode}: model {engine.model_path}, dtype {str(engine.core.runner.parts.dtype)[6:]}, "
+          f"quantization {args.quantization or 'none'}, device {engine.core.runner.parts.device}, "
+          f"CPU kernels {'on (' + cpu.isa() + ')' if engine.core.runner.parts.plan.cpu_kernels else 'off'}, "
           f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads")
 
 

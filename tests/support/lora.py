@@ -49,7 +49,7 @@ def assert_kernel_products_match(llm, requests) -> None:
     of the sum: a wrong slot or shard is off by several units), and the base row is base(x) exactly."""
     from mili.lora import LoRALinear
 
-    loras = llm.engine.core.runner.loras
+    loras = llm.engine.core.runner.parts.loras
     for request in requests:
         loras.acquire(request)
     loras.prepare([requests[0].lora_int_id, None, requests[1].lora_int_id, requests[0].lora_int_id,

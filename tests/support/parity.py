@@ -36,10 +36,10 @@ def prompt_logprobs(llm, prompt: list[int]) -> torch.Tensor:
     request = llm.engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1))
     sched = core.scheduler.schedule()
     assert [s.num_new_tokens for s in sched.scheduled] == [len(prompt)]  # the whole prompt in one step
-    batch, _ = core.runner.batches.prepare(sched.scheduled)
+    batch, _ = core.runner.parts.batches.prepare(sched.scheduled)
     batch.logits_indices = torch.arange(len(prompt), device=batch.input_ids.device)
     with torch.inference_mode():
-        logits = core.runner.model.compute_logits(core.runner.model(batch, core.runner.kv_caches))
+        logits = core.runner.parts.model.compute_logits(core.runner.parts.model(batch, core.runner.parts.kv_caches))
     core.scheduler.after_step(sched.scheduled)
     llm.engine.abort_request(request.request_id)
     return logits.float().log_softmax(-1).cpu()

@@ -10,6 +10,7 @@ from mili import LLM, SamplingParams
 from mili.kernels import cpu, reference
 from mili.kernels.cpu import ops
 from mili.model.cpu_linear import KernelLinear, Int8Linear, PackedEmbedding, PackedLinear
+from mili.runtime.plan import StepKind
 
 BF16 = torch.bfloat16
 KERNEL_ISAS = [name for name in cpu.runnable_isas() if name != "none"]
@@ -179,13 +180,13 @@ def test_engine_with_cpu_kernels_tracks_torch_ops(isa, qwen3_checkpoint, shape):
     fast = LLM(str(qwen3_checkpoint(shape)), dtype="bfloat16", max_num_batched_tokens=16)
     plain = LLM(str(qwen3_checkpoint(shape)), dtype="bfloat16", cpu_kernels=False)
     runner = fast.engine.core.runner
-    assert runner.cpu_kernels and not plain.engine.plan.cpu_kernels
-    assert isinstance(runner.model.model.layers[0].mlp.down_proj, KernelLinear)
+    assert runner.parts.plan.cpu_kernels and not plain.engine.plan.cpu_kernels
+    assert isinstance(runner.parts.model.model.layers[0].mlp.down_proj, KernelLinear)
     # without the kernels: oneDNN's packing where it runs (held off below AVX-512, as on such a CPU), else aten's
     plain_down = plain.apply_model(lambda m: m.model.layers[0].mlp.down_proj)
     assert isinstance(plain_down, PackedLinear) == (not cpu.onednn_bf16())
     if shape == "mha_tied":  # the table is stored once, packed, in the head
-        assert isinstance(runner.model.model.embed_tokens, PackedEmbedding)
+        assert isinstance(runner.parts.model.model.embed_tokens, PackedEmbedding)
     a, b = (llm.generate(prompt, params, use_tqdm=False)[0].outputs[0] for llm in (fast, plain))
     assert a.token_ids[:4] == b.token_ids[:4]  # random weights: bf16 roundings part paths later
     lp_a, lp_b = a.logprobs[0][a.token_ids[0]].logprob, b.logprobs[0][b.token_ids[0]].logprob
@@ -259,7 +260,7 @@ def fused_checkpoints(qwen3_checkpoint, tmp_path_factory):
 def _fused_equals_eager(fused, eager, prompts, params, min_fused: int, lora_request=None) -> None:
     """``fused``'s outputs (its decode steps on the fused C layer) equal ``eager``'s: every sequence's tokens, and
     their logprobs exactly; at least ``min_fused`` decode steps ran fused."""
-    runner = fused.engine.core.runner.cpu_decode
+    runner = fused.engine.core.runner.parts.cpu_decode
     fused_steps, run = [], runner.run
     runner.run = lambda *args: fused_steps.append(run(*args)) or fused_steps[-1]
     a, b = (llm.generate(prompts, params, use_tqdm=False, lora_request=lora_request) for llm in (fused, eager))
@@ -282,8 +283,9 @@ def test_fused_decode_step_is_the_module_path_bit_for_bit(isa, fused_checkpoints
     path = str(fused_checkpoints[shape])
     fused = LLM(path, dtype="bfloat16", quantization=quantization)
     eager = LLM(path, dtype="bfloat16", quantization=quantization, enforce_eager=True)
-    runner = fused.engine.core.runner.cpu_decode
-    assert runner is not None and fused.engine.plan.step == "cpu-decode" and eager.engine.plan.step == "eager"
+    runner = fused.engine.core.runner.parts.cpu_decode
+    assert runner is not None and fused.engine.plan.step is StepKind.CPU_DECODE
+    assert eager.engine.plan.step is StepKind.EAGER
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, logprobs=3) for m in (12, 5, 12, 9)]
     params[2] = SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=10, ignore_eos=True, logprobs=3)
     _fused_equals_eager(fused, eager, [{"prompt_token_ids": list(range(3, 3 + n))} for n in (1, 7, 40, 90)], params,
@@ -304,7 +306,7 @@ def test_fused_decode_step_with_lora_adapters_is_the_module_path_bit_for_bit(isa
     loras = [LoRARequest("a", 1, str(tmp_path / "a")), LoRARequest("b", 2, str(tmp_path / "b")), None, None]
     kwargs = dict(dtype="bfloat16", enable_lora=True, max_loras=2, max_lora_rank=8)
     fused, eager = LLM(str(path), **kwargs), LLM(str(path), **kwargs, enforce_eager=True)
-    assert fused.engine.plan.step == "cpu-decode" and eager.engine.plan.step == "eager"
+    assert fused.engine.plan.step is StepKind.CPU_DECODE and eager.engine.plan.step is StepKind.EAGER
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
     prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (1, 7, 40, 90)]
     _fused_equals_eager(fused, eager, prompts, params, min_fused=8, lora_request=loras)
@@ -350,8 +352,8 @@ def test_fused_decode_step_takes_int8g_layers_bit_for_bit(isa, fused_checkpoints
     path = str(fused_checkpoints["gqa_untied"])
     fused = LLM(path, dtype="bfloat16")
     eager = LLM(path, dtype="bfloat16", enforce_eager=True)
-    runner = fused.engine.core.runner.cpu_decode
-    assert runner is not None and runner.available and fused.engine.plan.step == "cpu-decode"
+    runner = fused.engine.core.runner.parts.cpu_decode
+    assert runner is not None and runner.available and fused.engine.plan.step is StepKind.CPU_DECODE
     assert isinstance(fused.apply_model(lambda m: m.model.layers[0].mlp.down_proj), Int8GroupLinear)
     assert runner.layers[0].qkv.int8g == 1 and not runner.layers[0].qkv.aux and runner.layers[0].down.aux
     _fused_equals_eager(fused, eager, [{"prompt_token_ids": list(range(3, 3 + n))} for n in (1, 40)],
@@ -744,11 +746,11 @@ def test_k_quants_keep_their_two_level_scales(isa, kind, layer_type):
     group, not 4 (Q4_K: ~0.58 bytes a weight in all)."""
     pytest.importorskip("gguf")
     from mili.model.cpu_linear import Int4Linear, Int8GroupLinear
-    from mili.runtime.model_builder import _quantized_cpu_layer
+    from mili.model.formats.kernel import quantized_cpu_layer
 
     rows, cols = 48, 1024
     parts, want = _k_quant_parts(kind, rows, cols, seed=len(kind))
-    layer = _quantized_cpu_layer(parts, None, None)
+    layer = quantized_cpu_layer(parts, None, None)
     assert type(layer).__name__ == layer_type
     assert layer.scales.dtype == torch.uint8 and ops.scale_form(layer.scales)[0] == ops.SCALES_K
     assert (layer.offsets is None) == (kind == "Q6_K") and getattr(layer, "signed", False) == ("+" in kind)
@@ -790,11 +792,11 @@ def test_int4_high_bits_read_q6_k_and_q5_k_at_their_bytes(isa, kind):
     either side of the switch."""
     pytest.importorskip("gguf")
     from mili.model.cpu_linear import Int4Linear, Int8GroupLinear
-    from mili.runtime.model_builder import _quantized_cpu_layer
+    from mili.model.formats.kernel import quantized_cpu_layer
 
     rows, cols = 80, 1024
     parts, want = _k_quant_parts(kind, rows, cols, seed=11)
-    layer = _quantized_cpu_layer(parts, None, None)
+    layer = quantized_cpu_layer(parts, None, None)
     assert isinstance(layer, Int4Linear) and layer.high_bits == {"Q6_K": 2, "Q5_K": 1}[kind]
     assert (layer.offsets is None) == (kind == "Q6_K")
     stored = sum(t.numel() for t in (layer.qweight, layer.scales, layer.offsets) if t is not None)
@@ -849,15 +851,15 @@ def test_fused_layer_of_mixed_types_splits_into_kernel_forms(isa):
     pytest.importorskip("gguf")
     from mili.model.cpu_linear import Int4Linear, SplitLinear
     from mili.runtime.cpu_decode import _linear_desc, _rows
-    from mili.runtime.model_builder import _split_cpu_layer
+    from mili.model.formats.kernel import split_cpu_layer
 
     shards, wants = zip(*(_k_quant_parts(kind, rows, 512, seed=i) for i, (kind, rows) in
                           enumerate((("Q4_K", 64), ("Q4_K", 32), ("Q6_K", 32)))))
-    layer = _split_cpu_layer(list(shards), None, [64, 32, 32])
+    layer = split_cpu_layer(list(shards), None, [64, 32, 32])
     assert isinstance(layer, SplitLinear) and [type(p) for p in layer.parts] == [Int4Linear, Int4Linear]
     assert [(p.out_features, p.high_bits, p.offsets is None) for p in layer.parts] == [(96, 0, False), (32, 2, True)]
     assert torch.equal(layer.dequantize().view(torch.int32), torch.cat(wants).view(torch.int32))
-    assert _split_cpu_layer([shards[0], shards[1]], None, [64, 32]) is None  # (one form: joined, as before)
+    assert split_cpu_layer([shards[0], shards[1]], None, [64, 32]) is None  # (one form: joined, as before)
     g = torch.Generator().manual_seed(2)
     for m in (1, 3, 17):
         x = (torch.randn(m, 512, generator=g) * 2).to(BF16)
@@ -906,8 +908,8 @@ def test_fused_decode_step_takes_high_bit_and_split_layers_bit_for_bit(isa, fuse
     path = str(fused_checkpoints["gqa_untied"])
     fused = LLM(path, dtype="bfloat16")
     eager = LLM(path, dtype="bfloat16", enforce_eager=True)
-    runner = fused.engine.core.runner.cpu_decode
-    assert runner is not None and runner.available and fused.engine.plan.step == "cpu-decode"
+    runner = fused.engine.core.runner.parts.cpu_decode
+    assert runner is not None and runner.available and fused.engine.plan.step is StepKind.CPU_DECODE
     first = runner.layers[0]
     assert first.qkv.high_bits == 0 and first.qkv.next.contents.high_bits == 2 and first.down.high_bits == 1
     _fused_equals_eager(fused, eager, [{"prompt_token_ids": list(range(3, 3 + n))} for n in (1, 40)],

@@ -82,8 +82,8 @@ def test_graph_replay_path_equals_eager(kind, tiny_checkpoint, tmp_path):
     eager = _greedy(LLM(str(path), **kw), prompts)
     llm = LLM(str(path), **kw)
     runner = llm.engine.core.runner
-    runner.graphs = EagerGraphs(runner)
-    assert runner.graphs.sizes == [1, 2, 4] and set(runner.graphs.graphs) == {1, 2, 4}
+    runner.parts.graphs = EagerGraphs(runner.parts)
+    assert runner.parts.graphs.sizes == [1, 2, 4] and set(runner.parts.graphs.graphs) == {1, 2, 4}
     EagerGraphs.replays = 0
     assert _greedy(llm, prompts) == eager
     assert EagerGraphs.replays >= 2  # the decode steps went through the graphs
@@ -114,10 +114,11 @@ def test_mixed_step_graphs_equal_eager(tiny_checkpoint):
     eager = _greedy(LLM(str(tiny_checkpoint), **kw), prompts)
     llm = LLM(str(tiny_checkpoint), **kw)
     runner = llm.engine.core.runner
-    runner.plan = dataclasses.replace(runner.plan, mixed_graph_sizes=(16, 32))  # (the CPU's plan captures none)
-    runner.graphs = EagerGraphs(runner)
-    assert set(runner.graphs.mixed.graphs) == {16, 32}
-    runner.graphs.mixed = counting = CountingMixed(runner.graphs.mixed)
+    # (the CPU's plan captures none)
+    runner.parts.plan = dataclasses.replace(runner.parts.plan, mixed_graph_sizes=(16, 32))
+    runner.parts.graphs = EagerGraphs(runner.parts)
+    assert set(runner.parts.graphs.mixed.graphs) == {16, 32}
+    runner.parts.graphs.mixed = counting = CountingMixed(runner.parts.graphs.mixed)
     assert _greedy(llm, prompts) == eager
     assert counting.replays >= 2
     llm.engine.check_integrity()

@@ -121,7 +121,7 @@ def alone(llm):
 
 
 def test_a_row_whose_sampling_raises_fails_alone(llm, alone, monkeypatch):
-    sampler = llm.engine.core.runner.sampler
+    sampler = llm.engine.core.runner.parts.sampler
     real = type(sampler).__call__
 
     def failing(self, logits, meta):
@@ -137,7 +137,7 @@ def test_a_row_whose_sampling_raises_fails_alone(llm, alone, monkeypatch):
 
 @pytest.mark.parametrize("bad", [VOCAB, 10**9, -5, NO_TOKEN])
 def test_a_token_outside_the_vocabulary_is_never_fed_back(llm, alone, monkeypatch, bad):
-    sampler = llm.engine.core.runner.sampler
+    sampler = llm.engine.core.runner.parts.sampler
     real = type(sampler).__call__
 
     def wrong_ids(self, logits, meta):

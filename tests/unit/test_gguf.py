@@ -16,6 +16,7 @@ from mili import LLM, SamplingParams  # noqa: E402
 from mili.errors import ModelLoadError  # noqa: E402
 from mili.model.gguf_blocks import group_parts  # noqa: E402
 from mili.model.quant import concat_parts  # noqa: E402
+from mili.runtime.plan import StepKind  # noqa: E402
 from support.checkpoints import QWEN3_TOKENIZER, build_checkpoint  # noqa: E402
 from support.engine_state import assert_drained  # noqa: E402
 from support.gguf_files import _encode, build_gguf_model, dequantized_state_dict, write_gguf  # noqa: E402
@@ -119,12 +120,12 @@ def test_bf16_runs_the_blocks_on_the_kernels_as_stored(gguf_model):
     assert torch.equal(gate_up.dequantize(), _gguf_dequantized(path, "blk.0.ffn_gate.weight", "blk.0.ffn_up.weight"))
     assert torch.equal(down.dequantize(), _gguf_dequantized(path, "blk.0.ffn_down.weight"))
     assert torch.equal(head.dequantize(), _gguf_dequantized(path, "output.weight"))
-    assert llm.engine.plan.step == "cpu-decode" and cpu_kernels.available()
+    assert llm.engine.plan.step is StepKind.CPU_DECODE and cpu_kernels.available()
     # q and k Q4_K beside a Q6_K v: split, q|k on the int4 kernel, v on it with two high bits, each as stored
     qkv = llm.apply_model(lambda m: m.model.layers[0].self_attn.qkv_proj)
     assert isinstance(qkv, SplitLinear) and [p.high_bits for p in qkv.parts] == [0, 2]
     assert all(p.scales.dtype == torch.uint8 for p in qkv.parts)
-    runner = llm.engine.core.runner.cpu_decode
+    runner = llm.engine.core.runner.parts.cpu_decode
     first = runner.layers[0]
     assert first.qkv.scale_mode == first.gate_up.scale_mode == 2 and first.qkv.next.contents.high_bits == 2
     assert torch.equal(qkv.dequantize(), _gguf_dequantized(path, *(f"blk.0.attn_{p}.weight" for p in "qkv")))

@@ -231,7 +231,7 @@ def test_bfloat16_matches_hf_bfloat16(hybrid_checkpoint, kind, tmp_path):
     def errors(path, dtype: str = "bfloat16") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """|ours - HF bf16| per prompt token and per decoded token; and |HF float32 - HF bf16| per prompt token."""
         llm = LLM(str(path), dtype=dtype, max_num_batched_tokens=16, page_size=16)
-        states = llm.engine.core.runner.states
+        states = llm.engine.core.runner.parts.states
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0, prompt_logprobs=0)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         prompt_err, decode_err, float32_err = [], [], []

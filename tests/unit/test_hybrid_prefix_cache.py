@@ -161,7 +161,7 @@ def test_aborts_and_preemption_return_slots_and_snapshots(hybrid_checkpoint):
 
 def test_ready_counts_snapshots_and_zero_snapshots_turn_the_cache_off(hybrid_checkpoint, pair, caplog):
     on, _ = pair("qwen3_5")
-    ready, layout = on.engine.core.ready(), on.engine.core.runner.layout
+    ready, layout = on.engine.core.ready(), on.engine.core.runner.parts.layout
     assert ready.prefix_caching and ready.state_snapshots == on.engine.stats().num_snapshots > 0
     assert ready.state_bytes == (ready.state_slots + ready.state_snapshots) * layout.bytes_per_state_slot
     with caplog.at_level("INFO", logger="mili"):

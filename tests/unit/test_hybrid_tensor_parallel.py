@@ -35,13 +35,13 @@ def test_tp2_matches_tp1(hybrid_checkpoint, kind):
     prompts = _prompts()
     one = LLM(path, dtype="float32", max_num_batched_tokens=32, page_size=16)
     expected = _tokens(one.generate(prompts, PARAMS, use_tqdm=False))
-    full = one.engine.core.runner.states.caches[0][1].shape
+    full = one.engine.core.runner.parts.states.caches[0][1].shape
     del one
     two = LLM(path, dtype="float32", max_num_batched_tokens=32, page_size=16, tensor_parallel_size=2)
     try:
         runner = two.engine.core.runner
-        assert runner.tp_size == 2 and len(runner.workers) == 1 and runner.workers[0].is_alive()
-        conv, ssm = runner.states.caches[0]  # rank 0's states: half the value heads
+        assert runner.tp.size == 2 and len(runner.tp.workers) == 1 and runner.tp.workers[0].is_alive()
+        conv, ssm = runner.parts.states.caches[0]  # rank 0's states: half the value heads
         assert ssm.shape[1] * 2 == full[1]
         assert _tokens(two.generate(prompts, PARAMS, use_tqdm=False)) == expected
         two.engine.check_integrity()
@@ -53,7 +53,7 @@ def test_tp2_matches_tp1(hybrid_checkpoint, kind):
             two.engine.check_integrity()
     finally:
         two.engine.shutdown()
-    assert not runner.workers
+    assert not runner.tp.workers
 
 
 def test_an_odd_vocabulary_splits(hybrid_checkpoint, tmp_path):

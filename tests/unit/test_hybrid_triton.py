@@ -19,6 +19,7 @@ from mili import LLM, InvalidRequest, SamplingParams  # noqa: E402
 from mili.kernels import gated_delta as ref  # noqa: E402
 from mili.kernels import gated_delta_fla  # noqa: E402
 from mili.runtime.cuda_graph import CudaGraphRunner  # noqa: E402
+from mili.runtime.plan import AttentionBackend, GatedDeltaImpl  # noqa: E402
 from support.engine_state import assert_drained  # noqa: E402
 
 PROMPTS = [[7], [5, 6, 7, 8, 9], list(range(20, 60))]  # a one-token prompt; 40 > the 24-token budget: chunked
@@ -49,9 +50,9 @@ def test_hybrid_on_the_triton_attention_backend(qwen3_5, torch_tokens):
     cached prefix): the torch backend's greedy tokens."""
     llm = LLM(str(qwen3_5), attention_backend="triton", **KW)
     plan, stats = llm.engine.plan, llm.engine.stats()
-    assert plan.attention == "triton" and plan.gated_delta != "fla"  # CPU: torch's gated delta rule
+    assert plan.attention is AttentionBackend.TRITON and plan.gated_delta is not GatedDeltaImpl.FLA  # CPU: torch's gated delta rule
     # (the CUDA graphs' padding rows: one row past the slots and snapshots)
-    assert llm.engine.core.runner.states.scratch_row == stats.num_state_slots + stats.num_snapshots
+    assert llm.engine.core.runner.parts.states.scratch_row == stats.num_state_slots + stats.num_snapshots
     assert _greedy(llm) == torch_tokens
 
 
@@ -87,7 +88,7 @@ def _garbage(runner) -> None:
     """Garbage in every row (free slots, the scratch row): a sequence's first token must not read its slot, and
     no real row may read the scratch row."""
     with torch.no_grad():
-        for conv, ssm in runner.states.caches:
+        for conv, ssm in runner.parts.states.caches:
             conv.fill_(7.0)
             ssm.fill_(7.0)
 
@@ -98,10 +99,10 @@ def test_hybrid_decode_through_the_graph_runner(qwen3_5, torch_tokens):
     and writes the scratch row; greedy tokens are the eager path's."""
     llm = LLM(str(qwen3_5), attention_backend="triton", enforce_eager=True, max_num_seqs=4, **KW)
     runner = llm.engine.core.runner
-    scratch = runner.states.scratch_row
+    scratch = runner.parts.states.scratch_row
     _garbage(runner)
-    runner.graphs = EagerGraphs(runner)
-    assert runner.graphs.sizes == [1, 2, 4] and set(runner.graphs.graphs) == {1, 2, 4}
+    runner.parts.graphs = EagerGraphs(runner.parts)
+    assert runner.parts.graphs.sizes == [1, 2, 4] and set(runner.parts.graphs.graphs) == {1, 2, 4}
     EagerGraphs.replays, EagerGraphs.seen = 0, []
     assert _greedy(llm) == torch_tokens
     assert EagerGraphs.replays >= 2
@@ -131,8 +132,8 @@ def test_gated_delta_dispatch(qwen3_5, monkeypatch):
     config = EngineConfig(str(qwen3_5), attention_backend="torch", **KW)
     model_config = ModelConfig.from_hf(load_hf_config(str(qwen3_5)))
     h100 = dict(name="H100", capability=(9, 0), smem_per_block=227 * 1024, num_sms=132)
-    assert plan(config, model_config, DeviceInfo("cpu", onednn_bf16="")).gated_delta == "torch"
-    assert plan(config, model_config, DeviceInfo("cuda", fla=True, **h100)).gated_delta == "fla"
+    assert plan(config, model_config, DeviceInfo("cpu", onednn_bf16="")).gated_delta is GatedDeltaImpl.TORCH
+    assert plan(config, model_config, DeviceInfo("cuda", fla=True, **h100)).gated_delta is GatedDeltaImpl.FLA
     with pytest.raises(InvalidRequest, match="pip install fla-core"):
         plan(config, model_config, DeviceInfo("cuda", fla=False, **h100))
 

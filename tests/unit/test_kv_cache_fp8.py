@@ -24,7 +24,8 @@ def test_fp8_pages_twice_as_many_and_reported(tiny_checkpoint):
     fp8 = LLM(str(tiny_checkpoint), dtype="bfloat16", kv_cache_memory=memory, kv_cache_dtype="fp8", **TRITON)
     plain, runner = bf16.engine.core.runner, fp8.engine.core.runner
     assert bf16.engine.stats().num_pages == 6 and fp8.engine.stats().num_pages == 12
-    assert runner.kv_caches[0][0].dtype == torch.float8_e4m3fn and plain.kv_caches[0][0].dtype == torch.bfloat16
+    assert runner.parts.kv_caches[0][0].dtype == torch.float8_e4m3fn
+    assert plain.parts.kv_caches[0][0].dtype == torch.bfloat16
     # what /health and /v1/models report (the core's Ready message)
     assert fp8.engine.core.ready().kv_cache_dtype == "fp8_e4m3"
     assert bf16.engine.core.ready().kv_cache_dtype == "bfloat16"
@@ -34,7 +35,7 @@ def test_fp8_pages_twice_as_many_and_reported(tiny_checkpoint):
     assert [len(o.outputs[0].token_ids) for o in outs] == [4, 4]
     fp8.engine.check_integrity()
     # copy-on-write copies FP8 pages byte for byte
-    k_cache = runner.kv_caches[1][0]
+    k_cache = runner.parts.kv_caches[1][0]
     k_cache[3] = torch.randn(k_cache.shape[1:]).to(torch.float8_e4m3fn)
     runner.copy_pages([(3, 7)])
     assert torch.equal(k_cache[7].view(torch.uint8), k_cache[3].view(torch.uint8))
@@ -82,7 +83,7 @@ def test_fp8_kv_cache_kl_within_its_rounding_budget(tmp_path, qwen3_tokenizer):
     ref = prompt_logprobs(LLM(str(dense), **common), prompt)
     fp8 = prompt_logprobs(LLM(str(dense), kv_cache_dtype="fp8", **common), prompt)
     noisy = LLM(str(dense), **common)
-    backend = noisy.engine.core.runner.attention
+    backend = noisy.engine.core.runner.parts.attention
     backend.qk_norm_rope_store = None  # (no fused norm + store: the layers store K/V through forward, noised here)
     store_and_attend = backend.forward
     generator = torch.Generator().manual_seed(0)

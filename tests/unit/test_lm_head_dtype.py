@@ -69,10 +69,10 @@ def _hidden_l1(llm, prompt: list[int]) -> torch.Tensor:
     runner, core = llm.engine.core.runner, llm.engine.core
     request = llm.engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1))
     sched = core.scheduler.schedule()
-    batch, _ = runner.batches.prepare(sched.scheduled)
+    batch, _ = runner.parts.batches.prepare(sched.scheduled)
     batch.logits_indices = torch.arange(len(prompt))
     with torch.inference_mode():
-        hidden = runner.model(batch, runner.kv_caches).float()
+        hidden = runner.parts.model(batch, runner.parts.kv_caches).float()
     core.scheduler.after_step(sched.scheduled)
     llm.engine.abort_request(request.request_id)
     return hidden.abs().sum(-1)

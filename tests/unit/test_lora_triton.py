@@ -15,6 +15,7 @@ pytest.importorskip("triton")
 from mili import LLM, LoRARequest, SamplingParams  # noqa: E402
 from mili.kernels.triton.lora import lora_add, segments  # noqa: E402
 from mili.lora import LoRALinear, LoRAStep  # noqa: E402
+from mili.runtime.plan import AttentionBackend  # noqa: E402
 from support.devices import TRITON_DEVICE as DEVICE  # noqa: E402
 from support.lora import build_adapter, check_outputs  # noqa: E402
 from support.parity import hf_greedy  # noqa: E402
@@ -169,8 +170,8 @@ def test_the_engine_on_the_triton_path_with_adapters_matches_peft(tmp_path, qwen
     tokens = 6
     llm = LLM(str(base), dtype="float32", attention_backend="triton", enable_lora=True, max_loras=2,
               max_lora_rank=8)
-    assert llm.engine.plan.attention == "triton"
-    loras = llm.engine.core.runner.loras
+    assert llm.engine.plan.attention is AttentionBackend.TRITON
+    loras = llm.engine.core.runner.parts.loras
     assert loras.step.triton and all(layer.triton for layer in loras.layers.values())
     names = ["a", None, "b"]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
@@ -194,7 +195,7 @@ def test_the_hybrids_on_the_triton_path_with_an_adapter_match_peft(tmp_path, hyb
     base = hybrid_checkpoint(kind)
     reference = build_adapter(base, tmp_path / "a", 1, targets=TARGETS[kind], std=0.1)
     llm = LLM(str(base), dtype="float32", enable_lora=True, attention_backend="triton")
-    assert llm.engine.core.runner.loras.step.triton
+    assert llm.engine.core.runner.parts.loras.step.triton
     params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=0)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], params, use_tqdm=False,
                         lora_request=[LoRARequest("a", 1, str(tmp_path / "a")), None])

@@ -12,6 +12,7 @@ from support.checkpoints import MOE_SHAPES, build_moe_checkpoint
 from mili import LLM, ModelLoadError, SamplingParams
 from mili.kernels import cpu
 from mili.model.cpu_linear import KernelLinear
+from mili.runtime.plan import StepKind
 
 PROMPT_LENS = [1, 7, 40, 150]  # 150 is prefilled in chunks (budget 64 tokens)
 MAX_TOKENS = 16
@@ -94,7 +95,7 @@ def test_cpu_kernels_run_the_experts(tmp_path):
     block = kernel.apply_model(lambda m: m.model.layers[1].mlp)
     assert isinstance(block.experts.linears[0], KernelLinear) and block.experts.w13 is None
     assert type(block.gate).__name__ == "RouterLinear"
-    assert kernel.engine.plan.step == "eager"  # the fused decode step is dense-only
+    assert kernel.engine.plan.step is StepKind.EAGER  # the fused decode step is dense-only
     torch_path = LLM(str(path), dtype="bfloat16", cpu_kernels=False, cpu_weight_prepack=False)
     a = kernel.generate(prompts, params, use_tqdm=False)
     b = torch_path.generate(prompts, params, use_tqdm=False)

@@ -70,8 +70,8 @@ def test_head_matches_a_reimplementation_over_its_kv(hub):
     (each attends to the K/V the earlier calls wrote in the head's pages): the reimplementation's outputs."""
     llm = LLM(str(hub), dtype="float32", speculative_config=MTP)
     runner = llm.engine.core.runner
-    model, kv = runner.model, runner.kv_caches[-1]
-    assert len(runner.kv_caches) == 2  # the model's one full-attention layer, and the head's
+    model, kv = runner.parts.model, runner.parts.kv_caches[-1]
+    assert len(runner.parts.kv_caches) == 2  # the model's one full-attention layer, and the head's
     g = torch.Generator().manual_seed(3)
     tokens = torch.randint(0, 512, (6,), generator=g)
     prev = torch.randn(6, 64, generator=g)
@@ -83,7 +83,7 @@ def test_head_matches_a_reimplementation_over_its_kv(hub):
     with torch.inference_mode():
         got = [model.mtp_forward(tokens[:4], prev[:4], chunk, kv)]
         for p in (4, 5):
-            one = runner.batches.one_token_batch([[page]], [p], tokens[p:p + 1])
+            one = runner.parts.batches.one_token_batch([[page]], [p], tokens[p:p + 1])
             got.append(model.mtp_forward(tokens[p:p + 1], prev[p:p + 1], one, kv))
     llm.engine.core.pages.decref([page])
     want = _reference_head(hub, tokens, prev)
@@ -139,7 +139,7 @@ def test_scripted_head_drafts_right(tmp_path):
     assert stats["num_drafts"] <= 2 * (64 / 4 + 2)  # about 4 tokens a step
     _clean(spec)
 
-    drafter, calls = spec.engine.core.runner.mtp, iter(range(10**9))
+    drafter, calls = spec.engine.core.runner.parts.mtp, iter(range(10**9))
     draft = drafter.draft
 
     def spoilt(scheduled):

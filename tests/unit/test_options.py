@@ -37,7 +37,8 @@ ENGINE_FLAGS = {
 SERVER_FLAGS = {"--host": "127.0.0.1", "--port": 8000, "--served-model-name": None, "--api-key": None,
                 "--max-queued-requests": 1024, "--shutdown-timeout": 10.0, "--tool-call-parser": "auto",
                 "--api-server-count": 1, "--lora-modules": None, "--allow-runtime-lora-updating": False,
-                "--log-level": "info", "--config": None}
+                "--reasoning-budget": None, "--reasoning-budget-message": None,
+                "--reasoning-effort-budgets": "low=1024,medium=4096,high=16384", "--log-level": "info", "--config": None}
 
 
 def _subparser(name: str):
@@ -80,6 +81,8 @@ def _sample(name: str, field, opt, cls=EngineConfig):
         return ["a.example", "b.example"], "a.example,b.example"
     if opt.nargs:
         return ["a=/x", "b=/y"], ["a=/x", "b=/y"]
+    if opt.example is not None:
+        return opt.example, opt.example
     kind = options.value_type(cls, name)
     if kind is not None:
         return kind(3) if kind is int else 0.5, kind(3) if kind is int else 0.5

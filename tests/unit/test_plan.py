@@ -11,7 +11,13 @@ from transformers import Qwen3Config, Qwen3MoeConfig
 
 from mili.config import EngineConfig, ModelConfig
 from mili.errors import InvalidRequest
-from mili.runtime.plan import DeviceInfo, LoRAKernel, PrefixCacheKind, plan
+from mili.model.formats.fp8 import Fp8
+from mili.model.formats.int8 import Int8, TritonInt8
+from mili.model.formats.kernel import Kernel
+from mili.model.formats.plain import Packed, Plain
+from mili.model.formats.triton import Triton
+from mili.runtime.plan import (AttentionBackend, DeviceInfo, DrawKind, LoRAKernel, PrefixCacheKind, SpeculativeMethod,
+                               StepKind, plan)
 
 KIB = 1024
 H100 = DeviceInfo("cuda", "H100", 0, (9, 0), 227 * KIB, 132, triton=True, fla=True)
@@ -47,18 +53,19 @@ def engine(**kw) -> EngineConfig:
 
 
 @pytest.mark.parametrize("device,attention,linears,step", [
-    (H100, "triton", "plain", "cuda-graphs"),
-    (A100, "triton", "plain", "cuda-graphs"),
-    (ZEN3, "cpu", "kernel", "cpu-decode"),
-    (SAPPHIRE_RAPIDS, "cpu", "kernel", "cpu-decode"),
-    (GRAVITON, "cpu", "kernel", "cpu-decode"),
-    (NO_KERNELS, "torch", "packed", "eager"),  # oneDNN's bf16 packing where MILI's kernels don't load
+    (H100, AttentionBackend.TRITON, Plain(), StepKind.CUDA_GRAPHS),
+    (A100, AttentionBackend.TRITON, Plain(), StepKind.CUDA_GRAPHS),
+    (ZEN3, AttentionBackend.CPU, Kernel(), StepKind.CPU_DECODE),
+    (SAPPHIRE_RAPIDS, AttentionBackend.CPU, Kernel(), StepKind.CPU_DECODE),
+    (GRAVITON, AttentionBackend.CPU, Kernel(), StepKind.CPU_DECODE),
+    # oneDNN's bf16 packing where MILI's kernels don't load
+    (NO_KERNELS, AttentionBackend.TORCH, Packed(), StepKind.EAGER),
 ])
 def test_a_bf16_model_on_each_device(device, attention, linears, step):
     p = plan(engine(), qwen3(), device)
     assert (p.attention, p.linears, p.step, p.dtype, p.kv_dtype) == (attention, linears, step, torch.bfloat16,
                                                                      torch.bfloat16)
-    assert p.cpu_kernels == (attention == "cpu") and p.weight_format == "unquantized"
+    assert p.cpu_kernels == (attention is AttentionBackend.CPU) and p.weight_format == "unquantized"
     assert set(p.describe()) >= {"device", "dtype", "attention", "weights", "kv cache", "step", "speculative"}
     if device.type == "cpu":  # each family's path is named, from the description alone
         paths = p.cpu_paths
@@ -69,14 +76,15 @@ def test_a_bf16_model_on_each_device(device, attention, linears, step):
 def test_the_cpu_without_kernels_or_in_float32_runs_aten():
     zen3_no_kernels = dataclasses.replace(ZEN3, cpu_kernels="", cpu_kernels_why="MILI_CPU_ISA=none")
     p = plan(engine(), qwen3(), zen3_no_kernels)
-    assert (p.attention, p.linears, p.step) == ("torch", "plain", "eager")  # no oneDNN bf16 on AVX2 either
+    # no oneDNN bf16 on AVX2 either
+    assert (p.attention, p.linears, p.step) == (AttentionBackend.TORCH, Plain(), StepKind.EAGER)
     assert "MILI_CPU_ISA=none" in p.cpu_paths["norms, RoPE, SwiGLU"]
     f32 = plan(engine(dtype="float32"), qwen3(), SAPPHIRE_RAPIDS)
-    assert (f32.attention, f32.linears, f32.dtype) == ("torch", "plain", torch.float32)
+    assert (f32.attention, f32.linears, f32.dtype) == (AttentionBackend.TORCH, Plain(), torch.float32)
     assert f32.cpu_paths["bf16 linears"] == "aten (float32)"
     half = plan(engine(), qwen3("float16"), ZEN3)  # float16 checkpoints run bf16 on the CPU
     assert half.dtype == torch.bfloat16 and plan(engine(), qwen3("float16"), H100).dtype == torch.float16
-    assert plan(engine(cpu_kernels=False), qwen3(), SAPPHIRE_RAPIDS).attention == "torch"
+    assert plan(engine(cpu_kernels=False), qwen3(), SAPPHIRE_RAPIDS).attention is AttentionBackend.TORCH
     assert plan(engine(dtype="bf16"), qwen3("float32"), ZEN3).dtype == torch.bfloat16  # (the names LLM() accepts)
     assert plan(engine(dtype="half"), qwen3(), H100).dtype == torch.float16
 
@@ -84,24 +92,26 @@ def test_the_cpu_without_kernels_or_in_float32_runs_aten():
 def test_int8_and_awq_follow_the_int8_kernels():
     assert plan(engine(quantization="int8"), qwen3(), ZEN3).weight_format == "int8 per channel (W8A8 kernel)"
     skx = plan(engine(quantization="int8"), qwen3(), SKYLAKE_X)  # AVX-512 without VNNI: aten's weight-only int8
-    assert (skx.linears, skx.int8_kernels, skx.weight_format) == ("int8", False, "int8 per channel (weight-only)")
+    assert (skx.linears, skx.int8_kernels, skx.weight_format) == (Int8(False), False, "int8 per channel (weight-only)")
     awq = plan(engine(), qwen3(quantization=AWQ), GRAVITON)
-    assert awq.keep_quantized and awq.lm_head == "int8" and "on the int4 kernel (W4A8)" in awq.weight_format
+    assert awq.keep_quantized and awq.lm_head == Int8(True) and "on the int4 kernel (W4A8)" in awq.weight_format
     dequantized = plan(engine(), qwen3(quantization=AWQ), SKYLAKE_X)
     assert not dequantized.keep_quantized and dequantized.lm_head is None
     assert dequantized.weight_format.endswith("dequantized to bfloat16")
     gpu = plan(engine(), qwen3(quantization=AWQ), H100)
-    assert (gpu.linears, gpu.keep_quantized) == ("triton", True) and "Triton int4 GEMM" in gpu.weight_format
+    assert (type(gpu.linears), gpu.linears.group_size, gpu.keep_quantized) == (Triton, 32, True)
+    assert "Triton int4 GEMM" in gpu.weight_format
     assert set(gpu.gemm_tiles) == {"fp8 decode", "fp8 prefill", "int4 decode", "int4 prefill"}
 
 
 @pytest.mark.parametrize("device,linears,weights,step", [
-    (H100, "triton-int8", "int8 per channel (Triton, weight-only)", "cuda-graphs"),
-    (A100, "triton-int8", "int8 per channel (Triton, weight-only)", "cuda-graphs"),
-    (L4, "triton-int8", "int8 per channel (Triton, weight-only)", "cuda-graphs"),
-    (INTERPRETER, "int8", "int8 per channel (W8A8 kernel)", "cpu-decode"),  # the CPU's paths stay as they were
-    (ZEN3, "int8", "int8 per channel (W8A8 kernel)", "cpu-decode"),
-    (SKYLAKE_X, "int8", "int8 per channel (weight-only)", "eager"),
+    (H100, TritonInt8(), "int8 per channel (Triton, weight-only)", StepKind.CUDA_GRAPHS),
+    (A100, TritonInt8(), "int8 per channel (Triton, weight-only)", StepKind.CUDA_GRAPHS),
+    (L4, TritonInt8(), "int8 per channel (Triton, weight-only)", StepKind.CUDA_GRAPHS),
+    # the CPU's paths stay as they were
+    (INTERPRETER, Int8(True), "int8 per channel (W8A8 kernel)", StepKind.CPU_DECODE),
+    (ZEN3, Int8(True), "int8 per channel (W8A8 kernel)", StepKind.CPU_DECODE),
+    (SKYLAKE_X, Int8(False), "int8 per channel (weight-only)", StepKind.EAGER),
 ])
 def test_int8_on_cuda_runs_the_triton_gemm(device, linears, weights, step):
     p = plan(engine(quantization="int8"), qwen3(), device)
@@ -115,12 +125,12 @@ def test_int8_off_the_triton_gemm_where_it_cannot_run():
     """The Triton backend under TRITON_INTERPRET runs the GEMM (the tests' path); CUDA without triton, or before SM
     8.0 (V100, the torch backend), keeps aten's weight-only int8; tensor parallelism and hybrids are refused."""
     interpreted = plan(engine(quantization="int8", attention_backend="triton"), qwen3(), INTERPRETER)
-    assert (interpreted.linears, interpreted.weight_format) == ("triton-int8", "int8 per channel (Triton, weight-only)")
+    assert (interpreted.linears, interpreted.weight_format) == (TritonInt8(), "int8 per channel (Triton, weight-only)")
     for device, kw in ((dataclasses.replace(H100, triton=False), {}), (V100, {"attention_backend": "torch"})):
         p = plan(engine(quantization="int8", **kw), qwen3(), device)
-        assert (p.linears, p.weight_format, p.gemm_tiles) == ("int8", "int8 per channel (weight-only)", {})
+        assert (p.linears, p.weight_format, p.gemm_tiles) == (Int8(False), "int8 per channel (weight-only)", {})
     f32 = plan(engine(quantization="int8", dtype="float32"), qwen3(), H100)  # float32 models: IEEE dots, small tiles
-    assert f32.linears == "triton-int8" and f32.gemm_tiles["int8 prefill"].block_m == 16
+    assert f32.linears == TritonInt8() and f32.gemm_tiles["int8 prefill"].block_m == 16
     with pytest.raises(InvalidRequest, match="quantization with tensor parallelism"):
         plan(engine(quantization="int8", tensor_parallel_size=2), qwen3(), H100)
     hybrid = dataclasses.replace(qwen3(), layer_types=["linear_attention", "full_attention"])
@@ -142,9 +152,9 @@ def test_the_gemm_tiles_fit_each_device():
 
 
 def test_fp8_and_the_kv_cache():
-    assert plan(engine(quantization="fp8"), qwen3(), H100).linears == "fp8"
+    assert plan(engine(quantization="fp8"), qwen3(), H100).linears == Fp8()
     a100 = plan(engine(quantization="fp8"), qwen3(), A100)  # no FP8 GEMM before SM 8.9: int8 from FP8 values
-    assert a100.linears == "triton-int8" and a100.fp8_round_trip
+    assert a100.linears == TritonInt8() and a100.fp8_round_trip
     assert a100.weight_format == "int8 per channel (Triton, weight-only), requantized from fp8 values"
     assert plan(engine(kv_cache_dtype="fp8"), qwen3(), H100).kv_dtype == torch.float8_e4m3fn
     with pytest.raises(InvalidRequest, match="FP8 \\(compute capability 8.9"):
@@ -176,31 +186,31 @@ def test_an_already_quantized_checkpoint_is_not_quantized_again():
 
 def test_tensor_parallelism_moe_and_eager():
     tp = plan(engine(tensor_parallel_size=2), qwen3(), SAPPHIRE_RAPIDS)
-    assert (tp.attention, tp.step, tp.tensor_parallel_size) == ("torch", "eager", 2)
+    assert (tp.attention, tp.step, tp.tensor_parallel_size) == (AttentionBackend.TORCH, StepKind.EAGER, 2)
     assert tp.cpu_paths["norms, RoPE, SwiGLU"] == "torch (MILI kernels off: tensor parallelism)"
     tp_gpu = plan(engine(tensor_parallel_size=2), qwen3(), H100)
-    assert tp_gpu.step == "eager" and "tensor-parallel" in tp_gpu.step_why
+    assert tp_gpu.step is StepKind.EAGER and "tensor-parallel" in tp_gpu.step_why
     moe = plan(engine(), qwen3(moe=True), H100)
-    assert moe.step == "eager" and "MoE" in moe.step_why
+    assert moe.step is StepKind.EAGER and "MoE" in moe.step_why
     cpu_moe = plan(engine(), qwen3(moe=True), ZEN3)
-    assert cpu_moe.step == "eager" and "mixture-of-experts" in cpu_moe.step_why
+    assert cpu_moe.step is StepKind.EAGER and "mixture-of-experts" in cpu_moe.step_why
     assert "multiples of 32" in plan(engine(), qwen3(head_dim=16), ZEN3).step_why  # the fused layer's bound
-    assert plan(engine(enforce_eager=True), qwen3(), H100).step == "eager"
-    assert plan(engine(enforce_eager=True), qwen3(), ZEN3).step == "eager"
+    assert plan(engine(enforce_eager=True), qwen3(), H100).step is StepKind.EAGER
+    assert plan(engine(enforce_eager=True), qwen3(), ZEN3).step is StepKind.EAGER
 
 
 def test_the_fused_cpu_decode_takes_only_layers_it_runs_whole():
     """A layer the fused C decode layer cannot take is known from the shapes and formats, before a weight loads."""
     odd = qwen3()
     odd.intermediate_size = 100  # gate_up's 200 outputs: not a multiple of 16
-    assert plan(engine(), odd, ZEN3).step == "eager" and "multiple of 16" in plan(engine(), odd, ZEN3).step_why
-    assert plan(engine(quantization="int8"), qwen3(), ZEN3).step == "cpu-decode"  # the W8A8 kernel's layers
-    assert plan(engine(quantization="int8"), qwen3(), SKYLAKE_X).step == "eager"  # aten's weight-only int8
+    assert plan(engine(), odd, ZEN3).step is StepKind.EAGER and "multiple of 16" in plan(engine(), odd, ZEN3).step_why
+    assert plan(engine(quantization="int8"), qwen3(), ZEN3).step is StepKind.CPU_DECODE  # the W8A8 kernel's layers
+    assert plan(engine(quantization="int8"), qwen3(), SKYLAKE_X).step is StepKind.EAGER  # aten's weight-only int8
 
 
 def test_sampling_draws_without_a_host_sync_on_gpus():
-    assert plan(engine(), qwen3(), ZEN3).draw == "inverse-cdf"
-    assert plan(engine(), qwen3(), H100).draw == "exponential-race"
+    assert plan(engine(), qwen3(), ZEN3).draw is DrawKind.INVERSE_CDF
+    assert plan(engine(), qwen3(), H100).draw is DrawKind.EXPONENTIAL_RACE
 
 
 def test_the_prefix_cache_and_the_lora_kernel_are_chosen_here():
@@ -238,3 +248,14 @@ def test_the_plan_is_frozen():
     p = plan(engine(), qwen3(), ZEN3)
     with pytest.raises(dataclasses.FrozenInstanceError):
         p.attention = "torch"
+
+
+def test_the_plan_choices_are_enums_described_by_their_values():
+    """attention, step, speculative and draw are enums; ``describe()`` shows their values (the words it always did)."""
+    gpu = plan(engine(speculative_config={"method": "ngram", "num_speculative_tokens": 2}), qwen3(), H100)
+    assert (gpu.attention, gpu.speculative, gpu.draw) == (AttentionBackend.TRITON, SpeculativeMethod.NGRAM,
+                                                          DrawKind.EXPONENTIAL_RACE)
+    rows = gpu.describe()
+    assert (rows["attention"], rows["speculative"]) == ("triton", "ngram") and rows["step"].startswith("cuda-graphs")
+    cpu = plan(engine(), qwen3(), ZEN3).describe()
+    assert (cpu["attention"], cpu["step"], cpu["speculative"]) == ("cpu", "cpu-decode", "off")

@@ -15,7 +15,8 @@ from mili import LLM, InvalidRequest, SamplingParams
 from mili import options
 from mili.config import EngineConfig
 from mili.runtime import plan as plan_module
-from mili.runtime.plan import BATCH_LIMITS, GIB, MAX_GRAPH_BATCH, DeviceInfo, batch_limits, graph_batch_sizes, plan
+from mili.runtime.plan import (BATCH_LIMITS, GIB, MAX_GRAPH_BATCH, DeviceInfo, StepKind, batch_limits,
+                               graph_batch_sizes, plan)
 from test_plan import H100, ZEN3, engine, qwen3
 
 # cards as torch.cuda.get_device_properties reports their total memory (bytes)
@@ -81,7 +82,7 @@ def test_the_plan_resolves_the_config_it_was_given():
 
 def test_the_cuda_graph_ladder_is_the_plans_and_stops_at_512():
     big = plan(engine(), qwen3(), H200)
-    assert big.step == "cuda-graphs" and big.batch.graph_sizes == graph_batch_sizes(1024)
+    assert big.step is StepKind.CUDA_GRAPHS and big.batch.graph_sizes == graph_batch_sizes(1024)
     assert big.batch.graph_sizes[-1] == MAX_GRAPH_BATCH == 512 and big.batch.graph_sizes[:5] == (1, 2, 4, 8, 16)
     assert "decode batches of 1 to 512 sequences; larger ones eagerly" in big.describe()["step"]
     small = plan(engine(), qwen3(), L4)

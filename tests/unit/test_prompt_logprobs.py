@@ -12,6 +12,7 @@ from mili.engine.scheduler import Scheduler
 from mili.errors import InvalidRequest
 from mili.kernels import cpu as cpu_kernels
 from mili.runtime import prompt_logprobs as plp
+from mili.runtime.plan import StepKind
 
 from support.engine_state import assert_drained
 
@@ -166,9 +167,9 @@ def test_one_token_chunks_on_the_fused_cpu_decode_path(qwen3_checkpoint):
     path = str(qwen3_checkpoint("gqa_untied"))
     fused = LLM(path, dtype="bfloat16", max_num_batched_tokens=2)
     runner = fused.engine.core.runner
-    assert runner.cpu_decode is not None
+    assert runner.parts.cpu_decode is not None
     ran = []  # per fused step: how many prompt rows it scored
-    run = runner.cpu_decode.run
+    run = runner.parts.cpu_decode.run
 
     def spy(batch, kv, *rest):
         hidden = run(batch, kv, *rest)
@@ -176,12 +177,12 @@ def test_one_token_chunks_on_the_fused_cpu_decode_path(qwen3_checkpoint):
             ran.append(batch.num_prompt_rows)
         return hidden
 
-    runner.cpu_decode.run = spy
+    runner.parts.cpu_decode.run = spy
     decode, scored = _prompt(3, 21), _prompt(20, 22)
     got = _score(fused, decode, scored)
     assert sum(ran) == len(scored) - 1  # every prompt position scored on the fused path
     eager = LLM(path, dtype="bfloat16", max_num_batched_tokens=2, enforce_eager=True)
-    assert eager.engine.plan.step == "eager"
+    assert eager.engine.plan.step is StepKind.EAGER
     expected = _score(eager, decode, scored)
     assert [None if e is None else {t: (lp.logprob, lp.rank) for t, lp in e.items()} for e in got] \
         == [None if e is None else {t: (lp.logprob, lp.rank) for t, lp in e.items()} for e in expected]

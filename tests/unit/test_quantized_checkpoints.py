@@ -180,12 +180,13 @@ def test_awq_in_bf16_runs_on_the_int4_kernel(dense, tmp_path):
     path = write_quantized_checkpoint(dense, tmp_path / "awq", tensors, AWQ_CONFIG)
     fused = LLM(str(path), dtype="bfloat16")
     runner = _runner(fused)
-    layer = runner.model.model.layers[0]
+    layer = runner.parts.model.model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj, Int4Linear) and isinstance(layer.mlp.down_proj, Int4Linear)
     # not quantized in the checkpoint: int8 on the int8 kernel (lm_head_dtype auto), or bf16 when asked
-    assert isinstance(runner.model.lm_head, Int8Linear) and runner.weight_format.endswith("lm_head int8 (W8A8 kernel)")
-    assert isinstance(_runner(LLM(str(path), dtype="bfloat16", lm_head_dtype="bf16")).model.lm_head, KernelLinear)
-    assert runner.cpu_decode is not None and "int4" in runner.weight_format
+    assert isinstance(runner.parts.model.lm_head, Int8Linear)
+    assert runner.parts.plan.weight_format.endswith("lm_head int8 (W8A8 kernel)")
+    assert isinstance(_runner(LLM(str(path), dtype="bfloat16", lm_head_dtype="bf16")).parts.model.lm_head, KernelLinear)
+    assert runner.parts.cpu_decode is not None and "int4" in runner.parts.plan.weight_format
     # the fused decode layer runs the int4 kernel: the same tokens as the module path
     eager = LLM(str(path), dtype="bfloat16", enforce_eager=True)
     a = fused.generate(PROMPTS, PARAMS, use_tqdm=False)
@@ -225,15 +226,15 @@ def test_awq_in_bf16_without_the_int_kernels_is_dequantized(dense, tmp_path, mon
     try:
         awq = LLM(str(path), dtype="bfloat16")
         runner = _runner(awq)
-        layer = runner.model.model.layers[0]
+        layer = runner.parts.model.model.layers[0]
         awq.generate(PROMPTS, PARAMS, use_tqdm=False)
-        assert not any(isinstance(m, Int4Linear) for m in runner.model.modules())
-        assert "dequantized" in runner.weight_format
+        assert not any(isinstance(m, Int4Linear) for m in runner.parts.model.modules())
+        assert "dequantized" in runner.parts.plan.weight_format
         int8_llm = LLM(str(dense), dtype="bfloat16", quantization="int8")
         int8 = _runner(int8_llm)
-        assert isinstance(int8.model.model.layers[0].mlp.down_proj, Int8Linear)
+        assert isinstance(int8.parts.model.model.layers[0].mlp.down_proj, Int8Linear)
         int8_llm.generate(PROMPTS, PARAMS, use_tqdm=False)  # runs: aten's weight-only int8, no refused kernel
-        assert not int8.model.model.layers[0].mlp.down_proj.kernel
+        assert not int8.parts.model.model.layers[0].mlp.down_proj.kernel
         assert isinstance(layer.mlp.down_proj, KernelLinear) == cpu.available()  # bf16: the kernel where it runs
     finally:
         cpu._load.cache_clear()
@@ -248,8 +249,8 @@ def test_fp8_checkpoint_in_bf16_maps_onto_int8(dense, tmp_path):
                                       {"quant_method": "fp8", "weight_block_size": [128, 128]})
     llm = LLM(str(path), dtype="bfloat16")
     runner = _runner(llm)
-    assert isinstance(runner.model.model.layers[1].mlp.gate_up_proj, Int8Linear)
-    assert "int8 per channel" in runner.weight_format and "fp8" in runner.weight_format
+    assert isinstance(runner.parts.model.model.layers[1].mlp.gate_up_proj, Int8Linear)
+    assert "int8 per channel" in runner.parts.plan.weight_format and "fp8" in runner.parts.plan.weight_format
     assert llm.generate(PROMPTS[:1], PARAMS, use_tqdm=False)[0].outputs[0].token_ids
 
 
@@ -336,7 +337,7 @@ def _fp8_kl_and_budget(path: str, prompts: list[list[int]]) -> tuple[float, floa
     noisy = LLM(path, **common)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        for name, p in _runner(noisy).model.named_parameters():
+        for name, p in _runner(noisy).parts.model.named_parameters():
             if p.dim() == 2 and "embed" not in name and "lm_head" not in name:
                 p.mul_(1 + torch.randn(p.shape, generator=generator) * (2 ** -4 / 3 ** 0.5))
     budget = _next_token_logprobs(noisy, prompts)

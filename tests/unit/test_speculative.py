@@ -256,7 +256,7 @@ def test_bf16_verifications_run_fused_and_match_plain_decoding_bit_for_bit(tiny_
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2)
     want = _outputs(LLM(path, dtype="bfloat16"), prompts, params)
     spec = LLM(path, dtype="bfloat16", speculative_config=NGRAM)
-    runner = spec.engine.core.runner.cpu_decode
+    runner = spec.engine.core.runner.parts.cpu_decode
     assert runner is not None
     fused, run = [], runner.run
 

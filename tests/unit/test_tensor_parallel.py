@@ -54,18 +54,18 @@ def test_tp2_matches_tp1(tp_checkpoints, shape):
     two = LLM(path, dtype="float32", max_num_batched_tokens=32, tensor_parallel_size=2)
     try:
         runner = two.engine.core.runner
-        assert runner.tp_size == 2 and len(runner.workers) == 1 and runner.workers[0].is_alive()
-        cfg = runner.model_config
+        assert runner.tp.size == 2 and len(runner.tp.workers) == 1 and runner.tp.workers[0].is_alive()
+        cfg = runner.parts.model_config
         assert cfg.num_attention_heads * 2 == one.engine.model_config.num_attention_heads
         vocab = cfg.vocab_size  # the whole vocabulary, each rank holding half of it rounded up
         assert vocab == one.engine.model_config.vocab_size and (vocab % 2 == 1) == shape.startswith("odd")
-        assert runner.model.model.embed_tokens.weight.shape[0] == (vocab + 1) // 2
+        assert runner.parts.model.model.embed_tokens.weight.shape[0] == (vocab + 1) // 2
         got = [o.outputs[0].token_ids for o in two.generate(prompts, PARAMS, use_tqdm=False)]
         assert got == expected
         two.engine.check_integrity()
     finally:
         two.engine.shutdown()
-    assert not runner.workers
+    assert not runner.tp.workers
 
 
 def test_a_model_that_does_not_split_is_refused_before_anything_starts(tp_checkpoints):

@@ -9,7 +9,7 @@ pytest.importorskip("triton")
 
 from mili import LLM, InvalidRequest, SamplingParams  # noqa: E402
 from mili.runtime.cuda_graph import padded_batch_size  # noqa: E402
-from mili.runtime.plan import graph_batch_sizes  # noqa: E402
+from mili.runtime.plan import AttentionBackend, graph_batch_sizes  # noqa: E402
 
 
 def test_engine_on_triton_matches_hf(tiny_checkpoint):
@@ -17,7 +17,7 @@ def test_engine_on_triton_matches_hf(tiny_checkpoint):
 
     prompts = [list(range(3, 3 + n)) for n in (1, 9, 40)]  # 40 > budget 24: a cached prefix + chunk
     llm = LLM(str(tiny_checkpoint), dtype="float32", attention_backend="triton", max_num_batched_tokens=24)
-    assert llm.engine.plan.attention == "triton"
+    assert llm.engine.plan.attention is AttentionBackend.TRITON
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     hf = Qwen3ForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
@@ -31,7 +31,7 @@ def test_engine_on_triton_matches_hf(tiny_checkpoint):
 
 def test_backend_choice(tiny_checkpoint, monkeypatch):
     auto = LLM(str(tiny_checkpoint), dtype="float32").engine.plan.attention
-    assert auto == ("triton" if torch.cuda.is_available() else "torch")
+    assert auto is (AttentionBackend.TRITON if torch.cuda.is_available() else AttentionBackend.TORCH)
     with pytest.raises(InvalidRequest, match="power of two >= 16"):
         LLM(str(tiny_checkpoint), attention_backend="triton", page_size=8)
     with pytest.raises(InvalidRequest, match="<= 64"):  # larger pages outgrow sm_89 (the compile check)

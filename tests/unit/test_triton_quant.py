@@ -232,11 +232,12 @@ def test_engine_float32_matches_the_dequantized_model(quantized, fmt, layer):
     path, plain = quantized[fmt]
     llm = LLM(str(path), dtype="float32", quantization="int8" if fmt == "int8" else None, **ENGINE)
     runner = llm.engine.core.runner
-    attn, mlp = runner.model.model.layers[0].self_attn, runner.model.model.layers[1].mlp
+    attn, mlp = runner.parts.model.model.layers[0].self_attn, runner.parts.model.model.layers[1].mlp
     assert isinstance(attn.qkv_proj, layer) and isinstance(mlp.down_proj, layer)
     head = gpu_linear.TritonInt8Linear if fmt == "int8" else torch.nn.Linear  # (int8: the head too, as on the CPU)
-    assert attn.qkv_proj.shard_sizes == [128, 64, 64] and type(runner.model.lm_head) is head
-    assert "Triton" in runner.weight_format and ("weight-only" in runner.weight_format or fmt == "awq")
+    assert attn.qkv_proj.shard_sizes == [128, 64, 64] and type(runner.parts.model.lm_head) is head
+    weights = runner.parts.plan.weight_format
+    assert "Triton" in weights and ("weight-only" in weights or fmt == "awq")
     reference = Qwen3ForCausalLM.from_pretrained(plain, dtype=torch.float32).eval()
     greedy_matches(llm, reference, PROMPTS, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
 
@@ -246,7 +247,7 @@ def test_int8_gives_a_tied_head_its_own_int8_copy(qwen3_checkpoint):
     the head computes with the table's int8 copy on the int8 GEMM (the CPU's int8 head does the same)."""
     torch.manual_seed(2)
     llm = LLM(str(qwen3_checkpoint("mha_tied")), dtype="float32", quantization="int8", **ENGINE)
-    model = llm.engine.core.runner.model
+    model = llm.engine.core.runner.parts.model
     head, table = model.lm_head, model.model.embed_tokens.weight
     assert isinstance(head, gpu_linear.TritonInt8Linear) and table.dtype == torch.float32
     q, scales = quant.quantize_int8_per_channel(table)
@@ -267,9 +268,10 @@ def test_engine_bf16_fp8_is_w8a8_within_its_rounding_budget(quantized):
     path, plain = quantized["fp8"]
     llm = LLM(str(path), dtype="bfloat16", **ENGINE)
     runner = llm.engine.core.runner
-    layer = runner.model.model.layers[0]
+    layer = runner.parts.model.model.layers[0]
     down = layer.mlp.down_proj
-    assert isinstance(down, gpu_linear.BlockFp8Linear) and down.fp8_activations and "W8A8" in runner.weight_format
+    assert isinstance(down, gpu_linear.BlockFp8Linear) and down.fp8_activations
+    assert "W8A8" in runner.parts.plan.weight_format
     # q|k|v over one K block (hidden 64), its scales per row since k and v are partial blocks: per channel, so
     # torch._scaled_mm
     assert isinstance(layer.self_attn.qkv_proj, Fp8Linear)

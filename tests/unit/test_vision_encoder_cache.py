@@ -55,7 +55,7 @@ def test_the_tower_runs_once_per_distinct_image(vision_checkpoint, images, kind)
     got = llm.generate(prompts, PARAMS, use_tqdm=False)
     assert sum(count) == 2
     _assert_same(got, want)
-    cache = llm.engine.core.runner.encoder_cache
+    cache = llm.engine.core.runner.parts.encoder_cache
     assert cache.num_hits > 0 and not cache.claims and len(cache.entries) == 2
     llm.engine.check_integrity()
 
@@ -79,7 +79,7 @@ def test_a_preempted_request_reuses_its_images(vision_checkpoint, images):
 def _run_steps(llm, prompts) -> int:
     """Run ``prompts`` step by step (integrity checked after each); the most tokens the encoder cache held."""
     engine, most = llm.engine, 0
-    cache = engine.core.runner.encoder_cache  # (its occupancy: nothing public shows it)
+    cache = engine.core.runner.parts.encoder_cache  # (its occupancy: nothing public shows it)
     for p in prompts:
         engine.add_request(p["prompt_token_ids"], PARAMS, images=p["multi_modal_data"]["image"])
     while engine.has_unfinished_requests():
@@ -95,12 +95,12 @@ def test_the_cache_stays_within_its_budget(vision_checkpoint, images):
     next chunk, so it is still encoded once, then goes as soon as it is computed. No claim is left at the end."""
     kwargs = dict(dtype="float32", max_num_batched_tokens=8, page_size=4, enable_prefix_caching=False)
     llm = LLM(str(vision_checkpoint("qwen3_vl")), encoder_cache_tokens=12, **kwargs)
-    cache, count = llm.engine.core.runner.encoder_cache, _count_images(llm)
+    cache, count = llm.engine.core.runner.parts.encoder_cache, _count_images(llm)
     for i in (0, 2, 0, 1, 2):  # (0 is used again: 2 goes for 1, then 0 for 2)
         assert _run_steps(llm, [_request(images[i:i + 1], [[5, 17], [7]])]) <= 12
     assert sum(count) == 4 and cache.num_evictions == 2 and len(cache.entries) == 2 and not cache.claims
     small = LLM(str(vision_checkpoint("qwen3_vl")), encoder_cache_tokens=4, **kwargs)
-    cache, count = small.engine.core.runner.encoder_cache, _count_images(small)
+    cache, count = small.engine.core.runner.parts.encoder_cache, _count_images(small)
     for i in (0, 2, 0):  # (11 tokens, the image at 3 .. 8: the first chunk of 8 cuts it)
         assert _run_steps(small, [_request(images[i:i + 1], [[5, 17], [7]])]) == 6  # (over the budget, claimed)
         assert cache.num_tokens == 0 and not cache.claims
@@ -145,7 +145,7 @@ def test_a_limit_of_zero_images_skips_the_tower(vision_checkpoint, images):
     """limit_mm_per_prompt image 0 (vLLM's way to serve a VL checkpoint as text): the tower is not loaded, images
     are refused, text is served."""
     llm = LLM(str(vision_checkpoint("qwen3_vl")), dtype="float32", limit_mm_per_prompt={"image": 0})
-    assert llm.apply_model(lambda m: m.visual) is None and llm.engine.core.runner.encoder_cache is None
+    assert llm.apply_model(lambda m: m.visual) is None and llm.engine.core.runner.parts.encoder_cache is None
     with pytest.raises(InvalidRequest, match="takes no images"):
         llm.generate([_request(images[:1], [[5], [7]])], PARAMS, use_tqdm=False)
     assert llm.generate([{"prompt_token_ids": [5, 17, 301]}], PARAMS, use_tqdm=False)[0].outputs[0].token_ids

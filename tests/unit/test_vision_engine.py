@@ -13,6 +13,7 @@ from PIL import Image
 from support.parity import assert_greedy_matches_hf
 from mili import LLM, SamplingParams
 from mili.errors import InvalidRequest
+from mili.runtime.plan import AttentionBackend
 from support.vision import (IMAGE, KINDS, VISION_END, VISION_START, hf_model,
                                 process_images, prompt_with_images, write_images)
 
@@ -149,7 +150,7 @@ def test_images_on_the_triton_path(vision_checkpoint, images):
     cases = [(images[:2], TEXTS[1]), ([], [[9, 8, 7, 6, 5]])]
     refs = [_reference(hf, paths, texts)[1] for paths, texts in cases]
     llm = LLM(str(vision_checkpoint("qwen3_vl")), dtype="float32", attention_backend="triton", max_num_batched_tokens=16)
-    assert llm.engine.plan.attention == "triton"
+    assert llm.engine.plan.attention is AttentionBackend.TRITON
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
     outs = llm.generate([_request(paths, texts) for paths, texts in cases], params, use_tqdm=False)
     assert_greedy_matches_hf(outs, refs, MAX_TOKENS)

@@ -164,7 +164,7 @@ def graph_equals_eager(path: Path, device: str) -> tuple[bool, str]:
     for eager in (False, True):
         llm = LLM(str(path), dtype="bfloat16", device=device, kv_cache_memory=16 * 2**20, enforce_eager=eager,
                   max_num_seqs=8)
-        graphs = llm.engine.core.runner.graphs
+        graphs = llm.engine.core.runner.parts.graphs
         runs.append([o.outputs[0].token_ids for o in llm.generate(ids, params, use_tqdm=False)])
         if not eager and graphs is None:
             return False, "no CUDA graphs were captured"
@@ -183,7 +183,7 @@ def mixed_graphs_equal_eager(path: Path, device: str) -> tuple[bool, str]:
     for eager in (False, True):
         llm = LLM(str(path), dtype="bfloat16", device=device, kv_cache_memory=16 * 2**20, enforce_eager=eager,
                   max_num_seqs=8, max_num_batched_tokens=48)
-        graphs = llm.engine.core.runner.graphs
+        graphs = llm.engine.core.runner.parts.graphs
         if not eager:
             if graphs is None or not graphs.mixed.graphs:
                 return False, "no CUDA graphs of mixed steps were captured"

@@ -75,12 +75,12 @@ def _measure_one(path: Path, device: str, quick: bool, label: str, extra: dict, 
     engine = llm.engine
     rows = []
     if bandwidth is None:
-        bandwidth = copy_bandwidth(engine.core.runner.device, 64 if quick else 1024)
+        bandwidth = copy_bandwidth(engine.core.runner.parts.device, 64 if quick else 1024)
         rows.append(("copy roofline", f"{bandwidth / 1e9:.1f} GB/s"))
-    step_bytes = weight_bytes_per_step(engine.core.runner.model)
+    step_bytes = weight_bytes_per_step(engine.core.runner.parts.model)
     rows.append((f"{label}: weights read a decode step",
-                 f"{step_bytes / 2**20:.1f} MiB ({engine.core.runner.weight_format})"))
-    vocab = engine.core.runner.model_config.vocab_size
+                 f"{step_bytes / 2**20:.1f} MiB ({engine.core.runner.parts.plan.weight_format})"))
+    vocab = engine.core.runner.parts.model_config.vocab_size
     g = torch.Generator().manual_seed(0)
     for length in (8, prefill_len):  # warm-up: the kernels a decode and the prefill launch compile first
         _run(engine, [torch.randint(0, min(vocab, 256), (length,), generator=g).tolist()], [4])
