@@ -11,6 +11,9 @@ from mili.errors import InvalidRequest
 from mili.options import check, option
 
 
+EFFORT_BUDGETS = "low=1024,medium=4096,high=16384"  # --reasoning-effort-budgets' default
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """How `mili serve` serves the engine: its address, its API processes, its limits and its logging."""
@@ -52,7 +55,7 @@ class ServerConfig:
               "Considering the limited time by the user, I have to give the solution based on the thinking directly "
               "now.\\n'); default: none, </think> alone", metavar="TEXT")
     reasoning_effort_budgets: str = option(
-        "low=1024,medium=4096,high=16384", "the thinking budgets of OpenAI's reasoning_effort (chat) and "
+        EFFORT_BUDGETS, "the thinking budgets of OpenAI's reasoning_effort (chat) and "
         "reasoning.effort (Responses): EFFORT=N pairs, comma-separated (none and minimal: 0, no thinking; an effort "
         "not listed: no limit)", metavar="EFFORT=N,...", example="low=256,high=8192")
     log_level: str = option("info", "the server's logging (MILI's and uvicorn's): warning silences the line per "

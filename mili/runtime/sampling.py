@@ -20,8 +20,7 @@ def sampling_metadata(rows: list, vocab_size: int, device: torch.device) -> Samp
     penalties = any(r.seq.params.uses_penalties for r in rows)
     counts = penalties or any(r.seq.params.min_tokens for r in rows)
     drafts = [r.draft for r in rows]
-    forced = [(j, r.seq.thinking.forced_next) for j, r in enumerate(rows)
-              if r.seq.thinking is not None and r.seq.thinking.forced_next is not None]
+    forced = [(j, r.seq.thinking.forced_next) for j, r in enumerate(rows) if not _drawn(r.seq)]
     return SamplingMetadata.build(
         [r.seq.params for r in rows], [r.seq.generator for r in rows],
         [r.seq.token_ids[:r.seq.prompt_len] if penalties else [] for r in rows],
@@ -29,11 +28,15 @@ def sampling_metadata(rows: list, vocab_size: int, device: torch.device) -> Samp
         device, drafts=drafts if any(d >= 0 for d in drafts) else None, forced=forced)
 
 
+def _drawn(seq) -> bool:
+    """The sequence draws its own next token (none is forced: a thinking budget's end)."""
+    return seq.thinking is None or seq.thinking.forced_next is None
+
+
 def _argmax_only(params) -> bool:
     """A row whose token is its logits' argmax and nothing else: greedy, no logprobs, no penalties, no min_tokens
     (whose stop tokens the sampler blocks)."""
-    return (params.greedy and params.logprobs is None and not params.uses_penalties and not params.min_tokens
-            and params.thinking_token_budget is None)
+    return params.greedy and params.logprobs is None and not params.uses_penalties and not params.min_tokens
 
 
 def sample_step(sampler: Sampler, logits: torch.Tensor, rows: list, grammar: Future | None, vocab_size: int,
@@ -43,7 +46,7 @@ def sample_step(sampler: Sampler, logits: torch.Tensor, rows: list, grammar: Fut
     the step: the rows are sampled again one by one, and those that fail alone come back in ``errors`` (their
     requests end with that error, the core goes on); the other rows' tokens stand."""
     try:
-        if grammar is None and all(_argmax_only(r.seq.params) for r in rows):  # (no metadata tensors to build)
+        if grammar is None and all(_argmax_only(r.seq.params) and _drawn(r.seq) for r in rows):  # (no metadata)
             return sampler.greedy(logits, vocab_size, defer)
         meta = sampling_metadata(rows, vocab_size, device)
         if grammar is not None:

@@ -23,7 +23,7 @@ from mili.sampling_params import SamplingParams
 from mili.server.errors import APIError
 from mili.server.metrics import Metrics
 from mili.server.step_stream import Events, StepStream
-from mili.server_options import ServerConfig, effort_budgets
+from mili.server_options import EFFORT_BUDGETS, effort_budgets
 from mili.tokenizer.tool_parsers import resolve_tool_call_parser
 
 log = logging.getLogger("mili")
@@ -37,8 +37,7 @@ class ReasoningBudgets:
 
     default: int | None = None
     message: str | None = None
-    efforts: dict[str, int | None] = field(default_factory=lambda: effort_budgets(
-        ServerConfig.__dataclass_fields__["reasoning_effort_budgets"].default))
+    efforts: dict[str, int | None] = field(default_factory=lambda: effort_budgets(EFFORT_BUDGETS))
 
     def budget(self, asked: int | None, effort: str | None) -> int | None:
         """A request's budget: its own (thinking_token_budget, budget_tokens), else its effort's, else the server's."""
