@@ -6,11 +6,11 @@ chat template (transformers' GGUF tokenizer conversion), and ``gguf.json``, whic
 parts). The rest of MILI reads that folder as any other; the weight loader sees ``gguf.json`` and reads the
 tensors from the file (``GGUFWeights``): float types as they are, block types dequantized for the model's float
 weights, and, where a kernel computes with them as stored, as quants with a scale and an offset per group
-(``gguf_blocks.py``).
+(``gguf_blocks``: one class a block type, behind one registry).
 
 What MILI runs: the architectures ``qwen3`` and ``qwen3moe``, and the hybrids ``qwen3next``, ``qwen35`` and
-``qwen35moe`` (with the MTP head where the file carries it); the types F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K and
-Q6_K. Anything else is refused by name before a weight loads.
+``qwen35moe`` (with the MTP head where the file carries it); the types F32, F16, BF16 and the block types of
+``gguf_blocks``' registry (``BLOCK_TYPES``). Anything else is refused by name before a weight loads.
 
 The hybrids: transformers' GGUF conversion does not cover them, so their config is read here from the file's
 ``{arch}.*`` keys (``ssm.*`` for the Gated DeltaNet layers), and llama.cpp's converter's changes to the
@@ -32,6 +32,7 @@ from collections import Counter
 from pathlib import Path
 
 from mili.errors import ModelLoadError
+from mili.model.gguf_blocks import BLOCK_TYPES, group_parts
 
 log = logging.getLogger("mili")
 
@@ -43,8 +44,7 @@ TILED_V_HEADS = ("qwen35", "qwen35moe")  # llama.cpp reorders their value heads 
 # Qwen3.5's pre-tokenizer (llama.cpp's "qwen35"): Qwen2's, with marks (\p{M}) kept in words
 QWEN35_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|"
                 r"\s*[\r\n]+|\s+(?!\S)|\s+")
-FLOAT_TYPES = ("F32", "F16", "BF16")
-BLOCK_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
+FLOAT_TYPES = ("F32", "F16", "BF16")  # (the block types: gguf_blocks' BLOCK_TYPES, by GGML type name)
 _SPLIT = re.compile(r"^(?P<stem>.*)-(?P<part>\d{5})-of-(?P<count>\d{5})\.gguf$")
 INSTALL_HINT = "pip install gguf"
 
@@ -132,11 +132,11 @@ def _inspect(files: list[Path]):
     if arch not in ARCHITECTURES:
         raise ModelLoadError(f"the GGUF architecture {arch!r} is not one MILI runs (it runs "
                              f"{', '.join(ARCHITECTURES)})")
-    odd = sorted({t for t in types.values() if t not in FLOAT_TYPES + BLOCK_TYPES})
+    odd = sorted({t for t in types.values() if t not in FLOAT_TYPES and t not in BLOCK_TYPES})
     if odd:
         raise ModelLoadError(f"the GGUF file holds tensor types MILI does not run: {', '.join(odd)} (it holds "
                              f"{describe_types(Counter(types.values()))}; MILI runs "
-                             f"{', '.join(FLOAT_TYPES + BLOCK_TYPES)})")
+                             f"{', '.join(FLOAT_TYPES + tuple(sorted(BLOCK_TYPES)))})")
     return arch, types, shapes, index, readers[0]
 
 
@@ -323,12 +323,13 @@ def _copy_tokenizer_keys(reader, out: Path) -> None:
 
 
 def _file_type(counts: Counter) -> str:
-    """A name for the mix (llama.cpp's file types by their main block type)."""
+    """A name for the mix (llama.cpp's file types by their main block type: NAME_M where the file holds the type
+    that type's "_M" mix adds, ``BlockType.medium_mix``)."""
     blocks = {t: n for t, n in counts.items() if t in BLOCK_TYPES}
     if not blocks:
         return max(counts, key=counts.get) if counts else "F32"
     main = max(blocks, key=blocks.get)
-    return f"{main}_M" if main in ("Q4_K", "Q5_K") and "Q6_K" in blocks else main
+    return f"{main}_M" if BLOCK_TYPES[main].medium_mix in blocks else main
 
 
 def gguf_folder_files(path: str) -> list[str] | None:
@@ -470,8 +471,6 @@ class GGUFWeights:
 
     def group_parts(self, gguf_name: str):
         """A block-typed matrix as quants with a scale and an offset per group (``gguf_blocks.group_parts``)."""
-        from mili.model.gguf_blocks import group_parts
-
         t = self.tensors[gguf_name]
         return group_parts(t.data, t.type_name, t.shape)
 
@@ -505,8 +504,6 @@ class GGUFWeights:
         when asked (a callable: the CPU's expert layers are made from them one expert at a time, and the model's
         stacked float weights are left unwritten), else dequantized."""
         from functools import partial
-
-        from mili.model.gguf_blocks import group_parts
 
         t = self.tensors[gguf_name]
         prefix, proj = stem.removesuffix(".weight").rsplit(".", 1)

@@ -62,7 +62,7 @@ class TwoLevel(NamedTuple):
 
 class GroupParts(NamedTuple):
     """Quants with a scale and an offset per group of input channels, w = scale q + offset (GGUF's block types,
-    ``gguf_blocks.py``): ``q`` [out, in] int8, ``scales`` and ``offsets`` [out, in / group] float32; ``bits`` 4
+    ``gguf_blocks``): ``q`` [out, in] int8, ``scales`` and ``offsets`` [out, in / group] float32; ``bits`` 4
     (q in 0..15 with offsets, or -8..7 without: the int4 kernel), 5 or 6 (0..31, -32..31: the int4 kernel with bits
     above the nibble) or 8 (any int8 q). ``scales_k`` and ``offsets_k``:
     the same scales and offsets as the K-quants store them (``TwoLevel``; offsets_k None: none, zeros), which the

@@ -1,9 +1,9 @@
 """GGUF files made from tiny HF checkpoints, as llama.cpp's convert_hf_to_gguf.py writes them: gguf-py's
 ``GGUFWriter`` and ``TensorNameMap`` for the names, the tokenizer's vocabulary and merges with gguf-py's
-``SpecialVocab`` (special ids, chat template), and each weight in the block type asked. Q8_0 and Q4_0 are
-quantized from the checkpoint's weights (``gguf.quants.quantize``); the K-quants, which gguf-py cannot quantize,
-get random but valid blocks. The reference a test compares against is then HF's model built from
-``gguf.quants.dequantize`` of the file's own tensors (``dequantized_state_dict``)."""
+``SpecialVocab`` (special ids, chat template), and each weight in the block type asked. The types gguf-py
+quantizes (Q8_0, Q4_0, Q4_1...) are quantized from the checkpoint's weights (``gguf.quants.quantize``); the
+K-quants, which it cannot quantize, get random but valid blocks. The reference a test compares against is then
+HF's model built from ``gguf.quants.dequantize`` of the file's own tensors (``dequantized_state_dict``)."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def _random_blocks(qtype, rows: int, cols: int, rng: np.random.Generator) -> np.
     return blocks.reshape(rows, -1)
 
 
-def _encode(weight: np.ndarray, qtype_name: str, rng: np.random.Generator) -> tuple[np.ndarray, object]:
+def encode_tensor(weight: np.ndarray, qtype_name: str, rng: np.random.Generator) -> tuple[np.ndarray, object]:
     gguf = _gguf()
     qtype = _type(qtype_name)
     if qtype_name in ("F32", "F16", "BF16"):
@@ -61,8 +61,10 @@ def _encode(weight: np.ndarray, qtype_name: str, rng: np.random.Generator) -> tu
         if dtype is None:
             return gguf.quants.quantize(weight.astype(np.float32), qtype), qtype
         return weight.astype(dtype), qtype
-    if qtype_name in ("Q8_0", "Q4_0"):
+    try:  # (every type gguf-py quantizes: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1...)
         return gguf.quants.quantize(weight.astype(np.float32), qtype), qtype
+    except NotImplementedError:  # (the K-quants)
+        pass
     rows = int(np.prod(weight.shape[:-1]))
     return _random_blocks(qtype, rows, weight.shape[-1], rng).reshape(*weight.shape[:-1], -1), qtype
 
@@ -162,7 +164,7 @@ def write_gguf(checkpoint: Path, out: Path, types: dict[str, str] | str = "F32",
         if name in sources:  # (hybrids) where the reference finds this tensor's values
             how = sources[name]
             rows.setdefault(how[0], []).append([gguf_name, *how[1:]])
-        data, qtype = _encode(value, qtype_name, rng)
+        data, qtype = encode_tensor(value, qtype_name, rng)
         writer.add_tensor(gguf_name, data, raw_dtype=qtype)
     if hybrid:
         (out.parent / f"{out.name}.rows.json").write_text(json.dumps(rows))

@@ -38,7 +38,8 @@ class Kernel(LinearFormat):
 
     def bytes_per_weight(self, dtype):
         """A bf16 layer's. (A checkpoint's layers kept as stored read their form's, cpu_linear.py: about 0.56 for
-        Q4_0, 0.58 for Q4_K, 0.69 for Q5_K, 0.82 for Q6_K, 1.07 for Q8_0; not yet a format each.)"""
+        Q4_0, 0.58 for Q4_K, 0.69 for Q5_K, 0.82 for Q6_K, 1.07 for Q8_0; a GGUF file's own bytes a weight are its
+        block type's, ``gguf_blocks.BlockType.bytes_per_weight``.)"""
         return dtype.itemsize
 
     def apply(self, model, quantized, skip_head):
