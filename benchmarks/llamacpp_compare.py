@@ -27,6 +27,19 @@ environment, so set both when starting the script (it refuses otherwise)::
 ``native`` (the default): llama.cpp with ``GGML_NATIVE=ON`` (``build``), MILI's best path, and
 ``MILI_CPU_ISA`` must be unset. A 512-token prefill: ``--input-len 512`` (prompt + output up to 1024 tokens).
 
+``--depths 4096 16384`` measures batch-1 decode after that many tokens instead, for the KV cache's formats: MILI
+with its bf16 pages and with ``--kv-cache-dtype int8`` (int8 and a float32 scale per token and kv head), and
+llama.cpp's best of its f16 and q8_0 caches with flash attention off and on (``-ctk``/``-ctv``, ``-fa``; q8_0 V
+needs flash attention), all on the bf16 weights. MILI prefills each depth once (the prompt then stays in its
+prefix cache, so each round decodes after it without prefilling again); llama-bench decodes at ``-d``. The roofline
+is the copy bandwidth over the bytes a step reads: the weights and the K/V of every earlier token (MILI: its pages'
+bytes, int8's scales included). ``--skip-llama`` measures MILI alone (no llama.cpp build). ``--synthetic`` skips
+MILI's prefill (minutes at 16k on two cores): each step runs as the runner runs a batch-1 decode (the C decode layers,
+the head, the argmax) over pages filled with random K/V, at the depth's position; a step costs the same whatever the
+pages hold::
+
+    python benchmarks/llamacpp_compare.py --models Qwen3-0.6B --depths 4096 16384 --output-len 32 [--skip-llama]
+
 Per format, MILI's engine is loaded once; then ``--rounds`` paired rounds, each a copy-rate measure, one MILI
 measure (the median of ``--repeat`` requests, ``mili bench latency``'s measure) and one llama-bench run (its mean of
 ``-r`` ``--repeat``) back to back, the engines' order swapped every round. A ratio is taken within each round and the
@@ -50,6 +63,7 @@ import statistics
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import torch
@@ -185,6 +199,119 @@ def run_mili(engine: LLMEngine, args) -> tuple[float, float]:
     return args.input_len / ttft, decode
 
 
+def run_llama_depth(bin_dir: Path, model: Path, depth: int, args) -> tuple[float, str]:
+    """(decode tok/s, its configuration): llama-bench's best over its KV cache types (f16, q8_0) and flash attention
+    off and on, decoding ``--output-len`` tokens at depth ``depth``."""
+    best = (0.0, "")
+    for cache in ("f16", "q8_0"):
+        for fa in ("0", "1") if cache == "f16" else ("1",):  # (a quantized V cache needs flash attention)
+            out = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(model), "-p", "0", "-n", str(args.output_len),
+                                  "-d", str(depth), "-ctk", cache, "-ctv", cache, "-fa", fa, "-t", str(args.threads),
+                                  "-r", str(args.repeat), "-o", "json"],
+                                 check=True, capture_output=True, text=True).stdout
+            best = max(best, (json.loads(out)[0]["avg_ts"], f"{cache} cache, fa {fa}"))
+    return best
+
+
+def synthetic_decode(engine: LLMEngine, depth: int, steps: int) -> float:
+    """Decode tok/s of ``steps`` batch-1 decode steps at ``depth`` tokens, run as the model runner runs one (the C
+    decode layers over the pages, the head, the argmax) without the engine around it, over pages holding random K/V
+    (filled here: untouched zero pages would all read one shared page)."""
+    from mili.kernels.cpu import ops
+    from mili.kernels.cpu.ops import Int8Pages
+    from mili.model.batch import ForwardBatch
+
+    parts = engine.core.runner.parts
+    page_size = parts.kv_caches[0][0].shape[2]
+    pages = -(-(depth + 1) // page_size)
+    g = torch.Generator().manual_seed(0)
+    for layer in parts.kv_caches:
+        for cache in layer:
+            if isinstance(cache, Int8Pages):
+                cache.values[:pages] = torch.randint(-127, 128, cache.values[:pages].shape, dtype=torch.int8,
+                                                     generator=g)
+                cache.scales[:pages] = torch.rand(cache.scales[:pages].shape, generator=g) / 64
+            else:
+                cache[:pages] = torch.randn(cache[:pages].shape, generator=g).to(cache.dtype)
+    i32 = dict(dtype=torch.int32)
+    batch = ForwardBatch(input_ids=torch.tensor([11]), positions=torch.tensor([depth]),
+                         slot_mapping=torch.tensor([depth]), page_table=torch.arange(pages)[None], query_lens=[1],
+                         context_lens=[depth + 1], num_decodes=1, logits_indices=torch.tensor([0]),
+                         context_lens_t=torch.tensor([depth + 1], **i32), query_lens_t=torch.tensor([1], **i32),
+                         query_start_t=torch.tensor([0], **i32))
+    assert parts.cpu_decode is not None and parts.cpu_decode.available, "the fused C decode step does not run"
+
+    def step() -> None:
+        ops.argmax(parts.model.compute_logits(parts.cpu_decode.run(batch, parts.kv_caches)))
+
+    with torch.inference_mode():
+        for _ in range(2):
+            step()
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        return steps / (time.perf_counter() - start)
+
+
+def depth_compare(spec: str, bin_dir: Path | None, args) -> None:
+    """Batch-1 decode after each of ``--depths`` tokens: MILI's bf16 and int8 pages (each engine loaded once a depth,
+    its prompt prefilled once and kept in its prefix cache), llama.cpp's best cache (unless --skip-llama), in
+    ``--rounds`` rounds, the MILI engines' order swapped each round, with a copy measure each."""
+    from mili.tools.bench import _run, step_bytes
+
+    name, _, layers = spec.partition(":")
+    dense = qwen3_checkpoint(name, layers=int(layers) if layers else None)
+    bf16_gguf = gguf(dense, "BF16", bin_dir) if bin_dir is not None else None
+    torch.set_num_threads(args.threads)
+    rows = []
+    for depth in args.depths:
+        prompt = random_prompt(depth, 0)
+        got, step, engines = {"bf16": [], "int8": [], "llama": [], "bw": []}, {}, {}
+        tokens = depth + args.output_len + 32
+        for kv in ("bf16", "int8"):
+            engines[kv] = LLMEngine(EngineConfig(
+                model=dense, dtype="bfloat16", max_model_len=tokens, kv_cache_dtype="auto" if kv == "bf16" else kv,
+                num_kv_pages=-(-tokens // 16) + 4, num_threads=args.threads))
+            if not args.synthetic:
+                _run(engines[kv], [prompt], [1])  # the prefill, once: the prompt stays in the prefix cache
+            parts = step_bytes(engines[kv].core.runner, depth + args.output_len // 2)  # (the decode's middle step)
+            step[kv] = parts["weights"] + parts["kv"]
+        for r in range(args.rounds):
+            got["bw"].append(memory_bandwidth())
+            for kv in (("bf16", "int8") if r % 2 == 0 else ("int8", "bf16")):
+                if args.synthetic:
+                    got[kv].append(synthetic_decode(engines[kv], depth, args.output_len))
+                    continue
+                decode = []  # [seconds, tokens] of the steps after the first token
+                _run(engines[kv], [prompt], [args.output_len], decode)
+                got[kv].append(decode[1] / decode[0])
+            if bin_dir is not None:
+                got["llama"].append(run_llama_depth(bin_dir, bf16_gguf, depth, args))
+        del engines
+        gc.collect()
+        b16, i8, bw = got["bf16"], got["int8"], got["bw"]
+        row = [str(depth), spread(b16, "{:.1f}"), spread(i8, "{:.1f}"),
+               spread([i / b for i, b in zip(i8, b16)], unit="x"),
+               spread([100 * x * step["bf16"] / c for x, c in zip(b16, bw)], "{:.0f}", "%"),
+               spread([100 * x * step["int8"] / c for x, c in zip(i8, bw)], "{:.0f}", "%"),
+               f"{step['bf16'] / 1e9:.3f} / {step['int8'] / 1e9:.3f}"]
+        if bin_dir is not None:
+            llama = [t for t, _ in got["llama"]]
+            row += [spread(llama, "{:.1f}") + f" ({'; '.join(sorted({c for _, c in got['llama']}))})",
+                    spread([i / x for i, x in zip(i8, llama)], unit="x")]
+        rows.append(row)
+    how = "steps run by hand over random pages (--synthetic)" if args.synthetic else "after a prefilled prompt"
+    print(f"\n{spec} (random weights, bf16): batch-1 decode of {args.output_len} tokens after each depth ({how}), "
+          f"{args.threads} threads, {args.rounds} rounds; copy {spread([b / 1e9 for b in got['bw']], '{:.1f}')} GB/s "
+          f"(the last depth's); {machine()}; {cpu_model()}, {cpu_flags()}; "
+          f"MILI_CPU_ISA={os.environ.get('MILI_CPU_ISA') or '(unset)'}")
+    headers = ["depth", "MILI bf16 pages tok/s", "MILI int8 pages tok/s", "int8 / bf16", "bf16, of roofline",
+               "int8, of roofline", "GB a step (bf16 / int8)"]
+    if bin_dir is not None:
+        headers += ["llama.cpp best tok/s (its cache)", "MILI int8 / llama.cpp"]
+    print_table(f"KV cache formats at depth, {spec} (each cell: the rounds' median, and their range)", headers, rows)
+
+
 def spread(values: list[float], fmt: str = "{:.2f}", unit: str = "") -> str:
     """The median of ``values`` and their range: 1.05x (0.98-1.12)."""
     lo, mid, hi = min(values), statistics.median(values), max(values)
@@ -249,11 +376,17 @@ def main() -> None:
     p.add_argument("--same-file", action="store_true",
                    help="both engines read the same GGUF files (Q8_0, Q4_0, Q4_K_M from llama-quantize), MILI "
                         "through its GGUF loader")
+    p.add_argument("--depths", type=int, nargs="+", default=None,
+                   help="measure batch-1 decode after each of these many tokens, MILI's bf16 and int8 KV pages (and "
+                        "llama.cpp's best cache), instead of the format pairs")
+    p.add_argument("--skip-llama", action="store_true", help="--depths: MILI alone (llama.cpp not built or run)")
+    p.add_argument("--synthetic", action="store_true",
+                   help="--depths: MILI's decode steps run by hand over random pages, no prefill (see above)")
     p.add_argument("--cpu-isa", choices=list(LLAMA_ISA), default="native",
                    help="native: each engine's best path; avx2: both held to AVX2 (run with MILI_CPU_ISA=avx2 "
                         "ATEN_CPU_CAPABILITY=avx2 in the environment)")
     args = p.parse_args()
-    if args.input_len + args.output_len > MAX_MODEL_LEN:
+    if args.depths is None and args.input_len + args.output_len > MAX_MODEL_LEN:
         p.error(f"--input-len + --output-len must be at most {MAX_MODEL_LEN}")
     env_isa = os.environ.get("MILI_CPU_ISA", "")
     how = (f"MILI_CPU_ISA={args.cpu_isa} ATEN_CPU_CAPABILITY={args.cpu_isa} python {' '.join(sys.argv)}"
@@ -265,13 +398,20 @@ def main() -> None:
     if args.cpu_isa == "avx2" and torch.backends.cpu.get_cpu_capability() not in ("AVX2", "DEFAULT"):
         sys.exit(f"--cpu-isa avx2 but torch runs {torch.backends.cpu.get_cpu_capability()} kernels (it reads "
                  f"ATEN_CPU_CAPABILITY at import): run {how}")
+    if args.depths is not None and args.skip_llama:
+        for spec in args.models:
+            depth_compare(spec, None, args)
+        return
     if shutil.which("cmake") is None:
         sys.exit("needs cmake and a C++ compiler (apt-get install cmake g++)")
     if importlib.util.find_spec("sentencepiece") is None:  # llama.cpp's converter imports it for Qwen's vocab
         sys.exit("llama.cpp's convert_hf_to_gguf.py needs sentencepiece: pip install sentencepiece")
     bin_dir = llama_cpp(args.llama_cpp_python, args.cpu_isa)
     for spec in args.models:
-        compare(spec, bin_dir, args)
+        if args.depths is not None:
+            depth_compare(spec, bin_dir, args)
+        else:
+            compare(spec, bin_dir, args)
 
 
 if __name__ == "__main__":

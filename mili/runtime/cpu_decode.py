@@ -16,7 +16,7 @@ import ctypes
 import torch
 
 from mili.kernels.cpu import load
-from mili.kernels.cpu.ops import LoRADesc, decode_metadata, scale_form
+from mili.kernels.cpu.ops import Int8Pages, LoRADesc, decode_metadata, scale_form
 from mili.lora import LoRALinear
 from mili.model.cpu_linear import Int4Linear, Int8GroupLinear, Int8Linear, KernelLinear, SplitLinear
 from mili.model.batch import ForwardBatch
@@ -108,7 +108,7 @@ class CpuDecodeRunner:
                 *(n.weight.data_ptr() for n in norms), *linears))
         if self.layers:  # one array: mili_decode_layers runs them all in one call
             self.layers = (LayerDesc * len(self.layers))(*self.layers)
-        self._kv_pointers: tuple[int, ctypes.Array, ctypes.Array] | None = None
+        self._kv_pointers: tuple[int, tuple] | None = None
         # the model's LoRA adapters' step (which slot each row runs), where it has them
         self.lora_step = next((m.step for m in model.modules() if isinstance(m, LoRALinear)), None)
         self.work_per_token = 0
@@ -116,26 +116,34 @@ class CpuDecodeRunner:
             d = self.layers[0]
             self.work_per_token = (2 * d.hidden + _rows(d.qkv) + d.q_heads * d.head_dim + _rows(d.gate_up) + d.inter)
 
-    def _pointers(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[ctypes.Array, ctypes.Array]:
-        """Each layer's K and V pages' addresses, as arrays for mili_decode_layers (made again only if the caches
-        are not the ones they were made from)."""
-        key = kv_caches[0][0].data_ptr()
+    def _pointers(self, kv_caches: list[tuple]) -> tuple:
+        """Each layer's K and V pages' addresses, and (int8 pages) their scales' (else None), as arrays for
+        mili_decode_layers (made again only if the caches are not the ones they were made from)."""
+        int8 = isinstance(kv_caches[0][0], Int8Pages)
+        key = (kv_caches[0][0].values if int8 else kv_caches[0][0]).data_ptr()
         if self._kv_pointers is None or self._kv_pointers[0] != key:
-            arrays = [(_P * len(kv_caches))(*(pages.data_ptr() for pages in part)) for part in zip(*kv_caches)]
-            self._kv_pointers = (key, *arrays)
-        return self._kv_pointers[1], self._kv_pointers[2]
+            def array(tensors):
+                return (_P * len(kv_caches))(*(t.data_ptr() for t in tensors))
+
+            ks, vs = zip(*kv_caches)
+            arrays = ((array(c.values for c in ks), array(c.values for c in vs), array(c.scales for c in ks),
+                       array(c.scales for c in vs)) if int8 else (array(ks), array(vs), None, None))
+            self._kv_pointers = (key, arrays)
+        return self._kv_pointers[1]
 
     @property
     def available(self) -> bool:
         return bool(self.layers)
 
-    def run(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    def run(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor | Int8Pages, torch.Tensor | Int8Pages]],
             verifying: bool = False) -> torch.Tensor | None:
         """The final hidden states of the rows in ``batch.logits_indices`` for a decode-only batch, or with
         ``verifying`` one whose chunks are speculative decoding's verifications (at most ``MAX_QUERY`` tokens a
         sequence); else None."""
         t = batch.input_ids.shape[0]
         if not self.layers or max(batch.query_lens) > (MAX_QUERY if verifying else 1):
+            return None
+        if isinstance(kv_caches[0][0], Int8Pages) and self.layers[0].head_dim > 512:  # (the int8 kernel's bound)
             return None
         h = self.model.model.embed_tokens(batch.input_ids).contiguous()
         residual = torch.empty_like(h)
@@ -150,10 +158,10 @@ class CpuDecodeRunner:
             lens = torch.cat([torch.arange(c - q + 1, c + 1) for q, c in zip(batch.query_lens, batch.context_lens)])
         threads = torch.get_num_threads()
         lora = self.lora_step.slots.data_ptr() if self.lora_step is not None and self.lora_step.active else None
-        k_pointers, v_pointers = self._pointers(kv_caches)
+        k_pointers, v_pointers, k_scales, v_scales = self._pointers(kv_caches)
         self.lib.mili_decode_layers(self.layers, len(self.layers), h.data_ptr(), residual.data_ptr(), k_pointers,
-                                    v_pointers, slots.data_ptr(), cos.data_ptr(), sin.data_ptr(), table.data_ptr(),
-                                    table.stride(0), lens.data_ptr(), kv_caches[0][0].shape[2], t, work.data_ptr(),
-                                    lora, threads)
+                                    v_pointers, k_scales, v_scales, slots.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                                    table.data_ptr(), table.stride(0), lens.data_ptr(), kv_caches[0][0].shape[2], t,
+                                    work.data_ptr(), lora, threads)
         rows = batch.logits_indices
         return self.model.model.norm(h[rows], residual[rows])[0]

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from mili.config import EngineConfig, ModelConfig
 from mili.errors import InvalidRequest
 from mili.host_copy import tensor_on
+from mili.kernels.cpu.ops import Int8Pages
 from mili.model.batch import ForwardBatch
 from mili.runtime.attention.torch_backend import TorchAttentionBackend
 from mili.runtime.plan import ExecutionPlan
@@ -56,7 +57,9 @@ class CacheMemory:
         self.states: RecurrentStateCache | None = None
         cfg, page_size = model_config, config.page_size
         num_layers = cfg.num_attention_layers + (getattr(model, "mtp", None) is not None)  # (MTP: one more)
-        bytes_per_page = 2 * num_layers * page_size * cfg.num_key_value_heads * cfg.head_dim * self.kv_dtype.itemsize
+        # a token's one kv head: D values (int8 pages: D bytes and a float32 scale)
+        row_bytes = Int8Pages.row_bytes(cfg.head_dim) if self.int8_pages else cfg.head_dim * self.kv_dtype.itemsize
+        bytes_per_page = 2 * num_layers * page_size * cfg.num_key_value_heads * row_bytes
         state_bytes = self._allocate_states() if model_config.is_hybrid else 0
         if plan.memory.num_kv_pages is not None:  # sized exactly, as asked
             num_pages = plan.memory.num_kv_pages
@@ -83,8 +86,7 @@ class CacheMemory:
             vision_budget.check_host_memory(num_pages * bytes_per_page)
         shape_of = getattr(attention, "kv_cache_shape", TorchAttentionBackend.kv_cache_shape)
         shape = shape_of(num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.kv_dtype, device=device),
-                           torch.zeros(shape, dtype=self.kv_dtype, device=device)) for _ in range(num_layers)]
+        self.kv_caches = [(self._pages(shape), self._pages(shape)) for _ in range(num_layers)]
         states = self.states
         self.layout = CacheLayout(num_pages, page_size, self.max_model_len,
                                   states.num_slots if states else 0, states.num_snapshots if states else 0,
@@ -92,6 +94,16 @@ class CacheMemory:
                                   states.bytes_per_slot if states else 0)
         log.info("KV cache: %d pages of %d tokens (%.1f MiB, %s)", num_pages, page_size,
                  num_pages * bytes_per_page / 2**20, plan.kv_dtype_name)
+
+    @property
+    def int8_pages(self) -> bool:
+        """--kv-cache-dtype int8 (MILI's CPU kernels): each layer's K and V are ``Int8Pages``."""
+        return self.kv_dtype == torch.int8
+
+    def _pages(self, shape: tuple[int, ...]) -> torch.Tensor | Int8Pages:
+        if self.int8_pages:
+            return Int8Pages.zeros(shape, self.device)
+        return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
 
     @property
     def max_pages_per_seq(self) -> int:
@@ -159,9 +171,12 @@ class CacheMemory:
         return peak + sampler + prompt_slice
 
     def copy_pages(self, copies: list[tuple[int, int]]) -> None:
-        """Copy KV pages (copy-on-write of a shared partial page), byte for byte (FP8 pages too)."""
+        """Copy KV pages (copy-on-write of a shared partial page), byte for byte (FP8 pages too; int8 pages with
+        their scales)."""
         src = tensor_on([s for s, _ in copies], self.device)
         dst = tensor_on([d for _, d in copies], self.device)
         for k_cache, v_cache in self.kv_caches:
-            for cache in (k_cache.view(torch.uint8), v_cache.view(torch.uint8)):
-                cache[dst] = cache[src]
+            for pages in (k_cache, v_cache):
+                for tensor in pages.tensors if isinstance(pages, Int8Pages) else (pages,):
+                    cache = tensor.view(torch.uint8)
+                    cache[dst] = cache[src]

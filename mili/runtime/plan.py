@@ -356,9 +356,6 @@ def plan(config: EngineConfig, model_config: ModelConfig, device: DeviceInfo) ->
     dtype = _dtype(config, model_config, device)
     max_model_len = config.resolve_max_model_len(model_config)
     attention = _attention_backend(config, device)
-    kv_dtype = _kv_dtype(config, attention, dtype, device)
-    if attention is AttentionBackend.TRITON and on_cuda:
-        check_device(device.spec, dtype, kv_dtype == torch.float8_e4m3fn)
 
     # MILI's C kernels: on the CPU, in bf16, with the torch attention path, where they load (one rank)
     off = (f"the model runs {str(dtype).removeprefix('torch.')}; the kernels are bf16's" if dtype != torch.bfloat16
@@ -367,6 +364,11 @@ def plan(config: EngineConfig, model_config: ModelConfig, device: DeviceInfo) ->
     cpu_kernels = on_cpu and config.cpu_kernels and not off and bool(device.cpu_kernels)
     if cpu_kernels:
         attention = AttentionBackend.CPU
+    kernels_off = ("not on the CPU" if not on_cpu else off or ("cpu_kernels is off" if not config.cpu_kernels else
+                                                                f"no CPU kernels: {device.cpu_kernels_why}"))
+    kv_dtype = _kv_dtype(config, attention, dtype, device, kernels_off)
+    if attention is AttentionBackend.TRITON and on_cuda:
+        check_device(device.spec, dtype, kv_dtype == torch.float8_e4m3fn)
 
     if config.enable_lora and model_config.num_labels:
         raise InvalidRequest("LoRA adapters run on the generative models (not on a classification head)",
@@ -460,14 +462,23 @@ def _attention_backend(config: EngineConfig, device: DeviceInfo) -> AttentionBac
     return AttentionBackend(name)
 
 
-def _kv_dtype(config: EngineConfig, attention: AttentionBackend, dtype: torch.dtype, device: DeviceInfo) -> torch.dtype:
-    """The KV pages' dtype: the model's (auto), or float8_e4m3fn (fp8: half the bytes a token, twice the pages in
-    the same memory), which the Triton kernels read and write on GPUs with FP8."""
+def _kv_dtype(config: EngineConfig, attention: AttentionBackend, dtype: torch.dtype, device: DeviceInfo,
+              kernels_off: str) -> torch.dtype:
+    """The KV pages' dtype: the model's (auto); float8_e4m3fn (fp8: half the bytes a token, twice the pages in
+    the same memory), which the Triton kernels read and write on GPUs with FP8; or int8 (int8: a token's kv head is
+    D bytes and a float32 scale, ~1.9x the pages), which MILI's CPU kernels read and write (``attention`` CPU;
+    ``kernels_off``: why they don't run, where not)."""
     if config.kv_cache_dtype == "auto":
         return dtype
+    if config.kv_cache_dtype == "int8":
+        if attention is not AttentionBackend.CPU:
+            cuda = " (on CUDA, --kv-cache-dtype fp8)" if device.type == "cuda" else ""
+            raise InvalidRequest(f"--kv-cache-dtype int8 runs on MILI's CPU kernels (the CPU, bf16, one rank), which "
+                                 f"don't run here: {kernels_off}{cuda}", param="kv_cache_dtype")
+        return torch.int8
     if attention is not AttentionBackend.TRITON:
-        raise InvalidRequest("--kv-cache-dtype fp8 needs the Triton attention backend (CUDA); the CPU's "
-                             "torch and C-kernel attention read pages in the model's dtype", param="kv_cache_dtype")
+        raise InvalidRequest("--kv-cache-dtype fp8 needs the Triton attention backend (CUDA); on the CPU, "
+                             "--kv-cache-dtype int8 halves the pages' bytes (MILI's kernels)", param="kv_cache_dtype")
     if device.type == "cuda" and device.capability < (8, 9):
         raise InvalidRequest("--kv-cache-dtype fp8 needs a GPU with FP8 (compute capability 8.9 or later)",
                              param="kv_cache_dtype")

@@ -14,6 +14,7 @@ import time
 import torch
 
 from mili.kernels import cpu
+from mili.kernels.cpu.ops import Int8Pages
 
 
 # -- helpers -------------------------------------------------------------------------------------
@@ -108,7 +109,9 @@ def step_bytes(runner, context: int) -> dict[str, int]:
     layer's conv and SSM state read and written back)."""
     parts = runner.parts
     cfg = parts.model_config
-    kv = 2 * cfg.num_attention_layers * context * cfg.num_key_value_heads * cfg.head_dim * parts.plan.kv_dtype.itemsize
+    row = (Int8Pages.row_bytes(cfg.head_dim) if parts.plan.kv_dtype == torch.int8  # (int8 pages: D bytes and a scale)
+           else cfg.head_dim * parts.plan.kv_dtype.itemsize)
+    kv = 2 * cfg.num_attention_layers * context * cfg.num_key_value_heads * row
     state = 2 * parts.states.bytes_per_slot if parts.states is not None else 0
     return {"weights": weight_bytes_per_step(parts.model), "kv": kv, "state": state}
 

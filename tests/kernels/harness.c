@@ -578,6 +578,74 @@ static void ref_decode_attention(const bf16 *q, int64_t ldq, const bf16 *kc, con
   }
 }
 
+/* int8 pages (--kv-cache-dtype int8): values [pages][Hkv][page_size][D] int8 beside scales [pages][Hkv][page_size]
+ * float32. A row: scale = amax / 127 (0 where amax is 0), q = x * (1 / scale) rounded to nearest even. */
+static float ref_quantize_kv_row(const bf16 *x, int64_t D, int8_t *q) {
+  float amax = 0.0f;
+  for (int64_t d = 0; d < D; d++)
+    if (fabsf(h_bf2f(x[d])) > amax) amax = fabsf(h_bf2f(x[d]));
+  const float scale = amax / 127.0f, inv = amax > 0.0f ? 1.0f / scale : 0.0f;
+  for (int64_t d = 0; d < D; d++) q[d] = (int8_t)nearbyintf(h_bf2f(x[d]) * inv);
+  return scale;
+}
+static void ref_store_kv_int8(const bf16 *k, int64_t ldk, const bf16 *v, int64_t ldv, int8_t *kc, float *ks, int8_t *vc,
+                              float *vs, const int64_t *slots, int64_t T, int64_t Hkv, int64_t D, int64_t ps) {
+  for (int64_t t = 0; t < T; t++) {
+    if (slots[t] < 0) continue;
+    for (int64_t h = 0; h < Hkv; h++) {
+      const int64_t r = (slots[t] / ps * Hkv + h) * ps + slots[t] % ps;
+      ks[r] = ref_quantize_kv_row(k + t * ldk + h * D, D, kc + r * D);
+      vs[r] = ref_quantize_kv_row(v + t * ldv + h * D, D, vc + r * D);
+    }
+  }
+}
+
+/* Decode attention over int8 pages, want/tol [B][Hq][D]: softmax(scale q.k) over the dequantized values (q x scale),
+ * the weights unrounded (the kernel keeps them float32). The kernel's error: the scores' (q as int16, at most half a
+ * step of amax / 32767 an element, times sum |k|; a few float32 ulps of sum |q k|) and the sums' (2e-6 + 6e-8 ctx of
+ * sum |w v|). */
+static void ref_decode_attention_int8(const bf16 *q, int64_t ldq, const int8_t *kc, const float *ks, const int8_t *vc,
+                                      const float *vs, const int64_t *page_table, int64_t ldp, const int64_t *lens,
+                                      int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t ps, float scale,
+                                      double *want, double *tol) {
+  const int64_t G = Hq / Hkv;
+  for (int64_t b = 0; b < B; b++) {
+    const int64_t ctx = lens[b];
+    double *s = xalloc(sizeof(double) * ctx), *w = xalloc(sizeof(double) * ctx), *ds = xalloc(sizeof(double) * ctx);
+    for (int64_t hq = 0; hq < Hq; hq++) {
+      const int64_t h = hq / G;
+      double mx = -INFINITY, sum = 0, qmax = 0;
+      for (int64_t d = 0; d < D; d++) { /* (an if: aarch64 GCC 12's vectorizer fails on fmax here) */
+        const double a = fabs(h_bf2f(q[b * ldq + hq * D + d]));
+        if (a > qmax) qmax = a;
+      }
+      for (int64_t p = 0; p < ctx; p++) {
+        const int64_t at = kv_at(page_table, ldp, b, p, h, Hkv, ps, D);
+        double dot = 0, mag = 0, kmag = 0;
+        for (int64_t d = 0; d < D; d++) {
+          const double kd = (double)kc[at + d] * ks[at / D], x = (double)h_bf2f(q[b * ldq + hq * D + d]) * kd;
+          dot += x, mag += fabs(x), kmag += fabs(kd);
+        }
+        s[p] = dot * scale;
+        ds[p] = (1e-6 * mag + qmax / 65534 * kmag) * scale + 1e-6; /* (q as int16; float32 scales and exp) */
+        if (s[p] > mx) mx = s[p];
+      }
+      for (int64_t p = 0; p < ctx; p++) sum += w[p] = exp(s[p] - mx);
+      for (int64_t d = 0; d < D; d++) {
+        double acc = 0, err = 0;
+        for (int64_t p = 0; p < ctx; p++) {
+          const int64_t at = kv_at(page_table, ldp, b, p, h, Hkv, ps, D);
+          const double vv = (double)vc[at + d] * vs[at / D];
+          acc += w[p] * vv, err += w[p] * fabs(vv) * (2 * ds[p] + 2e-6 + 6e-8 * ctx);
+        }
+        want[(b * Hq + hq) * D + d] = acc / sum;
+        if (tol) tol[(b * Hq + hq) * D + d] = tol_bf16(acc / sum, err / sum);
+      }
+    }
+    free(s), free(w), free(ds);
+  }
+}
+
 /* Causal prefill attention, want/tol [Lq][Hq][D]: query i is position Lk - Lq + i; the normalized weights are
  * rounded to bf16 before they multiply V. */
 static void ref_prefill_attention(const bf16 *q, int64_t ldq, const bf16 *k, int64_t ldk, const bf16 *v, int64_t ldv,
@@ -852,6 +920,103 @@ static void test_decode_attention(int64_t B, const int64_t *lens, int64_t Hkv, i
   free(table), free(kc), free(vc), free(q), free(out), free(want), free(tol);
 }
 
+static void acc_bytes_exact(Acc *a, const void *got, const void *want, int64_t n) {
+  for (int64_t i = 0; i < n; i++) acc_bits(a, i, ((const uint8_t *)got)[i], ((const uint8_t *)want)[i]);
+}
+
+static void test_store_kv_int8(int64_t T, int64_t Hkv, int64_t D, int64_t ps) {
+  rng_seed((uint64_t)(T * 3 + Hkv * 5 + D + ps + 1000));
+  const int64_t pages = T / ps + 3, ld = (2 + 2 * Hkv) * D + 8, rows = pages * Hkv * ps, n = rows * D;
+  bf16 *x = xalloc(sizeof(bf16) * T * ld);
+  int8_t *kc = xalloc(n), *vc = xalloc(n), *kr = xalloc(n), *vr = xalloc(n);
+  float *ks = xalloc(sizeof(float) * rows), *vs = xalloc(sizeof(float) * rows), *ksr = xalloc(sizeof(float) * rows);
+  float *vsr = xalloc(sizeof(float) * rows);
+  int64_t *slots = xalloc(sizeof(int64_t) * T);
+  for (int64_t t = 0; t < T; t++) fill_bf(x + t * ld, ld, -rng_uniform(0.01f, 8.0f), rng_uniform(0.01f, 8.0f));
+  const bf16 *k = x + 2 * D, *v = x + (2 + Hkv) * D;
+  memset(x + 2 * D, 0, sizeof(bf16) * D); /* token 0's first K row: zeros (scale 0) */
+  for (int64_t i = 0; i < n; i++) kc[i] = vc[i] = kr[i] = vr[i] = (int8_t)(i % 7 - 3); /* (untouched rows: kept) */
+  for (int64_t i = 0; i < rows; i++) ks[i] = vs[i] = ksr[i] = vsr[i] = 0.5f;
+  for (int64_t t = 0; t < T; t++)
+    slots[t] = t % 4 == 3 ? -1 : t == 0 ? 0 : ((t * 7 + 3) % pages) * ps + (t * 5 + 1) % ps;
+  for (int64_t t = 0; t < T; t++)
+    for (int64_t u = 0; u < t; u++)
+      if (slots[t] >= 0 && slots[t] == slots[u]) slots[t] = -1;
+  mili_store_kv_int8(k, ld, v, ld, kc, ks, vc, vs, slots, T, Hkv, D, ps, NT);
+  ref_store_kv_int8(k, ld, v, ld, kr, ksr, vr, vsr, slots, T, Hkv, D, ps);
+  Acc a;
+  acc_init(&a);
+  acc_bytes_exact(&a, kc, kr, n);
+  acc_bytes_exact(&a, vc, vr, n);
+  acc_bytes_exact(&a, ks, ksr, sizeof(float) * rows);
+  acc_bytes_exact(&a, vs, vsr, sizeof(float) * rows);
+  verdict(&a, "store_kv_int8 T=%lld Hkv=%lld D=%lld page_size=%lld: values and scales exact (slots < 0 skipped)",
+          (long long)T, (long long)Hkv, (long long)D, (long long)ps);
+  /* the gather: every token of two sequences over the same pages, dequantized bf16(q x scale) exactly */
+  const int64_t lens[2] = {T, T / 2 + 1};
+  int64_t npages, ldp;
+  int64_t *table = make_pages(2, lens, ps, &npages, &ldp);
+  for (int64_t i = 0; i < 2 * ldp; i++) table[i] %= pages;
+  bf16 *out = xalloc(sizeof(bf16) * 2 * T * Hkv * D), *want = xalloc(sizeof(bf16) * 2 * T * Hkv * D);
+  mili_gather_kv_int8(kc, ks, table, ldp, 2, T, Hkv, D, ps, out, NT);
+  for (int64_t b = 0; b < 2; b++)
+    for (int64_t p = 0; p < T; p++)
+      for (int64_t h = 0; h < Hkv; h++) {
+        const int64_t at = kv_at(table, ldp, b, p, h, Hkv, ps, D);
+        for (int64_t d = 0; d < D; d++) want[((b * T + p) * Hkv + h) * D + d] = h_f2bf((float)kc[at + d] * ks[at / D]);
+      }
+  acc_init(&a);
+  acc_bf16_exact(&a, out, want, 2 * T * Hkv * D);
+  verdict(&a, "gather_kv_int8 T=%lld Hkv=%lld D=%lld page_size=%lld: dequantized exactly", (long long)T, (long long)Hkv,
+          (long long)D, (long long)ps);
+  free(x), free(kc), free(vc), free(kr), free(vr), free(ks), free(vs), free(ksr), free(vsr), free(slots);
+  free(table), free(out), free(want);
+}
+
+/* int8 pages of B sequences (make_pages' table): random rows (values, scales of 2^-7..2^-5) at each sequence's
+ * positions, garbage (127, scale 30) everywhere else, so a kernel reading beyond a context disagrees. */
+static void fill_cache_int8(int8_t *cache, float *scales, int64_t npages, int64_t Hkv, int64_t ps, int64_t D,
+                            const int64_t *table, int64_t ldp, int64_t B, const int64_t *lens) {
+  memset(cache, 127, npages * Hkv * ps * D);
+  for (int64_t i = 0; i < npages * Hkv * ps; i++) scales[i] = 30.0f;
+  for (int64_t b = 0; b < B; b++)
+    for (int64_t p = 0; p < lens[b]; p++)
+      for (int64_t h = 0; h < Hkv; h++) {
+        const int64_t at = kv_at(table, ldp, b, p, h, Hkv, ps, D);
+        for (int64_t d = 0; d < D; d++) cache[at + d] = (int8_t)rng_int(-127, 127);
+        scales[at / D] = rng_uniform(1.0f / 128, 1.0f / 32);
+      }
+}
+
+static void test_decode_attention_int8(int64_t B, const int64_t *lens, int64_t Hkv, int64_t G, int64_t D, int64_t ps) {
+  rng_seed((uint64_t)(B * 3 + Hkv * 5 + G * 7 + D * 11 + ps * 13 + lens[0] + 2000));
+  const int64_t Hq = Hkv * G, ldq = Hq * D + 32;
+  int64_t npages, ldp;
+  int64_t *table = make_pages(B, lens, ps, &npages, &ldp);
+  const int64_t rows = npages * Hkv * ps;
+  int8_t *kc = xalloc(rows * D), *vc = xalloc(rows * D);
+  float *ks = xalloc(sizeof(float) * rows), *vs = xalloc(sizeof(float) * rows);
+  bf16 *q = xalloc(sizeof(bf16) * B * ldq), *out = xalloc(sizeof(bf16) * (B * Hq * D + 32));
+  fill_cache_int8(kc, ks, npages, Hkv, ps, D, table, ldp, B, lens);
+  fill_cache_int8(vc, vs, npages, Hkv, ps, D, table, ldp, B, lens);
+  fill_bf(q, B * ldq, -2.0f, 2.0f);
+  fill_u16(out, B * Hq * D + 32, 0x7fc1);
+  const float scale = 1.0f / sqrtf((float)D);
+  mili_decode_attention_int8(q, ldq, kc, ks, vc, vs, table, ldp, lens, out, B, Hq, Hkv, D, ps, scale, NT);
+  double *want = xalloc(sizeof(double) * B * Hq * D), *tol = xalloc(sizeof(double) * B * Hq * D);
+  ref_decode_attention_int8(q, ldq, kc, ks, vc, vs, table, ldp, lens, B, Hq, Hkv, D, ps, scale, want, tol);
+  Acc a;
+  acc_init(&a);
+  acc_bf16(&a, out, want, tol, B * Hq * D);
+  for (int64_t i = 0; i < 32; i++) acc_bits(&a, B * Hq * D + i, out[B * Hq * D + i], 0x7fc1);
+  char lens_s[128] = "";
+  for (int64_t b = 0; b < B; b++)
+    snprintf(lens_s + strlen(lens_s), sizeof lens_s - strlen(lens_s), "%s%lld", b ? "," : "", (long long)lens[b]);
+  verdict(&a, "decode_attention_int8 B=%lld lens=%s Hq=%lld Hkv=%lld (group %lld) D=%lld page_size=%lld", (long long)B,
+          lens_s, (long long)Hq, (long long)Hkv, (long long)G, (long long)D, (long long)ps);
+  free(table), free(kc), free(vc), free(ks), free(vs), free(q), free(out), free(want), free(tol);
+}
+
 static void test_prefill_attention(int64_t Lq, int64_t Lk, int64_t Hq, int64_t Hkv, int64_t D) {
   rng_seed((uint64_t)(Lq * 3 + Lk * 5 + Hq * 7 + Hkv * 11 + D));
   const int64_t ld = (Hq + 2 * Hkv) * D, ldo = Hq * D + 16; /* fused rows q | k | v; out rows padded */
@@ -879,7 +1044,8 @@ static void test_prefill_attention(int64_t Lq, int64_t Lk, int64_t Hq, int64_t H
  * the composition of the references above, each stage rounded to bf16 as the kernels round it. ------------- */
 /* split: the fused q|k|v in two parts (mili_linear_desc's next), the v rows int4 with two high bits, symmetric, in
  * groups of 16 (GGUF's Q4_K_M: Q4_K q and k beside a Q6_K v) */
-static void test_decode_layer(int kind, int64_t group, int mode, int sym, int first, int split) {
+/* kv8: the layer's pages int8 (values and scales; the bf16 caches unused) */
+static void decode_layer_case(int kind, int64_t group, int mode, int sym, int first, int split, int kv8) {
   if (kind != LIN_BF16 && !INT_KERNELS) {
     n_skipped++;
     return;
@@ -914,6 +1080,19 @@ static void test_decode_layer(int kind, int64_t group, int mode, int sym, int fi
   fill_cache(kc[0], npages, Hkv, ps, D, table, ldp, T, prev);
   fill_cache(vc[0], npages, Hkv, ps, D, table, ldp, T, prev);
   for (int i = 1; i < 3; i++) memcpy(kc[i], kc[0], sizeof(bf16) * nc), memcpy(vc[i], vc[0], sizeof(bf16) * nc);
+  const int64_t nrows = npages * Hkv * ps;
+  int8_t *kq[3], *vq[3]; /* kv8: the int8 pages, as kc / vc */
+  float *ksc[3], *vsc[3];
+  for (int i = 0; i < 3; i++) {
+    kq[i] = xalloc(nc), vq[i] = xalloc(nc), ksc[i] = xalloc(sizeof(float) * nrows), vsc[i] = xalloc(sizeof(float) * nrows);
+    if (i == 0) {
+      fill_cache_int8(kq[0], ksc[0], npages, Hkv, ps, D, table, ldp, T, prev);
+      fill_cache_int8(vq[0], vsc[0], npages, Hkv, ps, D, table, ldp, T, prev);
+    } else {
+      memcpy(kq[i], kq[0], nc), memcpy(vq[i], vq[0], nc);
+      memcpy(ksc[i], ksc[0], sizeof(float) * nrows), memcpy(vsc[i], vsc[0], sizeof(float) * nrows);
+    }
+  }
   float *cos_t = xalloc(sizeof(float) * T * D), *sin_t = xalloc(sizeof(float) * T * D);
   rope_tables(T, D, cos_t, sin_t);
   bf16 *h[3], *res[3];
@@ -924,7 +1103,12 @@ static void test_decode_layer(int kind, int64_t group, int mode, int sym, int fi
   const int64_t nwork = T * (H + nqkv + Hq * D + H + 2 * I + I);
   bf16 *work = xalloc(sizeof(bf16) * nwork);
 
-  mili_decode_layer(&L, h[0], res[0], first, kc[0], vc[0], slots, cos_t, sin_t, table, ldp, lens, ps, T, work, NULL, NT);
+  if (kv8)
+    mili_decode_layer(&L, h[0], res[0], first, kq[0], vq[0], ksc[0], vsc[0], slots, cos_t, sin_t, table, ldp, lens, ps,
+                      T, work, NULL, NT);
+  else
+    mili_decode_layer(&L, h[0], res[0], first, kc[0], vc[0], NULL, NULL, slots, cos_t, sin_t, table, ldp, lens, ps, T,
+                      work, NULL, NT);
 
   { /* (1) the pieces, as the layer documents them */
     bf16 *normed = xalloc(sizeof(bf16) * T * H), *x = xalloc(sizeof(bf16) * T * nqkv), *attn = xalloc(sizeof(bf16) * T * Hq * D);
@@ -938,8 +1122,15 @@ static void test_decode_layer(int kind, int64_t group, int mode, int sym, int fi
     lin_run_ld(&qkv, normed, x, nqkv, T);
     if (split) lin_run_ld(&v, normed, x + nqk, nqkv, T);
     mili_qk_norm_rope(x, nqkv, T, Hq, Hkv, D, L.q_norm, L.k_norm, eps, cos_t, sin_t, NT);
-    mili_store_kv(x + Hq * D, nqkv, x + (Hq + Hkv) * D, nqkv, kc[1], vc[1], slots, T, Hkv, D, ps);
-    mili_decode_attention(x, nqkv, kc[1], vc[1], table, ldp, lens, attn, T, Hq, Hkv, D, ps, scale, NT);
+    if (kv8) {
+      mili_store_kv_int8(x + Hq * D, nqkv, x + (Hq + Hkv) * D, nqkv, kq[1], ksc[1], vq[1], vsc[1], slots, T, Hkv, D, ps,
+                         NT);
+      mili_decode_attention_int8(x, nqkv, kq[1], ksc[1], vq[1], vsc[1], table, ldp, lens, attn, T, Hq, Hkv, D, ps, scale,
+                                 NT);
+    } else {
+      mili_store_kv(x + Hq * D, nqkv, x + (Hq + Hkv) * D, nqkv, kc[1], vc[1], slots, T, Hkv, D, ps);
+      mili_decode_attention(x, nqkv, kc[1], vc[1], table, ldp, lens, attn, T, Hq, Hkv, D, ps, scale, NT);
+    }
     lin_run(&o, attn, ob, T);
     mili_rms_norm(ob, H, res[1], L.post_norm, normed, res[1], T, H, eps, NT);
     lin_run(&gu, normed, g, T);
@@ -972,8 +1163,14 @@ static void test_decode_layer(int kind, int64_t group, int mode, int sym, int fi
     ref_qk_norm_rope(x, nqkv, T, Hq, Hkv, D, L.q_norm, L.k_norm, eps, cos_t, sin_t, want, tol);
     for (int64_t t = 0; t < T; t++)
       for (int64_t i = 0; i < (Hq + Hkv) * D; i++) x[t * nqkv + i] = h_f2bf((float)want[t * (Hq + Hkv) * D + i]);
-    ref_store_kv(x + Hq * D, nqkv, x + (Hq + Hkv) * D, nqkv, kc[2], vc[2], slots, T, Hkv, D, ps);
-    ref_decode_attention(x, nqkv, kc[2], vc[2], table, ldp, lens, T, Hq, Hkv, D, ps, scale, want, NULL);
+    if (kv8) {
+      ref_store_kv_int8(x + Hq * D, nqkv, x + (Hq + Hkv) * D, nqkv, kq[2], ksc[2], vq[2], vsc[2], slots, T, Hkv, D, ps);
+      ref_decode_attention_int8(x, nqkv, kq[2], ksc[2], vq[2], vsc[2], table, ldp, lens, T, Hq, Hkv, D, ps, scale, want,
+                                NULL);
+    } else {
+      ref_store_kv(x + Hq * D, nqkv, x + (Hq + Hkv) * D, nqkv, kc[2], vc[2], slots, T, Hkv, D, ps);
+      ref_decode_attention(x, nqkv, kc[2], vc[2], table, ldp, lens, T, Hq, Hkv, D, ps, scale, want, NULL);
+    }
     for (int64_t i = 0; i < T * Hq * D; i++) attn[i] = h_f2bf((float)want[i]);
     lin_ref_bf(&o, attn, T, ob);
     ref_rms_norm(ob, H, res[2], L.post_norm, T, H, eps, want, NULL, res[2]);
@@ -990,12 +1187,17 @@ static void test_decode_layer(int kind, int64_t group, int mode, int sym, int fi
              SCALE_NAME[mode], sym ? " symmetric" : "", split ? " (q|k, then v: int4 +2 bits)" : "");
   else
     snprintf(what, sizeof what, "%s", kind == LIN_INT8 ? "int8" : "bf16");
+  if (kv8) snprintf(what + strlen(what), sizeof what - strlen(what), ", int8 pages");
   Acc a;
   acc_init(&a);
   acc_bf16_exact(&a, h[0], h[1], T * H);
   acc_bf16_exact(&a, res[0], res[1], T * H);
   acc_bf16_exact(&a, kc[0], kc[1], nc);
   acc_bf16_exact(&a, vc[0], vc[1], nc);
+  acc_bytes_exact(&a, kq[0], kq[1], nc);
+  acc_bytes_exact(&a, vq[0], vq[1], nc);
+  acc_bytes_exact(&a, ksc[0], ksc[1], sizeof(float) * nrows);
+  acc_bytes_exact(&a, vsc[0], vsc[1], sizeof(float) * nrows);
   verdict(&a, "decode_layer %s first=%d: output, residual and caches = the kernels called one by one (bit for bit)",
           what, first);
   /* against the references: each stage's one-ulp differences carry on through the layer, so the bound is a
@@ -1013,15 +1215,23 @@ static void test_decode_layer(int kind, int64_t group, int mode, int sym, int fi
   verdict(&a, "decode_layer %s first=%d: output and residual = the references composed", what, first);
   Acc c;
   acc_init(&c);
-  for (int64_t i = 0; i < nc; i++) { /* the new K/V rows: rounded differences only */
-    acc_add(&c, i, h_bf2f(kc[0][i]), h_bf2f(kc[2][i]), fabs(h_bf2f(kc[2][i])) / 32 + 0.02);
-    acc_add(&c, nc + i, h_bf2f(vc[0][i]), h_bf2f(vc[2][i]), fabs(h_bf2f(vc[2][i])) / 32 + 0.02);
+  for (int64_t i = 0; i < nc; i++) { /* the new K/V rows: rounded differences only (int8: dequantized) */
+    const double kg = kv8 ? kq[0][i] * (double)ksc[0][i / D] : h_bf2f(kc[0][i]);
+    const double kw = kv8 ? kq[2][i] * (double)ksc[2][i / D] : h_bf2f(kc[2][i]);
+    const double vg = kv8 ? vq[0][i] * (double)vsc[0][i / D] : h_bf2f(vc[0][i]);
+    const double vw = kv8 ? vq[2][i] * (double)vsc[2][i / D] : h_bf2f(vc[2][i]);
+    acc_add(&c, i, kg, kw, fabs(kw) / 32 + 0.02);
+    acc_add(&c, nc + i, vg, vw, fabs(vw) / 32 + 0.02);
   }
   verdict(&c, "decode_layer %s first=%d: caches = the references composed", what, first);
   lin_free(&qkv), lin_free(&o), lin_free(&gu), lin_free(&down);
   if (split) lin_free(&v);
   free(norms), free(table), free(cos_t), free(sin_t), free(work);
   for (int i = 0; i < 3; i++) free(kc[i]), free(vc[i]), free(h[i]), free(res[i]);
+  for (int i = 0; i < 3; i++) free(kq[i]), free(vq[i]), free(ksc[i]), free(vsc[i]);
+}
+static void test_decode_layer(int kind, int64_t group, int mode, int sym, int first, int split) {
+  decode_layer_case(kind, group, mode, sym, first, split, 0);
 }
 
 /* -- argmax: the first index of the largest value, the first NaN counting as the largest -------------------- */
@@ -1336,6 +1546,15 @@ int main(void) {
     for (int g = 0; g < 5; g++) test_decode_attention(3, lens_a, 2, Gs[g], d ? 128 : 64, 16);
   for (int g = 0; g < 5; g++) test_decode_attention(3, lens_b, 1, Gs[g], g % 2 ? 96 : 32, 5);
   test_decode_attention(1, lens_c, 1, 8, 128, 16);
+  test_store_kv_int8(9, 2, 64, 16);
+  test_store_kv_int8(13, 1, 128, 5);
+  test_store_kv_int8(40, 2, 24, 16); /* (D 24: shorter than a vector; T x Hkv >= 64: the parallel loop) */
+  for (int d = 0; d < 2; d++)
+    for (int g = 0; g < 5; g++) test_decode_attention_int8(3, lens_a, 2, Gs[g], d ? 128 : 64, 16);
+  for (int g = 0; g < 5; g++) test_decode_attention_int8(3, lens_b, 1, Gs[g], g % 2 ? 96 : 32, 5);
+  test_decode_attention_int8(1, lens_c, 1, 8, 128, 16);
+  const int64_t lens_d[] = {300, 1, 45}; /* (many tiles, one position, a partial tile) */
+  test_decode_attention_int8(3, lens_d, 2, 3, 128, 16);
 
   const int64_t LqLk[][2] = {{1, 1}, {7, 7}, {17, 17}, {3, 40}, {16, 33}, {20, 50}, {33, 33}};
   const int64_t heads[][2] = {{2, 2}, {4, 2}, {5, 1}, {8, 1}};
@@ -1343,6 +1562,8 @@ int main(void) {
     for (int h = 0; h < 4; h++) test_prefill_attention(LqLk[s][0], LqLk[s][1], heads[h][0], heads[h][1], (s + h) % 2 ? 128 : 64);
 
   test_decode_layer(LIN_BF16, 0, 0, 0, 1, 0);
+  decode_layer_case(LIN_BF16, 0, 0, 0, 1, 0, 1); /* (int8 pages) */
+  decode_layer_case(LIN_INT8, 0, 0, 0, 0, 0, 1);
   test_decode_layer(LIN_BF16, 0, 0, 0, 0, 0);
   test_decode_layer(LIN_INT8, 0, 0, 0, 0, 0);
   test_decode_layer(LIN_INT4, 64, 0, 0, 0, 0);

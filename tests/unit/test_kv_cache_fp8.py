@@ -10,6 +10,7 @@ import torch
 pytest.importorskip("triton")
 
 from support.checkpoints import build_checkpoint  # noqa: E402
+from support.engine_state import model_runner, runner_parts
 from support.parity import prompt_logprobs  # noqa: E402
 from mili import LLM, InvalidRequest, SamplingParams  # noqa: E402
 from mili.config import EngineConfig  # noqa: E402
@@ -22,13 +23,13 @@ def test_fp8_pages_twice_as_many_and_reported(tiny_checkpoint):
     memory = 48 * 1024  # bf16: 2 layers x K,V x 16 tokens x 2 heads x 32 x 2 bytes = 8 KiB a page: 6 pages
     bf16 = LLM(str(tiny_checkpoint), dtype="bfloat16", kv_cache_memory=memory, **TRITON)
     fp8 = LLM(str(tiny_checkpoint), dtype="bfloat16", kv_cache_memory=memory, kv_cache_dtype="fp8", **TRITON)
-    plain, runner = bf16.engine.core.runner, fp8.engine.core.runner
+    plain, runner = model_runner(bf16), model_runner(fp8)
     assert bf16.engine.stats().num_pages == 6 and fp8.engine.stats().num_pages == 12
     assert runner.parts.kv_caches[0][0].dtype == torch.float8_e4m3fn
     assert plain.parts.kv_caches[0][0].dtype == torch.bfloat16
     # what /health and /v1/models report (the core's Ready message)
-    assert fp8.engine.core.ready().kv_cache_dtype == "fp8_e4m3"
-    assert bf16.engine.core.ready().kv_cache_dtype == "bfloat16"
+    assert fp8.engine.info.kv_cache_dtype == "fp8_e4m3"
+    assert bf16.engine.info.kv_cache_dtype == "bfloat16"
     # it serves: prefill and decode read the pages it wrote, every page back in the pool after
     prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (1, 20)]
     outs = fp8.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
@@ -45,7 +46,7 @@ def test_fp8_pages_need_the_triton_backend(tiny_checkpoint):
     with pytest.raises(InvalidRequest, match="--kv-cache-dtype fp8 needs the Triton attention backend") as e:
         LLM(str(tiny_checkpoint), dtype="bfloat16", kv_cache_dtype="fp8")  # the CPU's C-kernel / torch attention
     assert e.value.param == "kv_cache_dtype"
-    with pytest.raises(InvalidRequest, match="kv_cache_dtype must be auto or fp8"):
+    with pytest.raises(InvalidRequest, match="kv_cache_dtype must be auto, fp8 or int8"):
         EngineConfig(model=str(tiny_checkpoint), kv_cache_dtype="fp8_e5m2")
 
 
@@ -83,7 +84,7 @@ def test_fp8_kv_cache_kl_within_its_rounding_budget(tmp_path, qwen3_tokenizer):
     ref = prompt_logprobs(LLM(str(dense), **common), prompt)
     fp8 = prompt_logprobs(LLM(str(dense), kv_cache_dtype="fp8", **common), prompt)
     noisy = LLM(str(dense), **common)
-    backend = noisy.engine.core.runner.parts.attention
+    backend = runner_parts(noisy).attention
     backend.qk_norm_rope_store = None  # (no fused norm + store: the layers store K/V through forward, noised here)
     store_and_attend = backend.forward
     generator = torch.Generator().manual_seed(0)

@@ -73,6 +73,15 @@ static inline vi vi_load(const int32_t *p) {
 static inline vi vi_load_i8(const int8_t *p) {
   VI2(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)), _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8))));
 }
+
+/* acc += the products of 32 int8 k (widened) and 32 int16 q, in pairs (lane i of a half: k[2i] q[2i] + k[2i+1] q[2i+1]):
+ * only the lanes' total is meant (the int8 pages' q . k, kernels.c). vpmaddwd: |k q| pairs stay within int32. */
+static inline vi dot_i8_i16x32(vi acc, const int8_t *k, const int16_t *q) {
+  const __m256i k0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)k));
+  const __m256i k1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(k + 16)));
+  VI2(_mm256_add_epi32(acc.a, _mm256_madd_epi16(k0, _mm256_loadu_si256((const __m256i *)q))),
+      _mm256_add_epi32(acc.b, _mm256_madd_epi16(k1, _mm256_loadu_si256((const __m256i *)(q + 16)))));
+}
 static inline vi vi_add(vi x, vi y) { VI2(_mm256_add_epi32(x.a, y.a), _mm256_add_epi32(x.b, y.b)); }
 static inline vi vi_sub(vi x, vi y) { VI2(_mm256_sub_epi32(x.a, y.a), _mm256_sub_epi32(x.b, y.b)); }
 static inline vi vi_shl(vi x, int n) { VI2(_mm256_slli_epi32(x.a, n), _mm256_slli_epi32(x.b, n)); }

@@ -44,6 +44,13 @@ static inline vi vi_zero(void) { return _mm512_setzero_si512(); }
 static inline vi vi_set1(int32_t a) { return _mm512_set1_epi32(a); }
 static inline vi vi_load(const int32_t *p) { return _mm512_loadu_si512(p); }
 static inline vi vi_load_i8(const int8_t *p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+
+/* acc += the products of 32 int8 k (widened) and 32 int16 q, in pairs: only the lanes' total is meant (the int8
+ * pages' q . k, kernels.c). */
+static inline vi dot_i8_i16x32(vi acc, const int8_t *k, const int16_t *q) {
+  const __m512i k16 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)k));
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(k16, _mm512_loadu_si512(q)));
+}
 static inline vi vi_add(vi a, vi b) { return _mm512_add_epi32(a, b); }
 static inline vi vi_sub(vi a, vi b) { return _mm512_sub_epi32(a, b); }
 static inline vi vi_shl(vi a, int n) { return _mm512_slli_epi32(a, n); }

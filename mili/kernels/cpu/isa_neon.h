@@ -63,6 +63,21 @@ static inline vi vi_load_i8(const int8_t *p) {
   r.v[3] = vmovl_s16(vget_high_s16(hi));
   return r;
 }
+
+/* acc += the products of 32 int8 k (widened) and 32 int16 q: only the lanes' total is meant (the int8 pages' q . k,
+ * kernels.c). */
+static inline vi dot_i8_i16x32(vi acc, const int8_t *k, const int16_t *q) {
+  for (int h = 0; h < 2; h++) {
+    const int8x16_t b = vld1q_s8(k + 16 * h);
+    const int16x8_t lo = vmovl_s8(vget_low_s8(b)), hi = vmovl_s8(vget_high_s8(b));
+    const int16x8_t q0 = vld1q_s16(q + 16 * h), q1 = vld1q_s16(q + 16 * h + 8);
+    acc.v[2 * h] = vmlal_s16(acc.v[2 * h], vget_low_s16(lo), vget_low_s16(q0));
+    acc.v[2 * h + 1] = vmlal_high_s16(acc.v[2 * h + 1], lo, q0);
+    acc.v[2 * h] = vmlal_s16(acc.v[2 * h], vget_low_s16(hi), vget_low_s16(q1));
+    acc.v[2 * h + 1] = vmlal_high_s16(acc.v[2 * h + 1], hi, q1);
+  }
+  return acc;
+}
 static inline vi vi_add(vi x, vi y) { VI4(vaddq_s32(x.v[i_], y.v[i_])); }
 static inline vi vi_sub(vi x, vi y) { VI4(vsubq_s32(x.v[i_], y.v[i_])); }
 static inline vi vi_shl(vi x, int n) { VI4(vshlq_s32(x.v[i_], vdupq_n_s32(n))); }

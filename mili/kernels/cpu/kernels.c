@@ -1182,6 +1182,223 @@ void mili_decode_attention(const bf16 *q, int64_t ldq, const bf16 *k_cache, cons
   }
 }
 
+/* -- int8 pages (--kv-cache-dtype int8) ---------------------------------------------------------------------
+ * A layer's K (and V) pages as int8 values [pages, Hkv, page_size, D] (head-major, as the bf16 pages) beside
+ * float32 scales [pages, Hkv, page_size]: one symmetric scale per (token, kv head) row, amax / 127, its values
+ * round(x / scale) (x times 1 / scale, nearest even) in -127..127; a row of zeros has scale 0. A row is quantized
+ * once, when stored: nothing is requantized as a page fills. A row of D values is D + 4 bytes (132 at D = 128, 0.52
+ * of bf16's), so a decode step streams about half the bytes. Row r = (page x Hkv + head) x page_size + offset holds
+ * its values at r x D and its scale at r. The decode kernel reads the rows as they are (q . k in int32 against int16
+ * queries, V widened to float32 a tile of rows at a time); a prefill chunk's context is gathered dequantized to bf16
+ * (mili_gather_kv_int8) for the prefill kernel. */
+
+static inline int64_t kv_row(int64_t slot, int64_t h, int64_t Hkv, int64_t page_size) {
+  return (slot / page_size * Hkv + h) * page_size + slot % page_size;
+}
+
+/* x [D] bf16 -> q [D] int8 and its scale (any D). */
+static inline void quantize_kv_row(const bf16 *x, int64_t D, int8_t *q, float *scale) {
+  vf amax = vf_zero();
+  for (int64_t d = 0; d < D; d += 16) amax = vf_max(amax, vf_abs(vf_load_bf16_n(x + d, D - d)));
+  const float a = vf_reduce_max(amax), s = a / 127.f;
+  const vf inv = vf_set1(a > 0.f ? 1.f / s : 0.f);
+  for (int64_t d = 0; d < D; d += 16) {
+    const vi r = vf_to_vi(vf_mul(vf_load_bf16_n(x + d, D - d), inv));
+    if (D - d >= 16) {
+      vi_store_i8(q + d, r);
+    } else {
+      int8_t t[16];
+      vi_store_i8(t, r);
+      memcpy(q + d, t, D - d);
+    }
+  }
+  *scale = s;
+}
+
+/* out [D] = bf16(q x scale) (any D). */
+static inline void dequantize_kv_row(const int8_t *q, float scale, int64_t D, bf16 *out) {
+  const vf s = vf_set1(scale);
+  int64_t d = 0;
+  for (; d + 16 <= D; d += 16) vf_store_bf16(out + d, vf_mul(vi_to_vf(vi_load_i8(q + d)), s));
+  for (; d < D; d++) {
+    const float f = round_to_bf16((float)q[d] * scale);
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    out[d] = (bf16)(bits >> 16);
+  }
+}
+
+/* k, v [T, Hkv, D] (token strides ldk, ldv; bf16) quantized into the int8 pages at flat slots (page x page_size +
+ * offset); slot < 0 is skipped (padding). */
+void mili_store_kv_int8(const bf16 *k, int64_t ldk, const bf16 *v, int64_t ldv, int8_t *k_cache, float *k_scales,
+                        int8_t *v_cache, float *v_scales, const int64_t *slots, int64_t T, int64_t Hkv, int64_t D,
+                        int64_t page_size, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) collapse(2) schedule(static) if (T * Hkv >= 64)
+  for (int64_t t = 0; t < T; t++)
+    for (int64_t h = 0; h < Hkv; h++) {
+      if (slots[t] < 0) continue;
+      const int64_t r = kv_row(slots[t], h, Hkv, page_size);
+      quantize_kv_row(k + t * ldk + h * D, D, k_cache + r * D, k_scales + r);
+      quantize_kv_row(v + t * ldv + h * D, D, v_cache + r * D, v_scales + r);
+    }
+}
+
+/* out [B, n, Hkv, D] bf16: the first n tokens of each of B sequences' int8 pages (page_table [B, ldp]),
+ * dequantized (a prefill chunk's context, and the torch fallback's). Any D. */
+void mili_gather_kv_int8(const int8_t *cache, const float *scales, const int64_t *page_table, int64_t ldp, int64_t B,
+                         int64_t n, int64_t Hkv, int64_t D, int64_t page_size, bf16 *out, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) collapse(2) schedule(static) if (B * n * Hkv >= 256)
+  for (int64_t b = 0; b < B; b++)
+    for (int64_t p = 0; p < n; p++) {
+      const int64_t page = page_table[b * ldp + p / page_size];
+      for (int64_t h = 0; h < Hkv; h++) {
+        const int64_t r = (page * Hkv + h) * page_size + p % page_size;
+        dequantize_kv_row(cache + r * D, scales[r], D, out + ((b * n + p) * Hkv + h) * D);
+      }
+    }
+}
+
+#define KV_TILE 16 /* rows dequantized at a time: 8 KB of float32 at D = 128 */
+#ifndef KV_AHEAD
+#define KV_AHEAD 16 /* rows (a tile) between the next tile and the one fetched while this one runs: ~2 pages ahead */
+#endif
+
+/* tile [n][D] float32 = rows[i]'s values (unscaled: the caller applies the scales). D % 16 == 0. */
+static inline __attribute__((always_inline)) void widen_tile(const int8_t *cache, const int64_t *rows, int64_t n,
+                                                             int64_t D, float *tile) {
+  for (int64_t i = 0; i < n; i++) {
+    const int8_t *q = cache + rows[i] * D;
+    for (int64_t d = 0; d < D; d += 16) vf_store(tile + i * D + d, vi_to_vf(vi_load_i8(q + d)));
+  }
+}
+
+/* A query head (bf16 [D]) as int16 with one scale, returned: amax / 32767, q16 = q / scale (times its reciprocal)
+ * rounded to nearest even. Its error, at most half a step (amax / 65534), is below bf16's own rounding of q. */
+static float quantize_q16(const bf16 *q, int64_t D, int16_t *q16) {
+  vf amax = vf_zero();
+  for (int64_t d = 0; d < D; d += 16) amax = vf_max(amax, vf_abs(vf_load_bf16(q + d)));
+  const float a = vf_reduce_max(amax), scale = a / 32767.0f, inv = a > 0.0f ? 1.0f / scale : 0.0f;
+  for (int64_t d = 0; d < D; d++) q16[d] = (int16_t)nearbyintf(bf16_to_float(q[d]) * inv);
+  return scale;
+}
+
+/* dots[g] = q16[g] . (the row's int8 values), exactly in int32 (|dot| <= 127 x 32767 x D: D <= 512 stays within
+ * int32), for the G (<= 4) query heads of a block. D % 32 == 0. */
+static inline __attribute__((always_inline)) void qk_int8_row(const int16_t *q16, int64_t D, const int8_t *kr,
+                                                              const int G, int32_t *dots) {
+  vi acc[4];
+  for (int g = 0; g < G; g++) acc[g] = vi_zero();
+  for (int64_t d = 0; d < D; d += 32)
+    for (int g = 0; g < G; g++) acc[g] = dot_i8_i16x32(acc[g], kr + d, q16 + g * D + d);
+  for (int g = 0; g < G; g++) dots[g] = vi_reduce_add(acc[g]);
+}
+
+/* The next tile's rows (and their scales), fetched while this one runs: a tile's rows lie in one or two pages. */
+static inline __attribute__((always_inline)) void prefetch_tile(const int8_t *cache, const float *scales,
+                                                                const int64_t *rows, int64_t n, int64_t D) {
+  for (int64_t i = 0; i < n; i++)
+    for (int64_t c = 0; c < D; c += 64) prefetch(cache + rows[i] * D + c, 0);
+  if (n) {
+    prefetch(scales + rows[0], 0);
+    prefetch(scales + rows[n - 1], 0);
+  }
+}
+
+/* acc [D] += sum_i w[i] tile[i], n rows. D % 32 == 0. */
+static inline void pv_tile(const float *tile, int64_t n, int64_t D, const float *w, float *acc) {
+  int64_t d = 0;
+  for (; d + 64 <= D; d += 64) {
+    vf a0 = vf_load(acc + d), a1 = vf_load(acc + d + 16), a2 = vf_load(acc + d + 32), a3 = vf_load(acc + d + 48);
+    for (int64_t i = 0; i < n; i++) {
+      const float *t = tile + i * D + d;
+      const vf wi = vf_set1(w[i]);
+      a0 = vf_fmadd(vf_load(t), wi, a0);
+      a1 = vf_fmadd(vf_load(t + 16), wi, a1);
+      a2 = vf_fmadd(vf_load(t + 32), wi, a2);
+      a3 = vf_fmadd(vf_load(t + 48), wi, a3);
+    }
+    vf_store(acc + d, a0);
+    vf_store(acc + d + 16, a1);
+    vf_store(acc + d + 32, a2);
+    vf_store(acc + d + 48, a3);
+  }
+  for (; d < D; d += 32) {
+    vf a0 = vf_load(acc + d), a1 = vf_load(acc + d + 16);
+    for (int64_t i = 0; i < n; i++) {
+      const vf wi = vf_set1(w[i]);
+      a0 = vf_fmadd(vf_load(tile + i * D + d), wi, a0);
+      a1 = vf_fmadd(vf_load(tile + i * D + d + 16), wi, a1);
+    }
+    vf_store(acc + d, a0);
+    vf_store(acc + d + 16, a1);
+  }
+}
+
+/* mili_decode_attention over int8 pages (k_cache, v_cache with their scales; the other arguments as there): per
+ * (sequence, kv head) task, the group's queries as int16 (a scale per head: quantize_q16), each K row's int8 values
+ * dotted with them in int32 (vpmaddwd: a third of the instructions of widening K to float32 and FMA), times the
+ * row's scale and the query's; the softmax in float32; then V in tiles of rows widened to float32 once, summed with
+ * the softmax's weights times each row's scale (float32, unrounded). Each K and V row is read from memory once.
+ * D % 32 == 0, D <= 512. */
+void mili_decode_attention_int8(const bf16 *q, int64_t ldq, const int8_t *k_cache, const float *k_scales,
+                                const int8_t *v_cache, const float *v_scales, const int64_t *page_table, int64_t ldp,
+                                const int64_t *context_lens, bf16 *out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
+                                int64_t page_size, float scale, int nthreads) {
+  const int64_t G = Hq / Hkv;
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic)
+  for (int64_t task = 0; task < B * Hkv; task++) {
+    const int64_t b = task / Hkv, h = task % Hkv, ctx = context_lens[b];
+    float *scores = malloc(sizeof(float) * (G * ctx + 2 * G * D + KV_TILE * D + 2 * G));
+    float *qf = scores + G * ctx, *acc = qf + G * D, *tile = acc + G * D, *inv = tile + KV_TILE * D, *qscale = inv + G;
+    int64_t *rows = malloc(sizeof(int64_t) * (ctx + KV_TILE + KV_AHEAD)); /* each position's row for this head */
+    for (int64_t p0 = 0, j = 0; p0 < ctx; p0 += page_size, j++) /* (page by page: no division a position) */
+      for (int64_t i = 0, base = (page_table[b * ldp + j] * Hkv + h) * page_size; i < page_size && p0 + i < ctx; i++)
+        rows[p0 + i] = base + i;
+    const bf16 *qh = q + b * ldq + h * G * D;
+    int16_t *q16 = (int16_t *)qf; /* (G x D int16 in qf's room) */
+    for (int64_t g = 0; g < G; g++) qscale[g] = quantize_q16(qh + g * D, D, q16 + g * D) * scale;
+    for (int64_t p0 = 0; p0 < ctx; p0 += KV_TILE) { /* scores */
+      const int64_t n = ctx - p0 < KV_TILE ? ctx - p0 : KV_TILE, far = ctx - p0 - n - KV_AHEAD;
+      const int64_t next2 = far <= 0 ? 0 : far < KV_TILE ? far : KV_TILE; /* (the tile KV_AHEAD rows past this one) */
+      prefetch_tile(k_cache, k_scales, rows + p0 + n + KV_AHEAD, next2, D);
+      for (int64_t g0 = 0; g0 < G; g0 += 4) { /* (blocks of up to 4 heads: their sums in registers) */
+        const int64_t gb = G - g0 < 4 ? G - g0 : 4;
+        for (int64_t i = 0; i < n; i++) {
+          const int8_t *kr = k_cache + rows[p0 + i] * D;
+          int32_t dots[4];
+          switch (gb) {
+            case 1: qk_int8_row(q16 + g0 * D, D, kr, 1, dots); break;
+            case 2: qk_int8_row(q16 + g0 * D, D, kr, 2, dots); break;
+            case 3: qk_int8_row(q16 + g0 * D, D, kr, 3, dots); break;
+            default: qk_int8_row(q16 + g0 * D, D, kr, 4, dots); break;
+          }
+          const float s = k_scales[rows[p0 + i]];
+          for (int64_t g = 0; g < gb; g++) scores[(g0 + g) * ctx + p0 + i] = (float)dots[g] * (s * qscale[g0 + g]);
+        }
+      }
+    }
+    for (int64_t g = 0; g < G; g++) inv[g] = 1.0f / exp_shifted(scores + g * ctx, ctx);
+    memset(acc, 0, sizeof(float) * G * D);
+    for (int64_t p = 0; p < ctx; p++) { /* each weight times its row's V scale */
+      const float s = v_scales[rows[p]];
+      for (int64_t g = 0; g < G; g++) scores[g * ctx + p] *= s;
+    }
+    for (int64_t p0 = 0; p0 < ctx; p0 += KV_TILE) { /* the weighted sum of V */
+      const int64_t n = ctx - p0 < KV_TILE ? ctx - p0 : KV_TILE, far = ctx - p0 - n - KV_AHEAD;
+      const int64_t next2 = far <= 0 ? 0 : far < KV_TILE ? far : KV_TILE; /* (the tile KV_AHEAD rows past this one) */
+      prefetch_tile(v_cache, v_scales, rows + p0 + n + KV_AHEAD, next2, D);
+      widen_tile(v_cache, rows + p0, n, D, tile);
+      for (int64_t g = 0; g < G; g++) pv_tile(tile, n, D, scores + g * ctx + p0, acc + g * D);
+    }
+    bf16 *o = out + (b * Hq + h * G) * D;
+    for (int64_t g = 0; g < G; g++)
+      for (int64_t d = 0; d < D; d += 16)
+        vf_store_bf16(o + g * D + d, vf_mul(vf_load(acc + g * D + d), vf_set1(inv[g])));
+    free(scores);
+    free(rows);
+  }
+}
+
 /* Causal attention of one sequence's prefill chunk: q [Lq, Hq, D] (token stride ldq) are the last Lq of the
  * Lk positions whose K/V are k, v [Lk, Hkv, D] (token strides ldk, ldv); out [Lq, Hq, D] (stride ldo).
  * Both products run on the linear layers' micro-kernel: each head's K is packed as a weight [Lk, D]
@@ -1352,9 +1569,10 @@ static void run_linear(const mili_linear_desc *l, const bf16 *x, bf16 *y, int64_
  * residual [T, hidden]: the residual stream in and out (in place); with first != 0 there is none yet and
  * h is the stream. slots [T]: where each token's K/V go (< 0: skipped). cos/sin [T, head_dim] float32.
  * work: T x (hidden + qkv.n + q_heads x head_dim + hidden + gate_up.n + inter) bf16. lora_slots [T]: each token's
- * LoRA adapter slot (< 0: none), or NULL: no adapters this step. */
-void mili_decode_layer(const mili_layer_desc *L, bf16 *h, bf16 *residual, int first, bf16 *k_cache, bf16 *v_cache,
-                       const int64_t *slots, const float *cos_t, const float *sin_t, const int64_t *page_table,
+ * LoRA adapter slot (< 0: none), or NULL: no adapters this step. k_scales NULL: the pages are bf16; else they are
+ * int8 pages (k_cache, v_cache their values, k_scales, v_scales their scales: see "int8 pages"). */
+void mili_decode_layer(const mili_layer_desc *L, bf16 *h, bf16 *residual, int first, void *k_cache, void *v_cache,
+                       float *k_scales, float *v_scales, const int64_t *slots, const float *cos_t, const float *sin_t, const int64_t *page_table,
                        int64_t ldp, const int64_t *context_lens, int64_t page_size, int64_t T, bf16 *work,
                        const int64_t *lora_slots, int nthreads) {
   const int64_t H = L->hidden, D = L->head_dim, Hq = L->q_heads, Hkv = L->kv_heads, nqkv = linear_n(&L->qkv);
@@ -1368,9 +1586,16 @@ void mili_decode_layer(const mili_layer_desc *L, bf16 *h, bf16 *residual, int fi
   }
   run_linear(&L->qkv, normed, qkv, T, lora_slots, nthreads);
   mili_qk_norm_rope(qkv, nqkv, T, Hq, Hkv, D, L->q_norm, L->k_norm, L->eps, cos_t, sin_t, nthreads);
-  mili_store_kv(qkv + Hq * D, nqkv, qkv + (Hq + Hkv) * D, nqkv, k_cache, v_cache, slots, T, Hkv, D, page_size);
-  mili_decode_attention(qkv, nqkv, k_cache, v_cache, page_table, ldp, context_lens, attn, T, Hq, Hkv, D, page_size,
-                        L->scale, nthreads);
+  if (k_scales) {
+    mili_store_kv_int8(qkv + Hq * D, nqkv, qkv + (Hq + Hkv) * D, nqkv, k_cache, k_scales, v_cache, v_scales, slots, T,
+                       Hkv, D, page_size, nthreads);
+    mili_decode_attention_int8(qkv, nqkv, k_cache, k_scales, v_cache, v_scales, page_table, ldp, context_lens, attn, T,
+                               Hq, Hkv, D, page_size, L->scale, nthreads);
+  } else {
+    mili_store_kv(qkv + Hq * D, nqkv, qkv + (Hq + Hkv) * D, nqkv, k_cache, v_cache, slots, T, Hkv, D, page_size);
+    mili_decode_attention(qkv, nqkv, k_cache, v_cache, page_table, ldp, context_lens, attn, T, Hq, Hkv, D, page_size,
+                          L->scale, nthreads);
+  }
   run_linear(&L->o, attn, o, T, lora_slots, nthreads);
   mili_rms_norm(o, H, residual, L->post_norm, normed, residual, T, H, L->eps, nthreads);
   run_linear(&L->gate_up, normed, gate_up, T, lora_slots, nthreads);
@@ -1379,14 +1604,16 @@ void mili_decode_layer(const mili_layer_desc *L, bf16 *h, bf16 *residual, int fi
 }
 
 /* A decode step's n decoder layers in one call: mili_decode_layer for each in turn (the first starts the residual
- * stream), layer i's K/V pages at k_caches[i] and v_caches[i]; the other arguments are every layer's. (One call a
- * step rather than one a layer: Python's 28 calls cost ~0.35 ms of a 0.6B's 14 ms 4-bit step.) */
-void mili_decode_layers(const mili_layer_desc *layers, int64_t n, bf16 *h, bf16 *residual, bf16 *const *k_caches,
-                        bf16 *const *v_caches, const int64_t *slots, const float *cos_t, const float *sin_t,
+ * stream), layer i's K/V pages at k_caches[i] and v_caches[i] (int8 pages: their scales at k_scales[i] and
+ * v_scales[i]; NULL arrays: bf16 pages); the other arguments are every layer's. (One call a step rather than one a
+ * layer: Python's 28 calls cost ~0.35 ms of a 0.6B's 14 ms 4-bit step.) */
+void mili_decode_layers(const mili_layer_desc *layers, int64_t n, bf16 *h, bf16 *residual, void *const *k_caches,
+                        void *const *v_caches, float *const *k_scales, float *const *v_scales, const int64_t *slots, const float *cos_t, const float *sin_t,
                         const int64_t *page_table, int64_t ldp, const int64_t *context_lens, int64_t page_size,
                         int64_t T, bf16 *work, const int64_t *lora_slots, int nthreads) {
   for (int64_t i = 0; i < n; i++)
-    mili_decode_layer(&layers[i], h, residual, i == 0, k_caches[i], v_caches[i], slots, cos_t, sin_t, page_table, ldp,
+    mili_decode_layer(&layers[i], h, residual, i == 0, k_caches[i], v_caches[i], k_scales ? k_scales[i] : NULL,
+                      v_scales ? v_scales[i] : NULL, slots, cos_t, sin_t, page_table, ldp,
                       context_lens, page_size, T, work, lora_slots, nthreads);
 }
 

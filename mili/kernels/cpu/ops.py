@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+from dataclasses import dataclass
 
 import torch
 
@@ -335,17 +336,73 @@ class CpuOps:
 
 
 # -- attention (the pool's pages head-major: [pages, Hkv, page_size, D], see kernels.c) ----------------
-def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+@dataclass(frozen=True)
+class Int8Pages:
+    """One layer's K (or V) pages as ``--kv-cache-dtype int8`` holds them: ``values`` int8 [pages, Hkv, page_size, D]
+    (head-major, as the bf16 pages) beside ``scales`` float32 [pages, Hkv, page_size], one symmetric scale per
+    (token, kv head) row: amax / 127, the row's values round(x / scale) (kernels.c, "int8 pages";
+    :func:`quantize_kv_rows` is its torch form). The store, the decode attention (its fused layer's too) and the
+    gather of a prefill chunk's context take them in place of a bf16 page tensor."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+    dtype = torch.int8
+
+    @classmethod
+    def zeros(cls, shape: tuple[int, ...], device: torch.device | str = "cpu") -> Int8Pages:
+        return cls(torch.zeros(shape, dtype=torch.int8, device=device),
+                   torch.zeros(shape[:-1], dtype=torch.float32, device=device))
+
+    @staticmethod
+    def row_bytes(head_dim: int) -> int:
+        """The bytes of one token's one kv head: its values and its float32 scale."""
+        return head_dim + 4
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.values, self.scales
+
+
+def quantize_kv_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8 pages' quantization in torch (the kernels' reference): x [..., D] -> (int8 values [..., D], float32
+    scales [...]), scale = amax / 127 per row, values x times 1 / scale rounded to nearest even (0 for a zero row)."""
+    x = x.float()
+    scale = x.abs().amax(-1) / 127
+    inv = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    return torch.round(x * inv[..., None]).to(torch.int8), scale
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor | Int8Pages, v_cache: torch.Tensor | Int8Pages,
              slot_mapping: torch.Tensor) -> None:
-    """k, v [T, Hkv, D] (bf16, rows of D contiguous) written at flat slots; slot < 0 is skipped."""
+    """k, v [T, Hkv, D] (bf16, rows of D contiguous) written at flat slots; slot < 0 is skipped. Int8 pages:
+    each (token, kv head) row quantized with its own scale."""
     slots = slot_mapping.to(torch.int64).contiguous()
+    if isinstance(k_cache, Int8Pages):
+        assert k.dtype == v.dtype == BF16 and k.stride()[1:] == v.stride()[1:] == (k.shape[2], 1), (k.dtype, k.stride())
+        _lib().mili_store_kv_int8(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.values.data_ptr(),
+                                  k_cache.scales.data_ptr(), v_cache.values.data_ptr(), v_cache.scales.data_ptr(),
+                                  slots.data_ptr(), k.shape[0], k_cache.shape[1], k_cache.shape[3], k_cache.shape[2],
+                                  _threads())
+        return
     _lib().mili_store_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(),
                          v_cache.data_ptr(), slots.data_ptr(), k.shape[0], k_cache.shape[1], k_cache.shape[3],
                          k_cache.shape[2])
 
 
-def gather_pages(cache: torch.Tensor, page_table: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """The first ``num_tokens`` cached entries of each row of ``page_table``: [B, num_tokens, Hkv, D]."""
+def gather_pages(cache: torch.Tensor | Int8Pages, page_table: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """The first ``num_tokens`` cached entries of each row of ``page_table``: [B, num_tokens, Hkv, D] (int8 pages:
+    dequantized, bf16(value x scale))."""
+    if isinstance(cache, Int8Pages):
+        _, hkv, page_size, d = cache.shape
+        table = page_table.to(torch.int64).contiguous()
+        out = torch.empty(table.shape[0], num_tokens, hkv, d, dtype=BF16)
+        _lib().mili_gather_kv_int8(cache.values.data_ptr(), cache.scales.data_ptr(), table.data_ptr(), table.stride(0),
+                                   table.shape[0], num_tokens, hkv, d, page_size, out.data_ptr(), _threads())
+        return out
     num_pages = -(-num_tokens // cache.shape[2])
     pages = cache.index_select(0, page_table[:, :num_pages].reshape(-1))  # [B * n, Hkv, page, D]
     b, hkv, d = page_table.shape[0], cache.shape[1], cache.shape[3]
@@ -358,18 +415,27 @@ def decode_metadata(page_table: torch.Tensor, context_lens: list[int], b: int) -
     return page_table[:b].to(torch.int64).contiguous(), torch.tensor(context_lens[:b], dtype=torch.int64)
 
 
-def decode_attention_supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+def decode_attention_supported(q: torch.Tensor, k_cache: torch.Tensor | Int8Pages) -> bool:
     d = q.shape[-1]
+    if isinstance(k_cache, Int8Pages):  # (D <= 512: q . k's int32 sums)
+        return q.dtype == BF16 and d % 32 == 0 and d <= 512 and q.stride()[1:] == (d, 1)
     return (q.dtype == k_cache.dtype == BF16 and d % 32 == 0 and q.stride()[1:] == (d, 1)
             and k_cache.is_contiguous())
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
-                     context_lens: list[int], scale: float) -> torch.Tensor:
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor | Int8Pages, v_cache: torch.Tensor | Int8Pages,
+                     page_table: torch.Tensor, context_lens: list[int], scale: float) -> torch.Tensor:
     """One query token per sequence, q [B, Hq, D], over each sequence's pages in place: [B, Hq, D]."""
     b, hq, d = q.shape
     page_table, lens = decode_metadata(page_table, context_lens, b)
     out = torch.empty(b, hq, d, dtype=BF16)
+    if isinstance(k_cache, Int8Pages):
+        _lib().mili_decode_attention_int8(q.data_ptr(), q.stride(0), k_cache.values.data_ptr(),
+                                          k_cache.scales.data_ptr(), v_cache.values.data_ptr(),
+                                          v_cache.scales.data_ptr(), page_table.data_ptr(), page_table.stride(0),
+                                          lens.data_ptr(), out.data_ptr(), b, hq, k_cache.shape[1], d,
+                                          k_cache.shape[2], scale, _threads())
+        return out
     _lib().mili_decode_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                                  page_table.data_ptr(), page_table.stride(0), lens.data_ptr(), out.data_ptr(),
                                  b, hq, k_cache.shape[1], d, k_cache.shape[2], scale, _threads())

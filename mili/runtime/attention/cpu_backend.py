@@ -14,10 +14,17 @@ from mili.runtime.attention.torch_backend import TorchAttentionBackend
 
 class CpuAttentionBackend(TorchAttentionBackend):
     """Pages head-major, [pages, Hkv, page_size, D]: a kv head's tokens of a page lie together, so the
-    decode kernel reads them as one run (kernels.c)."""
+    decode kernel reads them as one run (kernels.c). The pages are bf16 tensors, or with ``--kv-cache-dtype int8``
+    ``Int8Pages`` (int8 values and a scale per token and kv head): the store quantizes, the decode kernel reads them
+    as they are, and a prefill chunk attends over its context dequantized to bf16, its own K/V too (read back from
+    the pages, so that a chunk sees the values its decodes will, whether or not a prefix was cached)."""
 
     _store = staticmethod(cpu_ops.store_kv)
     _gather = staticmethod(cpu_ops.gather_pages)
+
+    @staticmethod
+    def _attends_stored(k_cache) -> bool:
+        return isinstance(k_cache, cpu_ops.Int8Pages)
 
     @staticmethod
     def kv_cache_shape(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:

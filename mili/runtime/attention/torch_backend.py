@@ -44,7 +44,7 @@ class TorchAttentionBackend:
         for i in range(nd, batch.num_seqs):
             qlen, ctx = batch.query_lens[i], batch.context_lens[i]
             end = start + qlen
-            if ctx == qlen:  # no cached prefix: attend over the chunk's own K/V
+            if ctx == qlen and not self._attends_stored(k_cache):  # no cached prefix: the chunk's own K/V
                 ks, vs = k[start:end], v[start:end]
             else:
                 table = batch.page_table[i:i + 1]
@@ -53,6 +53,12 @@ class TorchAttentionBackend:
             self._prefill_into(out[start:end], q[start:end], ks, vs)
             start = end
         return out
+
+    @staticmethod
+    def _attends_stored(k_cache) -> bool:
+        """Whether a chunk without a cached prefix still attends over its K/V as stored (read back from the pages,
+        where storing changes them: int8 pages) rather than as computed."""
+        return False
 
     def _prefill_into(self, out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """``_prefill``'s result written into ``out`` [Lq, Hq, D] (a back-end whose kernel writes there itself
