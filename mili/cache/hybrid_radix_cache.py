@@ -5,11 +5,15 @@ A request can resume at position p only with the KV pages of its first p tokens 
 after them, so a hit is the deepest node, fully matched, that holds a snapshot; the pages below it are
 not used. Snapshots enter the tree (the scheduler decides when, see engine/scheduler.py):
   * ``keep_state``: copied from a running sequence's slot at a page-aligned position (its prompt's last
-    page boundary before the last prompt token; the position where it ends, when that is page-aligned);
+    page boundary before the last prompt token; where its prompt parts from a cached one; the page boundaries of
+    its chat turns' ends, ``turn_end``; the position where it ends, when that is page-aligned);
   * ``adopt_state``: a snapshot a sequence held (``hold_state``: its latest page boundary while decoding)
     handed to the tree when it ends or is preempted.
 Eviction: when KV pages are evicted a trimmed or removed node's snapshot goes with them; when the snapshot
 pool is empty, the least recently used node's snapshot goes (its pages stay, evictable as before).
+
+Counts (``counts``, for /metrics): snapshots taken, requests resumed from one, and those of them resumed from a
+turn end's.
 
 Invariants (``check_integrity``, beside the tree's own): a node's snapshot is owned by that node in the pool;
 the pool's invariants hold (snapshot_pool.py; the scheduler checks them with the running sequences).
@@ -30,7 +34,8 @@ class HybridRadixCache(RadixCache):
         (slots and snapshots); it runs at once, between steps."""
         super().__init__(pool)
         self.snapshots, self.copy_states = snapshots, copy_states
-        self.num_snapshots_taken = 0
+        self.num_snapshots_taken = self.num_snapshot_hits = self.num_turn_end_hits = 0
+        self._turn_end_rows: set[int] = set()  # the snapshot rows a turn end placed in the tree (for the counts)
 
     # -- lookups ---------------------------------------------------------------------------------
     def match(self, token_ids: list[int]) -> list[int]:
@@ -52,19 +57,24 @@ class HybridRadixCache(RadixCache):
     def resume(self, node: _Node, slot: int) -> None:
         """Copy ``node``'s snapshot into a sequence's state slot (the sequence resumes at the node's end)."""
         self.copy_states([(node.snapshot, slot)])
+        self.num_snapshot_hits += 1
+        self.num_turn_end_hits += node.snapshot in self._turn_end_rows
 
     # -- snapshots in ----------------------------------------------------------------------------
-    def keep_state(self, token_ids: list[int], pages: list[int], slot: int) -> None:
-        """Cache the pages of ``token_ids`` (a whole number of pages) and the state in ``slot`` after them."""
+    def keep_state(self, token_ids: list[int], pages: list[int], slot: int, turn_end: bool = False) -> None:
+        """Cache the pages of ``token_ids`` (a whole number of pages) and the state in ``slot`` after them
+        (``turn_end``: they end at a chat turn's end, counted apart when a request resumes there)."""
         node = self._insert_whole(token_ids, pages)
         if node is not None and node.snapshot is None and self._allocate(node) is not None:
             self.copy_states([(slot, node.snapshot)])
             self.num_snapshots_taken += 1
+            (self._turn_end_rows.add if turn_end else self._turn_end_rows.discard)(node.snapshot)
 
     def adopt_state(self, token_ids: list[int], pages: list[int], holder) -> None:
         """Cache the pages of ``token_ids`` and give ``holder``'s snapshot (the state after them) to the tree."""
         node = self._insert_whole(token_ids, pages)
         if node is not None and node.snapshot is None:
+            self._turn_end_rows.discard(holder.snapshot)
             self.snapshots.transfer(holder, node)
         else:
             self.snapshots.free(holder)
@@ -104,6 +114,10 @@ class HybridRadixCache(RadixCache):
         self.snapshots.free(node)
 
     # -- inspection ------------------------------------------------------------------------------
+    def counts(self) -> tuple[int, int, int]:
+        """(snapshots taken, requests resumed from a snapshot, of them from a turn end's) since the cache began."""
+        return self.num_snapshots_taken, self.num_snapshot_hits, self.num_turn_end_hits
+
     def nodes_with_snapshots(self) -> list[_Node]:
         return [n for n in self._nodes() if n.snapshot is not None]
 

@@ -30,6 +30,9 @@ class AddRequest(msgspec.Struct, array_like=True, tag=True):
     client: int = 0  # the API process that sent it (mili serve --api-server-count): its outputs go back there
     images: ImageInput | None = None
     lora: tuple[str, int, str] | None = None  # its LoRA adapter (name, id, path): mili.lora.LoRARequest's fields
+    # hybrids: where the prompt's chat turns end (tokenizer.turn_ends): the prefix cache snapshots the recurrent
+    # state there (page-aligned) while prefilling, for the next request sharing the system prompt or conversation
+    turn_ends: list[int] = []
 
 
 class Abort(msgspec.Struct, array_like=True, tag=True):
@@ -100,6 +103,9 @@ class Stats(msgspec.Struct, array_like=True):
     num_snapshots: int = 0
     num_snapshots_used: int = 0
     num_snapshots_taken: int = 0  # since the core started (more than num_snapshots: some were evicted)
+    # since the core started: requests that resumed from a snapshot, and those of them from a turn end's
+    num_snapshot_hits: int = 0
+    num_turn_end_hits: int = 0
 
     @property
     def num_pages_held(self) -> int:

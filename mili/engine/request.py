@@ -107,6 +107,9 @@ class Request:
     # M-RoPE models: the prompt's images (pixels, positions, the tower's output once computed), or None
     images: "RequestImages | None" = None
     lora: "LoRARequest | None" = None  # the LoRA adapter it runs with (None: the base model)
+    # hybrids: positions where the prompt's chat turns end (the API side found them: tokenizer.turn_ends); the
+    # prefix cache snapshots the recurrent state at their page boundaries while prefilling (engine/state_snapshots.py)
+    turn_ends: list[int] = field(default_factory=list)
 
     @property
     def lora_id(self) -> int | None:

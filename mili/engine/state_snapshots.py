@@ -4,9 +4,11 @@ resumes from one (cache/hybrid_radix_cache.py holds them).
 A hybrid sequence resumes only where the cache holds a snapshot, copied into its slot at admission.
 Snapshots are taken after the step that computed their position (a prefill chunk is cut to end there):
   * into the tree at once: at the prompt's last page boundary before its last token (a request repeating or
-    extending the prompt resumes there), and where its prompt parts from a cached one (the deepest page
-    boundary the cached pages match, when no snapshot is there: the second request sharing a system prompt
-    leaves one for the later ones);
+    extending the prompt resumes there); at the page boundary of each chat turn's end the API side found
+    (``Request.turn_ends``: the first, the system prompt's, and the last few), so the first request sharing a
+    system prompt or a conversation with this one resumes there; and where its prompt parts from a cached one
+    (the deepest page boundary the cached pages match, when no snapshot is there: for prompts with no turn
+    ends, the second request sharing a prefix leaves one for the later ones);
   * while decoding, at every page boundary, into the sequence's own snapshot (overwritten at the next);
   * when the sequence ends or is preempted: its state at its end if that is page-aligned, else that held
     snapshot, goes into the tree (the next turn of a conversation resumes there).
@@ -35,10 +37,16 @@ class StateSnapshots:
         """The last page boundary before the prompt's last token (0 for a prompt within one page)."""
         return (seq.prompt_len - 1) // self.page_size * self.page_size
 
+    def turn_points(self, seq: Sequence) -> list[int]:
+        """The page boundaries of the prompt's turn ends (each turn end rounded down to a page; none at 0)."""
+        size = self.page_size
+        return [p // size * size for p in seq.request.turn_ends if p >= size]
+
     def cut(self, seq: Sequence, n: int) -> int:
         """``n`` new tokens, or fewer: a chunk ends at a position to snapshot."""
         start = seq.num_computed_tokens
-        for stop in (seq.branch_pos, self.prompt_boundary(seq)):
+        boundary = self.prompt_boundary(seq)  # (the turn ends' points are at or before it)
+        for stop in (seq.branch_pos, boundary, *self.turn_points(seq)) if start < boundary else (seq.branch_pos,):
             if start < stop < start + n:
                 n = stop - start
         return n
@@ -48,9 +56,12 @@ class StateSnapshots:
         pos = seq.num_computed_tokens
         if pos == 0 or pos % self.page_size:
             return
-        if pos in (seq.branch_pos, self.prompt_boundary(seq)):  # into the tree now: sharers hit meanwhile
+        boundary = self.prompt_boundary(seq)
+        if pos in (seq.branch_pos, boundary):  # into the tree now: sharers hit meanwhile
             self.cache.keep_state(seq.cache_key(pos), seq.page_table, seq.state_slot)
-        elif pos > self.prompt_boundary(seq) and self.cache.hold_state(seq, seq.state_slot):
+        elif pos < boundary and pos in self.turn_points(seq):
+            self.cache.keep_state(seq.cache_key(pos), seq.page_table, seq.state_slot, turn_end=True)
+        elif pos > boundary and self.cache.hold_state(seq, seq.state_slot):
             seq.snapshot_pos = pos  # its own, overwritten at its next boundary
 
     def release(self, seq: Sequence) -> None:

@@ -3,7 +3,8 @@
 With several API processes (``mili serve --api-server-count``, PROMETHEUS_MULTIPROC_DIR set) each writes its
 series to files there and ``render`` sums every process's: requests are counted by the process that served
 them, the engine's gauges (the same in every process) are reported once (``mostrecent``), and its running
-totals (preemptions, speculative decoding) are counted by one process (``count_engine_totals``)."""
+totals (preemptions, speculative decoding, hybrid snapshot hits) are counted by one process
+(``count_engine_totals``)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,13 @@ class Metrics:
         self.prefix_queries = Counter("mili:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
                                       registry=r)
         self.prefix_hits = Counter("mili:prefix_cache_hits", "Prompt tokens found in the prefix cache", registry=r)
+        # hybrid models: requests that resumed from a recurrent-state snapshot, and those from a chat turn end's
+        self.snapshot_hits = Counter("mili:prefix_cache_snapshot_hits",
+                                     "Hybrids: requests that resumed from a recurrent-state snapshot", registry=r)
+        self.turn_end_hits = Counter("mili:prefix_cache_turn_end_hits",
+                                     "Hybrids: requests that resumed from a snapshot taken at a chat turn's end",
+                                     registry=r)
+        self._snapshot_hits_seen = (0, 0)
         self.preemptions = Counter("mili:num_preemptions", "Sequences preempted", registry=r)
         self.prompt_tokens = Counter("mili:prompt_tokens", "Prompt tokens processed", registry=r)
         self.generation_tokens = Counter("mili:generation_tokens", "Tokens generated", registry=r)
@@ -101,6 +109,11 @@ class Metrics:
         """Gauges and the /health snapshot, from the core's counters."""
         if stats.spec is not None and self.count_engine_totals:
             self._count_spec(stats.spec)
+        if self.count_engine_totals:
+            hits, turn_end = stats.num_snapshot_hits, stats.num_turn_end_hits
+            self.snapshot_hits.inc(max(0, hits - self._snapshot_hits_seen[0]))
+            self.turn_end_hits.inc(max(0, turn_end - self._snapshot_hits_seen[1]))
+            self._snapshot_hits_seen = hits, turn_end
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         used = stats.num_pages - stats.num_pages_free

@@ -162,3 +162,34 @@ def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
     text = apply_chat_template(tokenizer, messages, add_generation_prompt, chat_template_kwargs,
                                continue_final_message)
     return text, encode_prompt(tokenizer, text, add_special_tokens=False)
+
+
+TURN_END = "<|im_end|>"  # how Qwen's chat templates end every turn (then a newline)
+MAX_TURN_ENDS = 5  # a prompt's turn ends the prefix cache snapshots at: its first (the system prompt's) and last 4
+
+
+def turn_end_tokens(tokenizer) -> tuple[int, int | None] | None:
+    """The ids ending a chat turn: ``<|im_end|>`` and the newline token after it (None: one token does not spell
+    "\\n"); None where the vocabulary has no ``<|im_end|>``."""
+    end = tokenizer.convert_tokens_to_ids(TURN_END)
+    if not isinstance(end, int) or end == tokenizer.unk_token_id:
+        return None
+    newline = tokenizer.encode("\n", add_special_tokens=False)
+    return end, newline[0] if len(newline) == 1 else None
+
+
+def turn_ends(token_ids: list[int], tokens: tuple[int, int | None], limit: int = MAX_TURN_ENDS) -> list[int]:
+    """Where the chat turns in ``token_ids`` end: the position after each ``<|im_end|>`` (after its newline, when the
+    newline follows), before the prompt's last token; the first and the last ``limit - 1`` of them. Any prompt is
+    scanned, rendered by a chat template or not; the scan is ``list.index``'s (C), so a long prompt costs little."""
+    end, newline = tokens
+    found, i = [], -1
+    while True:
+        try:
+            i = token_ids.index(end, i + 1)
+        except ValueError:
+            break
+        pos = i + 2 if newline is not None and i + 1 < len(token_ids) and token_ids[i + 1] == newline else i + 1
+        if pos < len(token_ids):
+            found.append(pos)
+    return found if len(found) <= limit else [found[0], *found[len(found) - limit + 1:]]
