@@ -31,9 +31,9 @@ def main() -> None:
     args = p.parse_args()
     logits = torch.randn(args.batch, 151936) * 3
     ks, ps = torch.full((args.batch,), 20), torch.full((args.batch,), 0.95)
-    partial = timed(lambda: sampler._apply_top_k_top_p(logits.clone(), ks, ps), args.repeat)
+    partial = timed(lambda: sampler.apply_top_k_top_p(logits.clone(), ks, ps), args.repeat)
     limit, sampler._TOP_K_PARTIAL_MAX = sampler._TOP_K_PARTIAL_MAX, 0
-    full = timed(lambda: sampler._apply_top_k_top_p(logits.clone(), ks, ps), args.repeat)
+    full = timed(lambda: sampler.apply_top_k_top_p(logits.clone(), ks, ps), args.repeat)
     sampler._TOP_K_PARTIAL_MAX = limit
     print(f"sampler_topk: batch {args.batch} x 151,936, top_k 20, top_p 0.95, float32; {machine()}")
     print_table("top-k/top-p masks (ms per step)", ["path", "ms", "speed-up"],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from dataclasses import dataclass, field
 
@@ -311,10 +312,11 @@ def parse_mm_limits(value) -> dict[str, int]:
     return {**DEFAULT_MM_LIMITS, **value}
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineConfig:
     """What the engine is asked to run. Each field is one engine option: its ``option(...)`` metadata (mili/options.py)
-    makes the CLI flag (in this order), the config-file key, the checks below and the docs' option table."""
+    makes the CLI flag (in this order), the config-file key, the checks below and the docs' option table. Frozen once
+    validated: what the start-up decides is the plan's (runtime/plan.py), never written back here."""
 
     model: str = option(
         help=f"local checkpoint folder, hub id (e.g. Qwen/Qwen3-0.6B), '{DEMO_MODEL}' (default: a small Qwen3 trained "
@@ -382,7 +384,8 @@ class EngineConfig:
                 "body", choices=("auto", "bf16", "int8"))
     kv_cache_dtype: str = option(
         "auto", "KV cache pages: auto = the model's dtype; fp8 = e4m3 (twice the tokens in the same memory; the Triton "
-                "attention backend on GPUs with FP8, SM 89+)", choices=("auto", "fp8"), section="kv_cache.dtype")
+                "attention backend on GPUs with FP8, SM 89+); int8 = int8 with a float32 scale per token and kv head "
+                "(~1.9x the tokens; MILI's CPU kernels)", choices=("auto", "fp8", "int8"), section="kv_cache.dtype")
     tensor_parallel_size: int = option(
         1, "split the model over N ranks on this node (torch.distributed: NCCL on CUDA, one GPU a rank; gloo on the "
            "CPU)", aliases=("-tp",), minimum=1)
@@ -436,23 +439,25 @@ class EngineConfig:
         # the checks the metadata states (choices, ranges; auto is None), then those it cannot: a folder that must
         # exist, the mappings' contents, and those between fields
         check(self, InvalidRequest)
-        self.limit_mm_per_prompt = parse_mm_limits(self.limit_mm_per_prompt)
+        normalize = functools.partial(object.__setattr__, self)  # (frozen: the parsed forms replace the given ones)
+        normalize("limit_mm_per_prompt", parse_mm_limits(self.limit_mm_per_prompt))
         if isinstance(self.allowed_media_domains, str):
-            self.allowed_media_domains = [d.strip().lower() for d in self.allowed_media_domains.split(",") if d.strip()]
+            normalize("allowed_media_domains", [d.strip().lower() for d in self.allowed_media_domains.split(",")
+                                                 if d.strip()])
         if self.allowed_local_media_path is not None and not os.path.isdir(self.allowed_local_media_path):
             raise InvalidRequest(f"allowed_local_media_path {self.allowed_local_media_path!r} is not a folder",
                                  param="allowed_local_media_path")
         if self.lm_head_dtype == "int8" and self.tensor_parallel_size > 1:
             raise InvalidRequest("--lm-head-dtype int8 runs on the CPU's linear layers, one rank (not with tensor "
                                  "parallelism)", param="lm_head_dtype")
-        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        normalize("speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if self.enable_lora and self.tensor_parallel_size > 1:
             raise InvalidRequest("LoRA adapters run on one rank: --enable-lora with --tensor-parallel-size 1",
                                  param="enable_lora")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise InvalidRequest(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})",
                                  param="max_cpu_loras")
-        self.torch_device = resolve_device(self.device)
+        normalize("torch_device", resolve_device(self.device))
 
     def with_batch_limits(self, max_num_seqs: int, max_num_batched_tokens: int) -> "EngineConfig":
         """This config with the batch limits an engine runs (its execution plan's: auto sized by the device) in

@@ -67,15 +67,14 @@ class EngineCore:
             if self.plan.prefix_cache_why:
                 log.info("prefix caching off: %s", self.plan.prefix_cache_why)
             self.prefix_cache = NoPrefixCache()
-        self.drafter = None  # speculative decoding (mili/speculative)
-        if config.speculative_config is not None:
+        self.drafter = None  # speculative decoding (mili/speculative): the plan's method, with the options' counts
+        if self.plan.speculative is not None:
             self.drafter = Drafter(config.speculative_config, max_seqs=layout.num_spare_rows
                                    if self.state_slots is not None else config.max_num_seqs)
         self.scheduler = Scheduler(self.pages, self.prefix_cache, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.schedule_policy, states=self.state_slots, drafter=self.drafter,
                                    max_loras=config.max_loras if config.enable_lora else 0)
-        self.spec_stats = SpecDecodeStats(config.speculative_config.num_speculative_tokens
-                                          if config.speculative_config else 0)
+        self.spec_stats = SpecDecodeStats(self.drafter.config.num_speculative_tokens if self.drafter else 0)
         self.requests: dict[str, Request] = {}
         # structured outputs: requests whose grammar is compiling (not yet scheduled), and the failed ones
         self.grammars: GrammarManager | None = None
@@ -110,7 +109,7 @@ class EngineCore:
             raise InvalidRequest(f"n {params.n} exceeds the {states.num_slots} recurrent-state slots of this hybrid "
                                  f"model (raise num_state_slots)", param="n")
         request = Request(add.request_id, None, list(add.prompt_token_ids), params, add.max_total_tokens,
-                          arrival_time=add.arrival_time)
+                          arrival_time=add.arrival_time, turn_ends=list(add.turn_ends))
         if add.images is not None:
             request.images = request_images(self.runner.parts.model, self.config, self.runner.parts.model_config,
                                             add.prompt_token_ids, add.images)
@@ -397,13 +396,13 @@ class EngineCore:
 
     def stats(self) -> Stats:
         self.stats_due = False
-        sched, pages, slots = self.scheduler, self.pages, self.state_slots
+        sched, pages, slots, cache = self.scheduler, self.pages, self.state_slots, self.prefix_cache
         totals = self.spec_stats.totals()
         spec = SpecDecodeCounts(*totals) if totals is not None else None
         return Stats(len(sched.running), len(sched.waiting), pages.num_pages, pages.num_free,
-                     self.prefix_cache.num_evictable(), self.num_generated_tokens, spec, sched.num_preemptions,
+                     cache.num_evictable(), self.num_generated_tokens, spec, sched.num_preemptions,
                      slots.num_slots if slots else 0, slots.num_free if slots else 0, self.snapshots.num_snapshots,
-                     self.snapshots.num_used, getattr(self.prefix_cache, "num_snapshots_taken", 0))
+                     self.snapshots.num_used, *cache.counts() if isinstance(cache, HybridRadixCache) else ())
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

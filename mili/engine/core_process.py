@@ -2,7 +2,7 @@
 
 ``run_core`` is the loop of the engine core process (or of a thread, for tests): take new requests and
 aborts without blocking, step, send one message per step. If the API process goes away, it exits. With
-several API processes (``mili serve --api-server-count``), ``_Outputs`` sends each its own requests' outputs.
+several API processes (``mili serve --api-server-count``), ``Outputs`` sends each its own requests' outputs.
 ``core_process_main`` is the process's entry point.
 """
 
@@ -54,7 +54,7 @@ def run_core(core_factory, input_address: str | list[str], output_address: str |
         sock.setsockopt(zmq.LINGER, 5000)
         sock.connect(address)
         sockets.append(sock)
-    outputs = _Outputs(sockets[:-1] if control_address else sockets, sockets[-1] if control_address else None)
+    outputs = Outputs(sockets[:-1] if control_address else sockets, sockets[-1] if control_address else None)
     core = None
     try:
         try:
@@ -84,7 +84,7 @@ def run_core(core_factory, input_address: str | list[str], output_address: str |
         ctx.term()
 
 
-class _Outputs:
+class Outputs:
     """Where the core's messages go: one socket per API process. With one (the usual case) every step
     message goes to it whole; with several, each request's deltas and errors go to the process that sent
     it (``AddRequest.client``), and the engine's gauges (``stats``) to all of them."""
@@ -154,7 +154,7 @@ class _Outputs:
         self.forget(core, seen)
 
 
-def _loop(core: EngineCore, inputs, outputs: _Outputs, parent_pid: int | None) -> int:
+def _loop(core: EngineCore, inputs, outputs: Outputs, parent_pid: int | None) -> int:
     stats_at = float("-inf")
     idle_stats_sent = False
     while True:

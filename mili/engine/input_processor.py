@@ -21,7 +21,7 @@ from mili.model.checkpoint import (
 from mili.sampling_params import SamplingParams
 from mili.structured import check as check_structured
 from mili.tokenizer.reasoning import thinking_tokens
-from mili.tokenizer.tokenizer import encode_prompt, load_eos_token_ids, load_tokenizer
+from mili.tokenizer.tokenizer import encode_prompt, load_eos_token_ids, load_tokenizer, turn_end_tokens, turn_ends
 
 
 class InputProcessor:
@@ -44,11 +44,11 @@ class InputProcessor:
         self.tokenizer = load_tokenizer(config.tokenizer or self.model_path)
         self.eos_token_ids = load_eos_token_ids(self.model_path, self.tokenizer, hf_config)
         self.generation_defaults = load_generation_defaults(self.model_path)  # used by the server
+        self.turn_end_tokens = turn_end_tokens(self.tokenizer)  # (<|im_end|>, "\n"): where chat turns end
         self.core_info: Ready | None = None  # the loaded core's limits (max_model_len after the KV pool)
         self.images = ImageInputs(self.model_path, self.model_config, config.takes_images(self.model_config))
         # generate, embed or rerank (engine/pooling.py): what the requests may ask for
         self.task = resolve_task(config.task, self.model_path, self.model_config, self.tokenizer)
-        config.task = self.task.name  # (the engine core reads the resolved task)
         if self.task.name == "embed":  # no logits: no head to load
             self.model_config = self.model_config.without_head()
 
@@ -104,7 +104,16 @@ class InputProcessor:
                 raise InvalidRequest("thinking_token_budget needs a model that thinks: this tokenizer has no <think> "
                                      "and </think> tokens", param="thinking_token_budget")
         return AddRequest(request_id, token_ids, params, max_total, time.monotonic(), images=image_input,
-                          lora=(lora.lora_name, lora.lora_int_id, lora.lora_path) if lora is not None else None)
+                          lora=(lora.lora_name, lora.lora_int_id, lora.lora_path) if lora is not None else None,
+                          turn_ends=self._turn_ends(token_ids))
+
+    def _turn_ends(self, token_ids: list[int]) -> list[int]:
+        """Where the prompt's chat turns end, for a hybrid's prefix cache (it snapshots the recurrent state there);
+        none for other cores (a dense model's cache shares any page without them)."""
+        info = self.core_info
+        if self.turn_end_tokens is None or info is not None and not (info.prefix_caching and info.state_snapshots):
+            return []
+        return turn_ends(token_ids, self.turn_end_tokens)
 
     @property
     def thinks(self) -> bool:

@@ -46,6 +46,10 @@ class LLMEngine:
     generation_defaults = property(lambda self: self.inputs.generation_defaults)
     max_model_len = property(lambda self: self.core.max_model_len)
     plan = property(lambda self: self.core.plan, doc="the execution plan (mili/runtime/plan.py): how the model runs")
+    info = property(lambda self: self.core.ready(), doc="what the loaded engine runs, as the server's /health reports "
+                    "it (``messages.Ready``): the device and dtype, the weights' and the KV cache's formats, whether "
+                    "prefix caching is on, a hybrid's state slots and snapshots, the batch limits and who sized them, "
+                    "the plan in words and the stats now")
 
     def stats(self) -> Stats:
         """The engine's gauges and counters now: running and waiting sequences, KV pages (free, cached by the

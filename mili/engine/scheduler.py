@@ -324,6 +324,13 @@ class Scheduler:
             if before < seq.prompt_len <= seq.num_computed_tokens:
                 self.cache.insert(seq.cache_key(seq.num_computed_tokens), seq.page_table)
 
+    def preempt(self, seq: Sequence) -> None:
+        """Send a running sequence back to the waiting queue's front, as when pages run out: its computed pages and
+        its recurrent state go to the prefix cache, and it resumes from there (or recomputes) when admitted again."""
+        if seq in self.running:
+            self.running.remove(seq)
+        self._preempt(seq)
+
     def _preempt(self, seq: Sequence) -> None:
         self._release(seq)
         seq.status = SeqStatus.WAITING

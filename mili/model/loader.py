@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+from dataclasses import dataclass, field
 
 import torch
 from safetensors import safe_open
@@ -14,7 +15,7 @@ from mili.distributed import kv_head_range, vocab_shard
 from mili.errors import ModelLoadError
 from mili.model import quant
 from mili.model.checkpoint import safetensors_files
-from mili.model.gguf import BLOCK_TYPES, GGUFWeights, gguf_folder_files
+from mili.model.gguf import GGUFWeights, gguf_folder_files
 from mili.model.checks import HARMLESS_SUFFIXES, WeightQuant, check_tensors, weight_quant
 from mili.model.fused import EXPERT_PARAMS, STACKED_PARAMS, FusedExperts, FusedLinear
 from mili.model.qwen3 import Qwen3ForCausalLM
@@ -186,6 +187,44 @@ def _param_name(model, name: str) -> str:
     return name if name.startswith(("model.", "lm_head.", "score.")) else f"model.{name}"
 
 
+@dataclass
+class CheckpointMap:
+    """What loading a checkpoint's tensors into a model would do (``map_checkpoint``), nothing copied."""
+
+    skipped: list[str] = field(default_factory=list)  # tensors the model does not need (see ``_skipped``)
+    unmapped: list[str] = field(default_factory=list)  # tensors no parameter of the model takes
+    mismatched: list[str] = field(default_factory=list)  # tensors whose shape is not their parameter's
+    missing: list[str] = field(default_factory=list)  # parameters (or parts) no tensor fills
+
+    @property
+    def complete(self) -> bool:
+        return not (self.unmapped or self.mismatched or self.missing)
+
+
+def map_checkpoint(model: Qwen3ForCausalLM, tensors: dict[str, torch.Tensor]) -> CheckpointMap:
+    """Map a checkpoint's tensors (by name, as stored; meta tensors do: only names and shapes are read) onto
+    ``model``'s parameters as ``load_weights`` does, copying nothing: a release's layout checked from its config."""
+    params = dict(model.named_parameters())
+    out, loaded = CheckpointMap(), set()
+    for stored, tensor in tensors.items():
+        if _skipped(model, stored):
+            out.skipped.append(stored)
+            continue
+        name = _param_name(model, stored)
+        target = _target(model, name, params)
+        if target is None:
+            out.unmapped.append(stored)
+            continue
+        keys, dest = target
+        if hasattr(model, "reorder_checkpoint_tensor"):
+            tensor = model.reorder_checkpoint_tensor(name, tensor)
+        if tuple(tensor.shape) != tuple(dest.shape):
+            out.mismatched.append(stored)
+        loaded.update(keys)
+    out.missing = sorted({f"{n}[{e}, {s}]" for n, e, s in _expected_keys(model, params) - loaded})
+    return out
+
+
 class _Dequantizer:
     """A quantized checkpoint's weights in float32, each from the tensors stored beside it (FP8: its scale;
     AWQ: its ``qweight``, ``qzeros`` and ``scales``). Asked to, it keeps a layer's quantized parts too, in
@@ -328,7 +367,7 @@ def _load_gguf(model: Qwen3ForCausalLM, path: str, files: list[str], params: dic
         if target is None and name != "lm_head.weight":
             raise ModelLoadError(f"GGUF tensor {gguf_name} ({name}) is not a weight of this model")
         if value is None:  # a tied head's parts (the table loads as the embedding), or an expert's parts alone
-            if target is not None:  # (the expert: its layer is made from the parts, model_builder._swap_linears)
+            if target is not None:  # (the expert: its layer is made from the parts, model_builder.apply_formats)
                 loaded.update(target[0])
             continue
         keys, dest = target

@@ -60,7 +60,7 @@ def build_model(plan: ExecutionPlan, model_config: ModelConfig, path: str, devic
     model = model.to_empty(device=device)
     quantized = load_weights(model, path, keep_quantized=plan.keep_quantized)
     model.eval()
-    _swap_linears(model, plan, quantized)
+    apply_formats(model, plan, quantized)
     if plan.gated_delta is not None:  # (the C decode step takes the loaded weights)
         _use_gated_delta(model, plan.gated_delta)
     log.info("weights: %s", plan.weight_format)
@@ -183,7 +183,7 @@ def _use_gated_delta(model: torch.nn.Module, how: GatedDeltaImpl) -> None:
                                       GatedDeltaImpl.TORCH: "torch"}[how])
 
 
-def _swap_linears(model, plan: ExecutionPlan, quantized: dict) -> None:
+def apply_formats(model, plan: ExecutionPlan, quantized: dict) -> None:
     """The linear layers on their format's kernels (``plan.linears``, a ``formats.LinearFormat``), then the lm_head
     on ``plan.lm_head``'s, then what stayed plain on the small-batch GEMV where the plan says. ``quantized``: the
     checkpoint's layers the loader kept as stored."""

@@ -7,6 +7,10 @@ sampled: on the CPU by inverse CDF (one uniform per row against its cumulative p
 with the exponential race ``argmax(probs / q)``, ``q ~ Exp(1)`` (no host sync). A row with its own generator
 draws from it alone, so a seeded sequence's tokens do not depend on what else is in the batch.
 
+The stages are functions of their own, the sampler's unit API (each checked against HF's logits processors):
+``Sampler.process_logits`` (min_tokens, then the penalties: ``apply_penalties``), ``apply_min_p`` and
+``apply_top_k_top_p``; ``DRAWS`` holds the draws, by the plan's ``DrawKind``.
+
 The arithmetic is total (docs/serving/errors.md): every float parameter is clamped into the range float32 computes
 faithfully (``SAMPLING_BOUNDS``) when the metadata is built; before a draw, a NaN logit counts as masked
 and +inf as float32's largest value; a row left with no probability mass at all (every token masked)
@@ -199,7 +203,7 @@ def _bounded(name: str, value: float) -> float:
     return min(max(value, low), high)
 
 
-def _apply_penalties(logits: torch.Tensor, seen_ids: torch.Tensor, output_ids: torch.Tensor,
+def apply_penalties(logits: torch.Tensor, seen_ids: torch.Tensor, output_ids: torch.Tensor,
                      repetition: torch.Tensor, presence: torch.Tensor,
                      frequency: torch.Tensor) -> torch.Tensor:
     """Penalised copy of ``logits`` [P, V]. Id tensors are padded with V (a scratch column, dropped)."""
@@ -217,14 +221,14 @@ def _apply_penalties(logits: torch.Tensor, seen_ids: torch.Tensor, output_ids: t
     return logits - (frequency.unsqueeze(1) * counts + presence.unsqueeze(1) * (counts > 0))
 
 
-def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """Mask (to -inf, in place) tokens whose probability is below min_p * the row's best probability."""
     probs = logits.softmax(dim=-1)
     threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
     return logits.masked_fill_(probs < threshold, _NEG_INF)
 
 
-def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
                        top_p: torch.Tensor | None) -> torch.Tensor:
     """Masked copy of ``logits`` [R, V]: keep the top_k best (ties with the k-th kept; k = V disables),
     then the smallest set of best tokens whose (renormalised) probability reaches top_p (1 disables)."""
@@ -260,7 +264,7 @@ def _mask_top_p_(ascending: torch.Tensor, top_p: torch.Tensor) -> None:
 
 def _top_k_top_p_partial(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor | None,
                          k_max: int) -> torch.Tensor | None:
-    """``_apply_top_k_top_p`` without sorting the vocabulary: every row keeps at most its k best, so
+    """``apply_top_k_top_p`` without sorting the vocabulary: every row keeps at most its k best, so
     only the ``k_max`` best of each row (one ``topk``) are ranked, and top-p runs on those survivors
     (the renormalised distribution top-p sees is theirs alone). None when a tie with some row's k-th
     best reaches past ``k_max`` (the full sort then decides, keeping every tied token)."""
@@ -386,7 +390,7 @@ class Sampler:
         raw = logits.index_select(0, meta.logprob_rows) if meta.logprob_rows is not None else None  # a copy
         if meta.grammar_rows is not None:  # structured outputs: the tokens each grammar allows
             self.apply_bitmask(logits, meta.grammar_bitmask, meta.grammar_rows, meta.vocab_size)
-        logits = _sanitise_(self._process_logits(logits, meta))
+        logits = _sanitise_(self.process_logits(logits, meta))
         no_mass = _no_mass(logits)
 
         sampled = torch.empty(meta.num_rows, dtype=torch.long, device=logits.device)
@@ -400,8 +404,8 @@ class Sampler:
             if meta.temperature is not None:  # (x - max) / t: the best token stays at 0, nothing overflows
                 _sanitise_(x.sub_(x.amax(dim=-1, keepdim=True)).div_(meta.temperature.unsqueeze(1)))
             if meta.min_p is not None:
-                x = _apply_min_p(x, meta.min_p)
-            x = _apply_top_k_top_p(x, meta.top_k, meta.top_p)
+                x = apply_min_p(x, meta.min_p)
+            x = apply_top_k_top_p(x, meta.top_k, meta.top_p)
             probs = x.softmax(dim=-1)
             drawn = self.draw(probs, meta) if meta.drafts is None else _verify_drafts(probs, meta, self.draw)
             sampled[meta.random_rows] = drawn.clamp_(0, meta.vocab_size - 1)
@@ -419,13 +423,13 @@ class Sampler:
         return SamplerOutput(token_ids=sampled.tolist(), logprobs=logprobs())
 
     @staticmethod
-    def _process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """min_tokens and penalties, in place on float32 ``logits`` [B, V] (returned)."""
         if meta.blocked_rows is not None:
             logits[meta.blocked_rows, meta.blocked_tokens] = _NEG_INF
         if meta.penalty_rows is not None:
             rows = meta.penalty_rows
-            logits[rows] = _apply_penalties(logits[rows], meta.seen_ids, meta.output_ids,
+            logits[rows] = apply_penalties(logits[rows], meta.seen_ids, meta.output_ids,
                                             meta.repetition_penalty, meta.presence_penalty,
                                             meta.frequency_penalty)
         return logits

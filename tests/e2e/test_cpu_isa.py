@@ -20,10 +20,14 @@ import pytest
 from mili.kernels import cpu
 
 ROOT = Path(__file__).resolve().parents[2]
-# The engine tests the lower paths run once more (the kernel tests take every path in-process already)
-ENGINE_TESTS = ["tests/unit/test_cpu_linear.py", "tests/unit/test_loader.py", "tests/unit/test_lm_head_dtype.py",
+# The engine tests the lower paths run once more (the kernel tests take every path in-process already): those that
+# run the kernels, in bf16 or quantized (a float32 model runs no C kernel: test_engine.py's run the same ops on every
+# path, so they are not repeated)
+ENGINE_TESTS = ["tests/unit/test_cpu_linear.py", "tests/unit/test_lm_head_dtype.py",
                 "tests/unit/test_quantized_checkpoints.py", "tests/unit/test_selftest.py",
-                "tests/unit/test_kv_cache_fp8.py", "tests/unit/test_engine.py", "tests/unit/test_speculative.py",
+                "tests/unit/test_kv_cache_int8.py",  # the CPU's 8-bit KV pages: stored, gathered and attended
+                # the fused decode step verifying drafts, bit for bit against plain decoding
+                "tests/unit/test_speculative.py::test_bf16_verifications_run_fused_and_match_plain_decoding_bit_for_bit",
                 # GGUF's blocks as stored (Q4_K_M's two-level scales) through the loader and the fused decode step
                 "tests/unit/test_gguf.py::test_bf16_runs_the_blocks_on_the_kernels_as_stored",
                 "tests/unit/test_gguf.py::test_each_type_on_its_kernel_is_gguf_dequantize"]
@@ -74,16 +78,49 @@ def test_a_cap_the_cpu_cannot_run_is_refused_by_name():
         assert ("refused" if asked != "sse9" else "is not an ISA") in log
 
 
-@pytest.mark.skipif(cpu.arch() != "x86_64", reason="emulates an x86-64 CPU")
-def test_generate_on_an_emulated_avx2_only_cpu(tmp_path, default_text):
-    """qemu-x86_64 -cpu Haswell (AVX2, FMA, F16C; no AVX-512): MILI's probe reads the emulated CPUID, builds the AVX2
-    kernels (a fresh cache: nothing built for this machine's AVX-512 is reused), torch says oneDNN has no bf16
-    there, and the demo's reply is the native one."""
+# Under qemu-user -cpu Haswell: MILI's probe, the kernels it builds, and one product of them against torch's
+EMULATED = """
+import torch
+from mili.kernels import cpu
+from mili.kernels.cpu import ops
+torch.manual_seed(0)
+w, x = torch.randn(64, 128).to(torch.bfloat16), torch.randn(3, 128).to(torch.bfloat16)
+got, want = ops.linear(x, ops.pack_weight(w), 64).float(), x.float() @ w.float().T
+print(cpu.headline())
+print(cpu.paths())
+print("max error", float((got - want).abs().max()))
+"""
+
+
+def qemu_haswell() -> list[str]:
     if os.environ.get("MILI_SKIP_CROSS_TESTS") == "1":
         pytest.skip("MILI_SKIP_CROSS_TESTS=1")
     qemu = shutil.which("qemu-x86_64")
     assert qemu, "qemu-x86_64 not found: apt-get install qemu-user (.ci/run does), or set MILI_SKIP_CROSS_TESTS=1"
-    out, log = generate({"MILI_CACHE_DIR": str(tmp_path)}, prefix=[qemu, "-cpu", "Haswell"], timeout=600)
+    return [qemu, "-cpu", "Haswell"]
+
+
+@pytest.mark.skipif(cpu.arch() != "x86_64", reason="emulates an x86-64 CPU")
+def test_the_kernels_on_an_emulated_avx2_only_cpu(tmp_path):
+    """qemu-x86_64 -cpu Haswell (AVX2, FMA, F16C; no AVX-512): MILI's probe reads the emulated CPUID, builds the AVX2
+    kernels (a fresh cache: nothing built for this machine's AVX-512 is reused), torch says oneDNN has no bf16
+    there, and a bf16 product on the kernels is torch's (to bf16's rounding)."""
+    env = {name: value for name, value in os.environ.items() if name != "MILI_CPU_ISA"} | {"MILI_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([*qemu_haswell(), sys.executable, "-c", EMULATED], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    head, paths, error = done.stdout.splitlines()[-3:]
+    assert head.startswith("CPU ISA avx2 (the best this CPU runs; CPU: avx2 f16c fma)"), head
+    assert "torch says this CPU lacks it" in paths and "MILI kernel (avx2)" in paths, paths
+    assert float(error.split()[-1]) < 0.1, error
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(cpu.arch() != "x86_64", reason="emulates an x86-64 CPU")
+def test_generate_on_an_emulated_avx2_only_cpu(tmp_path, default_text):
+    """The demo's reply on the emulated AVX2-only CPU is the native one, and the log names its paths (slow: the whole
+    engine under emulation; the default run checks the kernels there, and the AVX2 path's text natively)."""
+    out, log = generate({"MILI_CACHE_DIR": str(tmp_path)}, prefix=qemu_haswell(), timeout=600)
     line = paths_line(log)
     assert "CPU ISA avx2 (the best this CPU runs; CPU: avx2 f16c fma)" in line, line
     assert "torch says this CPU lacks it" in line and "bf16 linears: MILI kernel (avx2)" in line
@@ -94,11 +131,12 @@ LOWER_PATHS = [isa for isa in cpu.runnable_isas() if isa != cpu.best_isa()][:2]
 
 
 def test_engine_tests_on_the_lower_paths(tmp_path):
-    """The engine's tests (loading every checkpoint layout, bf16/int8/AWQ/FP8 linears, GGUF's blocks as stored, the
-    lm_head's dtype, the FP8 KV cache, selftest) once more as a CPU without the better ISA runs them: torch's ops alone (none, oneDNN's bf16 held
-    off) and the lowest kernel ISA (avx2 on x86-64), each in a pytest of its own with MILI_CPU_ISA set. The two run
-    at once (each is mostly one busy thread), each with its own temporary folder. Not the tests of the Triton path
-    (``-k "not triton"``): under the interpreter they run no CPU kernel, whatever the ISA."""
+    """The engine's tests that run the kernels (bf16/int8/AWQ/FP8 linears, GGUF's blocks as stored, the lm_head's
+    dtype, the 8-bit KV cache, fused verification, selftest) once more as a CPU without the better ISA runs them:
+    torch's ops alone (none, oneDNN's bf16 held off) and the lowest kernel ISA (avx2 on x86-64), each in a pytest of
+    its own with MILI_CPU_ISA set. The two run at once (each is mostly one busy thread), each with its own temporary
+    folder. Not the tests of the Triton path (``-k "not triton"``) nor float32 ones: they run no CPU kernel, whatever
+    the ISA."""
     runs = {}
     for isa in LOWER_PATHS:
         env = {**os.environ, "MILI_CPU_ISA": isa}

@@ -10,7 +10,7 @@ import json
 import httpx
 import pytest
 
-from support.engine_state import assert_drained
+from support.engine_state import assert_drained, engine_core, runner_parts
 from support.server import Server, metric
 
 
@@ -61,7 +61,7 @@ def faulty(qwen3_checkpoint):
     from mili.server.app import build_app
 
     engine = AsyncLLM(EngineConfig(model=str(qwen3_checkpoint("gqa4_realvocab")), dtype="float32"), core_in_thread=True)
-    sampler = engine.core.runner.parts.sampler
+    sampler = runner_parts(engine).sampler
 
     class Faulty(type(sampler)):
         def __call__(self, logits, meta):
@@ -69,9 +69,9 @@ def faulty(qwen3_checkpoint):
                 raise RuntimeError("injected sampling fault")
             return super().__call__(logits, meta)
 
-    engine.core.runner.parts.sampler = Faulty(sampler.argmax, sampler.apply_bitmask, sampler.draw)
+    runner_parts(engine).sampler = Faulty(sampler.argmax, sampler.apply_bitmask, sampler.draw)
     with TestClient(build_app(engine, "tiny"), raise_server_exceptions=False) as c:
-        yield c, engine.core
+        yield c, engine_core(engine)
     engine.shutdown()
 
 

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from support.engine_state import runner_parts
+
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -49,7 +51,7 @@ def assert_kernel_products_match(llm, requests) -> None:
     of the sum: a wrong slot or shard is off by several units), and the base row is base(x) exactly."""
     from mili.lora import LoRALinear
 
-    loras = llm.engine.core.runner.parts.loras
+    loras = runner_parts(llm).loras
     for request in requests:
         loras.acquire(request)
     loras.prepare([requests[0].lora_int_id, None, requests[1].lora_int_id, requests[0].lora_int_id,

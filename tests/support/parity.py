@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from support.engine_state import prefill_outputs
+
 
 def greedy_matches(llm, reference, prompts: list[dict], params) -> None:
     """``llm``'s greedy tokens are HF model ``reference``'s for each prompt ({"prompt_token_ids": ...}), but
@@ -30,19 +32,7 @@ def greedy_matches(llm, reference, prompts: list[dict], params) -> None:
 def prompt_logprobs(llm, prompt: list[int]) -> torch.Tensor:
     """The next-token log-distribution after every position of ``prompt`` ([len, vocab], float32), from one
     prefill through the engine's own runner (its kernels, its KV cache)."""
-    from mili import SamplingParams
-
-    core = llm.engine.core
-    request = llm.engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1))
-    sched = core.scheduler.schedule()
-    assert [s.num_new_tokens for s in sched.scheduled] == [len(prompt)]  # the whole prompt in one step
-    batch, _ = core.runner.parts.batches.prepare(sched.scheduled)
-    batch.logits_indices = torch.arange(len(prompt), device=batch.input_ids.device)
-    with torch.inference_mode():
-        logits = core.runner.parts.model.compute_logits(core.runner.parts.model(batch, core.runner.parts.kv_caches))
-    core.scheduler.after_step(sched.scheduled)
-    llm.engine.abort_request(request.request_id)
-    return logits.float().log_softmax(-1).cpu()
+    return prefill_outputs(llm, prompt).float().log_softmax(-1).cpu()
 
 
 NEAR_TIE = 1e-3  # greedy paths may part only where HF's own top-2 logits are closer than this

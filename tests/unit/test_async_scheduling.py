@@ -12,7 +12,7 @@ import torch
 
 from mili import LLM, SamplingParams
 
-from support.engine_state import assert_drained
+from support.engine_state import assert_drained, engine_core, model_runner
 
 
 def _prompts(n: int, seed: int, vocab: int = 512, shared: int = 0) -> list[dict]:
@@ -70,7 +70,7 @@ def _streams(outs) -> list:
 
 def _overlapped(llm: LLM) -> list[bool]:
     """Records, for each step the runner executes, whether its draw was left on the device."""
-    runner = llm.engine.core.runner
+    runner = model_runner(llm)
     execute, flags = runner.execute, []
 
     def recording(sched, grammar=None, feed=None, defer=False):
@@ -125,7 +125,7 @@ def test_async_equals_sync_stop_strings_and_second_round_cache_hits(tiny_checkpo
         got = _streams(ahead.generate(prompts, params, use_tqdm=False))
         assert got == expected
     assert any(c[4] in stops for cs, _ in expected for c in cs)
-    assert ahead.engine.core.prefix_cache.num_evictable() > 0
+    assert engine_core(ahead).prefix_cache.num_evictable() > 0
     for llm in (sync, ahead):
         assert_drained(llm, evict=True)
 
@@ -179,7 +179,7 @@ def test_penalties_turn_the_overlap_off_while_they_run(tiny_checkpoint):
     assert _streams(ahead.generate(prompts, params, use_tqdm=False)) == \
         _streams(sync.generate(prompts, params, use_tqdm=False))
     assert not all(flags) and any(flags)  # in step while the penalised requests ran, ahead once they ended
-    assert ahead.engine.core.num_sync_requests == 0
+    assert engine_core(ahead).num_sync_requests == 0
     assert_drained(ahead, evict=True)
 
 

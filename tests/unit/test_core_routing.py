@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from mili.engine.core_process import _Outputs
+from mili.engine.core_process import Outputs
 from mili.engine.messages import AddRequest, Dead, SeqDelta, Stats, StepMessage, encode, output_decoder
 from mili.sampling_params import SamplingParams
 
@@ -32,7 +32,7 @@ STATS = Stats(1, 0, 10, 9, 0, 3)
 
 def test_each_request_goes_to_its_process_and_the_stats_to_all():
     sockets, control = [_Socket(), _Socket()], _Socket()
-    out = _Outputs(sockets, control)
+    out = Outputs(sockets, control)
     core = SimpleNamespace(requests={"a": 1, "b": 1, "c": 1})
     for rid, client in (("a", 0), ("b", 1), ("c", 1)):
         out.add(_add(rid, client))
@@ -53,7 +53,7 @@ def test_each_request_goes_to_its_process_and_the_stats_to_all():
 
 
 def test_owners_are_forgotten_when_requests_leave_the_core():
-    out = _Outputs([_Socket(), _Socket()])
+    out = Outputs([_Socket(), _Socket()])
     core = SimpleNamespace(requests={"a": 1, "b": 1})
     out.add(_add("a", 0))
     out.add(_add("b", 1))
@@ -67,7 +67,7 @@ def test_owners_are_forgotten_when_requests_leave_the_core():
 
 def test_one_process_gets_every_message_whole():
     sock = _Socket()
-    out = _Outputs([sock])
+    out = Outputs([sock])
     out.add(_add("a", 0))
     msg = StepMessage([_delta("a"), _delta("unknown")], 1, STATS, [("x", "bad")])
     out.send_step(msg, SimpleNamespace(requests={}))
@@ -76,7 +76,7 @@ def test_one_process_gets_every_message_whole():
 
 def test_a_process_that_is_gone_loses_its_requests_and_hears_nothing_more():
     sockets = [_Socket(), _Socket()]
-    out = _Outputs(sockets, _Socket())
+    out = Outputs(sockets, _Socket())
     aborted = []
     core = SimpleNamespace(requests={"a": 1, "b": 1})
     core.abort_requests = lambda ids: (aborted.extend(ids), [core.requests.pop(r) for r in ids])

@@ -11,6 +11,7 @@ from mili.kernels import cpu, reference
 from mili.kernels.cpu import ops
 from mili.model.cpu_linear import KernelLinear, Int8Linear, PackedEmbedding, PackedLinear
 from mili.runtime.plan import StepKind
+from support.engine_state import runner_parts
 
 BF16 = torch.bfloat16
 KERNEL_ISAS = [name for name in cpu.runnable_isas() if name != "none"]
@@ -179,14 +180,13 @@ def test_engine_with_cpu_kernels_tracks_torch_ops(isa, qwen3_checkpoint, shape):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
     fast = LLM(str(qwen3_checkpoint(shape)), dtype="bfloat16", max_num_batched_tokens=16)
     plain = LLM(str(qwen3_checkpoint(shape)), dtype="bfloat16", cpu_kernels=False)
-    runner = fast.engine.core.runner
-    assert runner.parts.plan.cpu_kernels and not plain.engine.plan.cpu_kernels
-    assert isinstance(runner.parts.model.model.layers[0].mlp.down_proj, KernelLinear)
+    assert fast.engine.plan.cpu_kernels and not plain.engine.plan.cpu_kernels
+    assert isinstance(fast.apply_model(lambda m: m.model.layers[0].mlp.down_proj), KernelLinear)
     # without the kernels: oneDNN's packing where it runs (held off below AVX-512, as on such a CPU), else aten's
     plain_down = plain.apply_model(lambda m: m.model.layers[0].mlp.down_proj)
     assert isinstance(plain_down, PackedLinear) == (not cpu.onednn_bf16())
     if shape == "mha_tied":  # the table is stored once, packed, in the head
-        assert isinstance(runner.parts.model.model.embed_tokens, PackedEmbedding)
+        assert isinstance(fast.apply_model(lambda m: m.model.embed_tokens), PackedEmbedding)
     a, b = (llm.generate(prompt, params, use_tqdm=False)[0].outputs[0] for llm in (fast, plain))
     assert a.token_ids[:4] == b.token_ids[:4]  # random weights: bf16 roundings part paths later
     lp_a, lp_b = a.logprobs[0][a.token_ids[0]].logprob, b.logprobs[0][b.token_ids[0]].logprob
@@ -228,21 +228,28 @@ def test_int8_kernel_is_the_integer_product(isa, m, n, k):
     assert torch.equal(layer.column_sums[:n], wq.sum(dim=1).to(torch.int32))
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """torch's SDPA as the reference: q [Lq, Hq, D] are the last Lq of the Lk positions of k, v [Lk, Hkv, D]."""
+    lq, lk = q.shape[0], k.shape[0]
+    mask = torch.arange(lk)[None, :] <= torch.arange(lq)[:, None] + (lk - lq)  # query j sits at lk - lq + j
+    o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
+                                       enable_gqa=True)
+    return o.transpose(0, 1)
+
+
 @needs_kernels
 @pytest.mark.parametrize("lq,lk", [(1, 1), (5, 5), (37, 37), (100, 100), (20, 83), (16, 300)])
 @pytest.mark.parametrize("hq,hkv,d", [(4, 2, 64), (8, 8, 32), (16, 8, 128), (10, 2, 64)])
 def test_prefill_attention_causal_over_prefix(isa, lq, lk, hq, hkv, d):
     """A prefill chunk (the last lq of lk positions) against float32 SDPA; q/k/v are views of one fused
     qkv output, as the model passes them."""
-    from mili.runtime.attention.torch_backend import TorchAttentionBackend
-
     torch.manual_seed(lq * 1000 + lk + hq)
     qkv = torch.randn(lk, (hq + 2 * hkv) * d).to(BF16)
     q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
     q, k, v = q[lk - lq:].view(lq, hq, d), k.view(lk, hkv, d), v.view(lk, hkv, d)
     assert ops.prefill_attention_supported(q, k, v)
     got = ops.prefill_attention(q, k, v, d ** -0.5)
-    want = TorchAttentionBackend._prefill(q.float(), k.float(), v.float())
+    want = causal_attention(q.float(), k.float(), v.float())
     # bf16 inputs, float32 scores, the softmax rounded to bf16 before P V, one bf16 rounding of the output
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
 
@@ -260,7 +267,7 @@ def fused_checkpoints(qwen3_checkpoint, tmp_path_factory):
 def _fused_equals_eager(fused, eager, prompts, params, min_fused: int, lora_request=None) -> None:
     """``fused``'s outputs (its decode steps on the fused C layer) equal ``eager``'s: every sequence's tokens, and
     their logprobs exactly; at least ``min_fused`` decode steps ran fused."""
-    runner = fused.engine.core.runner.parts.cpu_decode
+    runner = runner_parts(fused).cpu_decode
     fused_steps, run = [], runner.run
     runner.run = lambda *args: fused_steps.append(run(*args)) or fused_steps[-1]
     a, b = (llm.generate(prompts, params, use_tqdm=False, lora_request=lora_request) for llm in (fused, eager))
@@ -283,7 +290,7 @@ def test_fused_decode_step_is_the_module_path_bit_for_bit(isa, fused_checkpoints
     path = str(fused_checkpoints[shape])
     fused = LLM(path, dtype="bfloat16", quantization=quantization)
     eager = LLM(path, dtype="bfloat16", quantization=quantization, enforce_eager=True)
-    runner = fused.engine.core.runner.parts.cpu_decode
+    runner = runner_parts(fused).cpu_decode
     assert runner is not None and fused.engine.plan.step is StepKind.CPU_DECODE
     assert eager.engine.plan.step is StepKind.EAGER
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, logprobs=3) for m in (12, 5, 12, 9)]
@@ -335,7 +342,7 @@ def test_fused_decode_step_takes_int8g_layers_bit_for_bit(isa, fused_checkpoints
     from mili.model.cpu_linear import Int8GroupLinear
     from mili.runtime import model_builder
 
-    swap = model_builder._swap_linears
+    swap = model_builder.apply_formats
 
     def int8g_then_swap(model, plan, quantized):
         for layer in model.model.layers:
@@ -348,11 +355,11 @@ def test_fused_decode_step_takes_int8g_layers_bit_for_bit(isa, fused_checkpoints
                                                       shard_sizes=getattr(linear, "shard_sizes", None)))
         swap(model, plan, quantized)  # (the rest: the lm_head on the bf16 kernel)
 
-    monkeypatch.setattr(model_builder, "_swap_linears", int8g_then_swap)
+    monkeypatch.setattr(model_builder, "apply_formats", int8g_then_swap)
     path = str(fused_checkpoints["gqa_untied"])
     fused = LLM(path, dtype="bfloat16")
     eager = LLM(path, dtype="bfloat16", enforce_eager=True)
-    runner = fused.engine.core.runner.parts.cpu_decode
+    runner = runner_parts(fused).cpu_decode
     assert runner is not None and runner.available and fused.engine.plan.step is StepKind.CPU_DECODE
     assert isinstance(fused.apply_model(lambda m: m.model.layers[0].mlp.down_proj), Int8GroupLinear)
     assert runner.layers[0].qkv.int8g == 1 and not runner.layers[0].qkv.aux and runner.layers[0].down.aux
@@ -850,6 +857,7 @@ def test_fused_layer_of_mixed_types_splits_into_kernel_forms(isa):
     covers all of its rows."""
     pytest.importorskip("gguf")
     from mili.model.cpu_linear import Int4Linear, SplitLinear
+    # reach-in: the fused decode step's C descriptor of a layer (its ABI, a chain of parts) has no entry point of its own
     from mili.runtime.cpu_decode import _linear_desc, _rows
     from mili.model.formats.kernel import split_cpu_layer
 
@@ -888,7 +896,7 @@ def test_fused_decode_step_takes_high_bit_and_split_layers_bit_for_bit(isa, fuse
     from mili.model.cpu_linear import Int4Linear, SplitLinear
     from mili.runtime import model_builder
 
-    swap = model_builder._swap_linears
+    swap = model_builder.apply_formats
 
     def int4_then_swap(model, plan, quantized):
         for layer in model.model.layers:
@@ -904,11 +912,11 @@ def test_fused_decode_step_takes_high_bit_and_split_layers_bit_for_bit(isa, fuse
             mlp.down_proj = Int4Linear(*_int4_of(mlp.down_proj.weight.detach(), 32, 1, False), high_bits=1)
         swap(model, plan, quantized)  # (the rest: the lm_head on the bf16 kernel)
 
-    monkeypatch.setattr(model_builder, "_swap_linears", int4_then_swap)
+    monkeypatch.setattr(model_builder, "apply_formats", int4_then_swap)
     path = str(fused_checkpoints["gqa_untied"])
     fused = LLM(path, dtype="bfloat16")
     eager = LLM(path, dtype="bfloat16", enforce_eager=True)
-    runner = fused.engine.core.runner.parts.cpu_decode
+    runner = runner_parts(fused).cpu_decode
     assert runner is not None and runner.available and fused.engine.plan.step is StepKind.CPU_DECODE
     first = runner.layers[0]
     assert first.qkv.high_bits == 0 and first.qkv.next.contents.high_bits == 2 and first.down.high_bits == 1
@@ -1041,25 +1049,18 @@ def test_a_row_is_the_same_bits_whatever_rows_share_the_call(isa, k):
     assert torch.equal(ops.linear(x[5:6], packed, 48), many[5:6])
 
 
-def test_a_path_that_fails_gives_way_to_the_next_one_down(monkeypatch):
+def test_a_path_that_fails_gives_way_to_the_next_one_down():
     """Where the chosen ISA's library fails to build or to pass its check at load, the next ISA down serves (and
     the log says why), not torch's ops at once."""
-    chosen = cpu._chosen()[0]
+    chosen = cpu.current()
     order = cpu.ORDER[cpu.arch()]
     if chosen == "none":
         pytest.skip("no kernel ISA runs here: nothing to fall from")
-    real = cpu._load
-    monkeypatch.setattr(cpu, "_load", lambda name: (None, "a planted failure") if name == chosen else real(name))
-    monkeypatch.setattr(cpu, "_active", [])
-    cpu._default.cache_clear()
-    cpu._loaded.clear()
-    try:
+    with cpu.simulated(failing={chosen}):
         below = order[order.index(chosen) - 1]
         assert cpu.current() == below and cpu.available() == (below != "none")
-        assert f"{chosen} failed (a planted failure)" in cpu.why()
-    finally:
-        cpu._default.cache_clear()
-        cpu._loaded.clear()
+        assert f"{chosen} failed (a simulated failure)" in cpu.why()
+    assert cpu.current() == chosen and cpu.available()
 
 
 def test_a_wheel_carries_every_source_the_kernels_build_from():

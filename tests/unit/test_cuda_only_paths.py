@@ -35,32 +35,10 @@ import torch
 pytest.importorskip("triton")
 
 from support.checkpoints import build_moe_checkpoint  # noqa: E402
+from support.engine_state import model_runner  # noqa: E402
+from support.graphs import EagerGraphs  # noqa: E402
 from mili import LLM, SamplingParams  # noqa: E402
 from mili.kernels.triton import launch  # noqa: E402
-from mili.runtime.cuda_graph import CudaGraphRunner  # noqa: E402
-
-
-class _EagerReplay:
-    """What a captured graph does on replay: the same forward over the same buffers, into the same logits."""
-
-    def __init__(self, graphs, batch, logits):
-        self.graphs, self.batch, self.logits = graphs, batch, logits
-
-    def replay(self):
-        self.logits.copy_(self.graphs._forward(self.batch))
-
-
-class EagerGraphs(CudaGraphRunner):
-    replays = 0
-
-    def _capture(self, batch):
-        logits = self._forward(batch)
-        return _EagerReplay(self, batch, logits), logits
-
-    def run(self, batch):
-        out = super().run(batch)
-        EagerGraphs.replays += out is not None
-        return out
 
 
 def _greedy(llm, prompts):
@@ -81,7 +59,7 @@ def test_graph_replay_path_equals_eager(kind, tiny_checkpoint, tmp_path):
     prompts = [[5, 6, 7], [9] * 11, [3, 4]]  # 3 sequences: padded up to the captured 4
     eager = _greedy(LLM(str(path), **kw), prompts)
     llm = LLM(str(path), **kw)
-    runner = llm.engine.core.runner
+    runner = model_runner(llm)
     runner.parts.graphs = EagerGraphs(runner.parts)
     assert runner.parts.graphs.sizes == [1, 2, 4] and set(runner.parts.graphs.graphs) == {1, 2, 4}
     EagerGraphs.replays = 0
@@ -113,7 +91,7 @@ def test_mixed_step_graphs_equal_eager(tiny_checkpoint):
     prompts = [[5, 6, 7], [9] * 30, [3, 4], list(range(40, 61)), [8] * 7, [2]]
     eager = _greedy(LLM(str(tiny_checkpoint), **kw), prompts)
     llm = LLM(str(tiny_checkpoint), **kw)
-    runner = llm.engine.core.runner
+    runner = model_runner(llm)
     # (the CPU's plan captures none)
     runner.parts.plan = dataclasses.replace(runner.parts.plan, mixed_graph_sizes=(16, 32))
     runner.parts.graphs = EagerGraphs(runner.parts)
@@ -128,23 +106,18 @@ def test_device_spec_from_the_device_properties(monkeypatch):
     l4 = SimpleNamespace(name="NVIDIA L4", major=8, minor=9, multi_processor_count=58)
     h100 = SimpleNamespace(name="NVIDIA H100", major=9, minor=0, multi_processor_count=132,
                            shared_memory_per_block_optin=232448)
-    for props, smem in ((l4, 99 * 1024), (h100, 232448)):
-        launch._cuda_spec.cache_clear()
+    # (device_spec keeps each device's spec: indices no real device has, so nothing is kept for one)
+    for index, props, smem in ((61, l4, 99 * 1024), (62, h100, 232448)):
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index, p=props: p)
-        spec = launch.device_spec("cuda:0")
+        spec = launch.device_spec(f"cuda:{index}")
         assert (spec.capability, spec.smem_per_block, spec.num_sms) == ((props.major, props.minor), smem,
                                                                         props.multi_processor_count)
-    launch._cuda_spec.cache_clear()
     assert launch.device_spec("cpu") == launch.INTERPRETER
 
 
 @pytest.mark.slow
 def test_selftest_cuda_kernel_checks_run_under_the_interpreter():
-    from mili.kernels.triton.ops import TritonOps
     from mili.tools.selftest import kernels
 
-    dev = torch.device("cpu")
-    rows = kernels._norm_checks(TritonOps, dev, torch.bfloat16) + kernels._attention_checks(dev, torch.bfloat16, True)
-    rows += kernels._gemm_checks(dev, torch.bfloat16, True) + [kernels._moe_check(dev, torch.bfloat16)]
-    rows += kernels._fused_checks(dev, torch.bfloat16, True)
-    assert all(ok for _, ok, _ in rows), rows
+    rows = kernels.triton_checks(torch.device("cpu"), (torch.bfloat16,), fp8=True)
+    assert rows and all(ok for _, ok, _ in rows), rows

@@ -8,7 +8,7 @@ import torch
 from mili import LLM, ContextLengthExceeded, InvalidRequest, ModelLoadError, SamplingParams
 from mili.engine.request import SeqStatus
 
-from support.engine_state import assert_drained
+from support.engine_state import assert_drained, engine_core
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -51,14 +51,14 @@ def test_continuous_batching_joins_mid_run(llm, monkeypatch):
     prompts = _prompts(4, seed=5)
     alone = llm.generate(prompts, GREEDY, use_tqdm=False)
     steps = []
-    schedule = engine.core.scheduler.schedule
+    schedule = engine_core(engine).scheduler.schedule
 
     def recording_schedule():
         out = schedule()
         steps.append([(s.seq.request.request_id, s.num_new_tokens) for s in out.scheduled])
         return out
 
-    monkeypatch.setattr(engine.core.scheduler, "schedule", recording_schedule)
+    monkeypatch.setattr(engine_core(engine).scheduler, "schedule", recording_schedule)
     r0 = engine.add_request(prompts[0]["prompt_token_ids"], GREEDY)
     r1 = engine.add_request(prompts[1]["prompt_token_ids"], GREEDY)
     for _ in range(6):
@@ -84,8 +84,8 @@ def test_n_shares_prompt_pages(llm):
         engine.step()
     tables = [s.page_table for s in req.seqs]
     assert tables[0][:2] == tables[1][:2] == tables[2][:2], "full prompt pages are shared"
-    pool = engine.core.pages  # (the pages' reference counts: nothing public shows them)
-    cached = {p for pages in engine.core.prefix_cache.holders() for p in pages}  # the cache holds one ref too
+    pool = engine_core(engine).pages  # (the pages' reference counts: nothing public shows them)
+    cached = {p for pages in engine_core(engine).prefix_cache.holders() for p in pages}  # the cache holds one ref too
     assert all(pool.ref_counts[p] == 3 + (p in cached) for p in tables[0][:2])
     while engine.has_unfinished_requests():
         engine.step()
@@ -103,14 +103,14 @@ def test_max_num_seqs_counts_the_siblings_n_will_fork(tiny_checkpoint):
     small = LLM(str(tiny_checkpoint), dtype="float32", max_num_seqs=4, max_num_batched_tokens=64)
     engine = small.engine
     widest = []
-    schedule = engine.core.scheduler.schedule
+    schedule = engine_core(engine).scheduler.schedule
 
     def recording_schedule():
         out = schedule()
-        widest.append(len(engine.core.scheduler.running))
+        widest.append(len(engine_core(engine).scheduler.running))
         return out
 
-    engine.core.scheduler.schedule = recording_schedule
+    engine_core(engine).scheduler.schedule = recording_schedule
     params = [SamplingParams(n=n, temperature=0, max_tokens=3, ignore_eos=True) for n in (3, 1, 3, 2)]
     outs = small.generate([{"prompt_token_ids": [i]} for i in range(4)], params, use_tqdm=False)
     assert [len(o.outputs) for o in outs] == [3, 1, 3, 2]

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from mili import LLM, SamplingParams
 from mili.runtime.sampler import NO_TOKEN
 
-from support.engine_state import assert_drained
+from support.engine_state import assert_drained, runner_parts
 
 VOCAB = 512  # the tiny checkpoint's
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -121,7 +121,7 @@ def alone(llm):
 
 
 def test_a_row_whose_sampling_raises_fails_alone(llm, alone, monkeypatch):
-    sampler = llm.engine.core.runner.parts.sampler
+    sampler = runner_parts(llm).sampler
     real = type(sampler).__call__
 
     def failing(self, logits, meta):
@@ -137,7 +137,7 @@ def test_a_row_whose_sampling_raises_fails_alone(llm, alone, monkeypatch):
 
 @pytest.mark.parametrize("bad", [VOCAB, 10**9, -5, NO_TOKEN])
 def test_a_token_outside_the_vocabulary_is_never_fed_back(llm, alone, monkeypatch, bad):
-    sampler = llm.engine.core.runner.parts.sampler
+    sampler = runner_parts(llm).sampler
     real = type(sampler).__call__
 
     def wrong_ids(self, logits, meta):

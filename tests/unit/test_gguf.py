@@ -18,8 +18,8 @@ from mili.model.gguf_blocks import group_parts  # noqa: E402
 from mili.model.quant import concat_parts  # noqa: E402
 from mili.runtime.plan import StepKind  # noqa: E402
 from support.checkpoints import QWEN3_TOKENIZER, build_checkpoint  # noqa: E402
-from support.engine_state import assert_drained  # noqa: E402
-from support.gguf_files import _encode, build_gguf_model, dequantized_state_dict, write_gguf  # noqa: E402
+from support.engine_state import assert_drained, runner_parts  # noqa: E402
+from support.gguf_files import build_gguf_model, dequantized_state_dict, encode_tensor, write_gguf  # noqa: E402
 from support.parity import assert_greedy_matches_hf, hf_greedy  # noqa: E402
 
 MAX_TOKENS = 8
@@ -52,7 +52,7 @@ def test_each_block_type_splits_into_exactly_gguf_dequantize(type_name):
     int8 sc, m per group), whose products are those scales and offsets."""
     rng = np.random.default_rng(1)
     w = rng.normal(0, 0.2, size=(48, 512)).astype(np.float32)
-    data, qtype = _encode(w, type_name, rng)
+    data, qtype = encode_tensor(w, type_name, rng)
     parts = group_parts(data, type_name, (48, 512))
     want = gguf.quants.dequantize(data, qtype).reshape(48, 512)
     assert np.array_equal(parts.dequantize().numpy(), want)  # (no tolerance)
@@ -71,7 +71,7 @@ def test_each_block_type_splits_into_exactly_gguf_dequantize(type_name):
         low, high = (-8, 7) if type_name == "Q4_0" else (0, 15)  # (Q4_0: symmetric, no offsets)
         assert low <= parts.q.min() and parts.q.max() <= high and (type_name != "Q4_0" or not parts.offsets.any())
     # shards of one fused layer in two types (Q4_K_M's q and v): joined at the smaller group, the wider quants
-    other = group_parts(*_encode(w[:16], "Q6_K", rng)[:1], "Q6_K", (16, 512))
+    other = group_parts(*encode_tensor(w[:16], "Q6_K", rng)[:1], "Q6_K", (16, 512))
     joined = concat_parts([parts, other])
     assert torch.equal(joined.dequantize(), torch.cat([parts.dequantize(), other.dequantize()]))
     assert (joined.scales_k is not None) == k_quant  # (a K-quant beside a K-quant: still two levels)
@@ -125,7 +125,7 @@ def test_bf16_runs_the_blocks_on_the_kernels_as_stored(gguf_model):
     qkv = llm.apply_model(lambda m: m.model.layers[0].self_attn.qkv_proj)
     assert isinstance(qkv, SplitLinear) and [p.high_bits for p in qkv.parts] == [0, 2]
     assert all(p.scales.dtype == torch.uint8 for p in qkv.parts)
-    runner = llm.engine.core.runner.parts.cpu_decode
+    runner = runner_parts(llm).cpu_decode
     first = runner.layers[0]
     assert first.qkv.scale_mode == first.gate_up.scale_mode == 2 and first.qkv.next.contents.high_bits == 2
     assert torch.equal(qkv.dequantize(), _gguf_dequantized(path, *(f"blk.0.attn_{p}.weight" for p in "qkv")))

@@ -10,7 +10,7 @@ import logging
 import pytest
 import torch
 
-from support.engine_state import assert_drained
+from support.engine_state import assert_drained, engine_core, runner_parts
 from support.hybrid import hf_reference
 from support.parity import assert_greedy_matches_hf, hf_greedy
 from mili import LLM, SamplingParams
@@ -100,7 +100,7 @@ def test_preemption_and_few_slots_keep_the_tokens(hybrid_checkpoint, references,
 
 def test_aborts_and_stops_return_slots(hybrid_checkpoint):
     llm = LLM(str(hybrid_checkpoint("qwen3_5")), dtype="float32", max_num_batched_tokens=64, page_size=16, num_state_slots=4)
-    engine, core = llm.engine, llm.engine.core
+    engine, core = llm.engine, engine_core(llm)
     params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
     requests = [engine.add_request(p, params) for p in _prompts(seed=2)]
     for _ in range(4):  # some prefilling, some decoding, some waiting for a slot
@@ -231,7 +231,7 @@ def test_bfloat16_matches_hf_bfloat16(hybrid_checkpoint, kind, tmp_path):
     def errors(path, dtype: str = "bfloat16") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """|ours - HF bf16| per prompt token and per decoded token; and |HF float32 - HF bf16| per prompt token."""
         llm = LLM(str(path), dtype=dtype, max_num_batched_tokens=16, page_size=16)
-        states = llm.engine.core.runner.parts.states
+        states = runner_parts(llm).states
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0, prompt_logprobs=0)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         prompt_err, decode_err, float32_err = [], [], []

@@ -29,24 +29,11 @@ def test_released_layouts_map_onto_the_model(release, tmp_path):
     with torch.device("meta"):
         reference = getattr(transformers, hf_config.architectures[0])(hf_config)
         model = Qwen3_5ForCausalLM(ModelConfig.from_hf(hf_config), TorchAttentionBackend(), torch.bfloat16)
-    params = dict(model.named_parameters())
-    loaded, unmapped, skipped = set(), [], []
-    for name, tensor in reference.state_dict().items():
-        if loader._skipped(model, name):
-            skipped.append(name)
-            continue
-        target = loader._target(model, loader._param_name(model, name), params)
-        if target is None:
-            unmapped.append(name)
-            continue
-        keys, dest = target
-        tensor = model.reorder_checkpoint_tensor(loader._param_name(model, name), tensor)  # (the tower's Conv3d)
-        assert dest.shape == tensor.shape, name
-        loaded.update(keys)
-    assert not unmapped
-    assert not loader._expected_keys(model, params) - loaded
+    mapped = loader.map_checkpoint(model, reference.state_dict())  # (the tower's Conv3d reordered as it loads)
+    assert not mapped.unmapped and not mapped.mismatched and not mapped.missing, mapped
+    assert mapped.complete
     assert (model.visual is not None) == (getattr(hf_config, "vision_config", None) is not None)
-    assert all(n.startswith("model.visual.") or n == "lm_head.weight" for n in skipped)
+    assert all(n.startswith("model.visual.") or n == "lm_head.weight" for n in mapped.skipped)
 
 
 def test_linear_attention_outside_the_hybrids_is_still_refused(tiny_checkpoint, tmp_path):

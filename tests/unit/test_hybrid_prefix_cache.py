@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from support.engine_state import assert_drained
+from support.engine_state import assert_drained, engine_core, runner_parts
 from support.hybrid import hf_reference
 from mili import LLM, SamplingParams
 
@@ -141,7 +141,7 @@ def test_eviction_under_pressure_keeps_the_tokens(hybrid_checkpoint, pair, polic
 def test_aborts_and_preemption_return_slots_and_snapshots(hybrid_checkpoint):
     llm = LLM(str(hybrid_checkpoint("qwen3_5")), dtype="float32", max_num_batched_tokens=64, page_size=16,
               num_state_slots=3, num_state_snapshots=4)
-    engine, core = llm.engine, llm.engine.core
+    engine, core = llm.engine, engine_core(llm)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     requests = [engine.add_request(_ids(30 + 20 * i, 50 + i), params) for i in range(5)]
     held = 0
@@ -151,8 +151,7 @@ def test_aborts_and_preemption_return_slots_and_snapshots(hybrid_checkpoint):
         held = max(held, sum(s.snapshot is not None for s in core.scheduler.running))
     assert held > 0
     victim = core.scheduler.running[-1]
-    core.scheduler.running.pop()
-    core.scheduler._preempt(victim)  # as the scheduler does when out of pages: its snapshot goes to the tree
+    core.scheduler.preempt(victim)  # as the scheduler does when out of pages: its snapshot goes to the tree
     assert victim.snapshot is None and victim.state_slot is None
     engine.check_integrity()
     core.abort_requests([r.request_id for r in requests])
@@ -161,12 +160,12 @@ def test_aborts_and_preemption_return_slots_and_snapshots(hybrid_checkpoint):
 
 def test_ready_counts_snapshots_and_zero_snapshots_turn_the_cache_off(hybrid_checkpoint, pair, caplog):
     on, _ = pair("qwen3_5")
-    ready, layout = on.engine.core.ready(), on.engine.core.runner.parts.layout
+    ready, layout = on.engine.info, runner_parts(on).layout
     assert ready.prefix_caching and ready.state_snapshots == on.engine.stats().num_snapshots > 0
     assert ready.state_bytes == (ready.state_slots + ready.state_snapshots) * layout.bytes_per_state_slot
     with caplog.at_level("INFO", logger="mili"):
         none = LLM(str(hybrid_checkpoint("qwen3_5")), dtype="float32", page_size=16, num_state_snapshots=0)
     assert "prefix caching off: num_state_snapshots is 0" in caplog.text
-    assert "0 prefix-cache snapshots" in caplog.text and not none.engine.core.ready().prefix_caching
+    assert "0 prefix-cache snapshots" in caplog.text and not none.engine.info.prefix_caching
     prompt = _ids(40, 9)
     assert _run(none, [prompt, prompt])[1] == [0, 0]

@@ -22,7 +22,7 @@ def _cache(num_pages=32, num_snapshots=3):
 
 def _check(cache, holders=(), page_tables=()):
     cache.check_integrity()
-    alive = {id(n) for n in cache._nodes()} | {id(h) for h in holders}
+    alive = {id(n) for n in cache.nodes_with_snapshots()} | {id(h) for h in holders}
     cache.snapshots.check_integrity(alive=lambda h: id(h) in alive)
     cache.pool.check_integrity(cache.holders() + list(page_tables))
 
@@ -81,4 +81,23 @@ def test_evicting_pages_drops_the_snapshots_at_their_ends():
     _check(cache)
     cache.evict(10)
     assert cache.snapshots.num_used == 0 and pool.num_free == 6
+    _check(cache)
+
+
+def test_resumes_are_counted_and_those_from_a_turn_end_apart():
+    """``counts``: snapshots taken, resumes, and resumes from a snapshot a turn end placed (a row's mark follows
+    the row: a turn end's row given back and taken again by a held snapshot counts as that one's)."""
+    pool, cache, _ = _cache(num_snapshots=1)
+    a, b = list(range(8)), list(range(100, 108))
+    pa, pb = pool.allocate(2), pool.allocate(2)
+    cache.keep_state(a, pa, slot=0, turn_end=True)
+    cache.resume(cache.match_state(a)[1], slot=1)
+    assert cache.counts() == (1, 1, 1)
+    seq = SimpleNamespace(snapshot=None)
+    assert cache.hold_state(seq, slot=0)  # the pool's one row: a's snapshot (a turn end's) is evicted for it
+    cache.adopt_state(b, pb, seq)
+    cache.resume(cache.match_state(b)[1], slot=1)
+    assert cache.counts() == (2, 2, 1)  # the same row, now a held snapshot's: not a turn end's
+    for p in (pa, pb):
+        pool.decref(p)
     _check(cache)

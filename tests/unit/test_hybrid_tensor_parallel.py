@@ -12,6 +12,7 @@ import shutil
 import pytest
 import torch
 
+from support.engine_state import model_runner, runner_parts
 from mili import LLM, InvalidRequest, SamplingParams
 
 PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -35,11 +36,11 @@ def test_tp2_matches_tp1(hybrid_checkpoint, kind):
     prompts = _prompts()
     one = LLM(path, dtype="float32", max_num_batched_tokens=32, page_size=16)
     expected = _tokens(one.generate(prompts, PARAMS, use_tqdm=False))
-    full = one.engine.core.runner.parts.states.caches[0][1].shape
+    full = runner_parts(one).states.caches[0][1].shape
     del one
     two = LLM(path, dtype="float32", max_num_batched_tokens=32, page_size=16, tensor_parallel_size=2)
     try:
-        runner = two.engine.core.runner
+        runner = model_runner(two)
         assert runner.tp.size == 2 and len(runner.tp.workers) == 1 and runner.tp.workers[0].is_alive()
         conv, ssm = runner.parts.states.caches[0]  # rank 0's states: half the value heads
         assert ssm.shape[1] * 2 == full[1]

@@ -18,9 +18,9 @@ pytest.importorskip("triton")
 from mili import LLM, InvalidRequest, SamplingParams  # noqa: E402
 from mili.kernels import gated_delta as ref  # noqa: E402
 from mili.kernels import gated_delta_fla  # noqa: E402
-from mili.runtime.cuda_graph import CudaGraphRunner  # noqa: E402
 from mili.runtime.plan import AttentionBackend, GatedDeltaImpl  # noqa: E402
-from support.engine_state import assert_drained  # noqa: E402
+from support.engine_state import assert_drained, model_runner, runner_parts  # noqa: E402
+from support.graphs import EagerGraphs  # noqa: E402
 
 PROMPTS = [[7], [5, 6, 7, 8, 9], list(range(20, 60))]  # a one-token prompt; 40 > the 24-token budget: chunked
 KW = dict(dtype="float32", max_num_batched_tokens=24, page_size=16, kv_cache_memory=2**21)
@@ -52,35 +52,21 @@ def test_hybrid_on_the_triton_attention_backend(qwen3_5, torch_tokens):
     plan, stats = llm.engine.plan, llm.engine.stats()
     assert plan.attention is AttentionBackend.TRITON and plan.gated_delta is not GatedDeltaImpl.FLA  # CPU: torch's gated delta rule
     # (the CUDA graphs' padding rows: one row past the slots and snapshots)
-    assert llm.engine.core.runner.parts.states.scratch_row == stats.num_state_slots + stats.num_snapshots
+    assert runner_parts(llm).states.scratch_row == stats.num_state_slots + stats.num_snapshots
     assert _greedy(llm) == torch_tokens
 
 
-class _EagerReplay:
-    def __init__(self, graphs, batch, logits):
-        self.graphs, self.batch, self.logits = graphs, batch, logits
+class SlotGraphs(EagerGraphs):
+    """Records each replayed step's state slots and whether each row resumes its state (``seen``)."""
 
-    def replay(self):
-        self.logits.copy_(self.graphs._forward(self.batch))
-
-
-class EagerGraphs(CudaGraphRunner):
-    """The capture replaced by an eager forward over the same static buffers (what a replay computes)."""
-
-    replays = 0
     seen: list = []
-
-    def _capture(self, batch):
-        logits = self._forward(batch)
-        return _EagerReplay(self, batch, logits), logits
 
     def run(self, batch):
         out = super().run(batch)
         if out is not None:
-            EagerGraphs.replays += 1
             n = batch.num_seqs
             bs = next(s for s in self.sizes if s >= n)
-            EagerGraphs.seen.append((self.state_slots[:bs].tolist(), self.state_keep[:bs].tolist(), n))
+            SlotGraphs.seen.append((self.state_slots[:bs].tolist(), self.state_keep[:bs].tolist(), n))
         return out
 
 
@@ -98,27 +84,27 @@ def test_hybrid_decode_through_the_graph_runner(qwen3_5, torch_tokens):
     graph's inputs (the one-token prompt's first step is a decode that starts from zeros), the padding row reads
     and writes the scratch row; greedy tokens are the eager path's."""
     llm = LLM(str(qwen3_5), attention_backend="triton", enforce_eager=True, max_num_seqs=4, **KW)
-    runner = llm.engine.core.runner
+    runner = model_runner(llm)
     scratch = runner.parts.states.scratch_row
     _garbage(runner)
-    runner.parts.graphs = EagerGraphs(runner.parts)
+    runner.parts.graphs = SlotGraphs(runner.parts)
     assert runner.parts.graphs.sizes == [1, 2, 4] and set(runner.parts.graphs.graphs) == {1, 2, 4}
-    EagerGraphs.replays, EagerGraphs.seen = 0, []
+    SlotGraphs.replays, SlotGraphs.seen = 0, []
     assert _greedy(llm) == torch_tokens
-    assert EagerGraphs.replays >= 2
+    assert SlotGraphs.replays >= 2
     slots_of_running = set(range(llm.engine.stats().num_state_slots))
-    for slots, keep, n in EagerGraphs.seen:
+    for slots, keep, n in SlotGraphs.seen:
         assert set(slots[:n]) <= slots_of_running and len(set(slots[:n])) == n
         assert all(s == scratch for s in slots[n:]) and not any(keep[n:])
-    assert any(n == 3 and all(keep[:3]) for _, keep, n in EagerGraphs.seen)
+    assert any(n == 3 and all(keep[:3]) for _, keep, n in SlotGraphs.seen)
     # a one-token prompt alone: its first step is a decode through a graph, from zeros, not from what its slot
     # held (the previous sequences' states)
-    EagerGraphs.seen = []
+    SlotGraphs.seen = []
     _garbage(runner)
     out = llm.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                        use_tqdm=False)[0]
     assert out.outputs[0].token_ids == torch_tokens[0]
-    assert EagerGraphs.seen[0][1:] == ([False], 1) and len(EagerGraphs.seen) == 4
+    assert SlotGraphs.seen[0][1:] == ([False], 1) and len(SlotGraphs.seen) == 4
     llm.engine.check_integrity()
 
 
@@ -231,18 +217,22 @@ def test_fla_layer_matches_the_torch_layer(fla, qwen3_5):
     assert torch.equal(ssm[4], before[4]) and not torch.allclose(ssm[[0, 1, 2, 3]], before[[0, 1, 2, 3]])
 
 
-def test_hybrid_engine_on_fla_and_triton_attention(fla, qwen3_5, torch_tokens):
+def test_hybrid_engine_on_fla_and_triton_attention(fla, qwen3_5, torch_tokens, monkeypatch):
     """The whole engine with fla's kernels for the Gated DeltaNet layers (decodes batched through the recurrent
     kernel with a first-token decode among them, prefill chunks through one varlen chunk call, a chunk resuming
     its slot's state) and the Triton attention backend: the torch path's greedy tokens. (This random model's
     decay is fast: its tokens barely depend on a resumed chunk's SSM state, which the layer test above checks.)"""
+    from fla.ops import gated_delta_rule as fla_ops
+
     llm = LLM(str(qwen3_5), attention_backend="triton", **KW)
-    kernels = gated_delta_fla.FlaGatedDelta()
-    assert gated_delta_fla.use(llm.apply_model(lambda m: m), kernels) == 3
     calls = []
-    chunk, recurrent = kernels._chunk, kernels._recurrent
-    kernels._chunk = lambda *a, **kw: calls.append(("chunk", kw["cu_seqlens_cpu"].tolist())) or chunk(*a, **kw)
-    kernels._recurrent = lambda *a, **kw: calls.append(("recurrent", a[0].shape[0])) or recurrent(*a, **kw)
+    chunk, recurrent = fla_ops.chunk_gated_delta_rule, fla_ops.fused_recurrent_gated_delta_rule
+    monkeypatch.setattr(fla_ops, "chunk_gated_delta_rule", lambda *a, **kw: calls.append(
+        ("chunk", kw["cu_seqlens_cpu"].tolist())) or chunk(*a, **kw))
+    monkeypatch.setattr(fla_ops, "fused_recurrent_gated_delta_rule", lambda *a, **kw: calls.append(
+        ("recurrent", a[0].shape[0])) or recurrent(*a, **kw))
+    kernels = gated_delta_fla.FlaGatedDelta()  # (fla's two entry points, counted)
+    assert gated_delta_fla.use(llm.apply_model(lambda m: m), kernels) == 3
     assert _greedy(llm) == torch_tokens
     assert any(c[0] == "chunk" and len(c[1]) >= 3 for c in calls)  # two prompts' chunks in one call
     assert any(c[0] == "recurrent" and c[1] >= 2 for c in calls)

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from support.engine_state import prefill_outputs
 from support.parity import prompt_logprobs
 from mili import LLM, InvalidRequest, SamplingParams
 from mili.kernels import cpu
@@ -66,15 +67,7 @@ def test_int8_head_keeps_the_greedy_tokens_within_its_bound(qwen3_checkpoint, sh
 
 def _hidden_l1(llm, prompt: list[int]) -> torch.Tensor:
     """The L1 norm of the final hidden state at every prompt position (what the head multiplies)."""
-    runner, core = llm.engine.core.runner, llm.engine.core
-    request = llm.engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1))
-    sched = core.scheduler.schedule()
-    batch, _ = runner.parts.batches.prepare(sched.scheduled)
-    batch.logits_indices = torch.arange(len(prompt))
-    with torch.inference_mode():
-        hidden = runner.parts.model(batch, runner.parts.kv_caches).float()
-    core.scheduler.after_step(sched.scheduled)
-    llm.engine.abort_request(request.request_id)
+    hidden = prefill_outputs(llm, prompt, head=False).float()
     return hidden.abs().sum(-1)
 
 

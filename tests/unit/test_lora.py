@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mili import InvalidRequest, LLM, LoRARequest, SamplingParams
-from support.engine_state import assert_drained
+from support.engine_state import assert_drained, runner_parts
 from support.lora import assert_kernel_products_match, build_adapter, cached_runs, check_outputs
 from support.parity import hf_greedy
 
@@ -88,7 +88,7 @@ def test_more_adapters_than_slots_wait_and_are_evicted(dense):
                         lora_request=[requests[n] for n in names])
     for out, name in zip(outs, names):
         check_outputs([out], hf_greedy(refs[name], PROMPTS[:1], 12))
-    assert len(llm.engine.core.runner.parts.loras.loaded) == 2
+    assert len(runner_parts(llm).loras.loaded) == 2
     assert_drained(llm)
 
 
@@ -152,7 +152,7 @@ def test_a_quantized_base_takes_adapters(dense, quantization):
 
     base, _, requests = dense
     llm = LLM(str(base), dtype="bfloat16", enable_lora=True, quantization=quantization)
-    loras = llm.engine.core.runner.parts.loras
+    loras = runner_parts(llm).loras
     loras.acquire(requests["a"])
     layer = llm.apply_model(lambda m: m.model.layers[1].self_attn.qkv_proj)
     loras.prepare([1, 1, None], torch.device("cpu"))  # rows 0 and 1 under adapter a, row 2 the base's

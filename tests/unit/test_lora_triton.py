@@ -17,6 +17,7 @@ from mili.kernels.triton.lora import lora_add, segments  # noqa: E402
 from mili.lora import LoRALinear, LoRAStep  # noqa: E402
 from mili.runtime.plan import AttentionBackend  # noqa: E402
 from support.devices import TRITON_DEVICE as DEVICE  # noqa: E402
+from support.engine_state import runner_parts
 from support.lora import build_adapter, check_outputs  # noqa: E402
 from support.parity import hf_greedy  # noqa: E402
 
@@ -121,17 +122,25 @@ def test_lora_linear_on_the_kernel_equals_it_on_torch(t):
         torch.testing.assert_close(layers[True](x), layers[False](x), atol=1e-5, rtol=1e-5)
 
 
-def test_a_whole_layer_adapter_is_stored_block_diagonal():
+def test_a_whole_layer_adapter_is_stored_block_diagonal(tmp_path):
     """An adapter on a whole fused layer (Qwen3-Next's in_proj_qkvz / ba as one tensor each): its A in every shard's
     rows and each shard's rows of its B in that shard's columns, so the kernels, which read only a shard's own
     columns (the Triton expand; kernels.c's B per shard), give every row of the layer B (A x)."""
     from mili.kernels import cpu
-    from mili.lora import _stack
+    import json
+
+    from safetensors.torch import save_file
+
+    from mili.lora import Adapter, LoRARequest
 
     shard_sizes, in_features, max_rank, r, alpha = [64, 32], 64, 8, 4, 8
     g = torch.Generator().manual_seed(0)
     la, lb = torch.randn(r, in_features, generator=g), torch.randn(sum(shard_sizes), r, generator=g) / 4
-    a, b = _stack({None: {"A": la, "B": lb}}, in_features, shard_sizes, alpha, False, max_rank, ValueError)
+    key, name = "base_model.model.model.layers.0.linear_attn.in_proj_qkvz", "model.layers.0.linear_attn.in_proj_qkvz"
+    save_file({f"{key}.lora_A.weight": la, f"{key}.lora_B.weight": lb}, str(tmp_path / "adapter_model.safetensors"))
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": r, "lora_alpha": alpha}))
+    adapter = Adapter.load(LoRARequest("whole", 1, str(tmp_path)), {name: (in_features, shard_sizes)}, max_rank)
+    a, b = adapter.weights[name]
     assert not b[:64, 8:].any() and not b[64:, :8].any()  # block-diagonal
     x = torch.randn(5, in_features, generator=g)
     expected = x.double() @ la.double().T @ lb.double().T * (alpha / r)
@@ -171,7 +180,7 @@ def test_the_engine_on_the_triton_path_with_adapters_matches_peft(tmp_path, qwen
     llm = LLM(str(base), dtype="float32", attention_backend="triton", enable_lora=True, max_loras=2,
               max_lora_rank=8)
     assert llm.engine.plan.attention is AttentionBackend.TRITON
-    loras = llm.engine.core.runner.parts.loras
+    loras = runner_parts(llm).loras
     assert loras.step.triton and all(layer.triton for layer in loras.layers.values())
     names = ["a", None, "b"]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
@@ -195,7 +204,7 @@ def test_the_hybrids_on_the_triton_path_with_an_adapter_match_peft(tmp_path, hyb
     base = hybrid_checkpoint(kind)
     reference = build_adapter(base, tmp_path / "a", 1, targets=TARGETS[kind], std=0.1)
     llm = LLM(str(base), dtype="float32", enable_lora=True, attention_backend="triton")
-    assert llm.engine.core.runner.parts.loras.step.triton
+    assert runner_parts(llm).loras.step.triton
     params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=0)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], params, use_tqdm=False,
                         lora_request=[LoRARequest("a", 1, str(tmp_path / "a")), None])

@@ -12,10 +12,12 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from support.engine_state import engine_core, model_runner, runner_parts
 from support.hybrid import build_hybrid_checkpoint, build_scripted_hybrid_checkpoint
 from mili import LLM, SamplingParams
 from mili.model.batch import ForwardBatch
-from test_speculative import _clean, _outputs, _params, _repetitive_prompts, _same
+from test_speculative import (assert_same_outputs, drained_clean, repetitive_prompts, spec_outputs,
+                             spec_params)
 
 MTP = {"method": "mtp", "num_speculative_tokens": 3, "disable_by_batch_size": 64}
 
@@ -69,14 +71,14 @@ def test_head_matches_a_reimplementation_over_its_kv(hub):
     """Pairs 0 .. 5 of one sequence: the first four as a prefill chunk, then one at a time as drafting does
     (each attends to the K/V the earlier calls wrote in the head's pages): the reimplementation's outputs."""
     llm = LLM(str(hub), dtype="float32", speculative_config=MTP)
-    runner = llm.engine.core.runner
+    runner = model_runner(llm)
     model, kv = runner.parts.model, runner.parts.kv_caches[-1]
     assert len(runner.parts.kv_caches) == 2  # the model's one full-attention layer, and the head's
     g = torch.Generator().manual_seed(3)
     tokens = torch.randint(0, 512, (6,), generator=g)
     prev = torch.randn(6, 64, generator=g)
     prev[0] = 0  # (a sequence's first pair: no hidden state before it)
-    (page,) = llm.engine.core.pages.allocate(1)
+    (page,) = engine_core(llm).pages.allocate(1)
     chunk = ForwardBatch(input_ids=tokens[:4], positions=torch.arange(4), slot_mapping=page * 16 + torch.arange(4),
                          page_table=torch.tensor([[page]]), query_lens=[4], context_lens=[4], num_decodes=0,
                          logits_indices=torch.arange(4))
@@ -85,7 +87,7 @@ def test_head_matches_a_reimplementation_over_its_kv(hub):
         for p in (4, 5):
             one = runner.parts.batches.one_token_batch([[page]], [p], tokens[p:p + 1])
             got.append(model.mtp_forward(tokens[p:p + 1], prev[p:p + 1], one, kv))
-    llm.engine.core.pages.decref([page])
+    engine_core(llm).pages.decref([page])
     want = _reference_head(hub, tokens, prev)
     torch.testing.assert_close(torch.cat(got), want, atol=1e-4, rtol=1e-4)
     # the drafts: the shared lm_head's argmax
@@ -102,22 +104,22 @@ def test_greedy_output_is_unchanged(kind, hub, tmp_path):
     Qwen3-Next: an MoE head (routed experts and a shared expert) from a config that names no MTP layer."""
     path = str(hub if kind == "qwen3_5_hub" else build_hybrid_checkpoint(tmp_path / kind, kind, mtp=True))
     base = dict(dtype="float32", max_num_batched_tokens=48)
-    prompts = _repetitive_prompts(512, n=8 if kind == "qwen3_5_hub" else 4)
-    params = [_params()[i % 3] for i in range(len(prompts))]
+    prompts = repetitive_prompts(512, n=8 if kind == "qwen3_5_hub" else 4)
+    params = [spec_params()[i % 3] for i in range(len(prompts))]
     params[-1] = SamplingParams(temperature=0, max_tokens=12, n=2, ignore_eos=True)
-    want = _outputs(LLM(path, **base), prompts, params)
+    want = spec_outputs(LLM(path, **base), prompts, params)
     spec = LLM(path, **base, speculative_config=MTP)
     for _ in range(2 if kind == "qwen3_5_hub" else 1):  # the second time through, prefix-cache hits
-        _same(want, _outputs(spec, prompts, params))
-        _clean(spec)
+        assert_same_outputs(want, spec_outputs(spec, prompts, params))
+        drained_clean(spec)
     assert spec.engine.spec_decode_stats()["num_drafts"] > 20
     if kind != "qwen3_5_hub":
         return
     assert spec.engine.stats().num_pages_cached > 0
     tight = LLM(path, **base, num_kv_pages=10, num_state_slots=4, speculative_config=MTP)
-    _same(want, _outputs(tight, prompts, params))
+    assert_same_outputs(want, spec_outputs(tight, prompts, params))
     assert tight.engine.stats().num_preemptions > 0
-    _clean(tight)
+    drained_clean(tight)
 
 
 # -- a scripted head: drafts right ------------------------------------------------------------------------------
@@ -131,15 +133,15 @@ def test_scripted_head_drafts_right(tmp_path):
     path = str(build_scripted_hybrid_checkpoint(tmp_path / "scripted", CYCLE, mtp=True))
     prompts = [{"prompt_token_ids": [1000, 2000, 3000, 4000, 1000]}, {"prompt_token_ids": [3000] * 20}]
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-    want = _outputs(LLM(path, dtype="float32"), prompts, params)
+    want = spec_outputs(LLM(path, dtype="float32"), prompts, params)
     spec = LLM(path, dtype="float32", speculative_config=MTP)
-    _same(want, _outputs(spec, prompts, params))
+    assert_same_outputs(want, spec_outputs(spec, prompts, params))
     stats = spec.engine.spec_decode_stats()
     assert stats["num_accepted_tokens"] >= 0.8 * stats["num_draft_tokens"] > 0, stats
     assert stats["num_drafts"] <= 2 * (64 / 4 + 2)  # about 4 tokens a step
-    _clean(spec)
+    drained_clean(spec)
 
-    drafter, calls = spec.engine.core.runner.parts.mtp, iter(range(10**9))
+    drafter, calls = runner_parts(spec).mtp, iter(range(10**9))
     draft = drafter.draft
 
     def spoilt(scheduled):
@@ -149,11 +151,11 @@ def test_scripted_head_drafts_right(tmp_path):
                 s.draft[1] = 7
     drafter.draft = spoilt
     before = spec.engine.spec_decode_stats()
-    _same(want, _outputs(spec, prompts, params))
+    assert_same_outputs(want, spec_outputs(spec, prompts, params))
     stats = spec.engine.spec_decode_stats()
     accepted, drafted = (stats[k] - before[k] for k in ("num_accepted_tokens", "num_draft_tokens"))
     assert 0.4 * drafted < accepted < drafted, stats
-    _clean(spec)
+    drained_clean(spec)
 
 
 def test_sampled_drafts_repeat_with_a_seed_and_stop_strings_cut_alike(tmp_path):
@@ -163,15 +165,15 @@ def test_sampled_drafts_repeat_with_a_seed_and_stop_strings_cut_alike(tmp_path):
     prompts = [{"prompt_token_ids": [1000, 2000, 3000]}, {"prompt_token_ids": [4000] * 9}]
     spec = LLM(path, dtype="float32", speculative_config=MTP)
     seeded = SamplingParams(temperature=0.7, n=2, seed=5, max_tokens=24, ignore_eos=True, logprobs=2)
-    first, second = (_outputs(spec, prompts, seeded) for _ in range(2))
+    first, second = (spec_outputs(spec, prompts, seeded) for _ in range(2))
     assert first == second
     assert spec.engine.spec_decode_stats()["num_accepted_tokens"] > 0
     plain = LLM(path, dtype="float32")
     text = plain.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
                           use_tqdm=False)[0].outputs[0].text
     stop = SamplingParams(temperature=0, max_tokens=20, stop=[text[len(text) // 2:len(text) // 2 + 3]])
-    _same(_outputs(plain, prompts, stop), _outputs(spec, prompts, stop))
-    _clean(spec)
+    assert_same_outputs(spec_outputs(plain, prompts, stop), spec_outputs(spec, prompts, stop))
+    drained_clean(spec)
 
 
 def test_drafts_on_the_triton_backend(tmp_path):
@@ -181,10 +183,10 @@ def test_drafts_on_the_triton_backend(tmp_path):
     path = str(build_scripted_hybrid_checkpoint(tmp_path / "scripted", CYCLE, mtp=True))
     prompts = [{"prompt_token_ids": [1000, 2000]}, {"prompt_token_ids": [3000] * 5}]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    want = _outputs(LLM(path, dtype="float32"), prompts, params)
+    want = spec_outputs(LLM(path, dtype="float32"), prompts, params)
     spec = LLM(path, dtype="float32", attention_backend="triton",
                speculative_config={"method": "mtp", "num_speculative_tokens": 2})
-    _same(want, _outputs(spec, prompts, params))
+    assert_same_outputs(want, spec_outputs(spec, prompts, params))
     stats = spec.engine.spec_decode_stats()
     assert stats["num_accepted_tokens"] >= 0.8 * stats["num_draft_tokens"] > 0, stats
-    _clean(spec)
+    drained_clean(spec)

@@ -4,7 +4,6 @@ of them to the fields, and the flags and config-file sections users already type
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import inspect
 import json
@@ -18,6 +17,7 @@ from mili.cli import build_parser, engine_kwargs
 from mili.config import EngineConfig
 from mili.config_file import SECTIONS, ConfigFileError, read_config_file
 from mili.errors import InvalidRequest
+from mili.llm import LLM
 from mili.server_options import ServerConfig
 
 OPTIONS_PAGE = Path(__file__).parents[2] / "docs" / "reference" / "options.md"
@@ -41,14 +41,19 @@ SERVER_FLAGS = {"--host": "127.0.0.1", "--port": 8000, "--served-model-name": No
                 "--reasoning-effort-budgets": "low=1024,medium=4096,high=16384", "--log-level": "info", "--config": None}
 
 
+def _arguments(parser) -> list:
+    """Every argument a parser takes (its actions, --help's among them)."""
+    return parser._actions  # reach-in: argparse lists a parser's arguments nowhere public
+
+
 def _subparser(name: str):
     parser = build_parser()
-    return parser, next(a for a in parser._actions if hasattr(a, "choices") and isinstance(a.choices, dict)
+    return parser, next(a for a in _arguments(parser) if hasattr(a, "choices") and isinstance(a.choices, dict)
                         ).choices[name]
 
 
 def _engine_actions(sub) -> dict:
-    return {a.dest: a for a in sub._actions if a.dest in OPTIONS}
+    return {a.dest: a for a in _arguments(sub) if a.dest in OPTIONS}
 
 
 def test_every_field_is_an_option_and_the_flags_are_the_ones_users_type():
@@ -121,8 +126,8 @@ def test_every_serve_flag_is_an_option_field():
     serve = _subparser("serve")[1]
     fields = {**OPTIONS, **SERVER_OPTIONS}
     assert not set(OPTIONS) & set(SERVER_OPTIONS)
-    for action in serve._actions:
-        if isinstance(action, argparse._HelpAction):
+    for action in _arguments(serve):
+        if action.dest == "help":
             continue
         assert action.dest in fields, f"mili serve {action.option_strings or action.dest} is no option's field"
         field, opt = fields[action.dest]
@@ -138,12 +143,10 @@ def test_every_config_file_key_is_an_option():
     """The config file's keys: its sections' (each an EngineConfig field's ``section``), sampling's, and at the top
     level each option's flag by its name; --config itself is none (``in_file``)."""
     from mili.config_file import OPTIONS as FILE_OPTIONS
-    from mili.config_file import _flags
-
     serve = _subparser("serve")[1]
     assert set(FILE_OPTIONS) == set(OPTIONS) | set(SERVER_OPTIONS)
-    for key, action in _flags(serve).items():
-        assert action.dest in FILE_OPTIONS, key
+    for action in _arguments(serve):  # (a key of the file: a flag's long name with underscores, or the model)
+        assert action.dest in FILE_OPTIONS or action.dest == "help", action.option_strings or action.dest
     for section in SECTIONS.values():
         assert set(section.values()) <= set(OPTIONS)
 
@@ -205,7 +208,7 @@ def test_bench_takes_the_engine_options_flags():
         expected = ENGINE_DEFAULTS.get(name, opt.cli_default if name == "model" else field.default)
         assert action.default == expected, name
     engine_flags = {o for a in _engine_actions(_subparser("serve")[1]).values() for o in a.option_strings}
-    own = [a for a in bench._actions if a.dest not in engine]
+    own = [a for a in _arguments(bench) if a.dest not in engine]
     assert not {o for a in own for o in a.option_strings} & engine_flags
     assert not {a.dest for a in own} & set(OPTIONS)
 
@@ -297,3 +300,13 @@ def test_llm_signature_defaults_are_the_fields():
     for name, parameter in inspect.signature(LLM.__init__).parameters.items():
         if name in OPTIONS and parameter.default is not inspect.Parameter.empty:
             assert parameter.default == OPTIONS[name][0].default, name
+
+
+def test_the_engine_config_is_frozen_once_validated():
+    """The start-up decides in the plan, never by writing back into the options: a validated config can't be
+    changed, and loading a model leaves the asked task as asked (the resolved one is the engine's own)."""
+    config = EngineConfig(model="demo")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.task = "embed"
+    llm = LLM(model="demo", task="auto")
+    assert llm.engine.config.task == "auto" and llm.engine.inputs.task.name == "generate"

@@ -11,11 +11,12 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
+from support.engine_state import engine_core
 from mili import LLM, InvalidRequest, SamplingParams
 from mili import options
 from mili.config import EngineConfig
 from mili.runtime import plan as plan_module
-from mili.runtime.plan import (BATCH_LIMITS, GIB, MAX_GRAPH_BATCH, DeviceInfo, StepKind, batch_limits,
+from mili.runtime.plan import (BATCH_LIMITS, GIB, MAX_GRAPH_BATCH, StepKind, batch_limits,
                                graph_batch_sizes, plan)
 from test_plan import H100, ZEN3, engine, qwen3
 
@@ -134,7 +135,7 @@ def small_cpu_row(monkeypatch):
 
 def test_the_chosen_values_reach_the_scheduler_and_the_api_side(tiny_checkpoint, small_cpu_row):
     llm = LLM(str(tiny_checkpoint), dtype="float32")
-    core = llm.engine.core
+    core = engine_core(llm)
     assert (core.scheduler.max_num_seqs, core.scheduler.max_num_batched_tokens) == (5, 40)
     assert (core.config.max_num_seqs, core.config.max_num_batched_tokens) == (5, 40)
     assert (llm.engine.config.max_num_seqs, llm.engine.config.max_num_batched_tokens) == (5, 40)  # (the API side's)
@@ -147,14 +148,16 @@ def test_the_chosen_values_reach_the_scheduler_and_the_api_side(tiny_checkpoint,
     assert [len(o.outputs[0].token_ids) for o in outs] == [3] * 8
     llm.engine.check_integrity()
     asked = LLM(str(tiny_checkpoint), dtype="float32", max_num_seqs=3).engine
-    assert (asked.core.scheduler.max_num_seqs, asked.core.scheduler.max_num_batched_tokens) == (3, 40)
-    assert asked.config.max_num_seqs == 3 and asked.core.ready().sized_by == {"max_num_seqs": "user",
+    scheduler = engine_core(asked).scheduler
+    assert (scheduler.max_num_seqs, scheduler.max_num_batched_tokens) == (3, 40)
+    assert asked.config.max_num_seqs == 3 and asked.info.sized_by == {"max_num_seqs": "user",
                                                                               "max_num_batched_tokens": "device"}
 
 
 def test_unchanged_on_the_cpu(tiny_checkpoint):
     engine_ = LLM(str(tiny_checkpoint), dtype="float32").engine
-    assert (engine_.core.scheduler.max_num_seqs, engine_.core.scheduler.max_num_batched_tokens) == (256, 2048)
+    scheduler = engine_core(engine_).scheduler
+    assert (scheduler.max_num_seqs, scheduler.max_num_batched_tokens) == (256, 2048)
 
 
 def test_health_shows_the_chosen_values_and_their_source(tiny_checkpoint, small_cpu_row):
@@ -175,6 +178,7 @@ def test_health_shows_the_chosen_values_and_their_source(tiny_checkpoint, small_
             r = c.post("/v1/completions", json={"prompt": [3, 4], "max_tokens": 2, "n": 6})
             assert r.status_code == 400 and "exceeds max_num_seqs (5)" in r.json()["error"]["message"]
             assert c.post("/v1/completions", json={"prompt": [3, 4], "max_tokens": 2, "n": 5}).status_code == 200
-        assert (engine_.core.scheduler.max_num_seqs, engine_.core.scheduler.max_num_batched_tokens) == (5, 64)
+        scheduler = engine_core(engine_).scheduler
+        assert (scheduler.max_num_seqs, scheduler.max_num_batched_tokens) == (5, 64)
     finally:
         engine_.shutdown()

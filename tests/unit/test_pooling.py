@@ -14,7 +14,7 @@ import torch
 
 from mili import LLM, SamplingParams
 from mili.errors import InvalidRequest, ModelLoadError
-from mili.engine.pooling import MAX_POOLING_INPUTS
+from mili.engine.pooling import MAX_POOLING_INPUTS, PoolingInputs
 from support.engine_state import assert_drained
 from support.pooling import QUERY_PROMPT, hf_rerank_scores, st_embeddings
 
@@ -118,7 +118,7 @@ def test_embeddings_batched_with_generating_requests_and_preempted(embed_model):
             engine.add_request(p, params, request_id=f"gen{i}")
         engine.step()  # the chats prefill, then decode while the embeddings come
         pooling = SamplingParams(max_tokens=0, pooling=engine.inputs.task.pooling)
-        ids = embedder._pooling_inputs().embed(TEXTS)
+        ids = PoolingInputs(engine.tokenizer, engine.inputs.task, engine.max_model_len).embed(TEXTS)
         for i, p in enumerate(ids):
             engine.add_request(p, pooling, request_id=f"emb{i}")
         finals = {}

@@ -8,7 +8,7 @@ import torch
 from mili import LLM, SamplingParams
 from mili.engine.request import Sequence
 
-from support.engine_state import assert_drained
+from support.engine_state import assert_drained, engine_core
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.9, top_k=50, max_tokens=12, ignore_eos=True, seed=7)
@@ -96,7 +96,7 @@ def test_memory_pressure_with_eviction_and_preemption(tiny_checkpoint, pair, pol
 
 def test_lpm_admits_the_longest_cached_prefix_first_but_not_forever(tiny_checkpoint):
     llm = LLM(str(tiny_checkpoint), dtype="float32", max_num_seqs=1, schedule_policy="lpm")
-    engine, sched = llm.engine, llm.engine.core.scheduler
+    engine, sched = llm.engine, engine_core(llm).scheduler
     sched.starvation_steps = 3
     cached = _ids(64, 5)
     _run(llm, [cached + [1]], SamplingParams(temperature=0, max_tokens=1))

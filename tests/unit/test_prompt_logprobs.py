@@ -14,7 +14,7 @@ from mili.kernels import cpu as cpu_kernels
 from mili.runtime import prompt_logprobs as plp
 from mili.runtime.plan import StepKind
 
-from support.engine_state import assert_drained
+from support.engine_state import assert_drained, model_runner
 
 TOL = 1e-4
 TIE = 1e-4  # top-N ids may differ from HF's only between alternatives closer than this
@@ -130,6 +130,7 @@ def test_preempted_request_scores_each_position_once(qwen3_checkpoint, monkeypat
     less than it had scored; the positions scored before are computed again but not sent twice."""
     path = str(qwen3_checkpoint("gqa_untied"))
     starts = []  # (computed from the cache, scored) each time the scoring request (re)starts
+    # reach-in: where a (re)started sequence resumes: the preemption this test needs is seen nowhere else
     start = Scheduler._start_from_cache
 
     def spy(self, seq):
@@ -166,7 +167,7 @@ def test_one_token_chunks_on_the_fused_cpu_decode_path(qwen3_checkpoint):
     module path's (enforce_eager), bit for bit."""
     path = str(qwen3_checkpoint("gqa_untied"))
     fused = LLM(path, dtype="bfloat16", max_num_batched_tokens=2)
-    runner = fused.engine.core.runner
+    runner = model_runner(fused)
     assert runner.parts.cpu_decode is not None
     ran = []  # per fused step: how many prompt rows it scored
     run = runner.parts.cpu_decode.run

@@ -13,11 +13,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from support.checkpoints import build_checkpoint
+from support.engine_state import forward_logits
 from support.parity import greedy_matches
 from support.quantized import autoawq_pack, awq_layout, write_quantized_checkpoint
 from mili import LLM, SamplingParams
 from mili.kernels import cpu
 from mili.model.quant import quantize_fp8_blocks
+from mili.runtime.plan import StepKind
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SHAPE = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=4, head_dim=32, intermediate_size=256,
@@ -167,8 +169,8 @@ def test_awq_without_zero_points_or_scales_is_refused(dense, tmp_path):
 AWQ_CONFIG = {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm", "zero_point": True}
 
 
-def _runner(llm):
-    return llm.engine.core.runner
+def _model(llm):
+    return llm.apply_model(lambda model: model)
 
 
 @pytest.mark.skipif(not cpu.int8_available(), reason=f"MILI's int kernels do not run here ({cpu.isa()}; the next "
@@ -179,14 +181,14 @@ def test_awq_in_bf16_runs_on_the_int4_kernel(dense, tmp_path):
     tensors, _ = awq_layout(load_file(dense / "model.safetensors"), 128)
     path = write_quantized_checkpoint(dense, tmp_path / "awq", tensors, AWQ_CONFIG)
     fused = LLM(str(path), dtype="bfloat16")
-    runner = _runner(fused)
-    layer = runner.parts.model.model.layers[0]
+    model, plan = _model(fused), fused.engine.plan
+    layer = model.model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj, Int4Linear) and isinstance(layer.mlp.down_proj, Int4Linear)
     # not quantized in the checkpoint: int8 on the int8 kernel (lm_head_dtype auto), or bf16 when asked
-    assert isinstance(runner.parts.model.lm_head, Int8Linear)
-    assert runner.parts.plan.weight_format.endswith("lm_head int8 (W8A8 kernel)")
-    assert isinstance(_runner(LLM(str(path), dtype="bfloat16", lm_head_dtype="bf16")).parts.model.lm_head, KernelLinear)
-    assert runner.parts.cpu_decode is not None and "int4" in runner.parts.plan.weight_format
+    assert isinstance(model.lm_head, Int8Linear)
+    assert plan.weight_format.endswith("lm_head int8 (W8A8 kernel)")
+    assert isinstance(_model(LLM(str(path), dtype="bfloat16", lm_head_dtype="bf16")).lm_head, KernelLinear)
+    assert plan.step is StepKind.CPU_DECODE and "int4" in plan.weight_format
     # the fused decode layer runs the int4 kernel: the same tokens as the module path
     eager = LLM(str(path), dtype="bfloat16", enforce_eager=True)
     a = fused.generate(PROMPTS, PARAMS, use_tqdm=False)
@@ -206,16 +208,9 @@ def test_awq_in_bf16_without_the_int_kernels_is_dequantized(dense, tmp_path, mon
     tensors, _ = awq_layout(load_file(dense / "model.safetensors"), 128)
     path = write_quantized_checkpoint(dense, tmp_path / "awq", tensors, AWQ_CONFIG)
     if "avx512" in cpu.runnable_isas():  # AVX-512 without VNNI: its own build, the int kernels refused
-        lacking = cpu.cpu_features() - {"avx512_vnni"}
-        monkeypatch.setattr(cpu, "cpu_features", lambda: lacking)
-        monkeypatch.setattr(cpu, "_active", ["avx512"])
-        cpu._load.cache_clear()
-        cpu._loaded.clear()
-        assert cpu.available() and not cpu.int8_available() and "-mavx512vnni" not in cpu.compile_flags("avx512")
+        lacking = cpu.simulated(features=cpu.cpu_features() - {"avx512_vnni"}, isa="avx512")
     else:  # no kernels at all
-        monkeypatch.setattr(cpu, "_active", ["none"])
-        cpu._loaded.clear()
-        assert not cpu.available()
+        lacking = cpu.use_isa("none")
     from mili.kernels.cpu import ops
 
     def refused(*args, **kwargs):
@@ -223,22 +218,23 @@ def test_awq_in_bf16_without_the_int_kernels_is_dequantized(dense, tmp_path, mon
 
     monkeypatch.setattr(ops, "linear_int8", refused)
     monkeypatch.setattr(ops, "linear_int4", refused)
-    try:
+    with lacking:
+        if "avx512" in cpu.runnable_isas():
+            assert cpu.available() and not cpu.int8_available() and "-mavx512vnni" not in cpu.compile_flags("avx512")
+        else:
+            assert not cpu.available()
         awq = LLM(str(path), dtype="bfloat16")
-        runner = _runner(awq)
-        layer = runner.parts.model.model.layers[0]
+        model = _model(awq)
+        layer = model.model.layers[0]
         awq.generate(PROMPTS, PARAMS, use_tqdm=False)
-        assert not any(isinstance(m, Int4Linear) for m in runner.parts.model.modules())
-        assert "dequantized" in runner.parts.plan.weight_format
+        assert not any(isinstance(m, Int4Linear) for m in model.modules())
+        assert "dequantized" in awq.engine.plan.weight_format
         int8_llm = LLM(str(dense), dtype="bfloat16", quantization="int8")
-        int8 = _runner(int8_llm)
-        assert isinstance(int8.parts.model.model.layers[0].mlp.down_proj, Int8Linear)
+        int8 = _model(int8_llm)
+        assert isinstance(int8.model.layers[0].mlp.down_proj, Int8Linear)
         int8_llm.generate(PROMPTS, PARAMS, use_tqdm=False)  # runs: aten's weight-only int8, no refused kernel
-        assert not int8.parts.model.model.layers[0].mlp.down_proj.kernel
+        assert not int8.model.layers[0].mlp.down_proj.kernel
         assert isinstance(layer.mlp.down_proj, KernelLinear) == cpu.available()  # bf16: the kernel where it runs
-    finally:
-        cpu._load.cache_clear()
-        cpu._loaded.clear()
 
 
 def test_fp8_checkpoint_in_bf16_maps_onto_int8(dense, tmp_path):
@@ -248,9 +244,9 @@ def test_fp8_checkpoint_in_bf16_maps_onto_int8(dense, tmp_path):
     path = write_quantized_checkpoint(dense, tmp_path / "fp8", tensors,
                                       {"quant_method": "fp8", "weight_block_size": [128, 128]})
     llm = LLM(str(path), dtype="bfloat16")
-    runner = _runner(llm)
-    assert isinstance(runner.parts.model.model.layers[1].mlp.gate_up_proj, Int8Linear)
-    assert "int8 per channel" in runner.parts.plan.weight_format and "fp8" in runner.parts.plan.weight_format
+    plan = llm.engine.plan
+    assert isinstance(_model(llm).model.layers[1].mlp.gate_up_proj, Int8Linear)
+    assert "int8 per channel" in plan.weight_format and "fp8" in plan.weight_format
     assert llm.generate(PROMPTS[:1], PARAMS, use_tqdm=False)[0].outputs[0].token_ids
 
 
@@ -283,14 +279,10 @@ def test_fp8_linear_is_scaled_mm_of_per_channel_weights_and_per_token_activation
 
 def _next_token_logprobs(llm, prompts: list[list[int]]) -> torch.Tensor:
     """The full next-token log-distribution after each prompt, through the engine's own forward."""
-    core = llm.engine.core
     rows = []
     for prompt in prompts:
         request = llm.engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1))
-        sched = core.scheduler.schedule()
-        logits, *_ = core.runner.forward_logits(sched.scheduled)
-        rows.append(logits[0].float().log_softmax(-1))
-        core.scheduler.after_step(sched.scheduled)
+        rows.append(forward_logits(llm)[0].float().log_softmax(-1))
         llm.engine.abort_request(request.request_id)
     return torch.stack(rows)
 
@@ -337,7 +329,7 @@ def _fp8_kl_and_budget(path: str, prompts: list[list[int]]) -> tuple[float, floa
     noisy = LLM(path, **common)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        for name, p in _runner(noisy).parts.model.named_parameters():
+        for name, p in _model(noisy).named_parameters():
             if p.dim() == 2 and "embed" not in name and "lm_head" not in name:
                 p.mul_(1 + torch.randn(p.shape, generator=generator) * (2 ** -4 / 3 ** 0.5))
     budget = _next_token_logprobs(noisy, prompts)

@@ -10,8 +10,7 @@ import torch
 from transformers.generation.logits_process import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
                                                     TopKLogitsWarper, TopPLogitsWarper)
 
-from mili.runtime.sampler import (Sampler, SamplingMetadata, _apply_min_p, _apply_penalties,
-                                  _apply_top_k_top_p)
+from mili.runtime.sampler import Sampler, SamplingMetadata, apply_min_p, apply_top_k_top_p
 from mili.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
@@ -104,7 +103,7 @@ def kept(masked: torch.Tensor) -> set[int]:
 def test_top_k_top_p_hand_made_masks_and_draws(top_k, top_p, expect):
     v = len(HAND)
     k = torch.tensor([v if top_k < 0 else min(top_k, v)])
-    masked = _apply_top_k_top_p(HAND.unsqueeze(0).clone(), k, torch.tensor([top_p]))
+    masked = apply_top_k_top_p(HAND.unsqueeze(0).clone(), k, torch.tensor([top_p]))
     assert kept(masked[0]) == expect
     assert torch.equal(masked[0][list(expect)], HAND[list(expect)])  # kept logits untouched
     got = sample([SamplingParams(top_k=top_k, top_p=top_p)] * 2000, HAND.expand(2000, v).clone()).token_ids
@@ -114,7 +113,7 @@ def test_top_k_top_p_hand_made_masks_and_draws(top_k, top_p, expect):
 @pytest.mark.parametrize("min_p,expect", [(0.0, {0, 1, 2, 3, 4}), (0.3, {1, 3, 4}), (0.5, {1, 3}),
                                           (0.9, {1}), (1.0, {1})])
 def test_min_p_hand_made_masks_and_draws(min_p, expect):
-    masked = _apply_min_p(HAND.unsqueeze(0).clone(), torch.tensor([min_p]))
+    masked = apply_min_p(HAND.unsqueeze(0).clone(), torch.tensor([min_p]))
     assert kept(masked[0]) == expect
     got = sample([SamplingParams(min_p=min_p)] * 2000, HAND.expand(2000, 5).clone()).token_ids
     assert set(got) == expect
@@ -129,10 +128,10 @@ def test_masks_match_hf_warpers_on_random_logits():
     ps = torch.rand(b) * 0.95 + 0.03
     mps = torch.rand(b) * 0.3
     full_k, no_p = torch.full((b,), v), torch.ones(b)
-    ours_k = _apply_top_k_top_p(logits.clone(), ks, None)
-    ours_p = _apply_top_k_top_p(logits.clone(), None, ps)
-    ours_kp = _apply_top_k_top_p(logits.clone(), ks, ps)
-    ours_mp = _apply_min_p(logits.clone(), mps)
+    ours_k = apply_top_k_top_p(logits.clone(), ks, None)
+    ours_p = apply_top_k_top_p(logits.clone(), None, ps)
+    ours_kp = apply_top_k_top_p(logits.clone(), ks, ps)
+    ours_mp = apply_min_p(logits.clone(), mps)
     for i in range(b):
         row = logits[i:i + 1]
         hf_k = TopKLogitsWarper(int(ks[i]))(None, row.clone())
@@ -144,10 +143,10 @@ def test_masks_match_hf_warpers_on_random_logits():
     # Rows whose top_k / top_p are disabled come back bit-identical, also in a mixed batch.
     mixed_k = torch.where(torch.arange(b) % 2 == 0, ks, full_k)
     mixed_p = torch.where(torch.arange(b) % 3 == 0, ps, no_p)
-    out = _apply_top_k_top_p(logits.clone(), mixed_k, mixed_p)
+    out = apply_top_k_top_p(logits.clone(), mixed_k, mixed_p)
     untouched = (torch.arange(b) % 2 != 0) & (torch.arange(b) % 3 != 0)
     assert torch.equal(out[untouched], logits[untouched])
-    assert torch.equal(_apply_top_k_top_p(logits.clone(), full_k, no_p), logits)
+    assert torch.equal(apply_top_k_top_p(logits.clone(), full_k, no_p), logits)
 
 
 # ---------------------------------------------------------------------------------------------- seeds
@@ -199,7 +198,7 @@ def test_repetition_penalty_matches_hf():
     outputs = [[4], [6, 6, 9], [10, 11], [], [50]]
     params = [SamplingParams(temperature=0.0, repetition_penalty=r) for r in penalties]
     meta = meta_for(params, logits, prompts=prompts, outputs=outputs)
-    ours = Sampler._process_logits(logits.clone(), meta)
+    ours = Sampler.process_logits(logits.clone(), meta)
     for i in range(b):
         ids = torch.tensor([prompts[i] + outputs[i]], dtype=torch.long)
         hf = RepetitionPenaltyLogitsProcessor(penalties[i])(ids, logits[i:i + 1].clone())
@@ -215,7 +214,7 @@ def test_presence_frequency_match_reference_loop():
     outputs = [[3, 3, 7], [9, 10, 10, 10], [0, 79, 79], []]
     params = [SamplingParams(presence_penalty=p, frequency_penalty=f) for p, f in cfg]
     meta = meta_for(params, logits, prompts=prompts, outputs=outputs)
-    ours = Sampler._process_logits(logits.clone(), meta)
+    ours = Sampler.process_logits(logits.clone(), meta)
     ref = logits.clone().tolist()
     for i, (pres, freq) in enumerate(cfg):
         for tok in set(outputs[i]):
@@ -233,7 +232,7 @@ def test_penalties_only_touch_their_rows_and_change_greedy_choice():
               SamplingParams(temperature=0.0)]
     hist = [[3, 5, 6], [3, 3], [3, 3, 3]]
     meta = meta_for(params, logits, prompts=[[1]] * 3, outputs=hist)
-    processed = Sampler._process_logits(logits.clone(), meta)
+    processed = Sampler.process_logits(logits.clone(), meta)
     assert torch.equal(processed[0], logits[0]) and torch.equal(processed[2], logits[2])
     assert not torch.equal(processed[1], logits[1])
     # ... but row 1 has repeated it: 10 / 2 - 2 * 0.5 - 0.5 = 3.5 < 8.
@@ -251,7 +250,7 @@ def test_extreme_repetition_penalties_never_draw_outside_the_vocabulary(penalty,
     prompts = [[1, 2, 7, 9], [7], list(range(60)), [3, 7, 40]]
     params = [SamplingParams(temperature=temperature, repetition_penalty=penalty, seed=i) for i in range(4)]
     meta = meta_for(params, logits, prompts=prompts, generators=[gen(i) for i in range(4)])
-    processed = Sampler._process_logits(logits.clone(), meta)
+    processed = Sampler.process_logits(logits.clone(), meta)
     assert not processed.isnan().any() and not (processed == float("inf")).any()
     for _ in range(20):
         tokens = sampler(logits, meta).token_ids
@@ -272,7 +271,7 @@ def test_min_tokens_blocks_eos_and_stop_ids_until_reached():
     outputs = [[1], [1, 1, 1], [1], []]
     meta = meta_for(params, logits, outputs=outputs)
     assert sampler(logits, meta).token_ids == [7, 2, 2, 2]
-    processed = Sampler._process_logits(logits.clone(), meta)
+    processed = Sampler.process_logits(logits.clone(), meta)
     assert processed[0, 2] == -math.inf and processed[0, 5] == -math.inf
     assert processed[2, 2] == 9.0 and processed[2, 5] == -math.inf  # ignore_eos: only EOS is free
     assert torch.equal(processed[1], logits[1]) and torch.equal(processed[3], logits[3])
@@ -325,24 +324,21 @@ def test_empirical_distribution_matches_softmax(temperature, seeded):
 
 @pytest.mark.parametrize("seed", range(4))
 def test_partial_top_k_path_equals_the_full_sort(seed):
-    """top-k (<= 1024) ranks only each row's k best; the masks equal the full-vocabulary sort's, ties too."""
-    from mili.runtime import sampler as sampler_module
-
+    """top-k (<= 1024) ranks only each row's k best; the masks equal the full-vocabulary sort's, ties too (a row
+    whose k is the whole vocabulary sends the batch through the sort: the other rows' masks are the sort's)."""
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(6, 3000, generator=g) * 3
     logits[2, :50] = logits[2].max() + 1  # a 50-way tie at the top: a k below 50 keeps all of them
     ks = torch.tensor([1, 20, 5, 200, 1024, 40])
     ps = torch.tensor([0.9, 0.95, 1.0, 0.5, 0.99, 0.7])
     for top_p in (None, ps):
-        fast = _apply_top_k_top_p(logits.clone(), ks, top_p)
-        limit, sampler_module._TOP_K_PARTIAL_MAX = sampler_module._TOP_K_PARTIAL_MAX, 0  # force the sort
-        try:
-            slow = _apply_top_k_top_p(logits.clone(), ks, top_p)
-        finally:
-            sampler_module._TOP_K_PARTIAL_MAX = limit
+        fast = apply_top_k_top_p(logits.clone(), ks, top_p)
+        sorted_ks = torch.cat([ks, torch.tensor([3000])])  # (k = V: no partial ranking)
+        slow = apply_top_k_top_p(torch.cat([logits, logits[:1]]), sorted_ks,
+                                 None if top_p is None else torch.cat([top_p, top_p[:1]]))[:6]
         assert torch.equal(torch.isinf(fast), torch.isinf(slow))
         assert torch.equal(fast[~torch.isinf(fast)], slow[~torch.isinf(slow)])
-    assert (~torch.isinf(_apply_top_k_top_p(logits.clone(), ks, None)[2])).sum() == 50
+    assert (~torch.isinf(apply_top_k_top_p(logits.clone(), ks, None)[2])).sum() == 50
 
 
 @pytest.mark.parametrize("draw", ["_inverse_cdf", "_exponential_race"])

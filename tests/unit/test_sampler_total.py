@@ -16,9 +16,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mili.runtime.sampler import NO_TOKEN, Sampler, SamplingMetadata, _exponential_race, _inverse_cdf
+from mili.runtime.plan import DrawKind
+from mili.runtime.sampler import DRAWS, NO_TOKEN, Sampler, SamplingMetadata
 from mili.sampling_params import SamplingParams
 
+INVERSE_CDF, EXPONENTIAL_RACE = DRAWS[DrawKind.INVERSE_CDF], DRAWS[DrawKind.EXPONENTIAL_RACE]  # (the plan's draws)
 V = 48  # vocabulary (the bitmask's last word is partial: 48 = 32 + 16)
 EXTREME = [0.0, 5e-324, 1e-45, 1e-38, 1e-30, 1e-6, 1e-5, 1.0000001e-5, 0.3, 1.0, 2.0, 1e4, 1e30, 1e38, 1e39,
            1e300, math.inf]
@@ -31,7 +33,7 @@ def _cpu_sampler() -> Sampler:
         pytest.skip("MILI's CPU kernels need AVX-512")
     from mili.kernels.cpu import ops
 
-    return Sampler(ops.argmax, apply_bitmask=ops.apply_bitmask, draw=_inverse_cdf)
+    return Sampler(ops.argmax, apply_bitmask=ops.apply_bitmask, draw=INVERSE_CDF)
 
 
 def _gpu_path_sampler() -> Sampler:
@@ -40,10 +42,10 @@ def _gpu_path_sampler() -> Sampler:
     def apply(logits, bitmask, rows, vocab_size):
         apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size, indices=rows, backend="torch_native")
 
-    return Sampler(apply_bitmask=apply, draw=_exponential_race)
+    return Sampler(apply_bitmask=apply, draw=EXPONENTIAL_RACE)
 
 
-SAMPLERS = {"cpu_kernels": _cpu_sampler, "cpu_torch": lambda: Sampler(draw=_inverse_cdf), "gpu": _gpu_path_sampler}
+SAMPLERS = {"cpu_kernels": _cpu_sampler, "cpu_torch": lambda: Sampler(draw=INVERSE_CDF), "gpu": _gpu_path_sampler}
 
 unit = st.one_of(st.sampled_from([5e-324, 1e-45, 1e-38, 0.01, 0.5, 0.99, 1.0]),
                  st.floats(0, 1, exclude_min=True))
@@ -155,7 +157,7 @@ def test_the_reported_pairs(path):
 def test_a_row_with_nothing_left_samples_no_token_and_others_are_unaffected():
     """min_tokens over a vocabulary that is all stop tokens leaves nothing; the row beside it samples as before."""
     torch.manual_seed(0)
-    sampler = Sampler(draw=partial(_inverse_cdf))
+    sampler = Sampler(draw=partial(INVERSE_CDF))
     logits = torch.randn(2, V)
     everything = SamplingParams(temperature=1e39, min_tokens=4, max_tokens=8, eos_token_ids=list(range(V)))
     greedy = SamplingParams(temperature=0.0)

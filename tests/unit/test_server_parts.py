@@ -7,6 +7,7 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
+from support.engine_state import engine_core
 from mili.config import EngineConfig
 from mili.engine.async_llm import AsyncLLM
 from mili.server.app import build_app
@@ -48,7 +49,7 @@ def test_reasoning_stream_never_retracts():
 def client(tiny_checkpoint):
     engine = AsyncLLM(EngineConfig(model=str(tiny_checkpoint), dtype="float32"), core_in_thread=True)
     with TestClient(build_app(engine, "tiny"), raise_server_exceptions=False) as c:
-        yield c, engine.core
+        yield c, engine_core(engine)
     engine.shutdown()
 
 
@@ -99,6 +100,7 @@ def test_completion_chunk_written_by_hand_is_the_encoded_chunk(text, finish):
     """The plain /v1/completions chunk, assembled from bytes made once per choice, is byte for byte what
     encoding the chunk's dict gives."""
     from mili.server.sse import EventStream, json_bytes
+    # reach-in: the chunk's bytes made by hand once per choice; no public call streams an arbitrary text
     from mili.server.openai import _NO_FINISH, _Choice, _finish
 
     event = EventStream({"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m"})
@@ -195,7 +197,7 @@ def test_anthropic_error_types():
 def dying_client(qwen3_checkpoint, monkeypatch):
     """An app whose engine fails on its fourth step."""
     engine = AsyncLLM(EngineConfig(model=str(qwen3_checkpoint("gqa4_realvocab")), dtype="float32"), core_in_thread=True)
-    real_step, calls = engine.core.step, []
+    real_step, calls = engine_core(engine).step, []
 
     def failing_step():
         calls.append(1)
@@ -203,7 +205,7 @@ def dying_client(qwen3_checkpoint, monkeypatch):
             raise RuntimeError("simulated device failure")
         return real_step()
 
-    monkeypatch.setattr(engine.core, "step", failing_step)
+    monkeypatch.setattr(engine_core(engine), "step", failing_step)
     with TestClient(build_app(engine, "tiny"), raise_server_exceptions=False) as c:
         yield c
     engine.shutdown()
@@ -273,12 +275,13 @@ def test_observe_each_is_observe_per_value():
 
     from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-    from mili.server.metrics import _ITL_BUCKETS, observe_each
+    from mili.server.metrics import observe_each
 
+    buckets = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 1, 2.5)  # (the ITL's)
     rng = random.Random(0)
-    values = [rng.uniform(0, 2 * _ITL_BUCKETS[-1]) for _ in range(500)] + list(_ITL_BUCKETS) + [0.0, 1e9]
+    values = [rng.uniform(0, 2 * buckets[-1]) for _ in range(500)] + list(buckets) + [0.0, 1e9]
     registries = [CollectorRegistry(), CollectorRegistry()]
-    one, each = (Histogram("itl", "x", buckets=_ITL_BUCKETS, registry=r) for r in registries)
+    one, each = (Histogram("itl", "x", buckets=buckets, registry=r) for r in registries)
     for v in values:
         one.observe(v)
     observe_each(each, values[:250])

@@ -9,7 +9,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from support.engine_state import assert_drained
+from support.engine_state import assert_drained, engine_core, runner_parts
 from support.hybrid import build_scripted_hybrid_checkpoint
 from support.scripted import build_scripted_checkpoint
 from mili import LLM, InvalidRequest, SamplingParams, StructuredOutputsParams
@@ -22,12 +22,12 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
          "disable_by_batch_size": 64}
 
 
-def _clean(llm) -> None:
+def drained_clean(llm) -> None:
     """Nothing runs; every page and state slot is free or idle in the prefix cache."""
     assert_drained(llm)
 
 
-def _repetitive_prompts(vocab: int, n: int = 10, seed: int = 0) -> list[dict]:
+def repetitive_prompts(vocab: int, n: int = 10, seed: int = 0) -> list[dict]:
     """Prompts that repeat a random phrase (the n-gram finds drafts) and plain random ones (it finds fewer)."""
     g = torch.Generator().manual_seed(seed)
     prompts = []
@@ -38,12 +38,12 @@ def _repetitive_prompts(vocab: int, n: int = 10, seed: int = 0) -> list[dict]:
     return prompts
 
 
-def _outputs(llm, prompts, params):
+def spec_outputs(llm, prompts, params):
     outs = llm.generate(prompts, params, use_tqdm=False)
     return [[(o.token_ids, o.text, o.finish_reason, o.logprobs) for o in out.outputs] for out in outs]
 
 
-def _same(want, got) -> None:
+def assert_same_outputs(want, got) -> None:
     for w, g in zip(want, got, strict=True):
         for (w_ids, w_text, w_reason, w_lps), (g_ids, g_text, g_reason, g_lps) in zip(w, g, strict=True):
             assert g_ids == w_ids and g_text == w_text and g_reason == w_reason
@@ -121,7 +121,7 @@ def test_seeded_rows_verify_reproducibly():
 
 
 # -- the engine: the same output, dense and hybrid ----------------------------------------------------------
-def _params(vocab_text: str | None = None):
+def spec_params(vocab_text: str | None = None):
     """Greedy with and without the sampling extras that read the output so far."""
     return [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2),
             SamplingParams(temperature=0, max_tokens=17, ignore_eos=True, repetition_penalty=1.4,
@@ -142,7 +142,7 @@ def _oracle(llm, prompts, want, vocab: int) -> None:
             draft[1] = (draft[1] + 1) % vocab
         return draft
 
-    llm.engine.core.drafter.propose = propose
+    engine_core(llm).drafter.propose = propose
 
 
 @pytest.mark.parametrize("model", ["dense", "hybrid"])
@@ -154,44 +154,44 @@ def test_greedy_output_is_unchanged(model, tiny_checkpoint, hybrid_checkpoint):
     path = str(tiny_checkpoint if model == "dense" else hybrid_checkpoint("qwen3_5"))
     base = dict(dtype="float32", max_num_batched_tokens=48)
     vocab = 512 if model == "dense" else 256
-    prompts = _repetitive_prompts(vocab)
-    params = [_params()[i % 3] for i in range(len(prompts))]
-    want = _outputs(LLM(path, **base), prompts, params)
+    prompts = repetitive_prompts(vocab)
+    params = [spec_params()[i % 3] for i in range(len(prompts))]
+    want = spec_outputs(LLM(path, **base), prompts, params)
     spec = LLM(path, **base, speculative_config=NGRAM)
     for _ in range(2):  # the second time through, the prompts hit the prefix cache
-        _same(want, _outputs(spec, prompts, params))
-        _clean(spec)
+        assert_same_outputs(want, spec_outputs(spec, prompts, params))
+        drained_clean(spec)
     assert spec.engine.spec_decode_stats()["num_drafts"] > 20
     _oracle(spec, prompts, want, vocab)
     before = spec.engine.spec_decode_stats()
-    _same(want, _outputs(spec, prompts, params))
-    _clean(spec)
+    assert_same_outputs(want, spec_outputs(spec, prompts, params))
+    drained_clean(spec)
     stats = spec.engine.spec_decode_stats()
     accepted, drafted = (stats[k] - before[k] for k in ("num_accepted_tokens", "num_draft_tokens"))
     assert 0.5 * drafted < accepted < drafted, stats
     tight = LLM(path, **base, num_kv_pages=14 if model == "dense" else 10, speculative_config=NGRAM,
                 **({"num_state_slots": 4} if model == "hybrid" else {}))
     _oracle(tight, prompts, want, vocab)
-    _same(want, _outputs(tight, prompts, params))
+    assert_same_outputs(want, spec_outputs(tight, prompts, params))
     assert tight.engine.stats().num_preemptions > 0
-    _clean(tight)
+    drained_clean(tight)
 
 
 def test_stop_strings_n_and_seeds(tiny_checkpoint):
     """A stop string cuts the text where it does without speculation; n = 3 seeded sequences repeat exactly
     from run to run (speculation draws its own uniforms, so not the plain run's tokens: the distribution is
     the same, the stream is not)."""
-    prompts = _repetitive_prompts(512, n=4, seed=3)
+    prompts = repetitive_prompts(512, n=4, seed=3)
     plain, spec = LLM(str(tiny_checkpoint), dtype="float32"), LLM(str(tiny_checkpoint), dtype="float32",
                                                                  speculative_config=NGRAM)
     free = plain.generate(prompts, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False)
     params = [SamplingParams(temperature=0, max_tokens=30, stop=[o.outputs[0].text[8:12]]) for o in free]
-    _same(_outputs(plain, prompts, params), _outputs(spec, prompts, params))
+    assert_same_outputs(spec_outputs(plain, prompts, params), spec_outputs(spec, prompts, params))
     seeded = SamplingParams(temperature=0.8, top_p=0.9, n=3, seed=11, max_tokens=20, ignore_eos=True)
-    first, second = (_outputs(spec, prompts, seeded) for _ in range(2))
+    first, second = (spec_outputs(spec, prompts, seeded) for _ in range(2))
     assert first == second
     assert spec.engine.spec_decode_stats()["num_accepted_tokens"] > 0
-    _clean(spec)
+    drained_clean(spec)
 
 
 def test_structured_outputs_reject_drafts_the_grammar_forbids(qwen3_checkpoint):
@@ -205,14 +205,14 @@ def test_structured_outputs_reject_drafts_the_grammar_forbids(qwen3_checkpoint):
     prompt = 'x {"a": 1} {"a": 1} {"a": 1} {"a": 1} {"a'
     greedy = SamplingParams(temperature=0, max_tokens=40, structured_outputs=so)
     plain, spec = LLM(path, dtype="float32"), LLM(path, dtype="float32", speculative_config=NGRAM)
-    _same(_outputs(plain, [prompt], [greedy]), _outputs(spec, [prompt], [greedy]))
+    assert_same_outputs(spec_outputs(plain, [prompt], [greedy]), spec_outputs(spec, [prompt], [greedy]))
     outs = spec.generate([prompt] * 6, [SamplingParams(temperature=1.0, seed=s, max_tokens=60, structured_outputs=so)
                                         for s in range(6)], use_tqdm=False)
     for o in outs:
         assert o.outputs[0].finish_reason == "stop", o.outputs[0].text
         assert isinstance(json.loads(o.outputs[0].text)["a"], int)
     assert spec.engine.spec_decode_stats()["num_drafts"] > 0
-    _clean(spec)
+    drained_clean(spec)
 
 
 # -- scripted checkpoints: drafts always right -------------------------------------------------------------
@@ -228,17 +228,17 @@ def test_scripted_checkpoints_accept_almost_every_draft(model, tmp_path):
     path = str(build(tmp_path / model, CYCLE))
     prompt = [{"prompt_token_ids": [1000, 2000, 3000, 4000, 1000]}]
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-    want = _outputs(LLM(path, dtype="float32"), prompt, params)
+    want = spec_outputs(LLM(path, dtype="float32"), prompt, params)
     spec = LLM(path, dtype="float32", speculative_config={"method": "ngram", "num_speculative_tokens": 3})
-    _same(want, _outputs(spec, prompt, params))
+    assert_same_outputs(want, spec_outputs(spec, prompt, params))
     stats = spec.engine.spec_decode_stats()
     assert stats["num_accepted_tokens"] >= 0.8 * stats["num_draft_tokens"] > 0, stats
     assert stats["num_drafts"] <= 64 / 4 + 1  # about 4 tokens a step
-    _clean(spec)
+    drained_clean(spec)
 
 
 def test_speculation_stops_above_its_batch_size(tiny_checkpoint):
-    prompts = _repetitive_prompts(512, n=6)
+    prompts = repetitive_prompts(512, n=6)
     spec = LLM(str(tiny_checkpoint), dtype="float32", speculative_config={**NGRAM, "disable_by_batch_size": 5})
     spec.generate(prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert spec.engine.spec_decode_stats()["num_drafts"] == 0  # six running: off
@@ -252,11 +252,11 @@ def test_bf16_verifications_run_fused_and_match_plain_decoding_bit_for_bit(tiny_
     its own position as its decode step would: bf16 greedy tokens and logprobs equal plain decoding's
     exactly (drafts right, partly right and wrong)."""
     path = str(tiny_checkpoint)
-    prompts = _repetitive_prompts(512, n=6, seed=5)
+    prompts = repetitive_prompts(512, n=6, seed=5)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2)
-    want = _outputs(LLM(path, dtype="bfloat16"), prompts, params)
+    want = spec_outputs(LLM(path, dtype="bfloat16"), prompts, params)
     spec = LLM(path, dtype="bfloat16", speculative_config=NGRAM)
-    runner = spec.engine.core.runner.parts.cpu_decode
+    runner = runner_parts(spec).cpu_decode
     assert runner is not None
     fused, run = [], runner.run
 
@@ -267,10 +267,10 @@ def test_bf16_verifications_run_fused_and_match_plain_decoding_bit_for_bit(tiny_
 
     runner.run = spy
     _oracle(spec, prompts, want, 512)
-    got = _outputs(spec, prompts, params)
+    got = spec_outputs(spec, prompts, params)
     assert got == want
     assert sum(fused) >= 4  # the steps with verifications (about 20 tokens / 4 a step) ran fused
-    _clean(spec)
+    drained_clean(spec)
 
 
 def test_the_trained_demo_accepts_most_ngram_drafts_on_scripture():
@@ -284,20 +284,21 @@ def test_the_trained_demo_accepts_most_ngram_drafts_on_scripture():
     params = SamplingParams(temperature=0, max_tokens=48)
     spec = LLM("demo", dtype="float32", speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                                             "prompt_lookup_min": 2})
-    _same(_outputs(LLM("demo", dtype="float32"), prompts, params), _outputs(spec, prompts, params))
+    assert_same_outputs(spec_outputs(LLM("demo", dtype="float32"), prompts, params),
+                        spec_outputs(spec, prompts, params))
     stats = spec.engine.spec_decode_stats()
     assert stats["num_accepted_tokens"] >= 0.6 * stats["num_draft_tokens"] > 40, stats
-    _clean(spec)
+    drained_clean(spec)
 
 
 def test_verifications_on_the_triton_backend(tiny_checkpoint):
     """The Triton kernels (the CUDA path, here under TRITON_INTERPRET=1) take a verification as a short chunk:
     the same greedy tokens as the torch backend without speculation."""
-    prompts = _repetitive_prompts(512, n=2, seed=9)
+    prompts = repetitive_prompts(512, n=2, seed=9)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    want = _outputs(LLM(str(tiny_checkpoint), dtype="float32"), prompts, params)
+    want = spec_outputs(LLM(str(tiny_checkpoint), dtype="float32"), prompts, params)
     spec = LLM(str(tiny_checkpoint), dtype="float32", attention_backend="triton", speculative_config=NGRAM)
     _oracle(spec, prompts, want, 512)
-    _same(want, _outputs(spec, prompts, params))
+    assert_same_outputs(want, spec_outputs(spec, prompts, params))
     assert spec.engine.spec_decode_stats()["num_accepted_tokens"] > 0
-    _clean(spec)
+    drained_clean(spec)

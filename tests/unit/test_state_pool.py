@@ -49,7 +49,8 @@ def test_integrity_catches_breaches():
     b.status = "waiting"  # a waiting sequence may not hold a slot
     with pytest.raises(AssertionError, match="may not hold one"):
         pool.check_integrity(alive=lambda s: s.status == "running")
-    pool._free.append(pool._free[0])  # a slot free twice
+    # reach-in: a slot free twice (no public call can corrupt the free list)
+    pool._free.append(pool._free[0])
     with pytest.raises(AssertionError, match="twice"):
         pool.check_integrity()
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from support.checkpoints import build_checkpoint, build_moe_checkpoint
+from support.engine_state import model_runner
 from mili import LLM, InvalidRequest, SamplingParams
 
 PARAMS = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -53,7 +54,7 @@ def test_tp2_matches_tp1(tp_checkpoints, shape):
     expected = [o.outputs[0].token_ids for o in one.generate(prompts, PARAMS, use_tqdm=False)]
     two = LLM(path, dtype="float32", max_num_batched_tokens=32, tensor_parallel_size=2)
     try:
-        runner = two.engine.core.runner
+        runner = model_runner(two)
         assert runner.tp.size == 2 and len(runner.tp.workers) == 1 and runner.tp.workers[0].is_alive()
         cfg = runner.parts.model_config
         assert cfg.num_attention_heads * 2 == one.engine.model_config.num_attention_heads

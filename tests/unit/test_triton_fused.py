@@ -310,7 +310,7 @@ def test_greedy_decoding_with_the_gemv_linears(tiny_checkpoint):
 
     plain = greedy(LLM(str(tiny_checkpoint), **kw))
     llm = LLM(str(tiny_checkpoint), **kw)
-    model = llm.engine.core.runner.parts.model
+    model = llm.apply_model(lambda m: m)
     use_small_batch_gemv(model)
     swapped = [m for m in model.modules() if isinstance(m, SmallBatchLinear)]
     assert len(swapped) == 2 * 4 + 1  # q|k|v, o, gate|up, down a layer, and the lm_head

@@ -119,7 +119,7 @@ def test_paged_decode_splits_follow_the_batch(monkeypatch, batch, splits, fp8):
     """On a GPU of 4 SMs (16 programs wanted): 2 sequences x 2 KV heads take 4 splits and the reduce; 8 fill it
     with one split, and the kernel writes the output itself (no reduce launched)."""
     monkeypatch.setattr(tk, "device_spec", lambda device: DeviceSpec("4 SMs", (9, 0), 227 * 1024, 4))
-    reduce = _Launches(tk._decode_reduce_kernel)
+    reduce = _Launches(tk._decode_reduce_kernel)  # reach-in: whether the reduce kernel launches (none on one split)
     monkeypatch.setattr(tk, "_decode_reduce_kernel", reduce)
     ctx = torch.randint(1, 500, (batch,), generator=torch.Generator().manual_seed(batch)).tolist()
     ctx[0] = 500

@@ -19,6 +19,7 @@ from support.devices import TRITON_DEVICE as DEVICE  # noqa: E402
 if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
     pytest.skip("Triton needs a GPU or TRITON_INTERPRET=1", allow_module_level=True)
 
+from support.engine_state import model_runner  # noqa: E402
 from support.parity import greedy_matches, prompt_logprobs  # noqa: E402
 from support.quantized import QUANT_LINEARS, awq_layout, write_quantized_checkpoint  # noqa: E402
 from mili import LLM, SamplingParams  # noqa: E402
@@ -231,7 +232,7 @@ def test_engine_float32_matches_the_dequantized_model(quantized, fmt, layer):
 
     path, plain = quantized[fmt]
     llm = LLM(str(path), dtype="float32", quantization="int8" if fmt == "int8" else None, **ENGINE)
-    runner = llm.engine.core.runner
+    runner = model_runner(llm)
     attn, mlp = runner.parts.model.model.layers[0].self_attn, runner.parts.model.model.layers[1].mlp
     assert isinstance(attn.qkv_proj, layer) and isinstance(mlp.down_proj, layer)
     head = gpu_linear.TritonInt8Linear if fmt == "int8" else torch.nn.Linear  # (int8: the head too, as on the CPU)
@@ -247,7 +248,7 @@ def test_int8_gives_a_tied_head_its_own_int8_copy(qwen3_checkpoint):
     the head computes with the table's int8 copy on the int8 GEMM (the CPU's int8 head does the same)."""
     torch.manual_seed(2)
     llm = LLM(str(qwen3_checkpoint("mha_tied")), dtype="float32", quantization="int8", **ENGINE)
-    model = llm.engine.core.runner.parts.model
+    model = llm.apply_model(lambda m: m)
     head, table = model.lm_head, model.model.embed_tokens.weight
     assert isinstance(head, gpu_linear.TritonInt8Linear) and table.dtype == torch.float32
     q, scales = quant.quantize_int8_per_channel(table)
@@ -267,7 +268,7 @@ def test_engine_bf16_fp8_is_w8a8_within_its_rounding_budget(quantized):
 
     path, plain = quantized["fp8"]
     llm = LLM(str(path), dtype="bfloat16", **ENGINE)
-    runner = llm.engine.core.runner
+    runner = model_runner(llm)
     layer = runner.parts.model.model.layers[0]
     down = layer.mlp.down_proj
     assert isinstance(down, gpu_linear.BlockFp8Linear) and down.fp8_activations

@@ -17,7 +17,8 @@ from mili import LLM, SamplingParams
 from mili.config import EngineConfig
 from mili.errors import InvalidRequest
 from mili.runtime.encoder_cache import EncodedImage, EncoderCache, VisionBudget, output_bytes_per_token
-from test_vision_engine import _request, images  # noqa: F401 (the fixture)
+from test_vision_engine import image_prompt, images  # noqa: F401 (the fixture)
+from support.engine_state import engine_core, runner_parts
 from support.vision import TEXT
 
 PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
@@ -45,7 +46,7 @@ def test_the_tower_runs_once_per_distinct_image(vision_checkpoint, images, kind)
     beside it): two images encoded; each request's tokens and logprobs as a lone request's, with nothing cached."""
     cases = [(images[:1], [[5, 17, 301], [7, 90]]), (images[:1], [[6, 2], [7, 90, 4]]),
              (images[1:2] + images[:1], [[8], [33, 2], [400, 3]])]
-    prompts = [_request(paths, texts) for paths, texts in cases]
+    prompts = [image_prompt(paths, texts) for paths, texts in cases]
     alone = LLM(str(vision_checkpoint(kind)), dtype="float32", enable_prefix_caching=False, encoder_cache_tokens=0)
     alone_count = _count_images(alone)
     want = [alone.generate([p], PARAMS, use_tqdm=False)[0] for p in prompts]
@@ -55,7 +56,7 @@ def test_the_tower_runs_once_per_distinct_image(vision_checkpoint, images, kind)
     got = llm.generate(prompts, PARAMS, use_tqdm=False)
     assert sum(count) == 2
     _assert_same(got, want)
-    cache = llm.engine.core.runner.parts.encoder_cache
+    cache = runner_parts(llm).encoder_cache
     assert cache.num_hits > 0 and not cache.claims and len(cache.entries) == 2
     llm.engine.check_integrity()
 
@@ -64,7 +65,7 @@ def test_a_preempted_request_reuses_its_images(vision_checkpoint, images):
     """A KV pool too small for four requests over three images: preempted ones are recomputed from their prompt
     without the tower (three images encoded in all), and each writes a lone request's tokens and logprobs."""
     cases = [(images[i % 3:i % 3 + 1], [[5 + i, 17], [7, 90 + i, 3]]) for i in range(4)]
-    prompts = [_request(paths, texts) for paths, texts in cases]
+    prompts = [image_prompt(paths, texts) for paths, texts in cases]
     alone = LLM(str(vision_checkpoint("qwen3_vl")), dtype="float32", enable_prefix_caching=False, encoder_cache_tokens=0)
     want = [alone.generate([p], PARAMS, use_tqdm=False)[0] for p in prompts]
     llm = LLM(str(vision_checkpoint("qwen3_vl")), dtype="float32", max_num_batched_tokens=16, page_size=4, num_kv_pages=10,
@@ -79,7 +80,7 @@ def test_a_preempted_request_reuses_its_images(vision_checkpoint, images):
 def _run_steps(llm, prompts) -> int:
     """Run ``prompts`` step by step (integrity checked after each); the most tokens the encoder cache held."""
     engine, most = llm.engine, 0
-    cache = engine.core.runner.parts.encoder_cache  # (its occupancy: nothing public shows it)
+    cache = runner_parts(engine).encoder_cache  # (its occupancy: nothing public shows it)
     for p in prompts:
         engine.add_request(p["prompt_token_ids"], PARAMS, images=p["multi_modal_data"]["image"])
     while engine.has_unfinished_requests():
@@ -95,14 +96,14 @@ def test_the_cache_stays_within_its_budget(vision_checkpoint, images):
     next chunk, so it is still encoded once, then goes as soon as it is computed. No claim is left at the end."""
     kwargs = dict(dtype="float32", max_num_batched_tokens=8, page_size=4, enable_prefix_caching=False)
     llm = LLM(str(vision_checkpoint("qwen3_vl")), encoder_cache_tokens=12, **kwargs)
-    cache, count = llm.engine.core.runner.parts.encoder_cache, _count_images(llm)
+    cache, count = runner_parts(llm).encoder_cache, _count_images(llm)
     for i in (0, 2, 0, 1, 2):  # (0 is used again: 2 goes for 1, then 0 for 2)
-        assert _run_steps(llm, [_request(images[i:i + 1], [[5, 17], [7]])]) <= 12
+        assert _run_steps(llm, [image_prompt(images[i:i + 1], [[5, 17], [7]])]) <= 12
     assert sum(count) == 4 and cache.num_evictions == 2 and len(cache.entries) == 2 and not cache.claims
     small = LLM(str(vision_checkpoint("qwen3_vl")), encoder_cache_tokens=4, **kwargs)
-    cache, count = small.engine.core.runner.parts.encoder_cache, _count_images(small)
+    cache, count = runner_parts(small).encoder_cache, _count_images(small)
     for i in (0, 2, 0):  # (11 tokens, the image at 3 .. 8: the first chunk of 8 cuts it)
-        assert _run_steps(small, [_request(images[i:i + 1], [[5, 17], [7]])]) == 6  # (over the budget, claimed)
+        assert _run_steps(small, [image_prompt(images[i:i + 1], [[5, 17], [7]])]) == 6  # (over the budget, claimed)
         assert cache.num_tokens == 0 and not cache.claims
     assert sum(count) == 3 and cache.num_evictions == 3
 
@@ -119,7 +120,7 @@ def test_a_text_only_request_pays_nothing_for_the_tower(vision_checkpoint, image
     count = _count_images(llm)
     llm.generate([{"prompt_token_ids": [5, 17, 301, 42]}], PARAMS, use_tqdm=False)
     assert not count and not made
-    llm.generate([_request(images[:1], [[5, 17], [7]])], PARAMS, use_tqdm=False)
+    llm.generate([image_prompt(images[:1], [[5, 17], [7]])], PARAMS, use_tqdm=False)
     assert count == [1] and made
 
 
@@ -129,25 +130,25 @@ def test_the_core_refuses_images_past_the_limit(vision_checkpoint, images):
     from mili.engine.input_processor import InputProcessor
 
     llm = LLM(str(vision_checkpoint("qwen3_vl")), dtype="float32", limit_mm_per_prompt={"image": 1})
-    two = _request(images[:2], [[5], [7], [9]])
+    two = image_prompt(images[:2], [[5], [7], [9]])
     with pytest.raises(InvalidRequest, match="at most 1|limit"):
         llm.generate([two], PARAMS, use_tqdm=False)
     lenient = InputProcessor(dataclasses.replace(llm.engine.config, limit_mm_per_prompt={"image": 4}))
     lenient.core_info = llm.engine.inputs.core_info
     add = lenient.make_request(two["prompt_token_ids"], PARAMS, "two", two["multi_modal_data"]["image"])
     with pytest.raises(InvalidRequest, match="at most 1 are allowed"):
-        llm.engine.core.add_request(add)
+        engine_core(llm).add_request(add)
     assert not llm.engine.has_unfinished_requests()
-    assert llm.generate([_request(images[:1], [[5], [7]])], PARAMS, use_tqdm=False)[0].outputs[0].token_ids
+    assert llm.generate([image_prompt(images[:1], [[5], [7]])], PARAMS, use_tqdm=False)[0].outputs[0].token_ids
 
 
 def test_a_limit_of_zero_images_skips_the_tower(vision_checkpoint, images):
     """limit_mm_per_prompt image 0 (vLLM's way to serve a VL checkpoint as text): the tower is not loaded, images
     are refused, text is served."""
     llm = LLM(str(vision_checkpoint("qwen3_vl")), dtype="float32", limit_mm_per_prompt={"image": 0})
-    assert llm.apply_model(lambda m: m.visual) is None and llm.engine.core.runner.parts.encoder_cache is None
+    assert llm.apply_model(lambda m: m.visual) is None and runner_parts(llm).encoder_cache is None
     with pytest.raises(InvalidRequest, match="takes no images"):
-        llm.generate([_request(images[:1], [[5], [7]])], PARAMS, use_tqdm=False)
+        llm.generate([image_prompt(images[:1], [[5], [7]])], PARAMS, use_tqdm=False)
     assert llm.generate([{"prompt_token_ids": [5, 17, 301]}], PARAMS, use_tqdm=False)[0].outputs[0].token_ids
 
 

@@ -51,7 +51,7 @@ def _reference(hf, paths, texts):
     return ids[0].tolist(), (out.sequences[0, ids.shape[1]:].tolist(), torch.stack(out.scores)[:, 0]), logits
 
 
-def _request(paths, texts):
+def image_prompt(paths, texts):
     prompt = {"prompt_token_ids": _placeholders(texts)}
     if paths:
         prompt["multi_modal_data"] = {"image": [Image.open(p) for p in paths]}
@@ -65,7 +65,7 @@ def test_images_match_hf_generate(vision_checkpoint, images, kind):
     refs = [_reference(hf, paths, texts) for paths, texts in cases]
     llm = LLM(str(vision_checkpoint(kind)), dtype="float32", max_num_batched_tokens=8, page_size=4)  # chunks split images
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1, prompt_logprobs=1)
-    outs = llm.generate([_request(paths, texts) for paths, texts in cases], params, use_tqdm=False)
+    outs = llm.generate([image_prompt(paths, texts) for paths, texts in cases], params, use_tqdm=False)
     assert_greedy_matches_hf(outs, [ref for _, ref, _ in refs], MAX_TOKENS)
     for out, (ids, _, logits) in zip(outs, refs):
         assert out.prompt_token_ids == ids  # (the placeholders expanded as HF's processor does)
@@ -83,9 +83,9 @@ def test_prefix_cache_keys_images_by_content(vision_checkpoint, images, kind):
     texts = [[5, 17, 301, 42, 11, 12, 13, 14], [7, 7, 90]]
     llm = LLM(str(vision_checkpoint(kind)), dtype="float32", max_num_batched_tokens=64, page_size=4)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
-    first, = llm.generate([_request(images[:1], texts)], params, use_tqdm=False)
-    again, = llm.generate([_request(images[:1], texts)], params, use_tqdm=False)
-    other, = llm.generate([_request(images[2:3], texts)], params, use_tqdm=False)
+    first, = llm.generate([image_prompt(images[:1], texts)], params, use_tqdm=False)
+    again, = llm.generate([image_prompt(images[:1], texts)], params, use_tqdm=False)
+    other, = llm.generate([image_prompt(images[2:3], texts)], params, use_tqdm=False)
     assert again.num_cached_tokens >= len(first.prompt_token_ids) - 4  # (all but the last, partial, page)
     # the text before the image at most (two pages of 4; the hybrid hits only where it kept a state snapshot)
     assert other.num_cached_tokens == 8 if kind != "qwen3_5_vl" else other.num_cached_tokens <= 8
@@ -97,7 +97,7 @@ def test_prefix_cache_keys_images_by_content(vision_checkpoint, images, kind):
 
 
 def test_images_refused_where_they_cannot_go(vision_checkpoint, images):
-    request = _request(images[:1], TEXTS[0])
+    request = image_prompt(images[:1], TEXTS[0])
     from mili.cli import build_parser, engine_kwargs
 
     assert engine_kwargs(build_parser().parse_args(["serve", "--language-model-only"]))["language_model_only"]
@@ -129,7 +129,7 @@ def test_bfloat16_puts_the_tower_on_the_cpu_linears(vision_checkpoint, images, k
     not built), and the output stays near float32's: the first greedy token's logprob within 0.05."""
     from torch import nn
 
-    prompt = _request(images[:2], TEXTS[1])
+    prompt = image_prompt(images[:2], TEXTS[1])
     params = SamplingParams(temperature=0, max_tokens=1, logprobs=1)
     want = LLM(str(vision_checkpoint(kind)), dtype="float32").generate([prompt], params, use_tqdm=False)[0].outputs[0]
     llm = LLM(str(vision_checkpoint(kind)), dtype="bfloat16")
@@ -152,7 +152,7 @@ def test_images_on_the_triton_path(vision_checkpoint, images):
     llm = LLM(str(vision_checkpoint("qwen3_vl")), dtype="float32", attention_backend="triton", max_num_batched_tokens=16)
     assert llm.engine.plan.attention is AttentionBackend.TRITON
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
-    outs = llm.generate([_request(paths, texts) for paths, texts in cases], params, use_tqdm=False)
+    outs = llm.generate([image_prompt(paths, texts) for paths, texts in cases], params, use_tqdm=False)
     assert_greedy_matches_hf(outs, refs, MAX_TOKENS)
     llm.engine.check_integrity()
 
@@ -171,7 +171,7 @@ def test_preempted_requests_with_images_keep_hfs_tokens(vision_checkpoint, image
     model.encode_images = lambda pixels, grid: encoded.append(len(grid)) or encode(pixels, grid)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     requests = [engine.add_request(r["prompt_token_ids"], params, images=r["multi_modal_data"]["image"])
-                for r in (_request(paths, texts) for paths, texts in cases)]
+                for r in (image_prompt(paths, texts) for paths, texts in cases)]
     while engine.has_unfinished_requests():
         engine.step()
         engine.check_integrity()

@@ -73,7 +73,10 @@ SIGNATURES = {  # name -> argument types (all return void but mili_amx_init, mil
     "mili_argmax_rows": [_P, _I, _I, _I, _P, ctypes.c_int],
     "mili_apply_bitmask": [_P, _I, _P, _I, _P, _I, _I, ctypes.c_int],
     "mili_store_kv": [_P, _I, _P, _I, _P, _P, _P, _I, _I, _I, _I],
-    "mili_decode_layers": [_P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _I, _P, _I, _I, _P, _P, ctypes.c_int],
+    "mili_store_kv_int8": [_P, _I, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int],
+    "mili_gather_kv_int8": [_P, _P, _P, _I, _I, _I, _I, _I, _I, _P, ctypes.c_int],
+    "mili_decode_attention_int8": [_P, _I, _P, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, ctypes.c_int],
+    "mili_decode_layers": [_P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _P, _I, _I, _P, _P, ctypes.c_int],
     "mili_lora_add": [_P, _P, _I, _P, _I, _I, _P, ctypes.c_int],
     "mili_gdn_decode": [_P, _I, _P, _I, ctypes.c_int, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I,
                         ctypes.c_int],
@@ -126,9 +129,16 @@ def _compile(cmd_head: list[str], source: Path, extra_key: str, suffix: str) -> 
     return target
 
 
-@functools.cache
 def cpu_features() -> frozenset[str]:
-    """The features this CPU and OS run, from CPUID (``probe.c``); /proc/cpuinfo where nothing can be compiled."""
+    """The features this CPU and OS run, from CPUID (``probe.c``); /proc/cpuinfo where nothing can be compiled (or
+    those of the CPU a test simulates: :func:`simulated`)."""
+    if _simulation and _simulation[-1][0] is not None:
+        return _simulation[-1][0]
+    return _probed_features()
+
+
+@functools.cache
+def _probed_features() -> frozenset[str]:
     compiler = _compiler()
     if compiler is not None and arch() in ORDER:
         try:
@@ -236,6 +246,36 @@ def use_isa(isa: str):
         _loaded.clear()
 
 
+_simulation: list[tuple[frozenset[str] | None, frozenset[str]]] = []  # simulated()'s stack: (features, failing)
+
+
+def _forget() -> None:
+    """Drop every choice and library made so far: the next call decides again (each library is loaded once more
+    from its built file)."""
+    for cached in (_load, _default, _chosen):
+        cached.cache_clear()
+    _loaded.clear()
+
+
+@contextlib.contextmanager
+def simulated(features=None, failing=(), isa: str | None = None):
+    """Within the block, the kernels are chosen and loaded as on another CPU: one with ``features`` (as
+    :func:`cpu_features` names them; default this one's), where the builds of the ISAs in ``failing`` fail to load
+    (as with a broken compiler), and with ``isa``'s path asked for (:func:`use_isa`). Tests of the paths a lesser
+    CPU takes, run on a better one; everything is decided afresh on leaving."""
+    _simulation.append((None if features is None else frozenset(features), frozenset(failing)))
+    _forget()
+    try:
+        if isa is None:
+            yield
+        else:
+            with use_isa(isa):
+                yield
+    finally:
+        _simulation.pop()
+        _forget()
+
+
 def compile_flags(isa: str, features: frozenset[str] | set[str] | None = None) -> list[str]:
     """The compiler flags of ``isa``'s library: its instruction sets alone, so one built here is the one a CPU
     with nothing more runs."""
@@ -264,6 +304,8 @@ def _build(isa: str, compiler: str) -> Path:
 
 @functools.cache
 def _load(isa: str) -> tuple[ctypes.CDLL | None, str]:
+    if _simulation and isa in _simulation[-1][1]:
+        return None, "a simulated failure"
     if isa == "none":
         return None, ("held at none (MILI_CPU_ISA or a test)" if best_isa() != "none"
                       else f"this CPU runs none of the kernels' ISAs ({', '.join(ORDER.get(arch(), ())[1:]) or arch()})")

@@ -181,12 +181,20 @@ def check(device: torch.device) -> list[tuple[str, bool, str]]:
         from mili.kernels.cpu.ops import CpuOps
 
         return [(f"CPU {name} (bf16)", ok, d) for name, ok, d in _norm_checks(CpuOps, device, torch.bfloat16)]
+    return triton_checks(device)
+
+
+def triton_checks(device: torch.device, dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float32),
+                  fp8: bool | None = None) -> list[tuple[str, bool, str]]:
+    """(kernel, ok, detail) for each of MILI's Triton kernels on ``device``: a GPU, or the CPU under
+    ``TRITON_INTERPRET=1``. ``fp8``: check the FP8 paths too (the FP8 KV cache, W8A8) in bf16; None: where the device
+    has FP8."""
     from mili.kernels.triton.launch import device_spec
     from mili.kernels.triton.ops import TritonOps
 
-    has_fp8 = device_spec(device).has_fp8
+    has_fp8 = device_spec(device).has_fp8 if fp8 is None else fp8
     rows = []
-    for dtype in (torch.bfloat16, torch.float32):
+    for dtype in dtypes:
         label = str(dtype).removeprefix("torch.")
         found = _norm_checks(TritonOps, device, dtype) + _attention_checks(device, dtype, False)
         found += _fused_checks(device, dtype, False)
