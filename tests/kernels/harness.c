@@ -601,9 +601,10 @@ static void ref_store_kv_int8(const bf16 *k, int64_t ldk, const bf16 *v, int64_t
 }
 
 /* Decode attention over int8 pages, want/tol [B][Hq][D]: softmax(scale q.k) over the dequantized values (q x scale),
- * the weights unrounded (the kernel keeps them float32). The kernel's error: the scores' (q as int16, at most half a
- * step of amax / 32767 an element, times sum |k|; a few float32 ulps of sum |q k|) and the sums' (2e-6 + 6e-8 ctx of
- * sum |w v|). */
+ * the weights unrounded. The kernel's error: the scores' (q as int16, at most half a step of amax / 32767 an element,
+ * times sum |k|; a few float32 ulps of sum |q k|), the sums' (2e-6 + 6e-8 ctx of sum |w v|) and, where the ISA layer
+ * multiplies V in int16 (ISA_HAS_PV_I16), the weights' (times the row's V scale, as int16: at most half a step of
+ * their largest / 32767 each, times |v|). */
 static void ref_decode_attention_int8(const bf16 *q, int64_t ldq, const int8_t *kc, const float *ks, const int8_t *vc,
                                       const float *vs, const int64_t *page_table, int64_t ldp, const int64_t *lens,
                                       int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t ps, float scale,
@@ -630,13 +631,18 @@ static void ref_decode_attention_int8(const bf16 *q, int64_t ldq, const int8_t *
         ds[p] = (1e-6 * mag + qmax / 65534 * kmag) * scale + 1e-6; /* (q as int16; float32 scales and exp) */
         if (s[p] > mx) mx = s[p];
       }
-      for (int64_t p = 0; p < ctx; p++) sum += w[p] = exp(s[p] - mx);
+      double wmax = 0; /* (the largest weight times its row's V scale: the int16 weights' step is wmax / 32767) */
+      for (int64_t p = 0; p < ctx; p++) {
+        sum += w[p] = exp(s[p] - mx);
+        const double wv = w[p] * vs[kv_at(page_table, ldp, b, p, h, Hkv, ps, D) / D];
+        if (wv > wmax) wmax = wv;
+      }
       for (int64_t d = 0; d < D; d++) {
         double acc = 0, err = 0;
         for (int64_t p = 0; p < ctx; p++) {
           const int64_t at = kv_at(page_table, ldp, b, p, h, Hkv, ps, D);
           const double vv = (double)vc[at + d] * vs[at / D];
-          acc += w[p] * vv, err += w[p] * fabs(vv) * (2 * ds[p] + 2e-6 + 6e-8 * ctx);
+          acc += w[p] * vv, err += w[p] * fabs(vv) * (2 * ds[p] + 2e-6 + 6e-8 * ctx) + wmax / 65534 * abs(vc[at + d]);
         }
         want[(b * Hq + hq) * D + d] = acc / sum;
         if (tol) tol[(b * Hq + hq) * D + d] = tol_bf16(acc / sum, err / sum);
@@ -1555,6 +1561,10 @@ int main(void) {
   test_decode_attention_int8(1, lens_c, 1, 8, 128, 16);
   const int64_t lens_d[] = {300, 1, 45}; /* (many tiles, one position, a partial tile) */
   test_decode_attention_int8(3, lens_d, 2, 3, 128, 16);
+  const int64_t lens_e[] = {700, 257, 5}; /* (tasks of 256 positions: chunks that end inside a page of 5 or 100) */
+  test_decode_attention_int8(3, lens_e, 2, 2, 128, 5);
+  test_decode_attention_int8(3, lens_e, 1, 3, 96, 100);
+  test_decode_attention_int8(3, lens_e, 3, 1, 64, 16);
 
   const int64_t LqLk[][2] = {{1, 1}, {7, 7}, {17, 17}, {3, 40}, {16, 33}, {20, 50}, {33, 33}};
   const int64_t heads[][2] = {{2, 2}, {4, 2}, {5, 1}, {8, 1}};

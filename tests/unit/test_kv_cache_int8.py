@@ -116,15 +116,15 @@ def _reference_decode(q, k_pages: Int8Pages, v_pages: Int8Pages, table, context_
 @pytest.mark.parametrize("hq,hkv", [(4, 2), (4, 4), (8, 1), (10, 2), (6, 2), (16, 8)])
 @pytest.mark.parametrize("d", [64, 128])
 def test_decode_attention_reads_int8_pages(isa, hq, hkv, d):
-    """Every group size (1, 2, 3, 5, 8), both head sizes, contexts of 1, 17 (a partial tile) and 300 tokens over
-    scattered pages: within the output's bf16 rounding (and q's int16 step) of the float32 reference over the same
-    dequantized values."""
+    """Every group size (1, 2, 3, 5, 8), both head sizes, contexts of 1, 17 (a partial block), 300 and 600 tokens
+    (two and three of the kernel's 256-position tasks, their softmaxes combined) over scattered pages: within the
+    output's bf16 rounding (and q's int16 step) of the float32 reference over the same dequantized values."""
     page_size, num_pages = 16, 40
     g = torch.Generator().manual_seed(hq * 10 + hkv + d)
     _, _, k_pages, v_pages, _ = _pool(num_pages, hkv, page_size, d, num_pages * page_size, seed=hq + d)
-    context_lens = [1, 17, 300]
-    table = torch.stack([torch.randperm(num_pages, generator=g)[:19] for _ in context_lens])
-    q = torch.randn(3, hq, d, generator=g).to(BF16)
+    context_lens = [1, 17, 300, 600]
+    table = torch.stack([torch.randperm(num_pages, generator=g)[:38] for _ in context_lens])
+    q = torch.randn(4, hq, d, generator=g).to(BF16)
     assert ops.decode_attention_supported(q, k_pages)
     got = ops.decode_attention(q, k_pages, v_pages, table, context_lens, d ** -0.5)
     want = _reference_decode(q, k_pages, v_pages, table, context_lens, d ** -0.5)

@@ -82,6 +82,21 @@ static inline vi dot_i8_i16x32(vi acc, const int8_t *k, const int16_t *q) {
   VI2(_mm256_add_epi32(acc.a, _mm256_madd_epi16(k0, _mm256_loadu_si256((const __m256i *)q))),
       _mm256_add_epi32(acc.b, _mm256_madd_epi16(k1, _mm256_loadu_si256((const __m256i *)(q + 16)))));
 }
+#define ISA_HAS_HSUM16 1
+/* lane r = the sum of acc[r]'s 16 lanes: each row's halves added, then a transposing tree over the 16 eight-lane sums
+ * (pairs interleaved and added within 128-bit lanes, pairs of those, then the two 128-bit lanes). */
+static inline vi vi_hsum16(const vi *acc) {
+  __m256i t1[8], t2[4];
+  for (int i = 0; i < 8; i++) {
+    const __m256i x = _mm256_add_epi32(acc[2 * i].a, acc[2 * i].b), y = _mm256_add_epi32(acc[2 * i + 1].a, acc[2 * i + 1].b);
+    t1[i] = _mm256_add_epi32(_mm256_unpacklo_epi32(x, y), _mm256_unpackhi_epi32(x, y));
+  }
+  for (int i = 0; i < 4; i++)
+    t2[i] = _mm256_add_epi32(_mm256_unpacklo_epi64(t1[2 * i], t1[2 * i + 1]), _mm256_unpackhi_epi64(t1[2 * i], t1[2 * i + 1]));
+  /* t2[i]: 128-bit lane L holds rows 4i .. 4i+3, each the sum of its lane L: the lanes across pairs of registers */
+  VI2(_mm256_add_epi32(_mm256_permute2x128_si256(t2[0], t2[1], 0x20), _mm256_permute2x128_si256(t2[0], t2[1], 0x31)),
+      _mm256_add_epi32(_mm256_permute2x128_si256(t2[2], t2[3], 0x20), _mm256_permute2x128_si256(t2[2], t2[3], 0x31)));
+}
 static inline vi vi_add(vi x, vi y) { VI2(_mm256_add_epi32(x.a, y.a), _mm256_add_epi32(x.b, y.b)); }
 static inline vi vi_sub(vi x, vi y) { VI2(_mm256_sub_epi32(x.a, y.a), _mm256_sub_epi32(x.b, y.b)); }
 static inline vi vi_shl(vi x, int n) { VI2(_mm256_slli_epi32(x.a, n), _mm256_slli_epi32(x.b, n)); }

@@ -49,7 +49,27 @@ static inline vi vi_load_i8(const int8_t *p) { return _mm512_cvtepi8_epi32(_mm_l
  * pages' q . k, kernels.c). */
 static inline vi dot_i8_i16x32(vi acc, const int8_t *k, const int16_t *q) {
   const __m512i k16 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)k));
+#ifdef __AVX512VNNI__
+  return _mm512_dpwssd_epi32(acc, k16, _mm512_loadu_si512(q)); /* vpdpwssd: vpmaddwd and the add in one */
+#else
   return _mm512_add_epi32(acc, _mm512_madd_epi16(k16, _mm512_loadu_si512(q)));
+#endif
+}
+#define ISA_HAS_HSUM16 1
+/* lane r = the sum of acc[r]'s 16 lanes: a transposing tree (pairs of rows interleaved and added within 128-bit lanes,
+ * then pairs of those, then the lanes across registers), 45 instructions for 16 rows. */
+static inline vi vi_hsum16(const vi *acc) {
+  __m512i t1[8], t2[4];
+  for (int i = 0; i < 8; i++) /* lane L: rows 2i, 2i+1 interleaved, each a sum of 2 of its 4 */
+    t1[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(acc[2 * i], acc[2 * i + 1]),
+                             _mm512_unpackhi_epi32(acc[2 * i], acc[2 * i + 1]));
+  for (int i = 0; i < 4; i++) /* lane L: rows 4i .. 4i+3, each the sum of its lane L */
+    t2[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(t1[2 * i], t1[2 * i + 1]),
+                             _mm512_unpackhi_epi64(t1[2 * i], t1[2 * i + 1]));
+  /* rows 0-3 (t2[0]) and 4-7 (t2[1]): lanes (0 + 1, 2 + 3) of each; then the pairs' sums in order */
+  const __m512i a = _mm512_add_epi32(_mm512_shuffle_i32x4(t2[0], t2[1], 0x88), _mm512_shuffle_i32x4(t2[0], t2[1], 0xdd));
+  const __m512i b = _mm512_add_epi32(_mm512_shuffle_i32x4(t2[2], t2[3], 0x88), _mm512_shuffle_i32x4(t2[2], t2[3], 0xdd));
+  return _mm512_add_epi32(_mm512_shuffle_i32x4(a, b, 0x88), _mm512_shuffle_i32x4(a, b, 0xdd));
 }
 static inline vi vi_add(vi a, vi b) { return _mm512_add_epi32(a, b); }
 static inline vi vi_sub(vi a, vi b) { return _mm512_sub_epi32(a, b); }
@@ -184,6 +204,75 @@ static inline __attribute__((always_inline)) void pv_slice(const uint16_t *v, co
       vf_store_bf16(o + g * D + 32 * c, _mm512_mul_ps(_mm512_permutex2var_ps(l, first, h), scale));
       vf_store_bf16(o + g * D + 32 * c + 16, _mm512_mul_ps(_mm512_permutex2var_ps(l, second, h), scale));
     }
+}
+
+#define ISA_HAS_PV_I16 1
+/* The int8 pages' P V (kernels.c, span_values): acc[g] (int32 [D], in pair order) += sum over the m <= 16 rows at v
+ * (row i at v + i D) of w[g][i] V[i], the weights int16 (w[g] at w + g ldw). Two rows at a time: their values
+ * widened to int16 and interleaved by vpunpck{l,h}wd are vpdpwssd's operands against the broadcast pair (w[g][i],
+ * w[g][i + 1]) (an odd m's last row pairs with itself at weight 0), so one instruction takes 32 multiply-adds (in
+ * float32: 16, after two conversions a row). Lane i of a chunk's "lo" sums (at acc + 32 c) holds value 8 (i / 4) +
+ * i % 4 of its 32, of its "hi" sums (at + 16) 4 more: pv_i16_finish puts them in order. NC chunks of 32 values from
+ * d0, G x NC <= 8 (the sums in registers). */
+static inline __attribute__((always_inline)) void pv_i16_cols(const int8_t *v, int64_t m, int64_t D, int64_t d0,
+                                                              const int16_t *w, int64_t ldw, const int G, const int NC,
+                                                              int32_t *acc) {
+  __m512i lo[8], hi[8];
+  for (int g = 0; g < G; g++)
+    for (int c = 0; c < NC; c++) {
+      lo[g * NC + c] = _mm512_loadu_si512(acc + g * D + d0 + 32 * c);
+      hi[g * NC + c] = _mm512_loadu_si512(acc + g * D + d0 + 32 * c + 16);
+    }
+  for (int64_t i = 0; i < m; i += 2) {
+    const int8_t *ra = v + i * D + d0, *rb = i + 1 < m ? ra + D : ra;
+    __m512i il[4], ih[4];
+    for (int c = 0; c < NC; c++) {
+      const __m512i a = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(ra + 32 * c)));
+      const __m512i b = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(rb + 32 * c)));
+      il[c] = _mm512_unpacklo_epi16(a, b);
+      ih[c] = _mm512_unpackhi_epi16(a, b);
+    }
+    for (int g = 0; g < G; g++) {
+      int32_t pair = (uint16_t)w[g * ldw + i];
+      if (i + 1 < m) memcpy(&pair, w + g * ldw + i, 4);
+      const __m512i wp = _mm512_set1_epi32(pair);
+      for (int c = 0; c < NC; c++) {
+#ifdef __AVX512VNNI__
+        lo[g * NC + c] = _mm512_dpwssd_epi32(lo[g * NC + c], il[c], wp);
+        hi[g * NC + c] = _mm512_dpwssd_epi32(hi[g * NC + c], ih[c], wp);
+#else
+        lo[g * NC + c] = _mm512_add_epi32(lo[g * NC + c], _mm512_madd_epi16(il[c], wp));
+        hi[g * NC + c] = _mm512_add_epi32(hi[g * NC + c], _mm512_madd_epi16(ih[c], wp));
+#endif
+      }
+    }
+  }
+  for (int g = 0; g < G; g++)
+    for (int c = 0; c < NC; c++) {
+      _mm512_storeu_si512(acc + g * D + d0 + 32 * c, lo[g * NC + c]);
+      _mm512_storeu_si512(acc + g * D + d0 + 32 * c + 16, hi[g * NC + c]);
+    }
+}
+static inline __attribute__((always_inline)) void pv_i16_block(const int8_t *v, int64_t m, int64_t D, const int16_t *w,
+                                                               int64_t ldw, const int G, const int NC, int32_t *acc) {
+  int64_t d0 = 0;
+  for (; d0 + 32 * NC <= D; d0 += 32 * NC) pv_i16_cols(v, m, D, d0, w, ldw, G, NC, acc);
+  for (; d0 < D; d0 += 32) pv_i16_cols(v, m, D, d0, w, ldw, G, 1, acc);
+}
+/* the first n (<= 16 of) lanes' low 16 bits at p */
+static inline void vi_store_i16_n(int16_t *p, vi a, int64_t n) {
+  _mm256_mask_storeu_epi16(p, n >= 16 ? 0xffff : (__mmask16)((1u << n) - 1), _mm512_cvtepi32_epi16(a));
+}
+/* out [D] (float32, in order) = acc (pv_i16_block's pair order) x scale */
+static inline void pv_i16_finish(const int32_t *acc, int64_t D, float scale, float *out) {
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  const __m512 s = _mm512_set1_ps(scale);
+  for (int64_t d = 0; d < D; d += 32) {
+    const __m512 l = _mm512_cvtepi32_ps(_mm512_loadu_si512(acc + d)), h = _mm512_cvtepi32_ps(_mm512_loadu_si512(acc + d + 16));
+    _mm512_storeu_ps(out + d, _mm512_mul_ps(_mm512_permutex2var_ps(l, first, h), s));
+    _mm512_storeu_ps(out + d + 16, _mm512_mul_ps(_mm512_permutex2var_ps(l, second, h), s));
+  }
 }
 
 #define ISA_HAS_ARGMAX 1

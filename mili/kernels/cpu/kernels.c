@@ -1037,11 +1037,12 @@ static void to_bf16_row(const float *src, float scale, int64_t n, bf16 *dst) {
   for (int64_t i = 0; i < n; i += 16) vf_store_bf16_n(dst + i, vf_mul(vf_load_n(src + i, n - i, 0.0f), s), n - i);
 }
 
-/* Softmax numerator in place: s[i] = exp(s[i] - max); returns the sum. */
-static float exp_shifted(float *s, int64_t n) {
+/* Softmax numerator in place: s[i] = exp(s[i] - max); returns the sum (and the maximum at *max). */
+static float exp_shifted_max(float *s, int64_t n, float *max) {
   vf mx = vf_set1(-INFINITY), sum = vf_zero();
   for (int64_t i = 0; i < n; i += 16) mx = vf_max(mx, vf_load_n(s + i, n - i, -INFINITY));
-  const vf top = vf_set1(vf_reduce_max(mx));
+  *max = vf_reduce_max(mx);
+  const vf top = vf_set1(*max);
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
     const vf e = vf_exp(vf_sub(vf_load(s + i), top));
@@ -1054,6 +1055,10 @@ static float exp_shifted(float *s, int64_t n) {
     for (; i < n; i++) total += s[i];
   }
   return total;
+}
+static float exp_shifted(float *s, int64_t n) {
+  float max;
+  return exp_shifted_max(s, n, &max);
 }
 
 /* K/V rows are scattered over pages (one head's row, then the other heads' rows): fetch ahead. */
@@ -1258,20 +1263,6 @@ void mili_gather_kv_int8(const int8_t *cache, const float *scales, const int64_t
     }
 }
 
-#define KV_TILE 16 /* rows dequantized at a time: 8 KB of float32 at D = 128 */
-#ifndef KV_AHEAD
-#define KV_AHEAD 16 /* rows (a tile) between the next tile and the one fetched while this one runs: ~2 pages ahead */
-#endif
-
-/* tile [n][D] float32 = rows[i]'s values (unscaled: the caller applies the scales). D % 16 == 0. */
-static inline __attribute__((always_inline)) void widen_tile(const int8_t *cache, const int64_t *rows, int64_t n,
-                                                             int64_t D, float *tile) {
-  for (int64_t i = 0; i < n; i++) {
-    const int8_t *q = cache + rows[i] * D;
-    for (int64_t d = 0; d < D; d += 16) vf_store(tile + i * D + d, vi_to_vf(vi_load_i8(q + d)));
-  }
-}
-
 /* A query head (bf16 [D]) as int16 with one scale, returned: amax / 32767, q16 = q / scale (times its reciprocal)
  * rounded to nearest even. Its error, at most half a step (amax / 65534), is below bf16's own rounding of q. */
 static float quantize_q16(const bf16 *q, int64_t D, int16_t *q16) {
@@ -1282,121 +1273,244 @@ static float quantize_q16(const bf16 *q, int64_t D, int16_t *q16) {
   return scale;
 }
 
-/* dots[g] = q16[g] . (the row's int8 values), exactly in int32 (|dot| <= 127 x 32767 x D: D <= 512 stays within
- * int32), for the G (<= 4) query heads of a block. D % 32 == 0. */
-static inline __attribute__((always_inline)) void qk_int8_row(const int16_t *q16, int64_t D, const int8_t *kr,
-                                                              const int G, int32_t *dots) {
-  vi acc[4];
-  for (int g = 0; g < G; g++) acc[g] = vi_zero();
-  for (int64_t d = 0; d < D; d += 32)
-    for (int g = 0; g < G; g++) acc[g] = dot_i8_i16x32(acc[g], kr + d, q16 + g * D + d);
-  for (int g = 0; g < G; g++) dots[g] = vi_reduce_add(acc[g]);
+#ifndef ISA_HAS_HSUM16
+/* lane r of the result = the sum of acc[r]'s lanes (16 rows' dot products at once; the ISA layers that have
+ * a transposing tree define their own) */
+static inline vi vi_hsum16(const vi *acc) {
+  int32_t t[16];
+  for (int r = 0; r < 16; r++) t[r] = vi_reduce_add(acc[r]);
+  return vi_load(t);
 }
+#endif
 
-/* The next tile's rows (and their scales), fetched while this one runs: a tile's rows lie in one or two pages. */
-static inline __attribute__((always_inline)) void prefetch_tile(const int8_t *cache, const float *scales,
-                                                                const int64_t *rows, int64_t n, int64_t D) {
+/* s[i] = q16 . (row i's int8 values), exactly in int32 (|dot| <= 127 x 32767 x D: D <= 512 stays within int32), for
+ * the n <= 16 consecutive rows at k (row i at k + i D), as one vector (lane i: row i; lanes past n are 0). The 16
+ * rows' sums stay in registers and are reduced together (vi_hsum16: a transposing tree, not one horizontal sum a
+ * row). D % 32 == 0. */
+static inline __attribute__((always_inline)) vi qk_int8_block(const int16_t *q16, int64_t D, const int8_t *k,
+                                                              int64_t n) {
+  vi acc[16];
+  for (int i = 0; i < 16; i++) acc[i] = vi_zero();
   for (int64_t i = 0; i < n; i++)
-    for (int64_t c = 0; c < D; c += 64) prefetch(cache + rows[i] * D + c, 0);
-  if (n) {
-    prefetch(scales + rows[0], 0);
-    prefetch(scales + rows[n - 1], 0);
-  }
+    for (int64_t d = 0; d < D; d += 32) acc[i] = dot_i8_i16x32(acc[i], k + i * D + d, q16 + d);
+  return vi_hsum16(acc);
 }
 
-/* acc [D] += sum_i w[i] tile[i], n rows. D % 32 == 0. */
-static inline void pv_tile(const float *tile, int64_t n, int64_t D, const float *w, float *acc) {
+#ifndef ISA_HAS_PV_I16
+/* acc[g] [D] += sum_i w[g][i] V[i] for G heads (w[g] at w + 16 g), the n <= 16 consecutive rows at v (row i at
+ * v + i D) widened to float32 in registers, 64 values at a time (each row's bytes widened once for the G heads, the
+ * G x 4 sums held). D % 32 == 0. */
+static inline __attribute__((always_inline)) void pv_int8_block(const int8_t *v, int64_t n, int64_t D, const float *w,
+                                                                const int G, float *acc) {
   int64_t d = 0;
   for (; d + 64 <= D; d += 64) {
-    vf a0 = vf_load(acc + d), a1 = vf_load(acc + d + 16), a2 = vf_load(acc + d + 32), a3 = vf_load(acc + d + 48);
+    vf a[4][4];
+    for (int g = 0; g < G; g++)
+      for (int c = 0; c < 4; c++) a[g][c] = vf_load(acc + g * D + d + 16 * c);
     for (int64_t i = 0; i < n; i++) {
-      const float *t = tile + i * D + d;
-      const vf wi = vf_set1(w[i]);
-      a0 = vf_fmadd(vf_load(t), wi, a0);
-      a1 = vf_fmadd(vf_load(t + 16), wi, a1);
-      a2 = vf_fmadd(vf_load(t + 32), wi, a2);
-      a3 = vf_fmadd(vf_load(t + 48), wi, a3);
+      const int8_t *r = v + i * D + d;
+      vf x[4];
+      for (int c = 0; c < 4; c++) x[c] = vi_to_vf(vi_load_i8(r + 16 * c));
+      for (int g = 0; g < G; g++) {
+        const vf wi = vf_set1(w[16 * g + i]);
+        for (int c = 0; c < 4; c++) a[g][c] = vf_fmadd(x[c], wi, a[g][c]);
+      }
     }
-    vf_store(acc + d, a0);
-    vf_store(acc + d + 16, a1);
-    vf_store(acc + d + 32, a2);
-    vf_store(acc + d + 48, a3);
+    for (int g = 0; g < G; g++)
+      for (int c = 0; c < 4; c++) vf_store(acc + g * D + d + 16 * c, a[g][c]);
   }
   for (; d < D; d += 32) {
-    vf a0 = vf_load(acc + d), a1 = vf_load(acc + d + 16);
+    vf a[4][2];
+    for (int g = 0; g < G; g++)
+      for (int c = 0; c < 2; c++) a[g][c] = vf_load(acc + g * D + d + 16 * c);
     for (int64_t i = 0; i < n; i++) {
-      const vf wi = vf_set1(w[i]);
-      a0 = vf_fmadd(vf_load(tile + i * D + d), wi, a0);
-      a1 = vf_fmadd(vf_load(tile + i * D + d + 16), wi, a1);
+      const int8_t *r = v + i * D + d;
+      const vf x0 = vi_to_vf(vi_load_i8(r)), x1 = vi_to_vf(vi_load_i8(r + 16));
+      for (int g = 0; g < G; g++) {
+        const vf wi = vf_set1(w[16 * g + i]);
+        a[g][0] = vf_fmadd(x0, wi, a[g][0]);
+        a[g][1] = vf_fmadd(x1, wi, a[g][1]);
+      }
     }
-    vf_store(acc + d, a0);
-    vf_store(acc + d + 16, a1);
+    for (int g = 0; g < G; g++)
+      for (int c = 0; c < 2; c++) vf_store(acc + g * D + d + 16 * c, a[g][c]);
   }
 }
+#endif
 
-/* mili_decode_attention over int8 pages (k_cache, v_cache with their scales; the other arguments as there): per
- * (sequence, kv head) task, the group's queries as int16 (a scale per head: quantize_q16), each K row's int8 values
- * dotted with them in int32 (vpmaddwd: a third of the instructions of widening K to float32 and FMA), times the
- * row's scale and the query's; the softmax in float32; then V in tiles of rows widened to float32 once, summed with
- * the softmax's weights times each row's scale (float32, unrounded). Each K and V row is read from memory once.
- * D % 32 == 0, D <= 512. */
+
+/* A decode task's share of the int8 pages: positions p0 .. p0 + n of one sequence (its page table row at pages), all
+ * heads. The rows of page j's head h are (pages[j] Hkv + h) page_size + i; a call walks them as blocks of up to 16
+ * consecutive rows (within a page and the task's positions), body seeing h (the kv head), row (the block's first),
+ * pos (its first position, from p0) and m (its rows). The hardware's prefetchers follow these runs (each page's
+ * K, or V, is Hkv x page_size rows in one piece): software prefetches here made the kernel 1.4x slower. */
+typedef struct {
+  const int64_t *pages;
+  int64_t p0, n, Hkv, page_size;
+} kv_span;
+
+#define FOR_EACH_BLOCK(sp, row, pos, m, body)                                                                   \
+  for (int64_t j = (sp).p0 / (sp).page_size, end = (sp).p0 + (sp).n; j * (sp).page_size < end; j++) {           \
+    const int64_t lo_ = j * (sp).page_size > (sp).p0 ? j * (sp).page_size : (sp).p0;                            \
+    const int64_t hi_ = (j + 1) * (sp).page_size < end ? (j + 1) * (sp).page_size : end;                        \
+    for (int64_t h = 0; h < (sp).Hkv; h++)                                                                      \
+      for (int64_t pos = lo_ - (sp).p0; pos < hi_ - (sp).p0; pos += 16) {                                       \
+        const int64_t m = hi_ - (sp).p0 - pos < 16 ? hi_ - (sp).p0 - pos : 16;                                  \
+        const int64_t row = ((sp).pages[j] * (sp).Hkv + h) * (sp).page_size + ((sp).p0 + pos) % (sp).page_size; \
+        body;                                                                                                   \
+      }                                                                                                         \
+  }
+
+/* scores [Hq][L] (from the span's first position) = q . k x the row's scale x the query's (qscale, which holds the
+ * softmax scale too), the queries q16 [Hq][D] int16. */
+static void span_scores(const kv_span sp, const int16_t *q16, const float *qscale, const int8_t *k_cache,
+                        const float *k_scales, int64_t G, int64_t D, int64_t L, float *scores) {
+  FOR_EACH_BLOCK(sp, row, pos, m, {
+    const vf ks = vf_load_n(k_scales + row, m, 0.0f);
+    for (int64_t g = 0; g < G; g++) {
+      const int64_t hq = h * G + g;
+      const vi dots = qk_int8_block(q16 + hq * D, D, k_cache + row * D, m);
+      vf_store_n(scores + hq * L + pos, vf_mul(vi_to_vf(dots), vf_mul(ks, vf_set1(qscale[hq]))), m);
+    }
+  })
+}
+
+#ifdef ISA_HAS_PV_I16
+/* acc [Hq][D] (float32) = sum over the span's rows of w V, w the softmax's numerators in scores [Hq][L] times each
+ * row's V scale: quantized to int16 per head (its largest weight at 32767; the step is below bf16's rounding of the
+ * largest) and multiplied with V's rows in int32, two rows a pair (pv_i16_block; |sum| <= L x 32767 x 127 stays
+ * within int32 for L <= 512), then scaled back (pv_i16_finish). Scratch: wq int16 [Hq][L], acc32 [Hq][D],
+ * wscale [Hq]. */
+static void span_values(const kv_span sp, float *scores, const int8_t *v_cache, const float *v_scales, int64_t Hq,
+                        int64_t G, int64_t D, int64_t L, int16_t *wq, int32_t *acc32, float *wscale, float *acc) {
+  FOR_EACH_BLOCK(sp, row, pos, m, {
+    const vf vs = vf_load_n(v_scales + row, m, 0.0f);
+    for (int64_t g = 0; g < G; g++) {
+      float *w = scores + (h * G + g) * L + pos;
+      vf_store_n(w, vf_mul(vf_load_n(w, m, 0.0f), vs), m);
+    }
+  })
+  for (int64_t hq = 0; hq < Hq; hq++) {
+    const float *w = scores + hq * L;
+    vf mx = vf_zero();
+    for (int64_t i = 0; i < sp.n; i += 16) mx = vf_max(mx, vf_load_n(w + i, sp.n - i, 0.0f));
+    const float top = vf_reduce_max(mx), inv = top > 0.0f ? 32767.0f / top : 0.0f;
+    for (int64_t i = 0; i < sp.n; i += 16) vi_store_i16_n(wq + hq * L + i, vf_to_vi(vf_mul(vf_load_n(w + i, sp.n - i, 0.0f), vf_set1(inv))), sp.n - i);
+    wscale[hq] = top / 32767.0f;
+  }
+  memset(acc32, 0, sizeof(int32_t) * Hq * D);
+  FOR_EACH_BLOCK(sp, row, pos, m, {
+    const int8_t *v = v_cache + row * D;
+    for (int64_t g0 = 0; g0 < G; g0 += 4) { /* (blocks of up to 4 heads: their sums in registers) */
+      const int16_t *w = wq + (h * G + g0) * L + pos;
+      int32_t *a = acc32 + (h * G + g0) * D;
+      switch (G - g0 < 4 ? G - g0 : 4) {
+        case 1: pv_i16_block(v, m, D, w, L, 1, 4, a); break;
+        case 2: pv_i16_block(v, m, D, w, L, 2, 4, a); break;
+        case 3: pv_i16_block(v, m, D, w, L, 3, 2, a); break;
+        default: pv_i16_block(v, m, D, w, L, 4, 2, a); break;
+      }
+    }
+  })
+  for (int64_t hq = 0; hq < Hq; hq++) pv_i16_finish(acc32 + hq * D, D, wscale[hq], acc + hq * D);
+}
+#else
+/* acc [Hq][D] (float32) = sum over the span's rows of w V, w the softmax's numerators in scores [Hq][L] times each
+ * row's V scale, V's rows widened to float32 (pv_int8_block). */
+static void span_values(const kv_span sp, float *scores, const int8_t *v_cache, const float *v_scales, int64_t Hq,
+                        int64_t G, int64_t D, int64_t L, int16_t *wq, int32_t *acc32, float *wscale, float *acc) {
+  (void)wq, (void)acc32, (void)wscale;
+  memset(acc, 0, sizeof(float) * Hq * D);
+  float w[64];
+  FOR_EACH_BLOCK(sp, row, pos, m, {
+    const vf vs = vf_load_n(v_scales + row, m, 0.0f);
+    const int8_t *v = v_cache + row * D;
+    for (int64_t g0 = 0; g0 < G; g0 += 4) { /* (blocks of up to 4 heads: their sums in registers) */
+      const int64_t gb = G - g0 < 4 ? G - g0 : 4;
+      for (int64_t g = 0; g < gb; g++) /* (each weight times its row's V scale) */
+        vf_store(w + 16 * g, vf_mul(vf_load_n(scores + (h * G + g0 + g) * L + pos, m, 0.0f), vs));
+      float *a = acc + (h * G + g0) * D;
+      switch (gb) {
+        case 1: pv_int8_block(v, m, D, w, 1, a); break;
+        case 2: pv_int8_block(v, m, D, w, 2, a); break;
+        case 3: pv_int8_block(v, m, D, w, 3, a); break;
+        default: pv_int8_block(v, m, D, w, 4, a); break;
+      }
+    }
+  })
+}
+#endif
+
+#define KV_CHUNK 256 /* positions a decode task: a sequence's chunks run on any thread (at most 512: span_values) */
+
+/* mili_decode_attention over int8 pages (k_cache, v_cache with their scales; the other arguments as there), split
+ * like flash decoding: a task is one sequence's chunk of KV_CHUNK positions for all its heads, so it reads each
+ * page's K, then each page's V, as one run of Hkv x page_size rows (read head by head, the runs would be a page's
+ * share, page_size x D bytes, Hkv runs apart). Per task: the queries as int16 (a scale per head: quantize_q16); the
+ * scores of blocks of up to 16 rows of a page and kv head in int32 against the group's queries (span_scores); the
+ * chunk's softmax in float32 (its own maximum); V's weighted sum (span_values). Then per sequence and head, the
+ * chunks' sums rescaled to the largest maximum M and added: sum_c exp(m_c - M) acc_c / sum_c exp(m_c - M) s_c. The
+ * chunks are fixed by the positions, not the threads: the result does not depend on the thread count. Each K and V
+ * row is read from memory once. D % 32 == 0, D <= 512; any page size. */
 void mili_decode_attention_int8(const bf16 *q, int64_t ldq, const int8_t *k_cache, const float *k_scales,
                                 const int8_t *v_cache, const float *v_scales, const int64_t *page_table, int64_t ldp,
                                 const int64_t *context_lens, bf16 *out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
                                 int64_t page_size, float scale, int nthreads) {
-  const int64_t G = Hq / Hkv;
-#pragma omp parallel for num_threads(nthreads) schedule(dynamic)
-  for (int64_t task = 0; task < B * Hkv; task++) {
-    const int64_t b = task / Hkv, h = task % Hkv, ctx = context_lens[b];
-    float *scores = malloc(sizeof(float) * (G * ctx + 2 * G * D + KV_TILE * D + 2 * G));
-    float *qf = scores + G * ctx, *acc = qf + G * D, *tile = acc + G * D, *inv = tile + KV_TILE * D, *qscale = inv + G;
-    int64_t *rows = malloc(sizeof(int64_t) * (ctx + KV_TILE + KV_AHEAD)); /* each position's row for this head */
-    for (int64_t p0 = 0, j = 0; p0 < ctx; p0 += page_size, j++) /* (page by page: no division a position) */
-      for (int64_t i = 0, base = (page_table[b * ldp + j] * Hkv + h) * page_size; i < page_size && p0 + i < ctx; i++)
-        rows[p0 + i] = base + i;
-    const bf16 *qh = q + b * ldq + h * G * D;
-    int16_t *q16 = (int16_t *)qf; /* (G x D int16 in qf's room) */
-    for (int64_t g = 0; g < G; g++) qscale[g] = quantize_q16(qh + g * D, D, q16 + g * D) * scale;
-    for (int64_t p0 = 0; p0 < ctx; p0 += KV_TILE) { /* scores */
-      const int64_t n = ctx - p0 < KV_TILE ? ctx - p0 : KV_TILE, far = ctx - p0 - n - KV_AHEAD;
-      const int64_t next2 = far <= 0 ? 0 : far < KV_TILE ? far : KV_TILE; /* (the tile KV_AHEAD rows past this one) */
-      prefetch_tile(k_cache, k_scales, rows + p0 + n + KV_AHEAD, next2, D);
-      for (int64_t g0 = 0; g0 < G; g0 += 4) { /* (blocks of up to 4 heads: their sums in registers) */
-        const int64_t gb = G - g0 < 4 ? G - g0 : 4;
-        for (int64_t i = 0; i < n; i++) {
-          const int8_t *kr = k_cache + rows[p0 + i] * D;
-          int32_t dots[4];
-          switch (gb) {
-            case 1: qk_int8_row(q16 + g0 * D, D, kr, 1, dots); break;
-            case 2: qk_int8_row(q16 + g0 * D, D, kr, 2, dots); break;
-            case 3: qk_int8_row(q16 + g0 * D, D, kr, 3, dots); break;
-            default: qk_int8_row(q16 + g0 * D, D, kr, 4, dots); break;
-          }
-          const float s = k_scales[rows[p0 + i]];
-          for (int64_t g = 0; g < gb; g++) scores[(g0 + g) * ctx + p0 + i] = (float)dots[g] * (s * qscale[g0 + g]);
+  const int64_t G = Hq / Hkv, L = KV_CHUNK;
+  int64_t *first = malloc(sizeof(int64_t) * (B + 1)); /* sequence b's tasks: first[b] .. first[b + 1] */
+  first[0] = 0;
+  for (int64_t b = 0; b < B; b++) first[b + 1] = first[b] + (context_lens[b] + L - 1) / L;
+  const int64_t ntasks = first[B];
+  float *partial = malloc(sizeof(float) * ntasks * Hq * (D + 2)); /* per task and head: D sums, maximum, total */
+#pragma omp parallel num_threads(nthreads) if (ntasks > 1)
+  {
+    float *scores = malloc(sizeof(float) * (Hq * L + 2 * Hq)), *qscale = scores + Hq * L, *wscale = qscale + Hq;
+    int16_t *q16 = malloc(sizeof(int16_t) * (Hq * D + Hq * L)), *wq = q16 + Hq * D;
+    int32_t *acc32 = malloc(sizeof(int32_t) * Hq * D);
+    int64_t quantized = -1; /* (the sequence whose queries q16 holds) */
+#pragma omp for schedule(dynamic)
+    for (int64_t task = 0; task < ntasks; task++) {
+      int64_t b = 0;
+      while (first[b + 1] <= task) b++;
+      const int64_t p0 = (task - first[b]) * L;
+      const kv_span sp = {page_table + b * ldp, p0, context_lens[b] - p0 < L ? context_lens[b] - p0 : L, Hkv, page_size};
+      if (quantized != b) {
+        for (int64_t hq = 0; hq < Hq; hq++) qscale[hq] = quantize_q16(q + b * ldq + hq * D, D, q16 + hq * D) * scale;
+        quantized = b;
+      }
+      span_scores(sp, q16, qscale, k_cache, k_scales, G, D, L, scores);
+      float *part = partial + task * Hq * (D + 2);
+      for (int64_t hq = 0; hq < Hq; hq++) /* the chunk's softmax: its maximum, exp(s - max), their total */
+        part[Hq * D + Hq + hq] = exp_shifted_max(scores + hq * L, sp.n, part + Hq * D + hq);
+      span_values(sp, scores, v_cache, v_scales, Hq, G, D, L, wq, acc32, wscale, part);
+    }
+    free(scores);
+    free(q16);
+    free(acc32);
+  }
+#pragma omp parallel for num_threads(nthreads) collapse(2) schedule(static) if (B * Hq >= 8)
+  for (int64_t b = 0; b < B; b++)
+    for (int64_t hq = 0; hq < Hq; hq++) { /* the chunks rescaled to the largest maximum and added */
+      float top = -INFINITY, total = 0.0f;
+      for (int64_t t = first[b]; t < first[b + 1]; t++) {
+        const float mt = partial[t * Hq * (D + 2) + Hq * D + hq];
+        top = mt > top ? mt : top;
+      }
+      for (int64_t t = first[b]; t < first[b + 1]; t++) {
+        const float *part = partial + t * Hq * (D + 2);
+        total += expf(part[Hq * D + hq] - top) * part[Hq * D + Hq + hq];
+      }
+      for (int64_t d = 0; d < D; d += 16) {
+        vf o = vf_zero();
+        for (int64_t t = first[b]; t < first[b + 1]; t++) {
+          const float *part = partial + t * Hq * (D + 2);
+          o = vf_fmadd(vf_load(part + hq * D + d), vf_set1(expf(part[Hq * D + hq] - top) / total), o);
         }
+        vf_store_bf16(out + (b * Hq + hq) * D + d, o);
       }
     }
-    for (int64_t g = 0; g < G; g++) inv[g] = 1.0f / exp_shifted(scores + g * ctx, ctx);
-    memset(acc, 0, sizeof(float) * G * D);
-    for (int64_t p = 0; p < ctx; p++) { /* each weight times its row's V scale */
-      const float s = v_scales[rows[p]];
-      for (int64_t g = 0; g < G; g++) scores[g * ctx + p] *= s;
-    }
-    for (int64_t p0 = 0; p0 < ctx; p0 += KV_TILE) { /* the weighted sum of V */
-      const int64_t n = ctx - p0 < KV_TILE ? ctx - p0 : KV_TILE, far = ctx - p0 - n - KV_AHEAD;
-      const int64_t next2 = far <= 0 ? 0 : far < KV_TILE ? far : KV_TILE; /* (the tile KV_AHEAD rows past this one) */
-      prefetch_tile(v_cache, v_scales, rows + p0 + n + KV_AHEAD, next2, D);
-      widen_tile(v_cache, rows + p0, n, D, tile);
-      for (int64_t g = 0; g < G; g++) pv_tile(tile, n, D, scores + g * ctx + p0, acc + g * D);
-    }
-    bf16 *o = out + (b * Hq + h * G) * D;
-    for (int64_t g = 0; g < G; g++)
-      for (int64_t d = 0; d < D; d += 16)
-        vf_store_bf16(o + g * D + d, vf_mul(vf_load(acc + g * D + d), vf_set1(inv[g])));
-    free(scores);
-    free(rows);
-  }
+  free(partial);
+  free(first);
 }
 
 /* Causal attention of one sequence's prefill chunk: q [Lq, Hq, D] (token stride ldq) are the last Lq of the
