@@ -1,27 +1,32 @@
 """A/B of versions of MILI's CPU decode attention (kernels.c) in one process: batch-1 decode attention over every
 layer of a Qwen3 shape after ``--depths`` tokens, each layer's K/V in its own pages (random values, as a step streams
-them; L3 defeated), bf16 pages (``mili_decode_attention``) and int8 pages (``mili_decode_attention_int8``), the
+them; L3 defeated), bf16 pages and int8 pages (``mili_decode_attention`` over either), the
 versions alternating, so a shared machine's minutes hit them alike. The attention alone: the part of a long-context
 decode step that ``--kv-cache-dtype int8`` changes (llamacpp_compare.py --depths measures whole steps).
 
     python benchmarks/attention_ab.py OLD.c NEW.c [--depths 4096 16384] [--kv bf16 int8] [--repeat 8]
     python benchmarks/attention_ab.py mili/kernels/cpu/kernels.c@avx512 mili/kernels/cpu/kernels.c@avx2
 
-A version is ``SOURCE[@ISA]`` as in linear_ab.py (built the same way). GB counts every byte a step's attention
-reads: the pages' values and, for int8, their float32 scales. Per thread count (1, 2): each version's median and
-minimum over the repeats, its GB/s at the minimum, that as a share of a copy (read + write, same threads, best of 6,
+A version is ``SOURCE[@ISA]`` as in linear_ab.py (built the same way): today's entry point (one
+``mili_decode_attention`` over a ``mili_kv_pages`` descriptor, kernels.c from 2026-12-01 on) or the one before it
+(``mili_decode_attention`` and ``mili_decode_attention_int8`` apart). GB counts every byte a step's attention reads:
+the pages' values and, for int8, their float32 scales. Per thread count (1, 2): each version's median and minimum
+over the repeats, its GB/s at the minimum, that as a share of a copy (read + write, same threads, best of 6,
 measured beside) and its ratio to the first version (of medians).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import statistics
 import time
 
 import torch
 from common import machine, print_table
 from linear_ab import build, copy_rate
+
+from mili.kernels.cpu import ops
 
 SHAPES = {"0.6B": (16, 8, 128, 28), "4B:8": (32, 8, 128, 8)}  # Hq, Hkv, D, layers
 
@@ -38,18 +43,44 @@ def pages(kv: str, layers: int, n_pages: int, hkv: int, page: int, d: int, g: to
     return out
 
 
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+# the entry points before the pages' descriptor (kernels.c before 2026-12-01): bf16 and int8 pages apart
+OLD = {"mili_decode_attention": [_P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float, ctypes.c_int],
+       "mili_decode_attention_int8": [_P, _I, _P, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float,
+                                      ctypes.c_int]}
+
+
+def old_abi(lib) -> bool:
+    """A version from before the descriptor (it exports mili_decode_attention_int8): its old argument types set."""
+    if not hasattr(lib, "mili_decode_attention_int8"):
+        return False
+    for name, argtypes in OLD.items():
+        getattr(lib, name).argtypes = argtypes
+    return True
+
+
 def step(lib, kv: str, caches, q, out, table, lens, hq: int, hkv: int, d: int, page: int, threads: int) -> float:
     scale = d ** -0.5
+    if old_abi(lib):
+        start = time.perf_counter()
+        for k, v in caches:
+            if kv == "bf16":
+                lib.mili_decode_attention(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), table.data_ptr(),
+                                          table.stride(0), lens.data_ptr(), out.data_ptr(), 1, hq, hkv, d, page, scale,
+                                          threads)
+            else:
+                lib.mili_decode_attention_int8(q.data_ptr(), q.stride(0), k[0].data_ptr(), k[1].data_ptr(),
+                                               v[0].data_ptr(), v[1].data_ptr(), table.data_ptr(), table.stride(0),
+                                               lens.data_ptr(), out.data_ptr(), 1, hq, hkv, d, page, scale, threads)
+        return time.perf_counter() - start
+    seqs = ops.SeqPages(table.data_ptr(), table.stride(0), lens.data_ptr(), 1)
+    views = [ops.KVPages(k.data_ptr(), v.data_ptr(), None, None, hkv, d, page) if kv == "bf16" else
+             ops.KVPages(k[0].data_ptr(), v[0].data_ptr(), k[1].data_ptr(), v[1].data_ptr(), hkv, d, page)
+             for k, v in caches]
     start = time.perf_counter()
-    for k, v in caches:
-        if kv == "bf16":
-            lib.mili_decode_attention(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), table.data_ptr(),
-                                      table.stride(0), lens.data_ptr(), out.data_ptr(), 1, hq, hkv, d, page, scale,
-                                      threads)
-        else:
-            lib.mili_decode_attention_int8(q.data_ptr(), q.stride(0), k[0].data_ptr(), k[1].data_ptr(),
-                                           v[0].data_ptr(), v[1].data_ptr(), table.data_ptr(), table.stride(0),
-                                           lens.data_ptr(), out.data_ptr(), 1, hq, hkv, d, page, scale, threads)
+    for pages in views:
+        lib.mili_decode_attention(q.data_ptr(), q.stride(0), hq, scale, ctypes.byref(pages), ctypes.byref(seqs),
+                                  out.data_ptr(), threads)
     return time.perf_counter() - start
 
 

@@ -11,8 +11,9 @@ those minutes, not the kernels). Two measures:
 
     python benchmarks/kernel_ab.py OLD.c NEW.c [--model M] [--mode layers|e2e] [--rounds 16] [--context 64]
 
-e.g. ``git show HEAD~1:mili/kernels/cpu/kernels.c > /tmp/old.c`` (a version needs ``mili_decode_layers``: kernels.c
-from 2026-11-26 on). A version is a kernels.c path: the ISA headers it
+e.g. ``mkdir /tmp/old && git archive HEAD~1 mili/kernels/cpu | tar -x -C /tmp/old``, then
+``/tmp/old/mili/kernels/cpu/kernels.c`` (a version needs today's ``mili_decode_layers``, over ``mili_kv_pages``
+descriptors: kernels.c from 2026-12-01 on). A version is a kernels.c path: the ISA headers it
 includes are those beside it where it has them (a copy of ``mili/kernels/cpu`` with one file changed compares a
 header change), else the working tree's; ``SOURCE@ISA`` picks an ISA. Built by ``linear_ab.build`` (cc -O3, the ISA's
 flags, -fopenmp, under /tmp). Default

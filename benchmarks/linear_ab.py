@@ -16,8 +16,10 @@ offsets), q6_k-int8g and q5_k-int8g (Q6_K's and Q5_K's forms as 8-bit u, as MILI
 q4_k-f32 and q6_k-f32: the same with float32 scales d sc (and offsets), as MILI kept them before. GB counts every
 byte a format reads (weights, scales, offsets, column sums). ``--rows``: x's rows (default 1: decode).
 
-e.g. ``git show HEAD~1:mili/kernels/cpu/kernels.c > /tmp/old.c`` against the working tree's file (its ISA headers
-are the working tree's). The calls are today's (the int4 kernel's high_bits and both grouped kernels' ldy after
+e.g. ``mkdir /tmp/old && git archive HEAD~1 mili/kernels/cpu | tar -x -C /tmp/old``, then
+``/tmp/old/mili/kernels/cpu/kernels.c`` against the working tree's (a version compiles with the files beside it: its
+kernel families and ISA headers; a lone kernels.c from before 2026-12-01, one file, takes the working tree's ISA
+headers). The calls are today's (the int4 kernel's high_bits and both grouped kernels' ldy after
 scale_mode and sub): a version from before them takes its arguments shifted, so its int4 and int8g figures mean
 nothing; its bf16 and int8 ones stand. Each version is built like the library (cc -O3, the ISA's flags alone, -fopenmp) under
 /tmp, keyed by its source and flags. Per thread count
@@ -39,7 +41,7 @@ from pathlib import Path
 import torch
 from common import machine, print_table
 
-from mili.kernels.cpu import HERE, SIGNATURES, best_isa, compile_flags
+from mili.kernels.cpu import HERE, abi, best_isa, compile_flags
 from mili.kernels.cpu.ops import int8_column_sums, pack_int4, pack_int8g, pack_weight, scale_form
 
 # (out, in) of qkv, o, gate_up, down; decoder layers
@@ -58,17 +60,17 @@ GROUPED = {"int4": ("int4", GROUP, torch.float32, True, 0), "q4_0": ("int4", 32,
 def build(version: str) -> ctypes.CDLL:
     source, _, isa = version.partition("@")
     flags = compile_flags(isa or best_isa())
-    # (the ISA headers it includes: those beside the source where it has them, else the working tree's)
-    headers = sorted(Path(source).resolve().parent.glob("isa_*.h")) or sorted(HERE.glob("isa_*.h"))
+    # (the files it includes: those beside the source where it has them, else the working tree's)
+    beside = Path(source).resolve().parent
+    headers = sorted(set(beside.glob("*.[ch]")) - {Path(source).resolve()}) if any(beside.glob("isa_*.h")) else \
+        sorted(set(HERE.glob("*.[ch]")) - {HERE / "kernels.c"})
     key = hashlib.sha256(b"".join(p.read_bytes() for p in [Path(source), *headers])
                          + " ".join(flags).encode()).hexdigest()[:16]
     target = f"/tmp/mili_linear_ab_{key}.so"
     subprocess.run(["cc", "-O3", *flags, "-fopenmp", "-shared", "-fPIC", f"-I{HERE}", source, "-o", target, "-lm"],
                    check=True)
     lib = ctypes.CDLL(target)
-    for name, argtypes in SIGNATURES.items():
-        if hasattr(lib, name):  # (an older version may lack a newer function)
-            getattr(lib, name).argtypes = argtypes
+    abi.bind(lib)  # (an older version may lack a newer function: bind skips it)
     return lib
 
 

@@ -30,7 +30,8 @@ environment, so set both when starting the script (it refuses otherwise)::
 ``--depths 4096 16384`` measures batch-1 decode after that many tokens instead, for the KV cache's formats: MILI
 with its bf16 pages and with ``--kv-cache-dtype int8`` (int8 and a float32 scale per token and kv head), and
 llama.cpp's best of its f16 and q8_0 caches with flash attention off and on (``-ctk``/``-ctv``, ``-fa``; q8_0 V
-needs flash attention), all on the bf16 weights. MILI prefills each depth once (the prompt then stays in its
+needs flash attention), all on the bf16 weights (``--depth-weights Q8_0``: both engines on the same Q8_0 GGUF file,
+MILI through its GGUF loader). MILI prefills each depth once (the prompt then stays in its
 prefix cache, so each round decodes after it without prefilling again); llama-bench decodes at ``-d``. The roofline
 is the copy bandwidth over the bytes a step reads: the weights and the K/V of every earlier token (MILI: its pages'
 bytes, int8's scales included). ``--skip-llama`` measures MILI alone (no llama.cpp build). ``--synthetic`` skips
@@ -200,16 +201,17 @@ def run_mili(engine: LLMEngine, args) -> tuple[float, float]:
 
 
 def run_llama_depth(bin_dir: Path, model: Path, depth: int, args) -> tuple[float, str]:
-    """(decode tok/s, its configuration): llama-bench's best over its KV cache types (f16, q8_0) and flash attention
-    off and on, decoding ``--output-len`` tokens at depth ``depth``."""
+    """(decode tok/s, its configuration): llama-bench's best over ``--llama-caches`` (default its KV cache types f16
+    and q8_0, flash attention off and on; a quantized V cache needs it on), decoding ``--output-len`` tokens at depth
+    ``depth``."""
     best = (0.0, "")
-    for cache in ("f16", "q8_0"):
-        for fa in ("0", "1") if cache == "f16" else ("1",):  # (a quantized V cache needs flash attention)
-            out = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(model), "-p", "0", "-n", str(args.output_len),
-                                  "-d", str(depth), "-ctk", cache, "-ctv", cache, "-fa", fa, "-t", str(args.threads),
-                                  "-r", str(args.repeat), "-o", "json"],
-                                 check=True, capture_output=True, text=True).stdout
-            best = max(best, (json.loads(out)[0]["avg_ts"], f"{cache} cache, fa {fa}"))
+    for cache, fa in (c.split(":") for c in args.llama_caches):
+        # (--no-warmup: llama-bench's warm-up run would prefill the whole depth a second time)
+        out = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(model), "-p", "0", "-n", str(args.output_len),
+                              "-d", str(depth), "-ctk", cache, "-ctv", cache, "-fa", fa, "-t", str(args.threads),
+                              "-r", str(args.repeat), "--no-warmup", "-o", "json"],
+                             check=True, capture_output=True, text=True).stdout
+        best = max(best, (json.loads(out)[0]["avg_ts"], f"{cache} cache, fa {fa}"))
     return best
 
 
@@ -261,7 +263,10 @@ def depth_compare(spec: str, bin_dir: Path | None, args) -> None:
 
     name, _, layers = spec.partition(":")
     dense = qwen3_checkpoint(name, layers=int(layers) if layers else None)
-    bf16_gguf = gguf(dense, "BF16", bin_dir) if bin_dir is not None else None
+    if args.depth_weights != "BF16" and bin_dir is None:
+        sys.exit(f"--depth-weights {args.depth_weights} needs llama.cpp (its llama-quantize makes the file)")
+    weights = gguf(dense, args.depth_weights, bin_dir) if bin_dir is not None else None
+    mili_model = dense if args.depth_weights == "BF16" else str(weights)  # (Q8_0: MILI reads the GGUF file too)
     torch.set_num_threads(args.threads)
     rows = []
     for depth in args.depths:
@@ -270,7 +275,7 @@ def depth_compare(spec: str, bin_dir: Path | None, args) -> None:
         tokens = depth + args.output_len + 32
         for kv in ("bf16", "int8"):
             engines[kv] = LLMEngine(EngineConfig(
-                model=dense, dtype="bfloat16", max_model_len=tokens, kv_cache_dtype="auto" if kv == "bf16" else kv,
+                model=mili_model, dtype="bfloat16", max_model_len=tokens, kv_cache_dtype="auto" if kv == "bf16" else kv,
                 num_kv_pages=-(-tokens // 16) + 4, num_threads=args.threads))
             if not args.synthetic:
                 _run(engines[kv], [prompt], [1])  # the prefill, once: the prompt stays in the prefix cache
@@ -285,8 +290,8 @@ def depth_compare(spec: str, bin_dir: Path | None, args) -> None:
                 decode = []  # [seconds, tokens] of the steps after the first token
                 _run(engines[kv], [prompt], [args.output_len], decode)
                 got[kv].append(decode[1] / decode[0])
-            if bin_dir is not None:
-                got["llama"].append(run_llama_depth(bin_dir, bf16_gguf, depth, args))
+            if bin_dir is not None and not args.skip_llama:
+                got["llama"].append(run_llama_depth(bin_dir, weights, depth, args))
         del engines
         gc.collect()
         b16, i8, bw = got["bf16"], got["int8"], got["bw"]
@@ -295,19 +300,19 @@ def depth_compare(spec: str, bin_dir: Path | None, args) -> None:
                spread([100 * x * step["bf16"] / c for x, c in zip(b16, bw)], "{:.0f}", "%"),
                spread([100 * x * step["int8"] / c for x, c in zip(i8, bw)], "{:.0f}", "%"),
                f"{step['bf16'] / 1e9:.3f} / {step['int8'] / 1e9:.3f}"]
-        if bin_dir is not None:
+        if got["llama"]:
             llama = [t for t, _ in got["llama"]]
             row += [spread(llama, "{:.1f}") + f" ({'; '.join(sorted({c for _, c in got['llama']}))})",
                     spread([i / x for i, x in zip(i8, llama)], unit="x")]
         rows.append(row)
     how = "steps run by hand over random pages (--synthetic)" if args.synthetic else "after a prefilled prompt"
-    print(f"\n{spec} (random weights, bf16): batch-1 decode of {args.output_len} tokens after each depth ({how}), "
+    print(f"\n{spec} (random weights, {'bf16' if args.depth_weights == 'BF16' else 'the same Q8_0 file'}): batch-1 decode of {args.output_len} tokens after each depth ({how}), "
           f"{args.threads} threads, {args.rounds} rounds; copy {spread([b / 1e9 for b in got['bw']], '{:.1f}')} GB/s "
           f"(the last depth's); {machine()}; {cpu_model()}, {cpu_flags()}; "
           f"MILI_CPU_ISA={os.environ.get('MILI_CPU_ISA') or '(unset)'}")
     headers = ["depth", "MILI bf16 pages tok/s", "MILI int8 pages tok/s", "int8 / bf16", "bf16, of roofline",
                "int8, of roofline", "GB a step (bf16 / int8)"]
-    if bin_dir is not None:
+    if bin_dir is not None and not args.skip_llama:
         headers += ["llama.cpp best tok/s (its cache)", "MILI int8 / llama.cpp"]
     print_table(f"KV cache formats at depth, {spec} (each cell: the rounds' median, and their range)", headers, rows)
 
@@ -379,7 +384,14 @@ def main() -> None:
     p.add_argument("--depths", type=int, nargs="+", default=None,
                    help="measure batch-1 decode after each of these many tokens, MILI's bf16 and int8 KV pages (and "
                         "llama.cpp's best cache), instead of the format pairs")
-    p.add_argument("--skip-llama", action="store_true", help="--depths: MILI alone (llama.cpp not built or run)")
+    p.add_argument("--depth-weights", choices=["BF16", "Q8_0"], default="BF16",
+                   help="--depths: the weights: MILI's bf16 checkpoint and llama.cpp's BF16 GGUF, or both engines on "
+                        "the same Q8_0 GGUF file (MILI through its GGUF loader)")
+    p.add_argument("--llama-caches", nargs="+", default=["f16:0", "f16:1", "q8_0:1"],
+                   help="--depths: llama.cpp's KV cache type and flash attention (0/1) to try, the best kept")
+    p.add_argument("--skip-llama", action="store_true",
+                   help="--depths: MILI alone (llama.cpp not run; built only where --depth-weights Q8_0 needs its "
+                        "quantizer)")
     p.add_argument("--synthetic", action="store_true",
                    help="--depths: MILI's decode steps run by hand over random pages, no prefill (see above)")
     p.add_argument("--cpu-isa", choices=list(LLAMA_ISA), default="native",
@@ -398,7 +410,7 @@ def main() -> None:
     if args.cpu_isa == "avx2" and torch.backends.cpu.get_cpu_capability() not in ("AVX2", "DEFAULT"):
         sys.exit(f"--cpu-isa avx2 but torch runs {torch.backends.cpu.get_cpu_capability()} kernels (it reads "
                  f"ATEN_CPU_CAPABILITY at import): run {how}")
-    if args.depths is not None and args.skip_llama:
+    if args.depths is not None and args.skip_llama and args.depth_weights == "BF16":
         for spec in args.models:
             depth_compare(spec, None, args)
         return

@@ -15,31 +15,19 @@ import ctypes
 
 import torch
 
-from mili.kernels.cpu import load
-from mili.kernels.cpu.ops import Int8Pages, LoRADesc, decode_metadata, scale_form
+from mili.kernels.cpu import abi, load
+from mili.kernels.cpu.ops import Int8Pages, KVPages, decode_metadata, kv_pages, scale_form, seq_pages
 from mili.lora import LoRALinear
 from mili.model.cpu_linear import Int4Linear, Int8GroupLinear, Int8Linear, KernelLinear, SplitLinear
 from mili.model.batch import ForwardBatch
 
-_P, _I = ctypes.c_void_p, ctypes.c_int64
 # a verifying sequence's tokens in one step, at most (its last token and drafts, each a row of the decode kernels)
 MAX_QUERY = 16
 
 
-class LinearDesc(ctypes.Structure):
-    pass
-
-
-LinearDesc._fields_ = [("w", _P), ("scales", _P), ("aux", _P), ("n", _I), ("k", _I), ("group", _I), ("scale_mode", _I),
-                       ("sub", _I), ("int8g", _I), ("high_bits", _I), ("next", ctypes.POINTER(LinearDesc)),
-                       ("lora", ctypes.POINTER(LoRADesc))]
-
-
-class LayerDesc(ctypes.Structure):
-    _fields_ = [("hidden", _I), ("q_heads", _I), ("kv_heads", _I), ("head_dim", _I), ("inter", _I),
-                ("eps", ctypes.c_float), ("scale", ctypes.c_float),
-                ("input_norm", _P), ("post_norm", _P), ("q_norm", _P), ("k_norm", _P),
-                ("qkv", LinearDesc), ("o", LinearDesc), ("gate_up", LinearDesc), ("down", LinearDesc)]
+# mili_kernels.h's descriptors: one linear layer (a chain through ``next``; its LoRA adapters at ``lora``), one layer
+LinearDesc, LayerDesc = abi.STRUCTS["mili_linear_desc"], abi.STRUCTS["mili_layer_desc"]
+DecodeStep = abi.STRUCTS["mili_decode_step"]  # the step's tokens through the layers
 
 
 def _linear_desc(layer) -> LinearDesc | None:
@@ -108,7 +96,7 @@ class CpuDecodeRunner:
                 *(n.weight.data_ptr() for n in norms), *linears))
         if self.layers:  # one array: mili_decode_layers runs them all in one call
             self.layers = (LayerDesc * len(self.layers))(*self.layers)
-        self._kv_pointers: tuple[int, tuple] | None = None
+        self._kv_pages: tuple[int, object] | None = None
         # the model's LoRA adapters' step (which slot each row runs), where it has them
         self.lora_step = next((m.step for m in model.modules() if isinstance(m, LoRALinear)), None)
         self.work_per_token = 0
@@ -116,20 +104,14 @@ class CpuDecodeRunner:
             d = self.layers[0]
             self.work_per_token = (2 * d.hidden + _rows(d.qkv) + d.q_heads * d.head_dim + _rows(d.gate_up) + d.inter)
 
-    def _pointers(self, kv_caches: list[tuple]) -> tuple:
-        """Each layer's K and V pages' addresses, and (int8 pages) their scales' (else None), as arrays for
-        mili_decode_layers (made again only if the caches are not the ones they were made from)."""
-        int8 = isinstance(kv_caches[0][0], Int8Pages)
-        key = (kv_caches[0][0].values if int8 else kv_caches[0][0]).data_ptr()
-        if self._kv_pointers is None or self._kv_pointers[0] != key:
-            def array(tensors):
-                return (_P * len(kv_caches))(*(t.data_ptr() for t in tensors))
-
-            ks, vs = zip(*kv_caches)
-            arrays = ((array(c.values for c in ks), array(c.values for c in vs), array(c.scales for c in ks),
-                       array(c.scales for c in vs)) if int8 else (array(ks), array(vs), None, None))
-            self._kv_pointers = (key, arrays)
-        return self._kv_pointers[1]
+    def _pages(self, kv_caches: list[tuple]):
+        """Each layer's pages as the kernels read them (mili_kv_pages [layers], for mili_decode_layers), made again
+        only if the caches are not the ones they were made from."""
+        first = kv_caches[0][0]
+        key = (first.values if isinstance(first, Int8Pages) else first).data_ptr()
+        if self._kv_pages is None or self._kv_pages[0] != key:
+            self._kv_pages = (key, (KVPages * len(kv_caches))(*(kv_pages(k, v) for k, v in kv_caches)))
+        return self._kv_pages[1]
 
     @property
     def available(self) -> bool:
@@ -158,10 +140,9 @@ class CpuDecodeRunner:
             lens = torch.cat([torch.arange(c - q + 1, c + 1) for q, c in zip(batch.query_lens, batch.context_lens)])
         threads = torch.get_num_threads()
         lora = self.lora_step.slots.data_ptr() if self.lora_step is not None and self.lora_step.active else None
-        k_pointers, v_pointers, k_scales, v_scales = self._pointers(kv_caches)
-        self.lib.mili_decode_layers(self.layers, len(self.layers), h.data_ptr(), residual.data_ptr(), k_pointers,
-                                    v_pointers, k_scales, v_scales, slots.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                                    table.data_ptr(), table.stride(0), lens.data_ptr(), kv_caches[0][0].shape[2], t,
-                                    work.data_ptr(), lora, threads)
+        step = DecodeStep(h.data_ptr(), residual.data_ptr(), slots.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                          work.data_ptr(), lora, t)
+        self.lib.mili_decode_layers(self.layers, self._pages(kv_caches), len(self.layers),
+                                    ctypes.byref(seq_pages(table, lens)), ctypes.byref(step), threads)
         rows = batch.logits_indices
         return self.model.model.norm(h[rows], residual[rows])[0]

@@ -855,7 +855,8 @@ static void test_store_kv(int64_t T, int64_t Hkv, int64_t D, int64_t ps) {
     for (int64_t u = 0; u < t; u++)
       if (slots[t] >= 0 && slots[t] == slots[u]) slots[t] = -1;
   const bf16 *k = rows + 2 * D, *v = rows + (2 + Hkv) * D;
-  mili_store_kv(k, ld, v, ld, kc, vc, slots, T, Hkv, D, ps);
+  const mili_kv_pages kv = {kc, vc, NULL, NULL, Hkv, D, ps};
+  mili_store_kv(k, ld, v, ld, slots, T, &kv, NT);
   ref_store_kv(k, ld, v, ld, kr, vr, slots, T, Hkv, D, ps);
   Acc a;
   acc_init(&a);
@@ -911,7 +912,9 @@ static void test_decode_attention(int64_t B, const int64_t *lens, int64_t Hkv, i
   fill_bf(q, B * ldq, -2.0f, 2.0f);
   fill_u16(out, B * Hq * D + 32, 0x7fc1);
   const float scale = 1.0f / sqrtf((float)D);
-  mili_decode_attention(q, ldq, kc, vc, table, ldp, lens, out, B, Hq, Hkv, D, ps, scale, NT);
+  const mili_kv_pages kv = {kc, vc, NULL, NULL, Hkv, D, ps};
+  const mili_seq_pages seqs = {table, ldp, lens, B};
+  mili_decode_attention(q, ldq, Hq, scale, &kv, &seqs, out, NT);
   double *want = xalloc(sizeof(double) * B * Hq * D), *tol = xalloc(sizeof(double) * B * Hq * D);
   ref_decode_attention(q, ldq, kc, vc, table, ldp, lens, B, Hq, Hkv, D, ps, scale, want, tol);
   Acc a;
@@ -948,7 +951,8 @@ static void test_store_kv_int8(int64_t T, int64_t Hkv, int64_t D, int64_t ps) {
   for (int64_t t = 0; t < T; t++)
     for (int64_t u = 0; u < t; u++)
       if (slots[t] >= 0 && slots[t] == slots[u]) slots[t] = -1;
-  mili_store_kv_int8(k, ld, v, ld, kc, ks, vc, vs, slots, T, Hkv, D, ps, NT);
+  const mili_kv_pages kv = {kc, vc, ks, vs, Hkv, D, ps};
+  mili_store_kv(k, ld, v, ld, slots, T, &kv, NT);
   ref_store_kv_int8(k, ld, v, ld, kr, ksr, vr, vsr, slots, T, Hkv, D, ps);
   Acc a;
   acc_init(&a);
@@ -964,7 +968,8 @@ static void test_store_kv_int8(int64_t T, int64_t Hkv, int64_t D, int64_t ps) {
   int64_t *table = make_pages(2, lens, ps, &npages, &ldp);
   for (int64_t i = 0; i < 2 * ldp; i++) table[i] %= pages;
   bf16 *out = xalloc(sizeof(bf16) * 2 * T * Hkv * D), *want = xalloc(sizeof(bf16) * 2 * T * Hkv * D);
-  mili_gather_kv_int8(kc, ks, table, ldp, 2, T, Hkv, D, ps, out, NT);
+  const mili_seq_pages seqs = {table, ldp, lens, 2};
+  mili_gather_kv_int8(&kv, 0, &seqs, T, out, NT);
   for (int64_t b = 0; b < 2; b++)
     for (int64_t p = 0; p < T; p++)
       for (int64_t h = 0; h < Hkv; h++) {
@@ -1008,7 +1013,9 @@ static void test_decode_attention_int8(int64_t B, const int64_t *lens, int64_t H
   fill_bf(q, B * ldq, -2.0f, 2.0f);
   fill_u16(out, B * Hq * D + 32, 0x7fc1);
   const float scale = 1.0f / sqrtf((float)D);
-  mili_decode_attention_int8(q, ldq, kc, ks, vc, vs, table, ldp, lens, out, B, Hq, Hkv, D, ps, scale, NT);
+  const mili_kv_pages kv = {kc, vc, ks, vs, Hkv, D, ps};
+  const mili_seq_pages seqs = {table, ldp, lens, B};
+  mili_decode_attention(q, ldq, Hq, scale, &kv, &seqs, out, NT);
   double *want = xalloc(sizeof(double) * B * Hq * D), *tol = xalloc(sizeof(double) * B * Hq * D);
   ref_decode_attention_int8(q, ldq, kc, ks, vc, vs, table, ldp, lens, B, Hq, Hkv, D, ps, scale, want, tol);
   Acc a;
@@ -1109,12 +1116,13 @@ static void decode_layer_case(int kind, int64_t group, int mode, int sym, int fi
   const int64_t nwork = T * (H + nqkv + Hq * D + H + 2 * I + I);
   bf16 *work = xalloc(sizeof(bf16) * nwork);
 
-  if (kv8)
-    mili_decode_layer(&L, h[0], res[0], first, kq[0], vq[0], ksc[0], vsc[0], slots, cos_t, sin_t, table, ldp, lens, ps,
-                      T, work, NULL, NT);
-  else
-    mili_decode_layer(&L, h[0], res[0], first, kc[0], vc[0], NULL, NULL, slots, cos_t, sin_t, table, ldp, lens, ps, T,
-                      work, NULL, NT);
+  const mili_seq_pages seqs = {table, ldp, lens, T};
+  const mili_kv_pages kv0 = kv8 ? (mili_kv_pages){kq[0], vq[0], ksc[0], vsc[0], Hkv, D, ps}
+                                : (mili_kv_pages){kc[0], vc[0], NULL, NULL, Hkv, D, ps};
+  const mili_kv_pages kv1 = kv8 ? (mili_kv_pages){kq[1], vq[1], ksc[1], vsc[1], Hkv, D, ps}
+                                : (mili_kv_pages){kc[1], vc[1], NULL, NULL, Hkv, D, ps};
+  const mili_decode_step step = {h[0], res[0], slots, cos_t, sin_t, work, NULL, T};
+  mili_decode_layer(&L, first, &kv0, &seqs, &step, NT);
 
   { /* (1) the pieces, as the layer documents them */
     bf16 *normed = xalloc(sizeof(bf16) * T * H), *x = xalloc(sizeof(bf16) * T * nqkv), *attn = xalloc(sizeof(bf16) * T * Hq * D);
@@ -1128,15 +1136,8 @@ static void decode_layer_case(int kind, int64_t group, int mode, int sym, int fi
     lin_run_ld(&qkv, normed, x, nqkv, T);
     if (split) lin_run_ld(&v, normed, x + nqk, nqkv, T);
     mili_qk_norm_rope(x, nqkv, T, Hq, Hkv, D, L.q_norm, L.k_norm, eps, cos_t, sin_t, NT);
-    if (kv8) {
-      mili_store_kv_int8(x + Hq * D, nqkv, x + (Hq + Hkv) * D, nqkv, kq[1], ksc[1], vq[1], vsc[1], slots, T, Hkv, D, ps,
-                         NT);
-      mili_decode_attention_int8(x, nqkv, kq[1], ksc[1], vq[1], vsc[1], table, ldp, lens, attn, T, Hq, Hkv, D, ps, scale,
-                                 NT);
-    } else {
-      mili_store_kv(x + Hq * D, nqkv, x + (Hq + Hkv) * D, nqkv, kc[1], vc[1], slots, T, Hkv, D, ps);
-      mili_decode_attention(x, nqkv, kc[1], vc[1], table, ldp, lens, attn, T, Hq, Hkv, D, ps, scale, NT);
-    }
+    mili_store_kv(x + Hq * D, nqkv, x + (Hq + Hkv) * D, nqkv, slots, T, &kv1, NT);
+    mili_decode_attention(x, nqkv, Hq, scale, &kv1, &seqs, attn, NT);
     lin_run(&o, attn, ob, T);
     mili_rms_norm(ob, H, res[1], L.post_norm, normed, res[1], T, H, eps, NT);
     lin_run(&gu, normed, g, T);

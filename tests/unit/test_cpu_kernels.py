@@ -1064,8 +1064,9 @@ def test_a_path_that_fails_gives_way_to_the_next_one_down():
 
 
 def test_a_wheel_carries_every_source_the_kernels_build_from():
-    """pyproject's package data names kernels.c, every header it includes and the CPU probe: an installed (not
-    editable) MILI builds the same libraries."""
+    """pyproject's package data names kernels.c, every file it includes (itself or through those files: the ABI's
+    header, the ISA layers, the kernel families) and the CPU probe: an installed (not editable) MILI builds the same
+    libraries."""
     import ast
     import fnmatch
     import re
@@ -1074,7 +1075,12 @@ def test_a_wheel_carries_every_source_the_kernels_build_from():
     root = Path(__file__).resolve().parents[2]  # (the line read as it is: tomllib is Python 3.11's)
     line = re.search(r'^"mili\.kernels\.cpu" = (\[.*?\])', (root / "pyproject.toml").read_text(), re.M)
     patterns = ast.literal_eval(line.group(1))
-    included = re.findall(r'#include "([^"]+)"', cpu.SOURCE.read_text())
-    assert included and set(included) == {h.name for h in cpu.HEADERS}
+    included, todo = set(), [cpu.SOURCE]
+    while todo:
+        for name in re.findall(r'#include "([^"]+)"', todo.pop().read_text()):
+            if name not in included:
+                included.add(name)
+                todo.append(cpu.HERE / name)
+    assert included and included == {h.name for h in cpu.HEADERS}
     for name in ["kernels.c", "probe.c", *included]:
         assert any(fnmatch.fnmatch(name, pattern) for pattern in patterns), name

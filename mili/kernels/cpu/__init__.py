@@ -43,9 +43,12 @@ from pathlib import Path
 
 import torch  # noqa: F401  (loaded first: the library's libgomp must resolve to torch's)
 
+from mili.kernels.cpu import abi
+
 HERE = Path(__file__).parent
 SOURCE = HERE / "kernels.c"
-HEADERS = sorted(HERE.glob("isa_*.h"))
+# what kernels.c includes, itself or through common.h: the ABI's header, the ISA layers, the kernel families' files
+HEADERS = sorted(set(HERE.glob("*.[ch]")) - {SOURCE, HERE / "probe.c"})
 log = logging.getLogger("mili")
 
 # Each architecture's ISAs, lowest first, and the CPU features each needs (as /proc/cpuinfo names them).
@@ -56,32 +59,8 @@ NEEDS = {"none": (), "avx2": _AVX2, "avx2-vnni": _AVX2, "avx512": _AVX512,
          "amx": _AVX512 + ("amx_tile", "amx_bf16", "amx_int8"), "neon": ("asimd",), "neon-dot": ("asimd", "asimddp")}
 ISAS = tuple(dict.fromkeys(isa for order in ORDER.values() for isa in order))
 
-_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-SIGNATURES = {  # name -> argument types (all return void but mili_amx_init, mili_uses_amx and mili_isa)
-    "mili_linear": [_P, _P, _P, _I, _I, _I, ctypes.c_int],
-    "mili_linear_int8": [_P, _P, _P, _P, _P, _I, _I, _I, ctypes.c_int],
-    "mili_linear_int4": [_P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int, _I, ctypes.c_int, _I, ctypes.c_int],
-    "mili_linear_int8g": [_P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int, _I, ctypes.c_int, _I, ctypes.c_int],
-    "mili_use_amx": [ctypes.c_int],
-    "mili_uses_amx": [],
-    "mili_isa": [],
-    "mili_rms_norm": [_P, _I, _P, _P, _P, _P, _I, _I, _F, ctypes.c_int],
-    "mili_qk_norm_rope": [_P, _I, _I, _I, _I, _I, _P, _P, _F, _P, _P, ctypes.c_int],
-    "mili_silu_and_mul": [_P, _P, _I, _I, ctypes.c_int],
-    "mili_decode_attention": [_P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, ctypes.c_int],
-    "mili_prefill_attention": [_P, _I, _P, _I, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, ctypes.c_int],
-    "mili_argmax_rows": [_P, _I, _I, _I, _P, ctypes.c_int],
-    "mili_apply_bitmask": [_P, _I, _P, _I, _P, _I, _I, ctypes.c_int],
-    "mili_store_kv": [_P, _I, _P, _I, _P, _P, _P, _I, _I, _I, _I],
-    "mili_store_kv_int8": [_P, _I, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int],
-    "mili_gather_kv_int8": [_P, _P, _P, _I, _I, _I, _I, _I, _I, _P, ctypes.c_int],
-    "mili_decode_attention_int8": [_P, _I, _P, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, ctypes.c_int],
-    "mili_decode_layers": [_P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _P, _I, _I, _P, _P, ctypes.c_int],
-    "mili_lora_add": [_P, _P, _I, _P, _I, _I, _P, ctypes.c_int],
-    "mili_gdn_decode": [_P, _I, _P, _I, ctypes.c_int, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I,
-                        ctypes.c_int],
-}
-_RETURNS_INT = ("mili_uses_amx", "mili_amx_init", "mili_isa")
+# name -> argument types, as the ABI's header declares them (abi.py reads mili_kernels.h)
+SIGNATURES = {name: argtypes for name, (_, argtypes) in abi.FUNCTIONS.items()}
 
 
 def arch() -> str:
@@ -328,10 +307,7 @@ def _load(isa: str) -> tuple[ctypes.CDLL | None, str]:
         lib = ctypes.CDLL(str(path))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         return None, f"building the CPU kernels for {isa} failed: {exc}"
-    for name, argtypes in SIGNATURES.items():
-        getattr(lib, name).argtypes = argtypes
-        getattr(lib, name).restype = ctypes.c_int if name in _RETURNS_INT else None
-    lib.mili_isa.restype = ctypes.c_char_p
+    abi.bind(lib)
     built = lib.mili_isa().decode()
     if built != ("avx512" if isa == "amx" else isa):  # the flags and the source's layer disagree: a bug, not a CPU
         return None, f"the {isa} build compiled the {built} layer"

@@ -207,7 +207,7 @@ static inline __attribute__((always_inline)) void pv_slice(const uint16_t *v, co
 }
 
 #define ISA_HAS_PV_I16 1
-/* The int8 pages' P V (kernels.c, span_values): acc[g] (int32 [D], in pair order) += sum over the m <= 16 rows at v
+/* The int8 pages' P V (kv_int8.c, span_values): acc[g] (int32 [D], in pair order) += sum over the m <= 16 rows at v
  * (row i at v + i D) of w[g][i] V[i], the weights int16 (w[g] at w + g ldw). Two rows at a time: their values
  * widened to int16 and interleaved by vpunpck{l,h}wd are vpdpwssd's operands against the broadcast pair (w[g][i],
  * w[g][i + 1]) (an odd m's last row pairs with itself at weight 0), so one instruction takes 32 multiply-adds (in
@@ -253,8 +253,10 @@ static inline __attribute__((always_inline)) void pv_i16_cols(const int8_t *v, i
       _mm512_storeu_si512(acc + g * D + d0 + 32 * c + 16, hi[g * NC + c]);
     }
 }
+/* G <= 4 heads: 128 values a pass for up to 2 heads, 64 for 3 or 4 (the 2 x G x NC sums in 16 registers) */
 static inline __attribute__((always_inline)) void pv_i16_block(const int8_t *v, int64_t m, int64_t D, const int16_t *w,
-                                                               int64_t ldw, const int G, const int NC, int32_t *acc) {
+                                                               int64_t ldw, const int G, int32_t *acc) {
+  const int NC = G <= 2 ? 4 : 2;
   int64_t d0 = 0;
   for (; d0 + 32 * NC <= D; d0 += 32 * NC) pv_i16_cols(v, m, D, d0, w, ldw, G, NC, acc);
   for (; d0 < D; d0 += 32) pv_i16_cols(v, m, D, d0, w, ldw, G, 1, acc);

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from mili.kernels import reference
-from mili.kernels.cpu import load
+from mili.kernels.cpu import abi, load
 
 BF16 = torch.bfloat16
 
@@ -85,12 +85,8 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Te
         packed.data_ptr(), x.data_ptr(), y.data_ptr(), m, n, k, _threads()))
 
 
-class LoRADesc(ctypes.Structure):
-    """kernels.c's mili_lora_desc: a layer's LoRA adapter slots, packed (mili.lora.LoRALinear builds it)."""
-
-    _fields_ = [("a", ctypes.c_void_p), ("b", ctypes.c_void_p * 3), ("n", ctypes.c_int64 * 3),
-                ("shards", ctypes.c_int64), ("columns", ctypes.c_int64), ("width", ctypes.c_int64),
-                ("rank", ctypes.c_int64), ("slots", ctypes.c_int64), ("kb", ctypes.c_int64)]
+# mili_lora_desc (mili_kernels.h): a layer's LoRA adapter slots, packed (mili.lora.LoRALinear builds it)
+LoRADesc = abi.STRUCTS["mili_lora_desc"]
 
 
 def lora_add(desc: LoRADesc, x: torch.Tensor, y: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -376,6 +372,25 @@ def quantize_kv_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(x * inv[..., None]).to(torch.int8), scale
 
 
+KVPages = abi.STRUCTS["mili_kv_pages"]  # one layer's K/V pages, bf16 or int8 (mili_kernels.h)
+SeqPages = abi.STRUCTS["mili_seq_pages"]  # the pages each of a batch's sequences holds
+
+
+def kv_pages(k_cache: torch.Tensor | Int8Pages, v_cache: torch.Tensor | Int8Pages) -> KVPages:
+    """The kernels' view of one layer's pages (int8: values and scales)."""
+    _, hkv, page_size, d = k_cache.shape
+    if isinstance(k_cache, Int8Pages):
+        return KVPages(k_cache.values.data_ptr(), v_cache.values.data_ptr(), k_cache.scales.data_ptr(),
+                       v_cache.scales.data_ptr(), hkv, d, page_size)
+    return KVPages(k_cache.data_ptr(), v_cache.data_ptr(), None, None, hkv, d, page_size)
+
+
+def seq_pages(page_table: torch.Tensor, context_lens: torch.Tensor) -> SeqPages:
+    """page_table [B, ldp] and context_lens [B] (both int64, contiguous rows: :func:`decode_metadata`)."""
+    assert page_table.dtype == context_lens.dtype == torch.int64 and page_table.stride(1) == 1
+    return SeqPages(page_table.data_ptr(), page_table.stride(0), context_lens.data_ptr(), context_lens.shape[0])
+
+
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor | Int8Pages, v_cache: torch.Tensor | Int8Pages,
              slot_mapping: torch.Tensor) -> None:
     """k, v [T, Hkv, D] (bf16, rows of D contiguous) written at flat slots; slot < 0 is skipped. Int8 pages:
@@ -383,14 +398,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor | Int8Pages
     slots = slot_mapping.to(torch.int64).contiguous()
     if isinstance(k_cache, Int8Pages):
         assert k.dtype == v.dtype == BF16 and k.stride()[1:] == v.stride()[1:] == (k.shape[2], 1), (k.dtype, k.stride())
-        _lib().mili_store_kv_int8(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.values.data_ptr(),
-                                  k_cache.scales.data_ptr(), v_cache.values.data_ptr(), v_cache.scales.data_ptr(),
-                                  slots.data_ptr(), k.shape[0], k_cache.shape[1], k_cache.shape[3], k_cache.shape[2],
-                                  _threads())
-        return
-    _lib().mili_store_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(),
-                         v_cache.data_ptr(), slots.data_ptr(), k.shape[0], k_cache.shape[1], k_cache.shape[3],
-                         k_cache.shape[2])
+    _lib().mili_store_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr(), k.shape[0],
+                         ctypes.byref(kv_pages(k_cache, v_cache)), _threads())
 
 
 def gather_pages(cache: torch.Tensor | Int8Pages, page_table: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -400,8 +409,9 @@ def gather_pages(cache: torch.Tensor | Int8Pages, page_table: torch.Tensor, num_
         _, hkv, page_size, d = cache.shape
         table = page_table.to(torch.int64).contiguous()
         out = torch.empty(table.shape[0], num_tokens, hkv, d, dtype=BF16)
-        _lib().mili_gather_kv_int8(cache.values.data_ptr(), cache.scales.data_ptr(), table.data_ptr(), table.stride(0),
-                                   table.shape[0], num_tokens, hkv, d, page_size, out.data_ptr(), _threads())
+        lens = torch.full((table.shape[0],), num_tokens, dtype=torch.int64)
+        _lib().mili_gather_kv_int8(ctypes.byref(kv_pages(cache, cache)), 0, ctypes.byref(seq_pages(table, lens)),
+                                   num_tokens, out.data_ptr(), _threads())
         return out
     num_pages = -(-num_tokens // cache.shape[2])
     pages = cache.index_select(0, page_table[:, :num_pages].reshape(-1))  # [B * n, Hkv, page, D]
@@ -429,16 +439,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor | Int8Pages, v_cache
     b, hq, d = q.shape
     page_table, lens = decode_metadata(page_table, context_lens, b)
     out = torch.empty(b, hq, d, dtype=BF16)
-    if isinstance(k_cache, Int8Pages):
-        _lib().mili_decode_attention_int8(q.data_ptr(), q.stride(0), k_cache.values.data_ptr(),
-                                          k_cache.scales.data_ptr(), v_cache.values.data_ptr(),
-                                          v_cache.scales.data_ptr(), page_table.data_ptr(), page_table.stride(0),
-                                          lens.data_ptr(), out.data_ptr(), b, hq, k_cache.shape[1], d,
-                                          k_cache.shape[2], scale, _threads())
-        return out
-    _lib().mili_decode_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-                                 page_table.data_ptr(), page_table.stride(0), lens.data_ptr(), out.data_ptr(),
-                                 b, hq, k_cache.shape[1], d, k_cache.shape[2], scale, _threads())
+    _lib().mili_decode_attention(q.data_ptr(), q.stride(0), hq, scale, ctypes.byref(kv_pages(k_cache, v_cache)),
+                                 ctypes.byref(seq_pages(page_table, lens)), out.data_ptr(), _threads())
     return out
 
 
