@@ -12,19 +12,18 @@ A version is ``SOURCE[@ISA]`` as in linear_ab.py (built the same way): today's e
 (``mili_decode_attention`` and ``mili_decode_attention_int8`` apart). GB counts every byte a step's attention reads:
 the pages' values and, for int8, their float32 scales. Per thread count (1, 2): each version's median and minimum
 over the repeats, its GB/s at the minimum, that as a share of a copy (read + write, same threads, best of 6,
-measured beside) and its ratio to the first version (of medians).
+measured beside) and its ratio to the first version (of medians / of minima).
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
-import statistics
 import time
 
 import torch
 from common import machine, print_table
-from linear_ab import build, copy_rate
+from linear_ab import alternate, build, copy_rate, version_cells
 
 from mili.kernels.cpu import ops
 
@@ -112,23 +111,15 @@ def main() -> None:
             nbytes = sum(t.numel() * t.element_size() for layer in caches for c in layer
                          for t in (c if isinstance(c, tuple) else (c,)))
             for threads in args.threads:
-                times: list[list[float]] = [[] for _ in libs]
-                for _ in range(args.repeat):
-                    for lib, t in zip(libs, times):
-                        step(lib, kv, caches, q, out, table, lens, hq, hkv, d, args.page_size, threads)  # (warm)
-                        t.extend(step(lib, kv, caches, q, out, table, lens, hq, hkv, d, args.page_size, threads)
-                                 for _ in range(2))
-                copy = copy_rate(threads)
-                for source, t in zip(args.sources, times):
-                    med, low = statistics.median(t), min(t)
-                    rows.append([depth, kv, threads, source, nbytes / 1e9, med * 1e3, low * 1e3, nbytes / low / 1e9,
-                                 f"{100 * nbytes / low / copy:.0f}% of {copy / 1e9:.1f}",
-                                 f"{statistics.median(times[0]) / med:.3f}x"])
+                times = alternate(libs, args.repeat, 2, lambda lib: step(
+                    lib, kv, caches, q, out, table, lens, hq, hkv, d, args.page_size, threads))
+                rows += [[depth, kv, threads, *cells]
+                         for cells in version_cells(args.sources, times, nbytes, copy_rate(threads))]
             del caches
     print(f"\nbatch-1 decode attention, {args.shape} shape (Hq {hq}, Hkv {hkv}, D {d}, {layers} layers), page size "
           f"{args.page_size}, pages in {args.page_order} order, {args.repeat} x 2 steps a version, alternating; {machine()}")
     print_table("decode attention A/B", ["depth", "KV", "threads", "kernels.c", "GB", "median ms", "min ms",
-                                         "min GB/s", "min of copy GB/s", "vs first (median)"], rows, digits=3)
+                                         "min GB/s", "min of copy GB/s", "vs first (median / min)"], rows, digits=3)
 
 
 if __name__ == "__main__":

@@ -122,6 +122,29 @@ def sweep(lib, fmt: str, mats, threads: int, xs: dict, ys: dict, m: int) -> floa
     return time.perf_counter() - start
 
 
+def alternate(libs, repeat: int, each: int, run) -> list[list[float]]:
+    """Each version's times: ``repeat`` rounds, in each every version in turn runs once untimed (the previous
+    version's lines evicted) and ``each`` times timed (``run(lib)`` returns seconds)."""
+    times: list[list[float]] = [[] for _ in libs]
+    for _ in range(repeat):
+        for lib, t in zip(libs, times):
+            run(lib)
+            t.extend(run(lib) for _ in range(each))
+    return times
+
+
+def version_cells(sources, times: list[list[float]], nbytes: int, copy: float) -> list[list]:
+    """Per version: its name, GB, median and minimum ms, GB/s at the minimum, that as a share of ``copy`` (B/s), and
+    its ratio to the first version (of medians / of minima)."""
+    rows = []
+    for source, t in zip(sources, times):
+        med, low = statistics.median(t), min(t)
+        rows.append([source, nbytes / 1e9, med * 1e3, low * 1e3, nbytes / low / 1e9,
+                     f"{100 * nbytes / low / copy:.0f}% of {copy / 1e9:.1f}",
+                     f"{statistics.median(times[0]) / med:.3f}x / {min(times[0]) / low:.3f}x"])
+    return rows
+
+
 def copy_rate(threads: int) -> float:
     torch.set_num_threads(threads)
     src = torch.ones(1 << 30, dtype=torch.uint8)  # (written: an untouched one reads the shared zero page)
@@ -156,17 +179,10 @@ def main() -> None:
             xs = {k: torch.randn(args.rows, k).to(torch.bfloat16) for _, k, _ in mats}
             ys = {n: torch.empty(args.rows, n, dtype=torch.bfloat16) for n, _, _ in mats}
             for threads in (1, 2):
-                times: list[list[float]] = [[] for _ in libs]
-                for _ in range(args.repeat):
-                    for lib, t in zip(libs, times):
-                        sweep(lib, fmt, mats, threads, xs, ys, args.rows)  # warm: the previous version's lines evicted
-                        t.extend(sweep(lib, fmt, mats, threads, xs, ys, args.rows) for _ in range(3))
-                copy = copy_rate(threads)
-                for source, t in zip(args.sources, times):
-                    med, low = statistics.median(t), min(t)
-                    rows.append([shape, fmt, threads, source, nbytes / 1e9, med * 1e3, low * 1e3, nbytes / low / 1e9,
-                                 f"{100 * nbytes / low / copy:.0f}% of {copy / 1e9:.1f}",
-                                 f"{statistics.median(times[0]) / med:.3f}x / {min(times[0]) / low:.3f}x"])
+                times = alternate(libs, args.repeat, 3,
+                                  lambda lib: sweep(lib, fmt, mats, threads, xs, ys, args.rows))
+                rows += [[shape, fmt, threads, *cells]
+                         for cells in version_cells(args.sources, times, nbytes, copy_rate(threads))]
     print(f"\nevery linear at M = {args.rows}, distinct matrices, {args.repeat} x 3 sweeps a version, alternating; {machine()}")
     print_table("linear A/B", ["shape", "format", "threads", "kernels.c", "GB", "median ms", "min ms", "min GB/s",
                                "min of copy GB/s", "vs first (median / min)"], rows, digits=3)
