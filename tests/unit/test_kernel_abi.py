@@ -34,7 +34,7 @@ def test_every_exported_function_is_declared_in_the_header(tmp_path):
     lib, why = cpu.load()
     if lib is None:
         pytest.skip(f"no kernels here: {why}")
-    symbols = subprocess.run(["nm", "-D", "--defined-only", lib._name], capture_output=True, text=True,
+    symbols = subprocess.run(["nm", "-D", "--defined-only", lib.mili_path], capture_output=True, text=True,
                              check=True).stdout.split()
     exported = {s for s in symbols if s.startswith("mili_")}
     assert exported == set(abi.FUNCTIONS)
@@ -45,9 +45,9 @@ def test_every_exported_function_is_declared_in_the_header(tmp_path):
 def test_descriptor_layouts_are_the_compilers(tmp_path):
     """sizeof and every field's offsetof, printed by a C program over the header, equal the ctypes structures'."""
     lines = ['#include <stddef.h>', '#include <stdio.h>', f'#include "{abi.HEADER}"', "int main(void) {"]
-    for name, struct in abi.STRUCTS.items():
+    for name in abi.STRUCTS:
         lines.append(f'  printf("{name} %zu\\n", sizeof({name}));')
-        for field, _ in struct._fields_:
+        for field in abi.FIELDS[name]:
             lines.append(f'  printf("{name}.{field} %zu\\n", offsetof({name}, {field}));')
     lines += ["  return 0;", "}"]
     (tmp_path / "layout.c").write_text("\n".join(lines))
@@ -57,7 +57,7 @@ def test_descriptor_layouts_are_the_compilers(tmp_path):
     want = {}
     for name, struct in abi.STRUCTS.items():
         want[name] = str(ctypes.sizeof(struct))
-        for field, _ in struct._fields_:
+        for field in abi.FIELDS[name]:
             want[f"{name}.{field}"] = str(getattr(struct, field).offset)
     assert printed == want
     assert set(abi.STRUCTS) == {"mili_lora_desc", "mili_linear_desc", "mili_layer_desc", "mili_kv_pages",
@@ -67,10 +67,10 @@ def test_descriptor_layouts_are_the_compilers(tmp_path):
 def test_the_reader_refuses_what_it_cannot_read():
     """A field or argument type the reader does not know is an error naming it, not a wrong ctypes type."""
     with pytest.raises(ValueError, match="unknown field type 'double'"):
-        abi._structs("typedef struct s { double x; } s;")
+        abi.parse_structs("typedef struct s { double x; } s;")
     with pytest.raises(ValueError, match="unknown argument type"):
-        abi._functions("void mili_f(double x);")
+        abi.parse_functions("void mili_f(double x);")
     with pytest.raises(ValueError, match="keep one name"):
-        abi._structs("typedef struct a { int x; } b;")
-    got = abi._functions("int mili_f(const bf16 *x, int64_t n, float s, void *const *p);")
+        abi.parse_structs("typedef struct a { int x; } b;")
+    got = abi.parse_functions("int mili_f(const bf16 *x, int64_t n, float s, void *const *p);")
     assert got == {"mili_f": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p])}

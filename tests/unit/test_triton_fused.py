@@ -299,8 +299,10 @@ def test_greedy_decoding_with_the_gemv_linears(tiny_checkpoint):
     from mili import LLM, SamplingParams
     from mili.model.gpu_linear import SmallBatchLinear, use_small_batch_gemv
 
+    # (cpu_weight_prepack off: on a CPU where oneDNN's bf16 packing runs, the plan packs the linears, and none would
+    # be a plain nn.Linear to swap)
     kw = dict(dtype="bfloat16", attention_backend="triton", enforce_eager=True, max_num_batched_tokens=24,
-              kv_cache_memory=2**20)
+              kv_cache_memory=2**20, cpu_weight_prepack=False)
     prompts = [[5, 6, 7], [9] * 11]
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 

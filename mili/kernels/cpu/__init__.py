@@ -308,6 +308,7 @@ def _load(isa: str) -> tuple[ctypes.CDLL | None, str]:
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         return None, f"building the CPU kernels for {isa} failed: {exc}"
     abi.bind(lib)
+    lib.mili_path = str(path)  # (the built file: its exported symbols, for the ABI's test)
     built = lib.mili_isa().decode()
     if built != ("avx512" if isa == "amx" else isa):  # the flags and the source's layer disagree: a bug, not a CPU
         return None, f"the {isa} build compiled the {built} layer"

@@ -45,7 +45,8 @@ def _field_type(base: str, declarator: str, structs: dict[str, type]) -> tuple[s
     return name, kind * int(length) if length else kind
 
 
-def _structs(text: str) -> dict[str, type]:
+def parse_structs(text: str) -> dict[str, type]:
+    """The ctypes structures of the header text's descriptors (comments stripped), by their C names."""
     structs: dict[str, type] = {}
     for tag, body, name in _STRUCT.findall(text):
         if tag != name:
@@ -84,7 +85,8 @@ def _return(kind: str) -> object:
     raise ValueError(f"mili_kernels.h: unknown return type {kind!r}")
 
 
-def _functions(text: str) -> dict[str, tuple[object, list]]:
+def parse_functions(text: str) -> dict[str, tuple[object, list]]:
+    """name -> (restype, argtypes) of the header text's prototypes (comments stripped)."""
     out = {}
     for ret, name, args in _PROTO.findall(text):
         args = " ".join(args.split())
@@ -93,8 +95,9 @@ def _functions(text: str) -> dict[str, tuple[object, list]]:
 
 
 _TEXT = _strip_comments(HEADER.read_text())
-STRUCTS: dict[str, type] = _structs(_TEXT)
-FUNCTIONS: dict[str, tuple[object, list]] = _functions(_TEXT)  # name -> (restype, argtypes)
+STRUCTS: dict[str, type] = parse_structs(_TEXT)
+FUNCTIONS: dict[str, tuple[object, list]] = parse_functions(_TEXT)  # name -> (restype, argtypes)
+FIELDS: dict[str, list[str]] = {name: [f for f, _ in struct._fields_] for name, struct in STRUCTS.items()}
 
 
 def bind(lib: ctypes.CDLL) -> None:
