@@ -47,13 +47,16 @@ static inline vi vi_load_i8(const int8_t *p) { return _mm512_cvtepi8_epi32(_mm_l
 
 /* acc += the products of 32 int8 k (widened) and 32 int16 q, in pairs: only the lanes' total is meant (the int8
  * pages' q . k, kernels.c). */
-static inline vi dot_i8_i16x32(vi acc, const int8_t *k, const int16_t *q) {
-  const __m512i k16 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)k));
+/* acc + the pairwise int16 products of a and b (vpdpwssd with AVX-512 VNNI: vpmaddwd and the add in one) */
+static inline __m512i dp_i16(__m512i acc, __m512i a, __m512i b) {
 #ifdef __AVX512VNNI__
-  return _mm512_dpwssd_epi32(acc, k16, _mm512_loadu_si512(q)); /* vpdpwssd: vpmaddwd and the add in one */
+  return _mm512_dpwssd_epi32(acc, a, b);
 #else
-  return _mm512_add_epi32(acc, _mm512_madd_epi16(k16, _mm512_loadu_si512(q)));
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
 #endif
+}
+static inline vi dot_i8_i16x32(vi acc, const int8_t *k, const int16_t *q) {
+  return dp_i16(acc, _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)k)), _mm512_loadu_si512(q));
 }
 #define ISA_HAS_HSUM16 1
 /* lane r = the sum of acc[r]'s 16 lanes: a transposing tree (pairs of rows interleaved and added within 128-bit lanes,
@@ -162,6 +165,12 @@ static inline wrowg w_int8g(const uint8_t *p) { return _mm512_loadu_si512(p); }
 INT8_TARGET static inline vi dot_int8g(vi acc, xq4 x, wrowg w) { return _mm512_dpbusd_epi32(acc, w, x); }
 
 /* -- optional specializations kernels.c takes when defined ------------------------------------------------ */
+/* A chunk of 32 values summed as interleaved pairs (vpunpck{l,h}wd): lane i of l holds value 8 (i / 4) + i % 4, of h 4
+ * more; first and second get values 0-15 and 16-31 in order. */
+static inline void pair_order(__m512 l, __m512 h, __m512 *first, __m512 *second) {
+  *first = _mm512_permutex2var_ps(l, _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23), h);
+  *second = _mm512_permutex2var_ps(l, _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31), h);
+}
 #define ISA_HAS_PV_SLICE 1
 /* o[g] = bf16(inv[g] * sum_p w[g][p] V[p]) for the G heads of a group (o[g] at o + g * D), over NC chunks
  * of 32 values of the V rows at v + offset[p]. Two positions at a time: their rows interleaved by
@@ -196,13 +205,13 @@ static inline __attribute__((always_inline)) void pv_slice(const uint16_t *v, co
       }
     }
   }
-  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   for (int g = 0; g < G; g++)
     for (int c = 0; c < NC; c++) {
-      const __m512 scale = _mm512_set1_ps(inv[g]), l = lo[g * NC + c], h = hi[g * NC + c];
-      vf_store_bf16(o + g * D + 32 * c, _mm512_mul_ps(_mm512_permutex2var_ps(l, first, h), scale));
-      vf_store_bf16(o + g * D + 32 * c + 16, _mm512_mul_ps(_mm512_permutex2var_ps(l, second, h), scale));
+      const __m512 scale = _mm512_set1_ps(inv[g]);
+      __m512 first, second;
+      pair_order(lo[g * NC + c], hi[g * NC + c], &first, &second);
+      vf_store_bf16(o + g * D + 32 * c, _mm512_mul_ps(first, scale));
+      vf_store_bf16(o + g * D + 32 * c + 16, _mm512_mul_ps(second, scale));
     }
 }
 
@@ -237,13 +246,8 @@ static inline __attribute__((always_inline)) void pv_i16_cols(const int8_t *v, i
       if (i + 1 < m) memcpy(&pair, w + g * ldw + i, 4);
       const __m512i wp = _mm512_set1_epi32(pair);
       for (int c = 0; c < NC; c++) {
-#ifdef __AVX512VNNI__
-        lo[g * NC + c] = _mm512_dpwssd_epi32(lo[g * NC + c], il[c], wp);
-        hi[g * NC + c] = _mm512_dpwssd_epi32(hi[g * NC + c], ih[c], wp);
-#else
-        lo[g * NC + c] = _mm512_add_epi32(lo[g * NC + c], _mm512_madd_epi16(il[c], wp));
-        hi[g * NC + c] = _mm512_add_epi32(hi[g * NC + c], _mm512_madd_epi16(ih[c], wp));
-#endif
+        lo[g * NC + c] = dp_i16(lo[g * NC + c], il[c], wp);
+        hi[g * NC + c] = dp_i16(hi[g * NC + c], ih[c], wp);
       }
     }
   }
@@ -267,13 +271,13 @@ static inline void vi_store_i16_n(int16_t *p, vi a, int64_t n) {
 }
 /* out [D] (float32, in order) = acc (pv_i16_block's pair order) x scale */
 static inline void pv_i16_finish(const int32_t *acc, int64_t D, float scale, float *out) {
-  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   const __m512 s = _mm512_set1_ps(scale);
   for (int64_t d = 0; d < D; d += 32) {
-    const __m512 l = _mm512_cvtepi32_ps(_mm512_loadu_si512(acc + d)), h = _mm512_cvtepi32_ps(_mm512_loadu_si512(acc + d + 16));
-    _mm512_storeu_ps(out + d, _mm512_mul_ps(_mm512_permutex2var_ps(l, first, h), s));
-    _mm512_storeu_ps(out + d + 16, _mm512_mul_ps(_mm512_permutex2var_ps(l, second, h), s));
+    __m512 first, second;
+    pair_order(_mm512_cvtepi32_ps(_mm512_loadu_si512(acc + d)), _mm512_cvtepi32_ps(_mm512_loadu_si512(acc + d + 16)),
+               &first, &second);
+    _mm512_storeu_ps(out + d, _mm512_mul_ps(first, s));
+    _mm512_storeu_ps(out + d + 16, _mm512_mul_ps(second, s));
   }
 }
 

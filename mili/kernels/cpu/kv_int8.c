@@ -307,15 +307,17 @@ static void decode_attention_int8(const bf16 *q, int64_t ldq, const int8_t *k_ca
         const float mt = partial[t * Hq * (D + 2) + Hq * D + hq];
         top = mt > top ? mt : top;
       }
-      for (int64_t t = first[b]; t < first[b + 1]; t++) {
-        const float *part = partial + t * Hq * (D + 2);
-        total += expf(part[Hq * D + hq] - top) * part[Hq * D + Hq + hq];
+      for (int64_t t = first[b]; t < first[b + 1]; t++) { /* (each chunk's maximum becomes its factor exp(m_c - M)) */
+        float *part = partial + t * Hq * (D + 2);
+        part[Hq * D + hq] = expf(part[Hq * D + hq] - top);
+        total += part[Hq * D + hq] * part[Hq * D + Hq + hq];
       }
+      for (int64_t t = first[b]; t < first[b + 1]; t++) partial[t * Hq * (D + 2) + Hq * D + hq] /= total;
       for (int64_t d = 0; d < D; d += 16) {
         vf o = vf_zero();
         for (int64_t t = first[b]; t < first[b + 1]; t++) {
           const float *part = partial + t * Hq * (D + 2);
-          o = vf_fmadd(vf_load(part + hq * D + d), vf_set1(expf(part[Hq * D + hq] - top) / total), o);
+          o = vf_fmadd(vf_load(part + hq * D + d), vf_set1(part[Hq * D + hq]), o);
         }
         vf_store_bf16(out + (b * Hq + hq) * D + d, o);
       }

@@ -409,9 +409,9 @@ def gather_pages(cache: torch.Tensor | Int8Pages, page_table: torch.Tensor, num_
         _, hkv, page_size, d = cache.shape
         table = page_table.to(torch.int64).contiguous()
         out = torch.empty(table.shape[0], num_tokens, hkv, d, dtype=BF16)
-        lens = torch.full((table.shape[0],), num_tokens, dtype=torch.int64)
-        _lib().mili_gather_kv_int8(ctypes.byref(kv_pages(cache, cache)), 0, ctypes.byref(seq_pages(table, lens)),
-                                   num_tokens, out.data_ptr(), _threads())
+        seqs = SeqPages(table.data_ptr(), table.stride(0), None, table.shape[0])  # (the gather reads no lengths)
+        _lib().mili_gather_kv_int8(ctypes.byref(kv_pages(cache, cache)), 0, ctypes.byref(seqs), num_tokens,
+                                   out.data_ptr(), _threads())
         return out
     num_pages = -(-num_tokens // cache.shape[2])
     pages = cache.index_select(0, page_table[:, :num_pages].reshape(-1))  # [B * n, Hkv, page, D]
