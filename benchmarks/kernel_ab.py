@@ -13,7 +13,8 @@ those minutes, not the kernels). Two measures:
 
 e.g. ``mkdir /tmp/old && git archive HEAD~1 mili/kernels/cpu | tar -x -C /tmp/old``, then
 ``/tmp/old/mili/kernels/cpu/kernels.c`` (a version needs today's ``mili_decode_layers``, over ``mili_kv_pages``
-descriptors: kernels.c from 2026-12-01 on). A version is a kernels.c path: the ISA headers it
+descriptors: kernels.c from 2026-12-01 on; ``--mode e2e`` runs today's ops over it, so there every kernel's arguments
+must be today's: the norms', attention's, linears' and Gated DeltaNet's argument structs too). A version is a kernels.c path: the ISA headers it
 includes are those beside it where it has them (a copy of ``mili/kernels/cpu`` with one file changed compares a
 header change), else the working tree's; ``SOURCE@ISA`` picks an ISA. Built by ``linear_ab.build`` (cc -O3, the ISA's
 flags, -fopenmp, under /tmp). Default

@@ -19,10 +19,11 @@ byte a format reads (weights, scales, offsets, column sums). ``--rows``: x's row
 e.g. ``mkdir /tmp/old && git archive HEAD~1 mili/kernels/cpu | tar -x -C /tmp/old``, then
 ``/tmp/old/mili/kernels/cpu/kernels.c`` against the working tree's (a version compiles with the files beside it: its
 kernel families and ISA headers; a lone kernels.c from before 2026-12-01, one file, takes the working tree's ISA
-headers). The calls are today's (the int4 kernel's high_bits and both grouped kernels' ldy after
-scale_mode and sub): a version from before them takes its arguments shifted, so its int4 and int8g figures mean
-nothing; its bf16 and int8 ones stand. Each version is built like the library (cc -O3, the ISA's flags alone, -fopenmp) under
-/tmp, keyed by its source and flags. Per thread count
+headers). The int8, int4 and int8g calls are today's (over a ``mili_linear_desc``) where the version's own
+``mili_kernels.h`` (beside it) declares them so, else the argument lists from before that descriptor (the int4
+kernel's high_bits and both grouped kernels' ldy after scale_mode and sub): a version from before those takes its
+arguments shifted, so its int4 and int8g figures mean nothing; its bf16 and int8 ones stand. Each version is built
+like the library (cc -O3, the ISA's flags alone, -fopenmp) under /tmp, keyed by its source and flags. Per thread count
 (1, 2): the median and the minimum (the trials that had the cores) of a sweep's time, its GB/s of weights,
 the minimum's share of a 1 GiB copy (read + write, the best of 6, same threads) and each version's ratio to
 the first. Calls go through ctypes (~1-2 µs each, which the engine's one call per layer does not pay).
@@ -33,6 +34,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import hashlib
+import re
 import statistics
 import subprocess
 import time
@@ -42,7 +44,8 @@ import torch
 from common import machine, print_table
 
 from mili.kernels.cpu import HERE, abi, best_isa, compile_flags
-from mili.kernels.cpu.ops import int8_column_sums, pack_int4, pack_int8g, pack_weight, scale_form
+from mili.kernels.cpu.ops import (grouped_desc, int8_column_sums, int8_desc, pack_int4, pack_int8g, pack_weight,
+                                  scale_form)
 
 # (out, in) of qkv, o, gate_up, down; decoder layers
 SHAPES = {"0.6B": ([(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)], 28),
@@ -55,6 +58,12 @@ GROUPED = {"int4": ("int4", GROUP, torch.float32, True, 0), "q4_0": ("int4", 32,
            "q6_k": ("int4", 16, "k", False, 2), "q5_k": ("int4", 32, "k", True, 1),
            "q6_k-int8g": ("int8g", 16, "k", False, 0), "q6_k-f32": ("int8g", 16, torch.float32, False, 0),
            "q5_k-int8g": ("int8g", 32, "k", True, 0)}
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+# the quantized kernels' arguments before their descriptor: w, scales, column sums or offsets, x, y, M, N, K, then
+# (int4, int8g) group, scale_mode, sub, high_bits (int8g: signed), ldy; threads
+_GROUPED = [_P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int, _I, ctypes.c_int, _I, ctypes.c_int]
+OLD = {"mili_linear_int8": [_P, _P, _P, _P, _P, _I, _I, _I, ctypes.c_int], "mili_linear_int4": _GROUPED,
+       "mili_linear_int8g": _GROUPED}
 
 
 def build(version: str) -> ctypes.CDLL:
@@ -71,11 +80,19 @@ def build(version: str) -> ctypes.CDLL:
                    check=True)
     lib = ctypes.CDLL(target)
     abi.bind(lib)  # (an older version may lack a newer function: bind skips it)
+    header = beside / "mili_kernels.h"  # (a version's own ABI: its quantized kernels over a descriptor or not)
+    lib.linear_desc = header.exists() and re.search(r"mili_linear_int8\s*\(\s*const\s+mili_linear_desc\b",
+                                                    header.read_text()) is not None
+    if not lib.linear_desc:
+        for name, argtypes in OLD.items():
+            if hasattr(lib, name):
+                getattr(lib, name).argtypes = argtypes
     return lib
 
 
-def weights(shape: str, fmt: str) -> list[tuple[int, int, tuple[torch.Tensor, ...]]]:
-    """(out, in, the kernel's tensors) of every linear of the shape, random, in the packed layouts."""
+def weights(shape: str, fmt: str) -> list[tuple[int, int, tuple[torch.Tensor, ...], object]]:
+    """(out, in, the kernel's tensors, the int8, int4 or int8g kernel's descriptor of them or None) of every linear of
+    the shape, random, in the packed layouts."""
     mats, layers = SHAPES[shape]
     g = torch.Generator().manual_seed(0)
     out = []
@@ -94,20 +111,27 @@ def weights(shape: str, fmt: str) -> list[tuple[int, int, tuple[torch.Tensor, ..
                     zeros = -scales * torch.randint(0, 16, scales.shape, generator=g)
                 args = (q, scales, zeros if offsets else None, torch.float32 if form == "k" else form)
                 packed = pack_int4(*args, high_bits=high_bits) if kernel == "int4" else pack_int8g(*args)
-                out.append((n, k, tuple(t for t in packed if t is not None)))
+                desc = grouped_desc(*packed, k, 0 if kernel == "int4" else 1, high_bits)
+                out.append((n, k, tuple(t for t in packed if t is not None), desc))
             elif fmt == "bf16":
-                out.append((n, k, (pack_weight(torch.randn(n, k, generator=g).to(torch.bfloat16)),)))
+                out.append((n, k, (pack_weight(torch.randn(n, k, generator=g).to(torch.bfloat16)),), None))
             else:
                 packed = pack_weight(torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g))
-                out.append((n, k, (packed, torch.rand(n) * 0.01, int8_column_sums(packed))))
+                tensors = (packed, torch.rand(n) * 0.01, int8_column_sums(packed))
+                out.append((n, k, tensors, int8_desc(*tensors)))
     return out
 
 
 def sweep(lib, fmt: str, mats, threads: int, xs: dict, ys: dict, m: int) -> float:
     start = time.perf_counter()
-    for n, k, tensors in mats:
+    for n, k, tensors, desc in mats:
         x, y, w = xs[k].data_ptr(), ys[n].data_ptr(), tensors[0].data_ptr()
-        if fmt in GROUPED:
+        if fmt in GROUPED and lib.linear_desc:
+            fn = lib.mili_linear_int4 if GROUPED[fmt][0] == "int4" else lib.mili_linear_int8g
+            fn(ctypes.byref(desc), x, y, m, n, threads)
+        elif fmt == "int8" and lib.linear_desc:
+            lib.mili_linear_int8(ctypes.byref(desc), x, y, m, threads)
+        elif fmt in GROUPED:  # (a version from before the descriptor)
             kernel, group, _, offsets, high_bits = GROUPED[fmt]
             mode, sub, _ = scale_form(tensors[1])
             b = tensors[2].data_ptr() if offsets else None
@@ -175,9 +199,9 @@ def main() -> None:
     for shape in args.shapes:
         for fmt in args.formats:
             mats = weights(shape, fmt)
-            nbytes = sum(t.numel() * t.element_size() for _, _, ts in mats for t in ts)
-            xs = {k: torch.randn(args.rows, k).to(torch.bfloat16) for _, k, _ in mats}
-            ys = {n: torch.empty(args.rows, n, dtype=torch.bfloat16) for n, _, _ in mats}
+            nbytes = sum(t.numel() * t.element_size() for _, _, ts, _ in mats for t in ts)
+            xs = {k: torch.randn(args.rows, k).to(torch.bfloat16) for _, k, _, _ in mats}
+            ys = {n: torch.empty(args.rows, n, dtype=torch.bfloat16) for n, _, _, _ in mats}
             for threads in (1, 2):
                 times = alternate(libs, args.repeat, 3,
                                   lambda lib: sweep(lib, fmt, mats, threads, xs, ys, args.rows))

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mili.cpu_isas import ISAS
 from mili.errors import InvalidRequest, ModelLoadError
 from mili.model.checks import check_architecture_settings
 from mili.model.demo import DEMO_HYBRID_MODEL, DEMO_MODEL, DEMO_RANDOM_MODEL
@@ -392,6 +393,10 @@ class EngineConfig:
     cpu_kernels: bool = option(
         True, "CPU bf16: torch ops and oneDNN instead of MILI's C kernels (AVX-512 BF16 or AMX linear layers, fused "
               "norms, paged attention; built on first use with the system C compiler)")
+    cpu_isa: str = option(
+        "auto", "the ISA path of MILI's CPU kernels, at most: auto = $MILI_CPU_ISA where set, else the best this CPU "
+                "runs; one the CPU lacks is refused by name in the log and the best it runs serves instead; none = "
+                "torch's ops (a lower path runs and tests what a lesser CPU runs)", choices=("auto",) + ISAS)
     cpu_weight_prepack: bool = option(
         True, "CPU bf16 without MILI's kernels: plain weights instead of oneDNN's prepacked layout")
     enable_prefix_caching: bool = option(

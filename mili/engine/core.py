@@ -44,7 +44,8 @@ class EngineCore:
         if config.speculative_config is not None:  # (refused before the weights load)
             Drafter.check(config.speculative_config, model_path)
         # every choice of how the model runs, made once (refusing what cannot run before a weight loads)
-        self.plan = plan(config, model_config, DeviceInfo.probe(config.torch_device, config.cpu_kernels))
+        self.plan = plan(config, model_config,
+                         DeviceInfo.probe(config.torch_device, config.cpu_kernels, config.cpu_isa))
         self.config = config = self.plan.resolve(config)  # max_num_seqs, max_num_batched_tokens: auto sized
         log.info("execution plan: %s", "; ".join(f"{k}: {v}" for k, v in self.plan.describe().items()))
         if self.plan.cpu_paths:

@@ -3,8 +3,8 @@ the CPU's (the Triton GEMMs' layers are in gpu_linear.py).
 
 * ``PackedLinear``: bf16 weights reordered once into oneDNN's blocked layout (what torch.compile's
   freezing pass does), ~1.4x faster matrix-vector products than aten's linear on plain weights. oneDNN's bf16
-  packing needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT: elsewhere (and under MILI_CPU_ISA below AVX-512) the
-  layers stay aten's (``prepack_available``, checked at load by ``kernels/cpu/checks.py``).
+  packing needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT: elsewhere (and with the kernels held below AVX-512) the
+  layers stay aten's (the plan's choice, from ``DeviceInfo.onednn_bf16``: ``kernels/cpu/checks.py`` probes it).
 * ``KernelLinear``: bf16 weights packed for MILI's own kernel (``kernels/cpu``: AMX, or AVX-512 BF16),
   which streams them near read speed where oneDNN falls well short (benchmarks/NOTES.md). A tied lm_head
   gets the packed table and the embedding reads its rows from it (``PackedEmbedding``), so the table is
@@ -35,7 +35,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mili.kernels import cpu as cpu_kernels
 from mili.kernels.cpu import ops as cpu_ops
 from mili.model import quant
 from mili.model.fused import STACKED_PARAMS, FusedExperts, RouterLinear
@@ -265,11 +264,6 @@ def fp8_round_trip_linears(model: nn.Module) -> None:
             module.weight.copy_(quant.fp8_round_trip(module.weight))
 
 
-def prepack_available(dtype: torch.dtype) -> bool:
-    """oneDNN's bf16 weight packing runs here (kernels/cpu: torch's own check, MILI_CPU_ISA, a probe at load)."""
-    return dtype == torch.bfloat16 and not cpu_kernels.onednn_bf16()
-
-
 def int4_layer(parts: quant.Int4Parts, bias, shard_sizes) -> Int4Linear | None:
     """An AWQ layer on the CPU's int4 kernel, or None where the kernel cannot take its shape."""
     if not isinstance(parts, quant.Int4Parts):
@@ -287,7 +281,7 @@ def int8_head(model: nn.Module, kernels: bool) -> None:
     model.lm_head = Int8Linear(model.model.embed_tokens.weight if tied else model.lm_head.weight, kernels=kernels)
 
 
-def bf16_head(model: nn.Module, kernels: bool) -> None:
+def bf16_head(model: nn.Module, kernels: bool, prepack: bool) -> None:
     """The lm_head in the model's dtype: on MILI's bf16 kernel when ``kernels`` and it can take it, a tied table
     packed once and shared (``PackedEmbedding``); else oneDNN-packed, a tied head left on the plain table (a packed
     copy would cost another vocab x hidden matrix of memory, 311 MB for Qwen3-0.6B, for ~4 ms per decode step)."""
@@ -297,7 +291,7 @@ def bf16_head(model: nn.Module, kernels: bool) -> None:
         model.lm_head = KernelLinear(weight)
         if tied:  # the table stored once, packed
             model.model.embed_tokens = PackedEmbedding(model.lm_head)
-    elif not tied and prepack_available(weight.dtype):
+    elif not tied and prepack and weight.dtype == torch.bfloat16:
         model.lm_head = PackedLinear(weight)
 
 

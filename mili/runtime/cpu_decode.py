@@ -15,8 +15,8 @@ import ctypes
 
 import torch
 
-from mili.kernels.cpu import abi, load
-from mili.kernels.cpu.ops import Int8Pages, KVPages, decode_metadata, kv_pages, scale_form, seq_pages
+from mili.kernels.cpu import abi
+from mili.kernels.cpu.ops import Int8Pages, KVPages, decode_metadata, grouped_desc, int8_desc, kv_pages, seq_pages
 from mili.lora import LoRALinear
 from mili.model.cpu_linear import Int4Linear, Int8GroupLinear, Int8Linear, KernelLinear, SplitLinear
 from mili.model.batch import ForwardBatch
@@ -51,15 +51,11 @@ def _linear_desc(layer) -> LinearDesc | None:
     if isinstance(layer, KernelLinear):
         return LinearDesc(layer.packed.data_ptr(), None, None, layer.out_features, layer.in_features, 0, 0)
     if isinstance(layer, Int8Linear) and layer.kernel:
-        return LinearDesc(layer.qweight.data_ptr(), layer.scales.data_ptr(), layer.column_sums.data_ptr(),
-                          layer.out_features, layer.in_features, 0, 0)
-    if isinstance(layer, (Int4Linear, Int8GroupLinear)):
-        offsets = None if layer.offsets is None else layer.offsets.data_ptr()  # (None when symmetric)
-        mode, sub, _ = scale_form(layer.scales)  # (float16, float32 or two-level scales and offsets)
-        return LinearDesc(layer.qweight.data_ptr(), layer.scales.data_ptr(), offsets, layer.out_features,
-                          layer.in_features, layer.group, mode, sub,
-                          (2 if layer.signed else 1) if isinstance(layer, Int8GroupLinear) else 0,
-                          getattr(layer, "high_bits", 0))
+        return int8_desc(layer.qweight, layer.scales, layer.column_sums)
+    if isinstance(layer, (Int4Linear, Int8GroupLinear)):  # (the int4 and int8g kernels' own descriptor)
+        return grouped_desc(layer.qweight, layer.scales, layer.offsets, layer.in_features,
+                            (2 if layer.signed else 1) if isinstance(layer, Int8GroupLinear) else 0,
+                            getattr(layer, "high_bits", 0))
     return None
 
 
@@ -72,9 +68,10 @@ class CpuDecodeRunner:
     """Built over a loaded model whose linear layers are MILI's kernel layers; ``why_not`` says why a
     model can't use it (then the model runner keeps the module path)."""
 
-    def __init__(self, model):
+    def __init__(self, model, lib):
+        """``lib``: the plan's library of MILI's CPU kernels (None: none loads)."""
         self.model = model
-        self.lib = load()[0]
+        self.lib = lib
         self.layers: list[LayerDesc] | ctypes.Array = []
         self._linears: list[list[LinearDesc]] = []
         self.why_not = "" if self.lib is not None else "no CPU kernels"

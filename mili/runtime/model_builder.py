@@ -6,6 +6,7 @@ their format's kernels once the weights are in."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 from dataclasses import dataclass
@@ -110,9 +111,29 @@ def build_runner_parts(plan: ExecutionPlan, config: EngineConfig, model_config: 
     """The model and all a runner runs it on (``RunnerParts``), as ``plan`` says: torch's threads, the attention
     back-end and the model on its ops, the LoRA slots, the vision tower's budget and encoder cache, the caches (which
     may lower max_model_len to what they hold), the batch builder, the MTP drafter, the rotary tables, the sampler
-    (on MILI's CPU kernels where they load), and the step's CUDA graphs or C decode layer."""
+    (on MILI's CPU kernels where they load), and the step's CUDA graphs or C decode layer. Built on the plan's CPU
+    kernels (its ISA's library) where it has them."""
     if plan.num_threads:
         torch.set_num_threads(plan.num_threads)
+    with on_kernels(plan):
+        return _build_parts(plan, config, model_config, path, device, tp_size)
+
+
+@contextlib.contextmanager
+def on_kernels(plan: ExecutionPlan):
+    """Within the block, MILI's CPU kernels run on the plan's library (its ISA's: ``DeviceInfo.kernels``), whatever
+    MILI_CPU_ISA or another engine in this process chose; nothing where the plan has none."""
+    lib = plan.device.kernels() if plan.device.type == "cpu" else None
+    if lib is None:
+        yield
+        return
+    from mili.kernels.cpu import ops as cpu_ops
+
+    with cpu_ops.library(lib):
+        yield
+
+
+def _build_parts(plan, config, model_config, path, device, tp_size) -> RunnerParts:
     attention, ops = attention_and_ops(plan, -(-plan.max_model_len // config.page_size))
     model = build_model(plan, model_config, path, device, attention, ops)
     loras = None
@@ -148,7 +169,7 @@ def build_runner_parts(plan: ExecutionPlan, config: EngineConfig, model_config: 
     elif plan.step is StepKind.CPU_DECODE:
         from mili.runtime.cpu_decode import CpuDecodeRunner
 
-        parts.cpu_decode = CpuDecodeRunner(model)
+        parts.cpu_decode = CpuDecodeRunner(model, plan.device.kernels())
         if not parts.cpu_decode.available:  # (the plan's checks missed a case: run it eagerly, and say so)
             log.warning("fused CPU decode off, though planned (%s)", parts.cpu_decode.why_not)
             parts.cpu_decode = None

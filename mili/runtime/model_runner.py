@@ -13,7 +13,7 @@ import torch
 
 from mili.config import EngineConfig, ModelConfig
 from mili.host_copy import tensor_on
-from mili.runtime.model_builder import RunnerParts, build_runner_parts
+from mili.runtime.model_builder import RunnerParts, build_runner_parts, on_kernels
 from mili.runtime.parallel import TensorParallelGroup
 from mili.runtime.plan import DeviceInfo, ExecutionPlan, plan
 from mili.runtime.prompt_logprobs import prompt_scorer, scored_by_sequence, step_logits
@@ -31,7 +31,8 @@ class ModelRunner:
         this node; each runner then holds its rank's shard of the weights and KV."""
         self.tp, model_config, device = TensorParallelGroup.join(ModelRunner, config, model_config, path, rank,
                                                                  address)
-        execution_plan = execution_plan or plan(config, model_config, DeviceInfo.probe(device, config.cpu_kernels))
+        execution_plan = execution_plan or plan(config, model_config,
+                                                DeviceInfo.probe(device, config.cpu_kernels, config.cpu_isa))
         # (a torchrun rank > 0 comes with auto batch limits: its plan sizes them)
         self.parts: RunnerParts = build_runner_parts(execution_plan, execution_plan.resolve(config), model_config,
                                                      path, device, self.tp.size)
@@ -95,11 +96,12 @@ class ModelRunner:
         scheduled, p = sched_out.scheduled, self.parts
         if not scheduled:
             return StepResult()
-        drafts = DraftedStep(scheduled, p.mtp, p.hybrid, p.states, self.copy_states)
-        logits, scored, pooled = self.forward_logits(scheduled, feed)
-        self.copy_states(sched_out.state_copies)  # forked sequences take their parent's state as it now is
-        return drafts.finish(sched_out.sample_rows, logits, scored, pooled, p.sampler, grammar,
-                             p.model_config.vocab_size, p.device, defer)
+        with on_kernels(p.plan):  # (the plan's CPU kernels, whatever another engine in this process runs)
+            drafts = DraftedStep(scheduled, p.mtp, p.hybrid, p.states, self.copy_states)
+            logits, scored, pooled = self.forward_logits(scheduled, feed)
+            self.copy_states(sched_out.state_copies)  # forked sequences take their parent's state as it now is
+            return drafts.finish(sched_out.sample_rows, logits, scored, pooled, p.sampler, grammar,
+                                 p.model_config.vocab_size, p.device, defer)
 
     def check_workers(self) -> None:
         """Raise if another tensor-parallel rank's process has exited (the model cannot run without it)."""

@@ -160,8 +160,9 @@ class DeviceInfo:
         return DeviceSpec(self.name, self.capability, self.smem_per_block, self.num_sms)
 
     @classmethod
-    def probe(cls, device: torch.device, cpu_kernels: bool = True) -> "DeviceInfo":
-        """The real ``device``; ``cpu_kernels`` False (--no-cpu-kernels): MILI's CPU kernels are not built."""
+    def probe(cls, device: torch.device, cpu_kernels: bool = True, cpu_isa: str = "auto") -> "DeviceInfo":
+        """The real ``device``; ``cpu_kernels`` False (--no-cpu-kernels): MILI's CPU kernels are not built;
+        ``cpu_isa``: the ISA path asked for (auto: MILI_CPU_ISA, else the best this CPU runs; kernels.cpu.choose)."""
         common = dict(cpu_count=os.cpu_count() or 1, triton=importlib.util.find_spec("triton") is not None,
                       triton_interpret=os.environ.get("TRITON_INTERPRET") == "1",
                       fla=importlib.util.find_spec("fla") is not None)
@@ -178,11 +179,22 @@ class DeviceInfo:
                        torch.cuda.get_device_properties(index).total_memory, **common)
         from mili.kernels import cpu
 
-        lib, why = cpu.load() if cpu_kernels else (None, "--no-cpu-kernels")
-        return cls("cpu", f"{cpu.arch()} CPU", cpu_kernels=cpu.current() if lib is not None else "",
+        asked = None if cpu_isa == "auto" else cpu_isa
+        chosen = cpu.choose(asked) if cpu_kernels else cpu.Choice("none", None, "--no-cpu-kernels")
+        lib, why = chosen.lib, chosen.why
+        return cls("cpu", f"{cpu.arch()} CPU", cpu_kernels=chosen.isa if lib is not None else "",
                    cpu_kernels_why=why if lib is None else "",
-                   int8_kernels_why=why if lib is None else lib.mili_int_check, cpu_headline=cpu.headline(cpu_kernels),
-                   onednn_bf16=cpu.onednn_bf16(), **common)
+                   int8_kernels_why=why if lib is None else lib.mili_int_check,
+                   cpu_headline=cpu.headline(cpu_kernels, chosen), onednn_bf16=cpu.onednn_bf16(asked), **common)
+
+    def kernels(self):
+        """The library of MILI's CPU kernels this device runs (its ``cpu_kernels`` ISA's), or None where none loads:
+        what an engine's steps run on (``kernels.cpu.ops.library``)."""
+        if not self.cpu_kernels:
+            return None
+        from mili.kernels import cpu
+
+        return cpu.load(self.cpu_kernels)[0]
 
     @property
     def int8_kernels(self) -> bool:
@@ -411,7 +423,8 @@ def plan(config: EngineConfig, model_config: ModelConfig, device: DeviceInfo) ->
                                                       fp8_act, cpu_kernels, int8_kernels, int8_gemm, keep_quantized,
                                                       model_config.is_moe)
     lm_head = _lm_head(config, on_cpu and tp == 1 and not triton_linears, keep_quantized and cpu_kernels and
-                       not hybrid and config.quantization is None and method == "awq", int8_kernels, cpu_kernels)
+                       not hybrid and config.quantization is None and method == "awq", int8_kernels, cpu_kernels,
+                       on_cpu and config.cpu_weight_prepack and not device.onednn_bf16)
     if lm_head is not None:
         weight_format += f", lm_head {lm_head.describe_head(dtype)}"
 
@@ -521,7 +534,8 @@ def _linears(config, quant, dtype, device, hybrid, tp, triton_linears, fp8_act, 
                                                      + (f", requantized from {origin}" if origin else "")), fp8
     if cpu_kernels:
         kernels = "the int4 and int8 kernels (W4A8, W8A8)" if method == "gguf" else "the int4 kernel (W4A8)"
-        return Kernel(), f"{quant.describe()} on {kernels}" if keep_quantized else dequantized, False
+        prepack = config.cpu_weight_prepack and not device.onednn_bf16  # (a layer the kernel can't take)
+        return Kernel(prepack), f"{quant.describe()} on {kernels}" if keep_quantized else dequantized, False
     if device.type == "cpu" and config.cpu_weight_prepack and dtype == torch.bfloat16 and not device.onednn_bf16:
         return Packed(), dequantized, False
     return Plain(), dequantized, False
@@ -534,9 +548,10 @@ def _fp8_activations(device: DeviceInfo, dtype: torch.dtype) -> bool:
 
 
 def _lm_head(config: EngineConfig, on_cpu_layers: bool, int4_body: bool, int8_kernels: bool,
-             cpu_kernels: bool) -> LinearFormat | None:
+             cpu_kernels: bool, prepack: bool) -> LinearFormat | None:
     """The head's format as ``lm_head_dtype`` makes it: int8 (``Int8``, on MILI's W8A8 kernel where it runs), bf16
-    (the model's dtype: ``Kernel`` on MILI's CPU kernels, else ``Packed``), or None (as the body's format leaves it:
+    (the model's dtype: ``Kernel`` on MILI's CPU kernels, else ``Packed`` where oneDNN's packing runs (``prepack``),
+    else ``Plain``), or None (as the body's format leaves it:
     int8 with an int8 body, else the model's dtype). auto quantizes it where the body is an int4 checkpoint on the
     int4 kernel (int8 bodies already quantize their head); bf16 means unquantized (a float32 model's head stays
     float32)."""
@@ -547,7 +562,9 @@ def _lm_head(config: EngineConfig, on_cpu_layers: bool, int4_body: bool, int8_ke
         asked = None
     if asked == "int8":
         return Int8(int8_kernels)
-    return (Kernel() if cpu_kernels else Packed()) if asked == "bf16" else None
+    if asked != "bf16":
+        return None
+    return Kernel(prepack) if cpu_kernels else Packed() if prepack else Plain()
 
 
 def _step(config, model_config, device, attention, cpu_kernels, speculative, tp,

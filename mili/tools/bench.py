@@ -13,7 +13,6 @@ import time
 
 import torch
 
-from mili.kernels import cpu
 from mili.kernels.cpu.ops import Int8Pages
 
 
@@ -119,7 +118,7 @@ def step_bytes(runner, context: int) -> dict[str, int]:
 # the engine options `mili bench` takes (their flags made from EngineConfig's fields, as `mili serve`'s are), and the
 # defaults it runs at where they are not the engine's
 ENGINE_OPTIONS = ("model", "dtype", "max_model_len", "kv_cache_memory", "max_num_seqs", "seed", "num_threads",
-                  "quantization", "lm_head_dtype", "cpu_kernels", "speculative_config")
+                  "quantization", "lm_head_dtype", "cpu_kernels", "cpu_isa", "speculative_config")
 ENGINE_DEFAULTS = {"max_model_len": 4096, "kv_cache_memory": 2 << 30}
 
 
@@ -176,7 +175,7 @@ def _hf_generate(model, batch: list[list[int]], new_tokens: int) -> float:
 def _header(args, engine) -> None:
     print(f"mili bench {args.mode}: model {engine.model_path}, dtype {str(engine.core.runner.parts.dtype)[6:]}, "
           f"quantization {args.quantization or 'none'}, device {engine.core.runner.parts.device}, "
-          f"CPU kernels {'on (' + cpu.isa() + ')' if engine.core.runner.parts.plan.cpu_kernels else 'off'}, "
+          f"CPU kernels {'on (' + engine.plan.device.cpu_kernels + ')' if engine.plan.cpu_kernels else 'off'}, "
           f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads")
 
 

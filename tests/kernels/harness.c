@@ -360,16 +360,7 @@ static void lin_free(Lin *l) {
   free(l->wf), free(l->w8), free(l->sw), free(l->colsum), free(l->q4), free(l->s4), free(l->b4), free(l->packed);
   if (is_int4(l->kind) || l->kind == LIN_INT8G) free(l->scales), free(l->aux);
 }
-/* y rows ldy apart (int4, int8g: a column range of a wider output; the others ldy = n) */
-static void lin_run_ld(const Lin *l, const bf16 *x, bf16 *y, int64_t ldy, int64_t M) {
-  if (l->kind == LIN_BF16) mili_linear(l->packed, x, y, M, l->n, l->k, NT);
-  else if (l->kind == LIN_INT8) mili_linear_int8(l->packed, l->sw, l->colsum, x, y, M, l->n, l->k, NT);
-  else if (is_int4(l->kind))
-    mili_linear_int4(l->packed, l->scales, l->aux, x, y, M, l->n, l->k, l->group, (int)l->mode, l->sub,
-                     high_bits_of(l->kind), ldy, NT);
-  else mili_linear_int8g(l->packed, l->scales, l->aux, x, y, M, l->n, l->k, l->group, (int)l->mode, l->sub, 0, ldy, NT);
-}
-static void lin_run(const Lin *l, const bf16 *x, bf16 *y, int64_t M) { lin_run_ld(l, x, y, l->n, M); }
+/* The layer as the kernels' descriptor: the int8, int4 and int8g kernels' operand, a fused decode layer's linear */
 static mili_linear_desc lin_desc(const Lin *l) {
   mili_linear_desc d;
   memset(&d, 0, sizeof d);
@@ -380,6 +371,15 @@ static mili_linear_desc lin_desc(const Lin *l) {
   d.high_bits = high_bits_of(l->kind);
   return d;
 }
+/* y rows ldy apart (int4, int8g: a column range of a wider output; the others ldy = n) */
+static void lin_run_ld(const Lin *l, const bf16 *x, bf16 *y, int64_t ldy, int64_t M) {
+  const mili_linear_desc d = lin_desc(l);
+  if (l->kind == LIN_BF16) mili_linear(l->packed, x, y, M, l->n, l->k, NT);
+  else if (l->kind == LIN_INT8) mili_linear_int8(&d, x, y, M, NT);
+  else if (is_int4(l->kind)) mili_linear_int4(&d, x, y, M, ldy, NT);
+  else mili_linear_int8g(&d, x, y, M, ldy, NT);
+}
+static void lin_run(const Lin *l, const bf16 *x, bf16 *y, int64_t M) { lin_run_ld(l, x, y, l->n, M); }
 
 /* want[M][N] (unrounded) and each value's tolerance: bf16's rounding of the result plus float32 accumulation
  * over the terms' magnitudes (int8: none, the sums are exact integers). *overflow: a quantized x beyond int8. */
@@ -767,7 +767,9 @@ static void test_rms_norm(int64_t T, int64_t D, int64_t pad, int with_residual) 
   fill_bf(w, D, 0.5f, 1.5f);
   if (T >= 3 && !with_residual) memset(x + 2 * ldx, 0, sizeof(bf16) * D); /* a row of zeros */
   const float eps = 1e-6f;
-  mili_rms_norm(x, ldx, with_residual ? r : NULL, w, out, with_residual ? res_out : NULL, T, D, eps, NT);
+  const mili_norm_rows rows = {.x = x, .ldx = ldx, .residual = with_residual ? r : NULL,
+                               .res_out = with_residual ? res_out : NULL, .out = out, .T = T, .D = D};
+  mili_rms_norm(&rows, w, eps, NT);
   double *want = xalloc(sizeof(double) * T * D), *tol = xalloc(sizeof(double) * T * D);
   ref_rms_norm(x, ldx, with_residual ? r : NULL, w, T, D, eps, want, tol, res_want);
   Acc a;
@@ -806,7 +808,9 @@ static void test_qk_norm_rope(int64_t T, int64_t Hq, int64_t Hkv, int64_t D) {
   double *want = xalloc(sizeof(double) * T * H * D), *tol = xalloc(sizeof(double) * T * H * D);
   const float eps = 1e-6f;
   ref_qk_norm_rope(before, ld, T, Hq, Hkv, D, qw, kw, eps, cos_t, sin_t, want, tol);
-  mili_qk_norm_rope(qkv, ld, T, Hq, Hkv, D, qw, kw, eps, cos_t, sin_t, NT);
+  const mili_qk_heads heads = {.qkv = qkv, .ld = ld, .T = T, .q_heads = Hq, .kv_heads = Hkv, .head_dim = D,
+                               .cos = cos_t, .sin = sin_t};
+  mili_qk_norm_rope(&heads, qw, kw, eps, NT);
   Acc a, u;
   acc_init(&a);
   acc_init(&u);
@@ -1038,7 +1042,9 @@ static void test_prefill_attention(int64_t Lq, int64_t Lk, int64_t Hq, int64_t H
   fill_u16(out, Lq * ldo, 0x7fc1);
   const bf16 *q = rows + (Lk - Lq) * ld, *k = rows + Hq * D, *v = rows + (Hq + Hkv) * D;
   const float scale = 1.0f / sqrtf((float)D);
-  mili_prefill_attention(q, ld, k, ld, v, ld, out, ldo, Lq, Lk, Hq, Hkv, D, scale, NT);
+  const mili_prefill_chunk chunk = {.q = q, .k = k, .v = v, .ldq = ld, .ldk = ld, .ldv = ld, .Lq = Lq, .Lk = Lk,
+                                    .q_heads = Hq, .kv_heads = Hkv, .head_dim = D};
+  mili_prefill_attention(&chunk, scale, out, ldo, NT);
   double *want = xalloc(sizeof(double) * Lq * Hq * D), *tol = xalloc(sizeof(double) * Lq * Hq * D);
   ref_prefill_attention(q, ld, k, ld, v, ld, Lq, Lk, Hq, Hkv, D, scale, want, tol);
   Acc a;
@@ -1127,19 +1133,21 @@ static void decode_layer_case(int kind, int64_t group, int mode, int sym, int fi
   { /* (1) the pieces, as the layer documents them */
     bf16 *normed = xalloc(sizeof(bf16) * T * H), *x = xalloc(sizeof(bf16) * T * nqkv), *attn = xalloc(sizeof(bf16) * T * Hq * D);
     bf16 *ob = xalloc(sizeof(bf16) * T * H), *g = xalloc(sizeof(bf16) * T * 2 * I), *act = xalloc(sizeof(bf16) * T * I);
-    if (first) {
-      memcpy(res[1], h[1], sizeof(bf16) * T * H);
-      mili_rms_norm(h[1], H, NULL, L.input_norm, normed, NULL, T, H, eps, NT);
-    } else {
-      mili_rms_norm(h[1], H, res[1], L.input_norm, normed, res[1], T, H, eps, NT);
-    }
+    if (first) memcpy(res[1], h[1], sizeof(bf16) * T * H);
+    const mili_norm_rows in_rows = {.x = h[1], .ldx = H, .residual = first ? NULL : res[1],
+                                    .res_out = first ? NULL : res[1], .out = normed, .T = T, .D = H};
+    mili_rms_norm(&in_rows, L.input_norm, eps, NT);
     lin_run_ld(&qkv, normed, x, nqkv, T);
     if (split) lin_run_ld(&v, normed, x + nqk, nqkv, T);
-    mili_qk_norm_rope(x, nqkv, T, Hq, Hkv, D, L.q_norm, L.k_norm, eps, cos_t, sin_t, NT);
+    const mili_qk_heads heads = {.qkv = x, .ld = nqkv, .T = T, .q_heads = Hq, .kv_heads = Hkv, .head_dim = D,
+                                 .cos = cos_t, .sin = sin_t};
+    mili_qk_norm_rope(&heads, L.q_norm, L.k_norm, eps, NT);
     mili_store_kv(x + Hq * D, nqkv, x + (Hq + Hkv) * D, nqkv, slots, T, &kv1, NT);
     mili_decode_attention(x, nqkv, Hq, scale, &kv1, &seqs, attn, NT);
     lin_run(&o, attn, ob, T);
-    mili_rms_norm(ob, H, res[1], L.post_norm, normed, res[1], T, H, eps, NT);
+    const mili_norm_rows post_rows = {.x = ob, .ldx = H, .residual = res[1], .res_out = res[1], .out = normed,
+                                      .T = T, .D = H};
+    mili_rms_norm(&post_rows, L.post_norm, eps, NT);
     lin_run(&gu, normed, g, T);
     mili_silu_and_mul(g, act, T, I, NT);
     lin_run(&down, act, h[1], T);
@@ -1339,8 +1347,12 @@ static void test_gdn(int bf16_io, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv
   memcpy(conv_ref, conv, es * ROWS * C * W);
   fill_u16((uint16_t *)(out + B * Hv * Dv), 32, 0x7fc1);
 
-  mili_gdn_decode(qkv, ldq, ba, ldba, bf16_io, conv, S, slots, with_fresh ? fresh : NULL, conv_w, A_log, dt_bias, out,
-                  B, Hk, Hv, Dk, Dv, K, NT);
+  const mili_gdn_layer layer = {.conv_w = conv_w, .A_log = A_log, .dt_bias = dt_bias, .conv_states = conv,
+                                .ssm_states = S, .k_heads = Hk, .v_heads = Hv, .k_dim = Dk, .v_dim = Dv,
+                                .conv_width = K, .bf16_io = bf16_io};
+  const mili_gdn_step step = {.qkv = qkv, .ba = ba, .ldq = ldq, .ldba = ldba, .slots = slots,
+                              .fresh = with_fresh ? fresh : NULL, .B = B};
+  mili_gdn_decode(&layer, &step, out, NT);
 
   /* the reference */
   double *xs = xalloc(sizeof(double) * B * C), *Sr = xalloc(sizeof(double) * ROWS * Hv * Dk * Dv);

@@ -11,10 +11,11 @@ from mili.kernels import cpu, reference
 from mili.kernels.cpu import ops
 from mili.model.cpu_linear import KernelLinear, Int8Linear, PackedEmbedding, PackedLinear
 from mili.runtime.plan import StepKind
+from support.devices import kernel_isas
 from support.engine_state import runner_parts
 
 BF16 = torch.bfloat16
-KERNEL_ISAS = [name for name in cpu.runnable_isas() if name != "none"]
+KERNEL_ISAS = kernel_isas()
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -49,12 +50,12 @@ needs_kernels = pytest.mark.skipif(not KERNEL_ISAS, reason=f"no ISA of MILI's ke
 
 
 @pytest.fixture(params=KERNEL_ISAS)
-def isa(request):
+def isa(request, monkeypatch):
     """Every kernel path this machine can execute (AMX, AVX-512, AVX2 with and without VNNI, NEON...): a test
     taking it runs once per path, so the AVX2 kernels are tested on an AVX-512 machine too."""
-    with cpu.use_isa(request.param):
-        assert cpu.isa() == request.param
-        yield request.param
+    monkeypatch.setenv("MILI_CPU_ISA", request.param)  # (direct calls and the engines built here take it)
+    assert cpu.isa() == request.param
+    yield request.param
 
 
 @needs_kernels
@@ -1061,6 +1062,42 @@ def test_a_path_that_fails_gives_way_to_the_next_one_down():
         assert cpu.current() == below and cpu.available() == (below != "none")
         assert f"{chosen} failed (a simulated failure)" in cpu.why()
     assert cpu.current() == chosen and cpu.available()
+
+
+@needs_kernels
+def test_each_engine_runs_the_isa_its_plan_chose(qwen3_checkpoint, monkeypatch):
+    """The ISA is the engine's plan's (``cpu_isa``, made once at start-up), not the process's: two engines in one
+    process, one held to a lower path, each run their steps on their own library, whatever the other or
+    MILI_CPU_ISA says; a path the CPU lacks is refused by name (the best it runs serves)."""
+    monkeypatch.delenv("MILI_CPU_ISA", raising=False)
+    best = cpu.best_isa()
+    lower = KERNEL_ISAS[0] if len(KERNEL_ISAS) > 1 else "none"  # (an AVX2-only CPU: avx2 against none)
+    path = str(qwen3_checkpoint("gqa_untied"))
+    held, free = LLM(path, dtype="bfloat16", cpu_isa=lower), LLM(path, dtype="bfloat16")
+    assert held.engine.plan.device.cpu_kernels == ("" if lower == "none" else lower)
+    assert free.engine.plan.device.cpu_kernels == best and f"CPU ISA {best}" in free.engine.plan.device.cpu_headline
+    calls = {}
+    for name in dict.fromkeys(KERNEL_ISAS):
+        lib = cpu.load(name)[0]
+        for fn in ("mili_decode_layers", "mili_linear", "mili_argmax_rows"):
+            def counted(*args, _fn=getattr(lib, fn), _name=name):
+                calls[_name] = calls.get(_name, 0) + 1
+                return _fn(*args)
+            monkeypatch.setattr(lib, fn, counted)
+    prompt, params = {"prompt_token_ids": list(range(5, 30))}, SamplingParams(temperature=0, max_tokens=6)
+    monkeypatch.setenv("MILI_CPU_ISA", lower)  # (read by nothing an engine runs: its plan chose at start-up)
+    outs = []
+    for llm, isa in ((free, best), (held, lower), (free, best)):
+        calls.clear()
+        outs.append(llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids)
+        assert set(calls) == ({isa} if isa != "none" else set()), (isa, calls)
+    assert outs[0] == outs[2]
+    if lower != "none":  # (a model too big for the lower path's reach: the same tokens within bf16's roundings)
+        assert outs[1][:2] == outs[0][:2]
+    refused = LLM(path, dtype="bfloat16", cpu_isa="amx" if "amx" not in cpu.runnable_isas() and cpu.arch() ==
+                  "x86_64" else "neon" if cpu.arch() == "x86_64" else "avx2")
+    assert refused.engine.plan.device.cpu_kernels == best
+    assert "refused" in refused.engine.plan.device.cpu_headline
 
 
 def test_a_wheel_carries_every_source_the_kernels_build_from():

@@ -9,9 +9,10 @@ import torch
 import torch.nn.functional as F
 
 from mili import LLM, InvalidRequest, SamplingParams
-from mili.model.cpu_linear import Int8Linear, PackedLinear, prepack_available
+from mili.kernels import cpu
+from mili.model.cpu_linear import Int8Linear, PackedLinear
 
-ONEDNN = prepack_available(torch.bfloat16)
+ONEDNN = not cpu.onednn_bf16()
 
 
 @pytest.mark.skipif(not ONEDNN, reason="oneDNN's bf16 packing does not run here (the engine test covers its absence)")

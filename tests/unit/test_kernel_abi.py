@@ -61,7 +61,8 @@ def test_descriptor_layouts_are_the_compilers(tmp_path):
             want[f"{name}.{field}"] = str(getattr(struct, field).offset)
     assert printed == want
     assert set(abi.STRUCTS) == {"mili_lora_desc", "mili_linear_desc", "mili_layer_desc", "mili_kv_pages",
-                                "mili_seq_pages", "mili_decode_step"} and len(want) > 50  # (each field read)
+                                "mili_seq_pages", "mili_decode_step", "mili_norm_rows", "mili_qk_heads",
+                                "mili_prefill_chunk", "mili_gdn_layer", "mili_gdn_step"} and len(want) > 90  # (each field read)
 
 
 def test_the_reader_refuses_what_it_cannot_read():
@@ -74,3 +75,10 @@ def test_the_reader_refuses_what_it_cannot_read():
         abi.parse_structs("typedef struct a { int x; } b;")
     got = abi.parse_functions("int mili_f(const bf16 *x, int64_t n, float s, void *const *p);")
     assert got == {"mili_f": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p])}
+
+
+def test_no_function_takes_more_than_eight_arguments():
+    """Past eight, a kernel's arguments go in a descriptor (the header's structs), so that no call is a long list of
+    positional pointers and sizes."""
+    long = {name: len(args) for name, (_, args) in abi.FUNCTIONS.items() if len(args) > 8}
+    assert not long, long

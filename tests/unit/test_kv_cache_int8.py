@@ -16,10 +16,11 @@ from mili.kernels.cpu import ops
 from mili.kernels.cpu.ops import Int8Pages, quantize_kv_rows
 from mili.runtime.plan import StepKind
 
+from support.devices import kernel_isas
 from support.engine_state import assert_drained, prefill_outputs, runner_parts
 
 BF16 = torch.bfloat16
-KERNEL_ISAS = [name for name in cpu.runnable_isas() if name != "none"]
+KERNEL_ISAS = kernel_isas()
 # (the engine's int8 pages need the kernels the process runs: under MILI_CPU_ISA=none, int8 is refused, tested below)
 needs_kernels = pytest.mark.skipif(not cpu.available(), reason=f"MILI's kernels don't run here: {cpu.load()[1]}")
 INT8 = dict(dtype="bfloat16", kv_cache_dtype="int8")
@@ -44,11 +45,11 @@ def two_threads():
 
 
 @pytest.fixture(params=KERNEL_ISAS)
-def isa(request):
+def isa(request, monkeypatch):
     """Every kernel path this machine executes (AVX-512, AVX2 with and without VNNI, NEON...), forced in turn."""
-    with cpu.use_isa(request.param):
-        assert cpu.isa() == request.param
-        yield request.param
+    monkeypatch.setenv("MILI_CPU_ISA", request.param)  # (direct calls and the engines built here take it)
+    assert cpu.isa() == request.param
+    yield request.param
 
 
 def _pool(num_pages: int, hkv: int, page_size: int, d: int, tokens: int, seed: int):
@@ -169,8 +170,8 @@ def test_refused_where_the_kernels_do_not_run(tiny_checkpoint):
     with pytest.raises(InvalidRequest, match="--kv-cache-dtype fp8 needs the Triton attention backend .* "
                                              "--kv-cache-dtype int8"):
         LLM(str(tiny_checkpoint), dtype="bfloat16", kv_cache_dtype="fp8")
-    with cpu.use_isa("none"), pytest.raises(InvalidRequest, match="int8 runs on MILI's CPU kernels .* no CPU kernels"):
-        LLM(str(tiny_checkpoint), **INT8)  # (no kernels built: torch's ops)
+    with pytest.raises(InvalidRequest, match="int8 runs on MILI's CPU kernels .* no CPU kernels"):
+        LLM(str(tiny_checkpoint), cpu_isa="none", **INT8)  # (no kernels built: torch's ops)
 
 
 def _prompts(n: int, seed: int, vocab: int = 512) -> list[list[int]]:

@@ -29,7 +29,7 @@ ENGINE_FLAGS = {
     "--tokenizer", "--dtype", "--device", "--max-model-len", "--kv-cache-memory", "--num-kv-pages", "--page-size",
     "--num-state-slots", "--num-state-snapshots", "--max-num-seqs", "--max-num-batched-tokens", "--seed",
     "--num-threads", "--attention-backend", "--enforce-eager", "--async-scheduling", "--gpu-memory-utilization",
-    "--quantization", "--lm-head-dtype", "--kv-cache-dtype", "--tensor-parallel-size", "-tp", "--no-cpu-kernels",
+    "--quantization", "--lm-head-dtype", "--kv-cache-dtype", "--tensor-parallel-size", "-tp", "--no-cpu-kernels", "--cpu-isa",
     "--no-cpu-weight-prepack", "--no-prefix-cache", "--speculative-config", "--language-model-only",
     "--limit-mm-per-prompt", "--allowed-media-domains", "--allow-remote-media", "--allowed-local-media-path",
     "--schedule-policy", "--task", "--enable-lora", "--max-loras", "--max-lora-rank", "--max-cpu-loras"}

@@ -56,7 +56,8 @@ def engine(**kw) -> EngineConfig:
     (H100, AttentionBackend.TRITON, Plain(), StepKind.CUDA_GRAPHS),
     (A100, AttentionBackend.TRITON, Plain(), StepKind.CUDA_GRAPHS),
     (ZEN3, AttentionBackend.CPU, Kernel(), StepKind.CPU_DECODE),
-    (SAPPHIRE_RAPIDS, AttentionBackend.CPU, Kernel(), StepKind.CPU_DECODE),
+    # (a layer the kernel can't take goes to oneDNN's packing where that runs)
+    (SAPPHIRE_RAPIDS, AttentionBackend.CPU, Kernel(prepack=True), StepKind.CPU_DECODE),
     (GRAVITON, AttentionBackend.CPU, Kernel(), StepKind.CPU_DECODE),
     # oneDNN's bf16 packing where MILI's kernels don't load
     (NO_KERNELS, AttentionBackend.TORCH, Packed(), StepKind.EAGER),

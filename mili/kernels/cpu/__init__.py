@@ -17,8 +17,12 @@ run the best of, in order:
 * aarch64: ``neon`` (Advanced SIMD), ``neon-dot`` (and the ``sdot`` dot product);
 * ``none``: no kernels, torch's ops run.
 
-``MILI_CPU_ISA`` (any of those names) caps the choice, so a machine with AVX-512 runs and tests the AVX2 and
-torch-only paths too; a cap above what the CPU has is refused by name (the best it has runs instead). Each ISA
+An engine's ``cpu_isa`` option (``--cpu-isa``; auto: ``MILI_CPU_ISA``, any of those names) caps the choice, so a
+machine with AVX-512 runs and tests the AVX2 and torch-only paths too; a cap above what the CPU has is refused by
+name (the best it has runs instead). The choice is the engine's plan's, made once at start-up (:func:`choose`, from
+``DeviceInfo.probe``), and the engine's runner runs its steps on that library (``ops.library``); the functions here
+that take no ISA (:func:`load`, :func:`isa`, ...) answer for MILI_CPU_ISA's choice, what a direct call of a kernel
+runs on. Each ISA
 is its own build, compiled for that ISA alone (``-mavx2 -mfma -mf16c``, never ``-march=native``), so the
 library that runs under ``MILI_CPU_ISA=avx2`` on a Zen 4 is the one a Zen 3 runs.
 
@@ -39,10 +43,12 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch  # noqa: F401  (loaded first: the library's libgomp must resolve to torch's)
 
+from mili.cpu_isas import ISAS, ORDER
 from mili.kernels.cpu import abi
 
 HERE = Path(__file__).parent
@@ -51,13 +57,12 @@ SOURCE = HERE / "kernels.c"
 HEADERS = sorted(set(HERE.glob("*.[ch]")) - {SOURCE, HERE / "probe.c"})
 log = logging.getLogger("mili")
 
-# Each architecture's ISAs, lowest first, and the CPU features each needs (as /proc/cpuinfo names them).
-ORDER = {"x86_64": ("none", "avx2", "avx2-vnni", "avx512", "amx"), "aarch64": ("none", "neon", "neon-dot")}
+# Each architecture's ISAs, lowest first (mili/cpu_isas.py), and the CPU features each needs (as /proc/cpuinfo names
+# them).
 _AVX2 = ("avx2", "fma", "f16c")
 _AVX512 = _AVX2 + ("avx512f", "avx512bw", "avx512vl")
 NEEDS = {"none": (), "avx2": _AVX2, "avx2-vnni": _AVX2, "avx512": _AVX512,
          "amx": _AVX512 + ("amx_tile", "amx_bf16", "amx_int8"), "neon": ("asimd",), "neon-dot": ("asimd", "asimddp")}
-ISAS = tuple(dict.fromkeys(isa for order in ORDER.values() for isa in order))
 
 # name -> argument types, as the ABI's header declares them (abi.py reads mili_kernels.h)
 SIGNATURES = {name: argtypes for name, (_, argtypes) in abi.FUNCTIONS.items()}
@@ -161,42 +166,50 @@ def requested() -> str | None:
     return value or None
 
 
-@functools.cache
-def _chosen() -> tuple[str, str]:
-    """(the ISA the kernels run by default, a note on why) from the CPU and ``MILI_CPU_ISA``."""
-    best, cap = best_isa(), requested()
-    if cap is None:
-        return best, "the best this CPU runs"
-    if cap not in ISAS:
-        log.warning("MILI_CPU_ISA=%s is not one of %s: ignored", cap, ", ".join(ISAS))
-        return best, f"MILI_CPU_ISA={cap} is not an ISA: the best this CPU runs"
-    why = runnable(cap)
-    if why:
-        log.warning("MILI_CPU_ISA=%s refused (%s): %s runs", cap, why, best)
-        return best, f"MILI_CPU_ISA={cap} refused ({why})"
+def _asked(asked: str | None) -> tuple[str | None, str]:
+    """(the ISA asked for, who asked): an engine's ``cpu_isa``, else MILI_CPU_ISA, else none (None)."""
+    if asked:
+        return asked.strip().lower(), f"cpu_isa={asked.strip().lower()}"
+    cap = requested()
     return cap, f"MILI_CPU_ISA={cap}"
 
 
-_active: list[str] = []  # use_isa's stack; empty: the default choice
-_loaded: dict[str, tuple[ctypes.CDLL | None, str]] = {}  # the current ISA's library, once set up (see load)
+@functools.cache
+def _chosen(cap: str | None, source: str) -> tuple[str, str]:
+    """(the ISA to run, a note on why) from the CPU and ``cap`` as ``source`` asked for it (None: nothing asked)."""
+    best = best_isa()
+    if cap is None:
+        return best, "the best this CPU runs"
+    if cap not in ISAS:
+        log.warning("%s is not one of %s: ignored", source, ", ".join(ISAS))
+        return best, f"{source} is not an ISA: the best this CPU runs"
+    why = runnable(cap)
+    if why:
+        log.warning("%s refused (%s): %s runs", source, why, best)
+        return best, f"{source} refused ({why})"
+    return cap, source
 
 
-def current() -> str:
-    """The ISA path the kernels take now (a test's, or the default: the one asked for, or the next one down that
-    loads where it fails to build or to pass its check)."""
-    return _active[-1] if _active else _default()[0]
+@dataclass(frozen=True)
+class Choice:
+    """The kernels an engine runs (its plan's, made once at start-up: ``DeviceInfo.probe``): ``isa`` ("none": no
+    kernels, torch's ops), its ``lib`` (None with none) and ``why``."""
+
+    isa: str
+    lib: ctypes.CDLL | None
+    why: str
 
 
-def _asked() -> str:
-    """The ISA asked for (a test's, MILI_CPU_ISA, or the best this CPU runs), without building anything."""
-    return _active[-1] if _active else _chosen()[0]
+def choose(asked: str | None = None) -> Choice:
+    """The kernels for ``asked`` (an ISA name; None: MILI_CPU_ISA, else the best this CPU runs): that ISA's library,
+    or where it fails to build or to pass its check at load, the next one down that does (none: torch's ops).
+    Decided once per ISA asked for and CPU (each library is built and loaded once per process)."""
+    return _choose(*_asked(asked))
 
 
 @functools.cache
-def _default() -> tuple[str, ctypes.CDLL | None, str]:
-    """(ISA, library, why): the chosen ISA's library, or where it fails to build or to pass its check at load, the
-    next one down that does (none: torch's ops)."""
-    chosen, note = _chosen()
+def _choose(cap: str | None, source: str) -> Choice:
+    chosen, note = _chosen(cap, source)
     order = ORDER.get(arch(), ("none",))
     failed = []
     for name in reversed(order[:order.index(chosen) + 1] if chosen in order else ("none",)):
@@ -205,24 +218,15 @@ def _default() -> tuple[str, ctypes.CDLL | None, str]:
             if failed:
                 log.warning("MILI's CPU kernels: %s; %s runs", "; ".join(failed), name)
                 note = f"{note}; {'; '.join(failed)}"
-            return name, lib, note if lib is not None else (f"{note}: torch's ops run" if failed else why)
+            return Choice(name, lib, note if lib is not None else (f"{note}: torch's ops run" if failed else why))
         failed.append(f"{name} failed ({why})")
-    return "none", None, note
+    return Choice("none", None, note)
 
 
-@contextlib.contextmanager
-def use_isa(isa: str):
-    """Within the block, kernels (and engines built) run ``isa``'s path (tests: each path this machine runs)."""
-    why = runnable(isa)
-    if why:
-        raise ValueError(f"ISA {isa} can't run here: {why}")
-    _active.append(isa)
-    _loaded.clear()
-    try:
-        yield isa
-    finally:
-        _active.pop()
-        _loaded.clear()
+def current() -> str:
+    """The ISA path the kernels take outside an engine (an engine's is its plan's): the one MILI_CPU_ISA asks for
+    (default the best this CPU runs), or the next one down that loads where it fails to build or to pass its check."""
+    return choose().isa
 
 
 _simulation: list[tuple[frozenset[str] | None, frozenset[str]]] = []  # simulated()'s stack: (features, failing)
@@ -231,25 +235,20 @@ _simulation: list[tuple[frozenset[str] | None, frozenset[str]]] = []  # simulate
 def _forget() -> None:
     """Drop every choice and library made so far: the next call decides again (each library is loaded once more
     from its built file)."""
-    for cached in (_load, _default, _chosen):
+    for cached in (_load, _choose, _chosen):
         cached.cache_clear()
-    _loaded.clear()
 
 
 @contextlib.contextmanager
-def simulated(features=None, failing=(), isa: str | None = None):
+def simulated(features=None, failing=()):
     """Within the block, the kernels are chosen and loaded as on another CPU: one with ``features`` (as
     :func:`cpu_features` names them; default this one's), where the builds of the ISAs in ``failing`` fail to load
-    (as with a broken compiler), and with ``isa``'s path asked for (:func:`use_isa`). Tests of the paths a lesser
-    CPU takes, run on a better one; everything is decided afresh on leaving."""
+    (as with a broken compiler). Tests of the paths a lesser CPU takes, run on a better one; everything is decided
+    afresh on leaving."""
     _simulation.append((None if features is None else frozenset(features), frozenset(failing)))
     _forget()
     try:
-        if isa is None:
-            yield
-        else:
-            with use_isa(isa):
-                yield
+        yield
     finally:
         _simulation.pop()
         _forget()
@@ -333,26 +332,22 @@ def _int_instructions(isa: str) -> bool:
 
 
 def load(isa: str | None = None) -> tuple[ctypes.CDLL | None, str]:
-    """(the library of ``isa``, default :func:`current`, "") or (None, why it can't be used here). Built and
+    """(the library of ``isa``, default :func:`current`'s, "") or (None, why it can't be used here). Built and
     loaded once per process and ISA (amx: the avx512 build, a copy of its own with AMX on)."""
     if isa is None:
-        if "" not in _loaded:
-            _loaded[""] = _load(_active[-1]) if _active else _default()[1:]
-        return _loaded[""]
+        chosen = choose()
+        return chosen.lib, "" if chosen.lib is not None else chosen.why
     return _load(isa)
 
 
 def isa() -> str:
-    """The ISA the kernels run now: one of :data:`ISAS` ("none": no kernels)."""
-    return current() if load()[0] is not None else "none"
+    """The ISA the kernels run outside an engine: one of :data:`ISAS` ("none": no kernels)."""
+    return choose().isa
 
 
 def why() -> str:
-    """Why the kernels run the ISA they do, or why none."""
-    lib, reason = load()
-    if _active:
-        return f"{current()}, as the test asks" if lib is not None else reason
-    return _default()[2]
+    """Why the kernels run the ISA they do outside an engine, or why none."""
+    return choose().why
 
 
 def int8_available() -> bool:
@@ -362,15 +357,15 @@ def int8_available() -> bool:
     return lib is not None and not lib.mili_int_check
 
 
-def onednn_bf16() -> str:
+def onednn_bf16(asked: str | None = None) -> str:
     """"" where oneDNN's bf16 weight packing runs here, else why not (checks.onednn_bf16): held off too when
-    MILI_CPU_ISA or a test holds the kernels below AVX-512, as on a CPU without it."""
+    ``asked`` (an engine's cpu_isa, else MILI_CPU_ISA) holds the kernels below AVX-512, as on a CPU without it."""
     from mili.kernels.cpu import checks
 
     order = ORDER.get(arch(), ())
     rank = {name: i for i, name in enumerate(order)}
-    held = ("avx512" in rank and rank.get(_asked(), 0) < rank["avx512"] <= rank[best_isa()]
-            and (requested() is not None or bool(_active)))
+    cap = _chosen(*_asked(asked))[0]
+    held = "avx512" in rank and rank.get(cap, 0) < rank["avx512"] <= rank[best_isa()]
     return checks.onednn_bf16(held)
 
 
@@ -408,11 +403,13 @@ def family_paths(isa: str, why_not: str, int_check: str, onednn: str, off: str =
             "oneDNN bf16 packing": f"{onednn or 'runs'} (used where the kernels are off)"}
 
 
-def headline(asked: bool = True) -> str:
-    """The ISA, why, and the CPU's SIMD flags (the head of the start-up log's "CPU paths" line)."""
+def headline(asked: bool = True, chosen: Choice | None = None) -> str:
+    """The ISA, why, and the CPU's SIMD flags (the head of the start-up log's "CPU paths" line); ``chosen``: an
+    engine's (default MILI_CPU_ISA's choice)."""
+    chosen = chosen or choose()
     flags = " ".join(sorted(cpu_features() & {f for needs in NEEDS.values() for f in needs} | (
         cpu_features() & {"avx512_vnni", "avx512_bf16", "avx_vnni", "avx512dq", "i8mm", "bf16"})))
-    return (f"CPU ISA {isa()} ({why()}; CPU: {flags or 'no SIMD flags known'})" if asked
+    return (f"CPU ISA {chosen.isa} ({chosen.why}; CPU: {flags or 'no SIMD flags known'})" if asked
             else f"MILI's CPU kernels not asked for (--no-cpu-kernels; CPU: {flags or 'no SIMD flags known'})")
 
 

@@ -156,15 +156,17 @@ static void decode_attention_bf16(const bf16 *q, int64_t ldq, const bf16 *k_cach
   }
 }
 
-/* Causal attention of one sequence's prefill chunk: q [Lq, Hq, D] (token stride ldq) are the last Lq of the
- * Lk positions whose K/V are k, v [Lk, Hkv, D] (token strides ldk, ldv); out [Lq, Hq, D] (stride ldo).
+/* Causal attention of one sequence's prefill chunk c (Hq = q_heads, Hkv = kv_heads, D = head_dim): q [Lq, Hq, D]
+ * (token stride ldq) are the last Lq of the Lk positions whose K/V are k, v [Lk, Hkv, D] (token strides ldk, ldv);
+ * out [Lq, Hq, D] (stride ldo).
  * Both products run on the linear layers' micro-kernel: each head's K is packed as a weight [Lk, D]
  * (scores = Q K^T), its V^T as a weight [D, Lk] (out = P V, P the softmax in bf16, as torch's CPU flash
  * attention also multiplies it). One task per (kv head, 16 queries): its group's G x 16 query rows share
  * every packed K and V row, and only the key blocks the causal mask leaves are computed. D % 32 == 0. */
-void mili_prefill_attention(const bf16 *q, int64_t ldq, const bf16 *k, int64_t ldk, const bf16 *v, int64_t ldv,
-                            bf16 *out, int64_t ldo, int64_t Lq, int64_t Lk, int64_t Hq, int64_t Hkv, int64_t D,
-                            float scale, int nthreads) {
+void mili_prefill_attention(const mili_prefill_chunk *c, float scale, bf16 *out, int64_t ldo, int nthreads) {
+  const bf16 *q = c->q, *k = c->k, *v = c->v;
+  const int64_t ldq = c->ldq, ldk = c->ldk, ldv = c->ldv, Lq = c->Lq, Lk = c->Lk;
+  const int64_t Hq = c->q_heads, Hkv = c->kv_heads, D = c->head_dim;
   const int64_t G = Hq / Hkv, nkb = (Lk + 15) / 16, Lkp = nkb * 16, QB = 16, nqb = (Lq + QB - 1) / QB;
   bf16 *kp = malloc(sizeof(bf16) * Hkv * Lkp * D); /* [Hkv][nkb][D/2][16][2] */
   bf16 *vp = malloc(sizeof(bf16) * Hkv * D * Lkp); /* [Hkv][D/16][Lkp/2][16][2] */

@@ -25,13 +25,9 @@ static void run_linear(const mili_linear_desc *l, const bf16 *x, bf16 *y, int64_
     return;
   }
   for (; l; y += l->n, l = l->next) {
-    if (l->int8g)
-      mili_linear_int8g(l->w, l->scales, l->aux, x, y, M, l->n, l->k, l->group, (int)l->scale_mode, l->sub,
-                        l->int8g == 2, ldy, nthreads);
-    else if (l->group)
-      mili_linear_int4(l->w, l->scales, l->aux, x, y, M, l->n, l->k, l->group, (int)l->scale_mode, l->sub,
-                       (int)l->high_bits, ldy, nthreads);
-    else if (l->scales) mili_linear_int8(l->w, l->scales, l->aux, x, y, M, l->n, l->k, nthreads);
+    if (l->int8g) mili_linear_int8g(l, x, y, M, ldy, nthreads);
+    else if (l->group) mili_linear_int4(l, x, y, M, ldy, nthreads);
+    else if (l->scales) mili_linear_int8(l, x, y, M, nthreads);
     else mili_linear(l->w, x, y, M, l->n, l->k, nthreads);
   }
 }
@@ -46,18 +42,20 @@ void mili_decode_layer(const mili_layer_desc *L, int first, const mili_kv_pages 
   const int64_t nqkv = linear_n(&L->qkv);
   bf16 *h = step->h, *residual = step->residual, *normed = step->work, *qkv = normed + T * H, *attn = qkv + T * nqkv;
   bf16 *o = attn + T * Hq * D, *gate_up = o + T * H, *act = gate_up + T * linear_n(&L->gate_up);
-  if (first) { /* the stream starts as the embeddings */
-    memcpy(residual, h, sizeof(bf16) * T * H);
-    mili_rms_norm(h, H, NULL, L->input_norm, normed, NULL, T, H, L->eps, nthreads);
-  } else {
-    mili_rms_norm(h, H, residual, L->input_norm, normed, residual, T, H, L->eps, nthreads);
-  }
+  if (first) memcpy(residual, h, sizeof(bf16) * T * H); /* the stream starts as the embeddings */
+  const mili_norm_rows in_rows = {.x = h, .ldx = H, .residual = first ? NULL : residual,
+                                  .res_out = first ? NULL : residual, .out = normed, .T = T, .D = H};
+  mili_rms_norm(&in_rows, L->input_norm, L->eps, nthreads);
   run_linear(&L->qkv, normed, qkv, T, step->lora_slots, nthreads);
-  mili_qk_norm_rope(qkv, nqkv, T, Hq, Hkv, D, L->q_norm, L->k_norm, L->eps, step->cos, step->sin, nthreads);
+  const mili_qk_heads heads = {.qkv = qkv, .ld = nqkv, .T = T, .q_heads = Hq, .kv_heads = Hkv, .head_dim = D,
+                               .cos = step->cos, .sin = step->sin};
+  mili_qk_norm_rope(&heads, L->q_norm, L->k_norm, L->eps, nthreads);
   mili_store_kv(qkv + Hq * D, nqkv, qkv + (Hq + Hkv) * D, nqkv, step->slots, T, kv, nthreads);
   mili_decode_attention(qkv, nqkv, Hq, L->scale, kv, seqs, attn, nthreads);
   run_linear(&L->o, attn, o, T, step->lora_slots, nthreads);
-  mili_rms_norm(o, H, residual, L->post_norm, normed, residual, T, H, L->eps, nthreads);
+  const mili_norm_rows post_rows = {.x = o, .ldx = H, .residual = residual, .res_out = residual, .out = normed,
+                                    .T = T, .D = H};
+  mili_rms_norm(&post_rows, L->post_norm, L->eps, nthreads);
   run_linear(&L->gate_up, normed, gate_up, T, step->lora_slots, nthreads);
   mili_silu_and_mul(gate_up, act, T, L->inter, nthreads);
   run_linear(&L->down, act, h, T, step->lora_slots, nthreads);

@@ -7,16 +7,23 @@
  *     g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b), then on the float32 state S [Dk, Dv]:
  *     S = exp(g) S;  S += k (beta (v - S^T k))^T;  out = S^T q.
  * Two passes over S: one reads it (S^T k), one updates it and forms S^T q, where torch's ops take ~8.
+ * (L: the layer, Hk = k_heads, Hv = v_heads, Dk = k_dim, Dv = v_dim, K = conv_width; step: the B sequences.)
  * qkv [B, ldq] and ba [B, ldba] (b | a, Hv each) and the conv states are bf16 when bf16_io, else float32;
  * in bf16 the conv output, its SiLU and beta are rounded as torch's bf16 ops round them. Dv % 16 == 0. */
 static inline float io_load(const void *p, int64_t i, int bf16_io) {
   return bf16_io ? bf16_to_float(((const bf16 *)p)[i]) : ((const float *)p)[i];
 }
 
-void mili_gdn_decode(const void *qkv, int64_t ldq, const void *ba, int64_t ldba, int bf16_io, void *conv_states,
-                     float *ssm_states, const int64_t *slots, const uint8_t *fresh, const float *conv_w,
-                     const float *A_log, const float *dt_bias, float *out, int64_t B, int64_t Hk, int64_t Hv,
-                     int64_t Dk, int64_t Dv, int64_t K, int nthreads) {
+void mili_gdn_decode(const mili_gdn_layer *L, const mili_gdn_step *step, float *out, int nthreads) {
+  const void *qkv = step->qkv, *ba = step->ba;
+  const int64_t ldq = step->ldq, ldba = step->ldba, B = step->B;
+  const int64_t *slots = step->slots;
+  const uint8_t *fresh = step->fresh;
+  const float *conv_w = L->conv_w, *A_log = L->A_log, *dt_bias = L->dt_bias;
+  void *conv_states = L->conv_states;
+  float *ssm_states = L->ssm_states;
+  const int64_t Hk = L->k_heads, Hv = L->v_heads, Dk = L->k_dim, Dv = L->v_dim, K = L->conv_width;
+  const int bf16_io = (int)L->bf16_io;
   const int64_t C = 2 * Hk * Dk + Hv * Dv, W = K - 1, rep = Hv / Hk;
   float *xs = malloc(sizeof(float) * B * C); /* the conv's output, float32 */
 #pragma omp parallel for num_threads(nthreads) collapse(2) schedule(static) if (B * C >= 4096)

@@ -368,11 +368,15 @@ static inline float quantize_int8(const bf16 *x, int64_t n, int8_t *q, int offse
   return scale;
 }
 
-/* int8 weights with one float scale per output row (sw[N]) and their column sums (colsum[N], for the ISAs
- * whose dot product takes x unsigned), W packed [N/16][K/4][16][4]; x is quantized here to int8 with one
- * scale per row (symmetric, round to nearest). K % 64 == 0. */
-void mili_linear_int8(const int8_t *w, const float *sw, const int32_t *colsum, const bf16 *x, bf16 *y, int64_t M,
-                      int64_t N, int64_t K, int nthreads) {
+/* y[M, N] = x[M, K] @ W^T for int8 weights (l: N = n, K = k; w) with one float scale per output row (scales: sw[N])
+ * and their column sums (aux: colsum[N], for the ISAs whose dot product takes x unsigned), W packed
+ * [N/16][K/4][16][4]; x is quantized here to int8 with one scale per row (symmetric, round to nearest).
+ * K % 64 == 0. l's group and after are not read. */
+void mili_linear_int8(const mili_linear_desc *l, const bf16 *x, bf16 *y, int64_t M, int nthreads) {
+  const int8_t *w = l->w;
+  const float *sw = l->scales;
+  const int32_t *colsum = l->aux;
+  const int64_t N = l->n, K = l->k;
   const int64_t mp = M <= 16 ? M : (M + 15) / 16 * 16;
   const int offset = use_amx ? 0 : INT8_X_OFFSET;
   int8_t *xq = calloc(mp * K, 1);
@@ -771,12 +775,15 @@ static void grouped_streams(const uint8_t *w, int64_t wblock, const void *ws, co
   }
 }
 
-/* The int4 and int8g kernels' one driver: y[M, N] (rows ldy apart) = x[M, K] @ W^T, W int8g (int8g 1; 2: signed with
- * offsets) or int4 with high_bits (0, 1 or 2), scales and offsets (wb NULL: none) in the form scale_mode (SCALES_K:
- * sub groups a super-block). x is quantized per row and group once; few rows go to grouped_streams. */
-static void grouped_linear(const uint8_t *w, const void *ws, const void *wb, const bf16 *x, bf16 *y, int64_t ldy,
-                           int64_t M, int64_t N, int64_t K, int64_t group, int scale_mode, int64_t sub, int int8g,
+/* The int4 and int8g kernels' one driver: y[M, l->n] (rows ldy apart) = x[M, l->k] @ W^T, W int8g (int8g 1; 2: signed
+ * with offsets) or int4 with high_bits (0, 1 or 2), scales and offsets (aux NULL: none) in the form scale_mode
+ * (SCALES_K: sub groups a super-block). x is quantized per row and group once; few rows go to grouped_streams. */
+static void grouped_linear(const mili_linear_desc *l, const bf16 *x, bf16 *y, int64_t ldy, int64_t M, int int8g,
                            int high_bits, int nthreads) {
+  const uint8_t *w = l->w;
+  const void *ws = l->scales, *wb = l->aux;
+  const int64_t N = l->n, K = l->k, group = l->group, sub = l->sub;
+  const int scale_mode = (int)l->scale_mode;
   const int expand = !int8g && high_bits && M > EXPAND_ROWS; /* many rows: int8g's kernel over expanded blocks */
   const int eight = int8g || expand;                         /* (which micro-kernel runs) */
   const int64_t G = K / group, nblocks = N / 16, per = eight ? I8G_NB : I4_NB; /* (a group: one call's blocks) */
@@ -824,18 +831,18 @@ static void grouped_linear(const uint8_t *w, const void *ws, const void *wb, con
   free_groups(gx);
 }
 
-/* y[M, N] (rows ldy apart) = x[M, K] @ W^T for int4 W (layout above; high_bits 0, 1 or 2; wb NULL: symmetric,
- * w = s (q - 8 << high_bits)), scales and offsets in the form scale_mode (SCALES_K: sub groups a super-block).
- * N % 16 == 0, K % group == 0, group % 8 == 0 (with high bits K % 32 == 0); SCALES_K: (K / group) % sub == 0. */
-void mili_linear_int4(const uint8_t *w, const void *ws, const void *wb, const bf16 *x, bf16 *y, int64_t M, int64_t N,
-                      int64_t K, int64_t group, int scale_mode, int64_t sub, int high_bits, int64_t ldy, int nthreads) {
-  grouped_linear(w, ws, wb, x, y, ldy, M, N, K, group, scale_mode, sub, 0, high_bits, nthreads);
+/* y[M, N] (rows ldy apart) = x[M, K] @ W^T for int4 W (l: N = n, K = k; the layout above; high_bits 0, 1 or 2; aux
+ * NULL: symmetric, w = s (q - 8 << high_bits)), scales and offsets in the form scale_mode (SCALES_K: sub groups a
+ * super-block). N % 16 == 0, K % group == 0, group % 8 == 0 (with high bits K % 32 == 0); SCALES_K: (K / group) % sub
+ * == 0. l's int8g, next and lora are not read. */
+void mili_linear_int4(const mili_linear_desc *l, const bf16 *x, bf16 *y, int64_t M, int64_t ldy, int nthreads) {
+  grouped_linear(l, x, y, ldy, M, 0, (int)l->high_bits, nthreads);
 }
 
-/* y[M, N] (rows ldy apart) = x[M, K] @ W^T for int8g W (layout above; wb NULL: symmetric, w = s (u - 128); signed_q
- * with wb: w = s (u - 128) + b), scales and offsets as mili_linear_int4's. N % 16 == 0, K % group == 0,
- * group % 8 == 0; SCALES_K: (K / group) % sub == 0. */
-void mili_linear_int8g(const uint8_t *w, const void *ws, const void *wb, const bf16 *x, bf16 *y, int64_t M, int64_t N,
-                       int64_t K, int64_t group, int scale_mode, int64_t sub, int signed_q, int64_t ldy, int nthreads) {
-  grouped_linear(w, ws, wb, x, y, ldy, M, N, K, group, scale_mode, sub, signed_q ? 2 : 1, 0, nthreads);
+/* y[M, N] (rows ldy apart) = x[M, K] @ W^T for int8g W (l: N = n, K = k; the layout above; aux NULL: symmetric,
+ * w = s (u - 128); with aux w = s u + b, or with int8g 2 (signed) s (u - 128) + b), scales and offsets as
+ * mili_linear_int4's. N % 16 == 0, K % group == 0, group % 8 == 0; SCALES_K: (K / group) % sub == 0. l's high_bits,
+ * next and lora are not read. */
+void mili_linear_int8g(const mili_linear_desc *l, const bf16 *x, bf16 *y, int64_t M, int64_t ldy, int nthreads) {
+  grouped_linear(l, x, y, ldy, M, l->int8g == 2 ? 2 : 1, 0, nthreads);
 }

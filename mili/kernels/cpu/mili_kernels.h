@@ -22,7 +22,8 @@ typedef struct mili_lora_desc {
   int64_t shards, columns, width, rank, slots, kb;
 } mili_lora_desc;
 
-/* One linear layer as the fused decode step runs it (decode_layer.c). */
+/* One linear layer's packed weights: the int8, int4 and int8g kernels' operand (linear.c), and each of the fused
+ * decode step's linears (decode_layer.c). */
 typedef struct mili_linear_desc {
   const void *w;      /* packed weight */
   const void *scales; /* int8: float per output column; int4, int8g: per column and group (scale_mode's form) */
@@ -73,6 +74,58 @@ typedef struct mili_decode_step {
   int64_t T;
 } mili_decode_step;
 
+/* RMSNorm's T rows (norms.c), with a residual added first where one is given. */
+typedef struct mili_norm_rows {
+  const bf16 *x;        /* [T, D] at row stride ldx: the rows in */
+  int64_t ldx;          /* x's row stride (elements) */
+  const bf16 *residual; /* [T, D]: s = bf16(x + residual) is normalized, or NULL: s = x */
+  bf16 *res_out;        /* [T, D]: s, where residual is set (may be residual itself: in place) */
+  bf16 *out;            /* [T, D]: the normalized rows */
+  int64_t T, D;         /* rows; features (D % 16 == 0) */
+} mili_norm_rows;
+
+/* The query and key heads of T rows of a fused qkv output, for q/k-norm + RoPE in place (norms.c). */
+typedef struct mili_qk_heads {
+  bf16 *qkv;                           /* [T, ld]: each row q (q_heads x head_dim) | k (kv_heads x head_dim) | the
+                                          rest (v, padding: untouched) */
+  int64_t ld, T;                       /* qkv's row stride (elements); rows */
+  int64_t q_heads, kv_heads, head_dim; /* head_dim % 32 == 0, <= 1024 */
+  const float *cos, *sin;              /* [T, head_dim] float32: each row's rotary angles */
+} mili_qk_heads;
+
+/* One sequence's prefill chunk as causal attention reads it (attention.c): its Lq queries are the last Lq of the Lk
+ * positions whose K/V are k, v. */
+typedef struct mili_prefill_chunk {
+  const bf16 *q;                       /* [Lq, q_heads, head_dim] at token stride ldq */
+  const bf16 *k, *v;                   /* [Lk, kv_heads, head_dim] at token strides ldk, ldv */
+  int64_t ldq, ldk, ldv;               /* q's, k's and v's token strides (elements) */
+  int64_t Lq, Lk;                      /* queries; positions (Lq <= Lk) */
+  int64_t q_heads, kv_heads, head_dim; /* head_dim % 32 == 0 */
+} mili_prefill_chunk;
+
+/* One Gated DeltaNet layer as its decode step reads it (gdn.c): its weights, its shape and its state slots. The
+ * conv's C = 2 k_heads k_dim + v_heads v_dim channels are q | k | v. */
+typedef struct mili_gdn_layer {
+  const float *conv_w;          /* [C, conv_width] float32: the depthwise causal conv's weights */
+  const float *A_log, *dt_bias; /* [v_heads] float32: the decay's parameters */
+  void *conv_states;            /* [slots, C, conv_width - 1]: each slot's last inputs (bf16_io's dtype; in place) */
+  float *ssm_states;            /* [slots, v_heads, k_dim, v_dim] float32: each slot's state S (in place) */
+  int64_t k_heads, v_heads;     /* key heads; value heads (a multiple of k_heads) */
+  int64_t k_dim, v_dim;         /* a key head's features (<= 1024); a value head's (a multiple of 16) */
+  int64_t conv_width;           /* the conv's taps */
+  int64_t bf16_io;              /* 1: the step's qkv and ba and the conv states are bf16; 0: float32 */
+} mili_gdn_layer;
+
+/* A decode step's B sequences into a Gated DeltaNet layer (gdn.c), one token each. */
+typedef struct mili_gdn_step {
+  const void *qkv;      /* [B, ldq]: each token's q | k | v (C channels) before the conv, in bf16_io's dtype */
+  const void *ba;       /* [B, ldba]: b | a (v_heads each), in bf16_io's dtype */
+  int64_t ldq, ldba;    /* qkv's and ba's row strides (elements) */
+  const int64_t *slots; /* [B]: each sequence's state slot */
+  const uint8_t *fresh; /* [B]: nonzero where a sequence starts (its states from zeros), or NULL: none does */
+  int64_t B;            /* sequences */
+} mili_gdn_step;
+
 /* -- the build (common.h, linear.c) ------------------------------------------------------------------------------ */
 const char *mili_isa(void);   /* the ISA layer this library was built with */
 int mili_amx_init(void);      /* 0 where Linux grants the AMX tile state (builds without AMX: -1) */
@@ -81,18 +134,15 @@ int mili_uses_amx(void);
 
 /* -- linear layers (linear.c): y [M, N] = x [M, K] @ W^T over packed weights -------------------------------------- */
 void mili_linear(const bf16 *w, const bf16 *x, bf16 *y, int64_t M, int64_t N, int64_t K, int nthreads);
-void mili_linear_int8(const int8_t *w, const float *sw, const int32_t *colsum, const bf16 *x, bf16 *y, int64_t M,
-                      int64_t N, int64_t K, int nthreads);
-void mili_linear_int4(const uint8_t *w, const void *ws, const void *wb, const bf16 *x, bf16 *y, int64_t M, int64_t N,
-                      int64_t K, int64_t group, int scale_mode, int64_t sub, int high_bits, int64_t ldy, int nthreads);
-void mili_linear_int8g(const uint8_t *w, const void *ws, const void *wb, const bf16 *x, bf16 *y, int64_t M, int64_t N,
-                       int64_t K, int64_t group, int scale_mode, int64_t sub, int signed_q, int64_t ldy, int nthreads);
+/* int8, int4 and int8g over l, one part of a layer (its next and lora are not read: decode_layer.c walks them);
+ * int4 and int8g: y's rows ldy apart */
+void mili_linear_int8(const mili_linear_desc *l, const bf16 *x, bf16 *y, int64_t M, int nthreads);
+void mili_linear_int4(const mili_linear_desc *l, const bf16 *x, bf16 *y, int64_t M, int64_t ldy, int nthreads);
+void mili_linear_int8g(const mili_linear_desc *l, const bf16 *x, bf16 *y, int64_t M, int64_t ldy, int nthreads);
 
 /* -- norms, RoPE, SwiGLU (norms.c) ------------------------------------------------------------------------------- */
-void mili_rms_norm(const bf16 *x, int64_t ldx, const bf16 *residual, const bf16 *w, bf16 *out, bf16 *res_out,
-                   int64_t T, int64_t D, float eps, int nthreads);
-void mili_qk_norm_rope(bf16 *qkv, int64_t ld, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const bf16 *qw,
-                       const bf16 *kw, float eps, const float *cos_t, const float *sin_t, int nthreads);
+void mili_rms_norm(const mili_norm_rows *rows, const bf16 *w, float eps, int nthreads);
+void mili_qk_norm_rope(const mili_qk_heads *heads, const bf16 *q_norm, const bf16 *k_norm, float eps, int nthreads);
 void mili_silu_and_mul(const bf16 *gate_up, bf16 *out, int64_t T, int64_t I, int nthreads);
 
 /* -- attention over the pages, bf16 or int8 (attention.c, kv_int8.c) ------------------------------------------ */
@@ -105,9 +155,8 @@ void mili_decode_attention(const bf16 *q, int64_t ldq, int64_t Hq, float scale, 
 /* int8 pages: the first n positions of each sequence's K (which 0) or V (1), dequantized: out [B, n, kv_heads, D] */
 void mili_gather_kv_int8(const mili_kv_pages *kv, int which, const mili_seq_pages *seqs, int64_t n, bf16 *out,
                          int nthreads);
-void mili_prefill_attention(const bf16 *q, int64_t ldq, const bf16 *k, int64_t ldk, const bf16 *v, int64_t ldv,
-                            bf16 *out, int64_t ldo, int64_t Lq, int64_t Lk, int64_t Hq, int64_t Hkv, int64_t D,
-                            float scale, int nthreads);
+/* causal attention of a prefill chunk: out [Lq, q_heads, head_dim] (token stride ldo) */
+void mili_prefill_attention(const mili_prefill_chunk *c, float scale, bf16 *out, int64_t ldo, int nthreads);
 
 /* -- LoRA (lora.c) ----------------------------------------------------------------------------------------------- */
 void mili_lora_add(const mili_lora_desc *L, const bf16 *x, int64_t K, bf16 *y, int64_t ldy, int64_t M,
@@ -125,9 +174,7 @@ void mili_apply_bitmask(float *logits, int64_t ld, const int32_t *bitmask, int64
                         int64_t nrows, int64_t V, int nthreads);
 
 /* -- Gated DeltaNet's decode step (gdn.c) ------------------------------------------------------------------------ */
-void mili_gdn_decode(const void *qkv, int64_t ldq, const void *ba, int64_t ldba, int bf16_io, void *conv_states,
-                     float *ssm_states, const int64_t *slots, const uint8_t *fresh, const float *conv_w,
-                     const float *A_log, const float *dt_bias, float *out, int64_t B, int64_t Hk, int64_t Hv,
-                     int64_t Dk, int64_t Dv, int64_t K, int nthreads);
+/* out [B, v_heads, v_dim] float32; the layer's states updated in place */
+void mili_gdn_decode(const mili_gdn_layer *L, const mili_gdn_step *step, float *out, int nthreads);
 
 #endif

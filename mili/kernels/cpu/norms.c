@@ -14,10 +14,12 @@ static inline void rms_norm_row(const bf16 *s, const bf16 *w, bf16 *out, int64_t
   }
 }
 
-/* RMSNorm over rows of length D (x rows at stride ldx); with a residual, s = bf16(x + residual) is
- * written to res_out and normalized. D % 16 == 0. */
-void mili_rms_norm(const bf16 *x, int64_t ldx, const bf16 *residual, const bf16 *w, bf16 *out, bf16 *res_out,
-                   int64_t T, int64_t D, float eps, int nthreads) {
+/* RMSNorm of the T rows of length D (x's rows at stride ldx) into out, weight w [D]; with a residual,
+ * s = bf16(x + residual) is written to res_out and normalized. D % 16 == 0. */
+void mili_rms_norm(const mili_norm_rows *rows, const bf16 *w, float eps, int nthreads) {
+  const bf16 *x = rows->x, *residual = rows->residual;
+  bf16 *out = rows->out, *res_out = rows->res_out;
+  const int64_t ldx = rows->ldx, T = rows->T, D = rows->D;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (T * D >= 65536)
   for (int64_t t = 0; t < T; t++) {
     const bf16 *src = x + t * ldx;
@@ -30,18 +32,20 @@ void mili_rms_norm(const bf16 *x, int64_t ldx, const bf16 *residual, const bf16 
   }
 }
 
-/* In place on the fused qkv output (rows of stride ld): per-head RMSNorm of the Hq query heads (weight
- * qw) and the Hkv key heads after them (weight kw), then rotate-half RoPE with float32 cos/sin [T, D].
+/* In place on the fused qkv output (heads->qkv, rows of stride ld): per-head RMSNorm of the Hq query heads (weight
+ * q_norm [D]) and the Hkv key heads after them (weight k_norm [D]), then rotate-half RoPE with float32 cos/sin [T, D].
  * D % 32 == 0, D <= 1024. */
-void mili_qk_norm_rope(bf16 *qkv, int64_t ld, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const bf16 *qw,
-                       const bf16 *kw, float eps, const float *cos_t, const float *sin_t, int nthreads) {
+void mili_qk_norm_rope(const mili_qk_heads *heads, const bf16 *q_norm, const bf16 *k_norm, float eps, int nthreads) {
+  bf16 *qkv = heads->qkv;
+  const float *cos_t = heads->cos, *sin_t = heads->sin;
+  const int64_t ld = heads->ld, T = heads->T, Hq = heads->q_heads, Hkv = heads->kv_heads, D = heads->head_dim;
   const int64_t half = D / 2;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (T >= 16)
   for (int64_t t = 0; t < T; t++) {
     const float *c = cos_t + t * D, *s = sin_t + t * D;
     for (int64_t h = 0; h < Hq + Hkv; h++) {
       bf16 *head = qkv + t * ld + h * D, normed[1024];
-      rms_norm_row(head, h < Hq ? qw : kw, normed, D, eps);
+      rms_norm_row(head, h < Hq ? q_norm : k_norm, normed, D, eps);
       for (int64_t i = 0; i < half; i += 16) {
         const vf lo = vf_load_bf16(normed + i), hi = vf_load_bf16(normed + half + i);
         vf_store_bf16(head + i, vf_fnmadd(hi, vf_load(s + i), vf_mul(lo, vf_load(c + i))));

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -16,12 +17,15 @@ from mili.kernels.cpu import abi, load
 BF16 = torch.bfloat16
 
 
-_pinned: list = []  # library(): a library the ops run on before load() hands it out (its checks)
+# library(): this thread's stack of libraries the ops run on (an engine's step: its plan's; the checks at load: the
+# library being checked); empty: MILI_CPU_ISA's choice (load())
+_pinned = threading.local()
 
 
 def _lib():
-    if _pinned:
-        return _pinned[-1]
+    stack = getattr(_pinned, "stack", None)
+    if stack:
+        return stack[-1]
     lib, why = load()
     if lib is None:
         raise RuntimeError(f"MILI's CPU kernels are not available: {why}")
@@ -30,12 +34,16 @@ def _lib():
 
 @contextlib.contextmanager
 def library(lib):
-    """Within the block, the ops run on ``lib``."""
-    _pinned.append(lib)
+    """Within the block, this thread's ops run on ``lib`` (None: MILI_CPU_ISA's choice)."""
+    stack = _pinned.__dict__.setdefault("stack", [])
+    if lib is None:
+        yield lib
+        return
+    stack.append(lib)
     try:
         yield lib
     finally:
-        _pinned.pop()
+        stack.pop()
 
 
 def _threads() -> int:
@@ -104,13 +112,25 @@ def int8_column_sums(packed: torch.Tensor) -> torch.Tensor:
     return packed.sum(dim=(1, 3), dtype=torch.int32).reshape(-1).contiguous()
 
 
+# mili_linear_desc (mili_kernels.h): one linear layer's packed weights, the int8, int4 and int8g kernels' operand (and
+# each linear of the fused decode step: mili/runtime/cpu_decode.py)
+LinearDesc = abi.STRUCTS["mili_linear_desc"]
+
+
+def int8_desc(packed: torch.Tensor, scales: torch.Tensor, column_sums: torch.Tensor) -> LinearDesc:
+    """The int8 kernel's view of int8 weights ``packed`` (:func:`pack_weight`; N: its padded rows), their ``scales``
+    and ``column_sums``. The tensors must outlive its use."""
+    return LinearDesc(packed.data_ptr(), scales.data_ptr(), column_sums.data_ptr(), packed.shape[0] * 16,
+                      packed.shape[1] * 4)
+
+
 def linear_int8(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, column_sums: torch.Tensor,
                 out_features: int) -> torch.Tensor:
     """x [M, K] @ (int8 W * scales)^T, x quantized per row to int8 inside the kernel: [M, out_features].
     ``scales`` (float32) and ``column_sums`` (int32, :func:`int8_column_sums`) padded like ``packed``."""
+    desc = int8_desc(packed, scales, column_sums)
     return _packed_product(x, packed, out_features, lambda x, y, m, n, k: _lib().mili_linear_int8(
-        packed.data_ptr(), scales.data_ptr(), column_sums.data_ptr(), x.data_ptr(), y.data_ptr(), m, n, k,
-        _threads()))
+        ctypes.byref(desc), x.data_ptr(), y.data_ptr(), m, _threads()))
 
 
 # The int4 and int8g kernels' forms of scales and offsets (kernels.c, scale_form), told apart by the packed tensor's
@@ -211,14 +231,23 @@ def int4_in_features(packed: torch.Tensor, high_bits: int = 0) -> int:
     return packed.shape[1] * 256 // (32 + 8 * high_bits)
 
 
+def grouped_desc(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, k: int, int8g: int = 0,
+                 high_bits: int = 0) -> LinearDesc:
+    """The int4 or int8g kernel's view of a layer of K inputs: int4 (``int8g`` 0, :func:`pack_int4` with
+    ``high_bits``) or int8g (1; 2: signed with offsets, :func:`pack_int8g`) weights ``packed`` (N: its padded rows),
+    ``scales`` and ``offsets`` (None: symmetric). The tensors must outlive its use."""
+    group, mode, sub = _scale_args(scales, offsets, k)
+    return LinearDesc(packed.data_ptr(), scales.data_ptr(), None if offsets is None else offsets.data_ptr(),
+                      packed.shape[0] * 16, k, group, mode, sub, int8g, high_bits)
+
+
 def linear_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
                 high_bits: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ W^T for int4 W (:func:`pack_int4`, with ``high_bits``; ``offsets`` None: symmetric), x quantized to
     int8 per row and group in the kernel: [M, padded N] (into ``out`` where given, see _packed_product)."""
-    group, mode, sub = _scale_args(scales, offsets, int4_in_features(packed, high_bits))
+    desc = grouped_desc(packed, scales, offsets, int4_in_features(packed, high_bits), high_bits=high_bits)
     return _packed_product(x, packed, packed.shape[0] * 16, lambda x, y, m, n, k: _lib().mili_linear_int4(
-        packed.data_ptr(), scales.data_ptr(), None if offsets is None else offsets.data_ptr(), x.data_ptr(),
-        y.data_ptr(), m, n, k, group, mode, sub, high_bits, y.stride(0), _threads()), out)
+        ctypes.byref(desc), x.data_ptr(), y.data_ptr(), m, y.stride(0), _threads()), out)
 
 
 def unpack_int4(packed: torch.Tensor, high_bits: int = 0) -> torch.Tensor:
@@ -260,10 +289,9 @@ def linear_int8g(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, of
                  signed: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ W^T for int8g W (:func:`pack_int8g`), x quantized to int8 per row and group in the kernel:
     [M, padded N] (into ``out`` where given). ``signed`` (with offsets): w = scale * (q - 128) + offset."""
-    group, mode, sub = _scale_args(scales, offsets, packed.shape[1] * 4)
+    desc = grouped_desc(packed, scales, offsets, packed.shape[1] * 4, 2 if signed and offsets is not None else 1)
     return _packed_product(x, packed, packed.shape[0] * 16, lambda x, y, m, n, k: _lib().mili_linear_int8g(
-        packed.data_ptr(), scales.data_ptr(), None if offsets is None else offsets.data_ptr(), x.data_ptr(),
-        y.data_ptr(), m, n, k, group, mode, sub, int(signed and offsets is not None), y.stride(0), _threads()), out)
+        ctypes.byref(desc), x.data_ptr(), y.data_ptr(), m, y.stride(0), _threads()), out)
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -287,6 +315,10 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], 
 
 
 # -- the ops set ---------------------------------------------------------------------------------
+NormRows = abi.STRUCTS["mili_norm_rows"]  # RMSNorm's rows (and a residual), mili_kernels.h
+QKHeads = abi.STRUCTS["mili_qk_heads"]  # the q and k heads of a fused qkv output's rows, for q/k-norm + RoPE
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     if (x.dtype != BF16 or x.dim() != 2 or x.stride(-1) != 1 or x.shape[1] % 16
             or (residual is not None and residual.dtype != BF16)):
@@ -295,9 +327,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     out = torch.empty(t, d, dtype=BF16)
     res_out = None if residual is None else torch.empty(t, d, dtype=BF16)
     residual = None if residual is None else residual.contiguous()
-    _lib().mili_rms_norm(x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
-                         weight.contiguous().data_ptr(), out.data_ptr(),
-                         None if res_out is None else res_out.data_ptr(), t, d, eps, _threads())
+    rows = NormRows(x=x.data_ptr(), ldx=x.stride(0), residual=None if residual is None else residual.data_ptr(),
+                    res_out=None if res_out is None else res_out.data_ptr(), out=out.data_ptr(), T=t, D=d)
+    _lib().mili_rms_norm(ctypes.byref(rows), weight.contiguous().data_ptr(), eps, _threads())
     return out if residual is None else (out, res_out)
 
 
@@ -310,8 +342,10 @@ def qk_norm_rope(q, k, q_weight, k_weight, eps, cos, sin):
     if not adjacent or d % 32 or d > 1024 or cos.dtype != torch.float32:
         return reference.qk_norm_rope(q, k, q_weight, k_weight, eps, cos, sin)
     cos, sin = cos.contiguous(), sin.contiguous()
-    _lib().mili_qk_norm_rope(q.data_ptr(), q.stride(0), t, hq, k.shape[1], d, q_weight.contiguous().data_ptr(),
-                             k_weight.contiguous().data_ptr(), eps, cos.data_ptr(), sin.data_ptr(), _threads())
+    heads = QKHeads(qkv=q.data_ptr(), ld=q.stride(0), T=t, q_heads=hq, kv_heads=k.shape[1], head_dim=d,
+                    cos=cos.data_ptr(), sin=sin.data_ptr())
+    _lib().mili_qk_norm_rope(ctypes.byref(heads), q_weight.contiguous().data_ptr(), k_weight.contiguous().data_ptr(),
+                             eps, _threads())
     return q, k
 
 
@@ -444,6 +478,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor | Int8Pages, v_cache
     return out
 
 
+PrefillChunk = abi.STRUCTS["mili_prefill_chunk"]  # one sequence's prefill chunk: its q, k, v (mili_kernels.h)
+
+
 def prefill_attention_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     d = q.shape[-1]
     return (q.dtype == k.dtype == v.dtype == BF16 and d % 32 == 0
@@ -457,12 +494,17 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     lq, hq, d = q.shape
     if out is None:
         out = torch.empty(lq, hq, d, dtype=BF16)
-    _lib().mili_prefill_attention(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
-                                  out.data_ptr(), out.stride(0), lq, k.shape[0], hq, k.shape[1], d, scale, _threads())
+    chunk = PrefillChunk(q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), ldq=q.stride(0), ldk=k.stride(0),
+                         ldv=v.stride(0), Lq=lq, Lk=k.shape[0], q_heads=hq, kv_heads=k.shape[1], head_dim=d)
+    _lib().mili_prefill_attention(ctypes.byref(chunk), scale, out.data_ptr(), out.stride(0), _threads())
     return out
 
 
 # -- Gated DeltaNet (the hybrid models' linear attention) ----------------------------------------------------
+GDNLayer = abi.STRUCTS["mili_gdn_layer"]  # a layer's conv and decay weights, shape and state slots (mili_kernels.h)
+GDNStep = abi.STRUCTS["mili_gdn_step"]  # a decode step's B sequences into it
+
+
 def gdn_decode_supported(qkv: torch.Tensor, conv_states: torch.Tensor, ssm_states: torch.Tensor,
                          head_k_dim: int, head_v_dim: int) -> bool:
     return (qkv.dtype in (BF16, torch.float32) and conv_states.dtype == qkv.dtype and conv_states.is_contiguous()
@@ -484,9 +526,11 @@ def gdn_decode(qkv: torch.Tensor, ba: torch.Tensor, conv_states: torch.Tensor, s
     ba = ba if ba.stride(-1) == 1 else ba.contiguous()
     slots = slots.to(torch.int64).contiguous()
     fresh = None if fresh is None else fresh.to(torch.uint8).contiguous()
-    _lib().mili_gdn_decode(qkv.data_ptr(), qkv.stride(0), ba.data_ptr(), ba.stride(0), int(qkv.dtype == BF16),
-                           conv_states.data_ptr(), ssm_states.data_ptr(), slots.data_ptr(),
-                           None if fresh is None else fresh.data_ptr(), conv_weight.data_ptr(), A_log.data_ptr(),
-                           dt_bias.data_ptr(), out.data_ptr(), b, num_k_heads, hv, head_k_dim, head_v_dim,
-                           conv_weight.shape[1], _threads())
+    layer = GDNLayer(conv_w=conv_weight.data_ptr(), A_log=A_log.data_ptr(), dt_bias=dt_bias.data_ptr(),
+                     conv_states=conv_states.data_ptr(), ssm_states=ssm_states.data_ptr(), k_heads=num_k_heads,
+                     v_heads=hv, k_dim=head_k_dim, v_dim=head_v_dim, conv_width=conv_weight.shape[1],
+                     bf16_io=int(qkv.dtype == BF16))
+    step = GDNStep(qkv=qkv.data_ptr(), ba=ba.data_ptr(), ldq=qkv.stride(0), ldba=ba.stride(0), slots=slots.data_ptr(),
+                   fresh=None if fresh is None else fresh.data_ptr(), B=b)
+    _lib().mili_gdn_decode(ctypes.byref(layer), ctypes.byref(step), out.data_ptr(), _threads())
     return out

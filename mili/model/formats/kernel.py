@@ -7,6 +7,7 @@ decode layer takes these layers whole."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -19,18 +20,19 @@ from mili.model.formats.base import LinearFormat
 from mili.model.formats.plain import packed_layer
 
 
-def kernel_layer(weight, bias=None, shard_sizes=None):
+def kernel_layer(weight, bias=None, shard_sizes=None, prepack: bool = False):
     """A bf16 layer on MILI's kernel; where it can't take the shape (in_features not a multiple of 32), oneDNN's
-    packing where that runs, else None (aten's)."""
+    packing where ``prepack`` (the plan's: it runs here), else None (aten's)."""
     if cpu_ops.linear_supported(weight):
         return KernelLinear(weight, bias, shard_sizes)
-    return packed_layer(weight, bias, shard_sizes)
+    return packed_layer(weight, bias, shard_sizes) if prepack else None
 
 
 @dataclass(frozen=True)
 class Kernel(LinearFormat):
     name = "kernel"
     summary = "MILI's CPU kernels: bf16, and a checkpoint's AWQ and GGUF blocks as stored (int4, int8g)"
+    prepack: bool = False  # a layer the kernel can't take goes to oneDNN's packing (the plan's: where it runs)
 
     @property
     def fused_decode(self):
@@ -45,13 +47,13 @@ class Kernel(LinearFormat):
     def apply(self, model, quantized, skip_head):
         if model.lm_head is None and "lm_head.weight" in quantized and not skip_head:  # a tied head kept as stored
             model.lm_head = quantized_cpu_layer(quantized["lm_head.weight"], None, None)  # (None: the table's)
-        swap_linears(model, kernel_layer, quantized=quantized, make_quantized=quantized_cpu_layer,
-                     skip_head=skip_head, make_fused=split_cpu_layer)
+        swap_linears(model, functools.partial(kernel_layer, prepack=self.prepack), quantized=quantized,
+                     make_quantized=quantized_cpu_layer, skip_head=skip_head, make_fused=split_cpu_layer)
         if model.lm_head is None and not skip_head:  # the table, stored once, packed (where the kernel takes it)
-            bf16_head(model, kernels=True)
+            bf16_head(model, kernels=True, prepack=self.prepack)
 
     def apply_head(self, model):
-        bf16_head(model, kernels=True)
+        bf16_head(model, kernels=True, prepack=self.prepack)
 
 
 def cpu_form(parts) -> tuple | None:

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mili.model.cpu_linear import PackedLinear, bf16_head, prepack_available, swap_linears
+import torch
+
+from mili.model.cpu_linear import PackedLinear, bf16_head, swap_linears
 from mili.model.formats.base import LinearFormat
 
 
@@ -21,10 +23,14 @@ class Plain(LinearFormat):
     def apply(self, model, quantized, skip_head):
         pass  # (nothing to swap: a tied head stays on the plain table)
 
+    def apply_head(self, model):
+        pass  # (the head as loaded: the model's dtype)
+
 
 def packed_layer(weight, bias=None, shard_sizes=None):
-    """oneDNN's blocked bf16 where it runs; None (the layer stays aten's) elsewhere."""
-    return PackedLinear(weight, bias, shard_sizes) if prepack_available(weight.dtype) else None
+    """oneDNN's blocked bf16 (the plan chose it where it runs) for a bf16 layer; None (the layer stays aten's) for
+    another dtype."""
+    return PackedLinear(weight, bias, shard_sizes) if weight.dtype == torch.bfloat16 else None
 
 
 @dataclass(frozen=True)
@@ -40,4 +46,4 @@ class Packed(LinearFormat):
         swap_linears(model, packed_layer, skip_head=skip_head)
 
     def apply_head(self, model):
-        bf16_head(model, kernels=False)
+        bf16_head(model, kernels=False, prepack=True)
