@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from typing import Any
@@ -21,14 +22,31 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
 
 
 def load_tokenizer(path: str):
-    """The (fast, ``tokenizers``-backed) Hugging Face tokenizer stored in the folder ``path``."""
-    from transformers import AutoTokenizer
-
+    """The (fast, ``tokenizers``-backed) Hugging Face tokenizer stored in the folder ``path``. Loaded once per process
+    and folder as its files are (their sizes and modification times): engines built again from the same folder in one
+    process share it, not reading Qwen's 11 MB tokenizer.json again (about a second each); a changed file loads
+    afresh. (A tokenizer is not changed once loaded: MILI only reads it.)"""
     try:
-        return AutoTokenizer.from_pretrained(path)
+        folder = os.path.isdir(path)  # (else a name transformers resolves itself)
+        return _load_tokenizer(os.path.realpath(path) if folder else path, _files_state(path) if folder else ())
     except Exception as e:  # missing files, unknown class, corrupt json: all mean "cannot load"
         raise ModelLoadError(f"cannot load the tokenizer from {path!r}: {type(e).__name__}: {e}",
                              param="tokenizer") from e
+
+
+def _files_state(path: str) -> tuple:
+    """(name, size, mtime) of each file in the folder ``path`` (what a tokenizer loads from), or () if it is none."""
+    try:
+        return tuple(sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in os.scandir(path) if e.is_file()))
+    except OSError:
+        return ()
+
+
+@functools.lru_cache(maxsize=8)
+def _load_tokenizer(path: str, state: tuple):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
 
 
 def _as_id_list(value: Any) -> list[int]:

@@ -343,3 +343,22 @@ def test_repository_tokenizer_is_the_published_one(tok):
                                        enable_thinking=thinking)
         assert hashlib.sha256(text.encode()).hexdigest() == digest
         assert len(tok.encode(text, add_special_tokens=False)) == n_tokens
+
+
+def test_a_folder_s_tokenizer_loads_once_until_its_files_change(tmp_path):
+    """Engines built again from one folder in a process share its tokenizer (Qwen's tokenizer.json takes about a
+    second to parse); a file changed since (its size or time) loads afresh, as does another folder with the same
+    files."""
+    import shutil
+
+    folder = tmp_path / "tok"
+    shutil.copytree(QWEN3_TOKENIZER, folder)
+    first = load_tokenizer(str(folder))
+    assert load_tokenizer(str(folder) + "/") is first
+    config = folder / "tokenizer_config.json"
+    config.write_text(config.read_text() + "\n")  # (one byte more)
+    again = load_tokenizer(str(folder))
+    assert again is not first and again.encode("Hello") == first.encode("Hello")
+    other = tmp_path / "copy"
+    shutil.copytree(folder, other)
+    assert load_tokenizer(str(other)) is not again
