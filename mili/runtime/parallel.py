@@ -17,6 +17,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 
 import torch
 import torch.distributed as dist
@@ -144,15 +145,17 @@ class TensorParallelGroup:
                 raise RuntimeError(f"tensor-parallel rank {rank} exited (code {proc.exitcode})")
 
     def close(self) -> None:
-        """Stop the other ranks (rank 0, tensor parallelism); nothing to do otherwise."""
-        if self.workers:
+        """Stop the other ranks (rank 0, tensor parallelism: its own processes or torchrun's, which would otherwise
+        see the group's socket close under them); nothing to do otherwise."""
+        if self.size > 1 and self.rank == 0:
             try:
                 broadcast(None)
             except Exception:
                 pass
-            for proc in self.workers:
-                proc.join(timeout=10)
-            self.workers = []
+            self.size = 1  # (closed: nothing more to send)
+        for proc in self.workers:
+            proc.join(timeout=10)
+        self.workers = []
 
 
 def worker_main(runner_class, config, model_config, path: str, rank: int, address: str, parent_pid: int) -> None:
@@ -166,4 +169,9 @@ def worker_main(runner_class, config, model_config, path: str, rank: int, addres
         runner.tp.serve(runner.parts)
     except Exception as e:  # rank 0 went away (its socket closed): nothing left to serve
         log.info("tensor-parallel rank %d stops: %s", rank, e)
-    raise SystemExit(0)
+    # out at once, the log flushed: the group's gloo threads torn down at the interpreter's exit, with rank 0 gone,
+    # could abort the process (std::terminate: SIGABRT), which torchrun reports as a failed rank
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
