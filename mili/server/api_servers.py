@@ -226,18 +226,21 @@ def _supervise(core, procs: list, barrier, shutdown_timeout: float) -> int:
                     p.kill()
             print(f"error: the engine stopped: {reason}", file=sys.stderr)
             return 1
-        for i, p in enumerate(procs):
-            if i not in told and not p.is_alive():
+        # which have exited, read once: a process that dies between two reads would otherwise be taken for one that
+        # exited 0 on its own (its death then unlogged, the others stopped as by a signal)
+        exited = [i for i, p in enumerate(procs) if not p.is_alive()]
+        for i in exited:
+            if i not in told:
                 told.add(i)
                 core.client_gone(i)  # (its requests, if it died, end in the core too)
-        gone = [p for p in procs if not p.is_alive() and p.exitcode != 0]
+        gone = [procs[i] for i in exited if procs[i].exitcode != 0]
         if gone and not stopping:  # an API process died: the server goes down, the others draining first
             p = gone[0]
             log.error("API process %s (pid %d) exited with code %s: the server stops", p.name, p.pid, p.exitcode)
             code = p.exitcode if p.exitcode and p.exitcode > 0 else 1
             barrier.abort()  # (the others, if still starting, stop waiting for it)
             on_signal(signal.SIGTERM, None)
-        elif not stopping and any(not p.is_alive() for p in procs):  # one exited 0 on its own: as a signal
+        elif not stopping and exited:  # one exited 0 on its own: as a signal
             barrier.abort()
             on_signal(signal.SIGTERM, None)
     for p in procs:
