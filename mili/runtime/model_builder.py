@@ -123,13 +123,9 @@ def build_runner_parts(plan: ExecutionPlan, config: EngineConfig, model_config: 
 def on_kernels(plan: ExecutionPlan):
     """Within the block, MILI's CPU kernels run on the plan's library (its ISA's: ``DeviceInfo.kernels``), whatever
     MILI_CPU_ISA or another engine in this process chose; nothing where the plan has none."""
-    lib = plan.device.kernels() if plan.device.type == "cpu" else None
-    if lib is None:
-        yield
-        return
     from mili.kernels.cpu import ops as cpu_ops
 
-    with cpu_ops.library(lib):
+    with cpu_ops.library(plan.device.kernels() if plan.device.type == "cpu" else None):
         yield
 
 

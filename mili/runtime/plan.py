@@ -424,7 +424,7 @@ def plan(config: EngineConfig, model_config: ModelConfig, device: DeviceInfo) ->
                                                       model_config.is_moe)
     lm_head = _lm_head(config, on_cpu and tp == 1 and not triton_linears, keep_quantized and cpu_kernels and
                        not hybrid and config.quantization is None and method == "awq", int8_kernels, cpu_kernels,
-                       on_cpu and config.cpu_weight_prepack and not device.onednn_bf16)
+                       _prepack(config, device))
     if lm_head is not None:
         weight_format += f", lm_head {lm_head.describe_head(dtype)}"
 
@@ -534,11 +534,17 @@ def _linears(config, quant, dtype, device, hybrid, tp, triton_linears, fp8_act, 
                                                      + (f", requantized from {origin}" if origin else "")), fp8
     if cpu_kernels:
         kernels = "the int4 and int8 kernels (W4A8, W8A8)" if method == "gguf" else "the int4 kernel (W4A8)"
-        prepack = config.cpu_weight_prepack and not device.onednn_bf16  # (a layer the kernel can't take)
-        return Kernel(prepack), f"{quant.describe()} on {kernels}" if keep_quantized else dequantized, False
-    if device.type == "cpu" and config.cpu_weight_prepack and dtype == torch.bfloat16 and not device.onednn_bf16:
+        described = f"{quant.describe()} on {kernels}" if keep_quantized else dequantized
+        return Kernel(_prepack(config, device)), described, False  # (layers it can't take: oneDNN's, where it runs)
+    if _prepack(config, device) and dtype == torch.bfloat16:
         return Packed(), dequantized, False
     return Plain(), dequantized, False
+
+
+def _prepack(config: EngineConfig, device: DeviceInfo) -> bool:
+    """bf16 layers that MILI's kernels don't take may go to oneDNN's packed layout: on the CPU, where its bf16 runs
+    (``DeviceInfo.onednn_bf16``) and --no-cpu-weight-prepack does not say otherwise."""
+    return device.type == "cpu" and config.cpu_weight_prepack and not device.onednn_bf16
 
 
 def _fp8_activations(device: DeviceInfo, dtype: torch.dtype) -> bool:

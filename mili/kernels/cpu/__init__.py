@@ -342,7 +342,7 @@ def load(isa: str | None = None) -> tuple[ctypes.CDLL | None, str]:
 
 def isa() -> str:
     """The ISA the kernels run outside an engine: one of :data:`ISAS` ("none": no kernels)."""
-    return choose().isa
+    return current()
 
 
 def why() -> str:

@@ -35,10 +35,10 @@ def _lib():
 @contextlib.contextmanager
 def library(lib):
     """Within the block, this thread's ops run on ``lib`` (None: MILI_CPU_ISA's choice)."""
-    stack = _pinned.__dict__.setdefault("stack", [])
     if lib is None:
         yield lib
         return
+    stack = _pinned.__dict__.setdefault("stack", [])
     stack.append(lib)
     try:
         yield lib
