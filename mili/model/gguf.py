@@ -287,15 +287,18 @@ def _tokenizer(file: Path, reader, arch: str):
     """The tokenizer, by transformers' GGUF conversion. It converts a tokenizer for the archs whose config it
     converts, so for the hybrids the file's ``tokenizer.*`` keys are copied into a file of arch qwen3 (the same
     BPE vocabulary kind) and converted from there; llama.cpp's "qwen35" pre-tokenizer then gets its own split."""
-    from transformers import AutoTokenizer
+    # (Qwen's tokenizer class by name: AutoTokenizer would first rebuild the file's model config, which for qwen3
+    # parses the whole file again with gguf's reader, ~13 s of a 150k vocabulary's first load; the class alone reads
+    # just the tokenizer keys, ~1 s)
+    from transformers import Qwen2Tokenizer
 
     try:
         if arch not in HYBRIDS:
-            tokenizer = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
+            tokenizer = Qwen2Tokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
         else:
             with tempfile.TemporaryDirectory() as tmp:
                 _copy_tokenizer_keys(reader, Path(tmp) / "tokenizer.gguf")
-                tokenizer = AutoTokenizer.from_pretrained(tmp, gguf_file="tokenizer.gguf")
+                tokenizer = Qwen2Tokenizer.from_pretrained(tmp, gguf_file="tokenizer.gguf")
     except Exception as e:
         raise ModelLoadError(f"transformers cannot build the tokenizer of {file}: {type(e).__name__}: {e} "
                              "(or pass --tokenizer with an HF tokenizer)") from e

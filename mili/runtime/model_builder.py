@@ -58,7 +58,9 @@ def build_model(plan: ExecutionPlan, model_config: ModelConfig, path: str, devic
             model = Qwen3VLForConditionalGeneration(model_config, attention, plan.dtype, ops, plan.vision)
         else:
             model = Qwen3ForCausalLM(model_config, attention, plan.dtype, ops)
-    model = model.to_empty(device=device)
+    # (Module.to_empty's empty_like on meta tensors goes through torch._refs, whose first use imports sympy: ~1 s
+    # of every engine's start-up; torch.empty makes the same uninitialised tensors)
+    model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     quantized = load_weights(model, path, keep_quantized=plan.keep_quantized)
     model.eval()
     apply_formats(model, plan, quantized)
