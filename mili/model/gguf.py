@@ -92,10 +92,13 @@ def gguf_files(model: str) -> list[Path] | None:
 
 
 def _reader(file: Path):
-    gguf = _gguf()
+    """The file's header (metadata and tensor table: mili.model.gguf_header, gguf-py's GGUFReader's surface)."""
+    _gguf()  # (its tables; a clear error where gguf-py is not installed)
+    from mili.model.gguf_header import read_header
+
     try:
-        return gguf.GGUFReader(file)
-    except Exception as e:  # a truncated file, a bad header: gguf-py raises what numpy does
+        return read_header(file)
+    except Exception as e:  # a truncated file, a bad header
         raise ModelLoadError(f"cannot read the GGUF file {file}: {type(e).__name__}: {e} (truncated or "
                              f"damaged?)") from e
 
@@ -165,7 +168,7 @@ def prepare(files: list[Path]) -> str:
 def _write_folder(files: list[Path], folder: Path) -> None:
     from transformers import AutoConfig
 
-    arch, types, shapes, index, reader = _inspect(files)  # (one parse of the metadata: ~10 s for a 150k vocabulary)
+    arch, types, shapes, index, reader = _inspect(files)  # (one read of the metadata: ~0.3 s for a 150k vocabulary)
     embed = shapes.get("token_embd.weight")
     if embed is None:
         raise ModelLoadError(f"the GGUF file {files[0].name} has no token_embd.weight")
@@ -212,15 +215,15 @@ def _write_folder(files: list[Path], folder: Path) -> None:
 
 
 def _dense_config(arch: str, file: Path, reader, vocab: int, tied: bool) -> tuple[str, dict]:
-    """(model type, config fields) of a qwen3 / qwen3moe file: transformers' own GGUF conversion, completed."""
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    """(model type, config fields) of a qwen3 / qwen3moe file: transformers' own GGUF conversion (its tables, applied
+    to the header already read: gguf_header.transformers_config), completed."""
+    from mili.model.gguf_header import transformers_config
 
     try:
-        parsed = load_gguf_checkpoint(str(file), return_tensors=False)
+        fields = transformers_config(reader)
     except Exception as e:
         raise ModelLoadError(f"transformers cannot read the GGUF metadata of {file}: {type(e).__name__}: "
                              f"{e}") from e
-    fields = dict(parsed["config"])
     model_type = fields.pop("model_type")
     fields.pop("_model_name_or_path", None)
     # what transformers' conversion leaves out: the head size (Qwen3's is not hidden / heads), and llama.cpp's
@@ -289,16 +292,17 @@ def _tokenizer(file: Path, reader, arch: str):
     BPE vocabulary kind) and converted from there; llama.cpp's "qwen35" pre-tokenizer then gets its own split."""
     # (Qwen's tokenizer class by name: AutoTokenizer would first rebuild the file's model config, which for qwen3
     # parses the whole file again with gguf's reader, ~13 s of a 150k vocabulary's first load; the class alone reads
-    # just the tokenizer keys, ~1 s)
-    from transformers import Qwen2Tokenizer
+    # just the tokenizer keys, ~1 s). Qwen2TokenizerFast: the class AutoTokenizer picks in transformers 4, an alias of
+    # Qwen2Tokenizer in 5.
+    from transformers import Qwen2TokenizerFast
 
     try:
         if arch not in HYBRIDS:
-            tokenizer = Qwen2Tokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
+            tokenizer = Qwen2TokenizerFast.from_pretrained(str(file.parent), gguf_file=file.name)
         else:
             with tempfile.TemporaryDirectory() as tmp:
                 _copy_tokenizer_keys(reader, Path(tmp) / "tokenizer.gguf")
-                tokenizer = Qwen2Tokenizer.from_pretrained(tmp, gguf_file="tokenizer.gguf")
+                tokenizer = Qwen2TokenizerFast.from_pretrained(tmp, gguf_file="tokenizer.gguf")
     except Exception as e:
         raise ModelLoadError(f"transformers cannot build the tokenizer of {file}: {type(e).__name__}: {e} "
                              "(or pass --tokenizer with an HF tokenizer)") from e
