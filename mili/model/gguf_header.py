@@ -56,20 +56,20 @@ class _Cursor:
     def __init__(self, buf):
         self.buf, self.pos = buf, 0
 
+    def skip(self, n: int) -> int:
+        """The position of the next n bytes, stepped over (ValueError where the file ends before them)."""
+        if self.pos + n > len(self.buf):
+            raise ValueError(f"the header runs past the end of the file ({n} bytes at {self.pos})")
+        self.pos += n
+        return self.pos - n
+
     def take(self, fmt: str):
-        if self.pos + struct.calcsize(fmt) > len(self.buf):
-            raise ValueError("the header runs past the end of the file")
-        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
-        self.pos += struct.calcsize(fmt)
-        return value
+        return struct.unpack_from(fmt, self.buf, self.skip(struct.calcsize(fmt)))[0]
 
     def string(self) -> str:
         n = self.take("<Q")
-        if self.pos + n > len(self.buf):
-            raise ValueError(f"a string of {n} bytes runs past the end of the file")
-        s = bytes(self.buf[self.pos:self.pos + n]).decode("utf-8", errors="replace")
-        self.pos += n
-        return s
+        at = self.skip(n)
+        return bytes(self.buf[at:at + n]).decode("utf-8", errors="replace")
 
 
 def _value(cur: _Cursor, vtype, gguf) -> tuple[list, object]:
@@ -84,12 +84,8 @@ def _value(cur: _Cursor, vtype, gguf) -> tuple[list, object]:
         if sub == T.ARRAY:
             raise ValueError("nested GGUF arrays are not read")
         fmt = _SCALARS[sub.name]
-        size = struct.calcsize(fmt) * count
-        if cur.pos + size > len(cur.buf):
-            raise ValueError(f"an array of {count} values runs past the end of the file")
-        values = np.frombuffer(cur.buf, dtype=np.dtype(fmt), count=count, offset=cur.pos).tolist()
-        cur.pos += size
-        return [vtype, sub], values
+        at = cur.skip(struct.calcsize(fmt) * count)
+        return [vtype, sub], np.frombuffer(cur.buf, dtype=np.dtype(fmt), count=count, offset=at).tolist()
     return [vtype], cur.take(_SCALARS[vtype.name])
 
 
