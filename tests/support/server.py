@@ -14,6 +14,23 @@ from pathlib import Path
 import httpx
 
 
+class Budget:
+    """``seconds`` of waiting, counted as this machine runs: a gap longer than ``GAP`` between two looks (the VM
+    paused or snapshotted, as CI's has been for minutes mid-run, its monotonic clock jumping on resume) counts as
+    ``GAP``, so a wait fails for what the server did, not for time the machine was stopped."""
+
+    GAP = 2.0
+
+    def __init__(self, seconds: float):
+        self.left, self.last = seconds, time.monotonic()
+
+    def spent(self) -> bool:
+        now = time.monotonic()
+        self.left -= min(now - self.last, self.GAP)
+        self.last = now
+        return self.left <= 0
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -33,8 +50,8 @@ class Server:
             cmd += ["--api-server-count", os.environ["MILI_TEST_API_SERVER_COUNT"]]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
                                      env={**os.environ, "MILI_NO_PROGRESS": "1", **(env or {})})
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
+        started, budget = time.monotonic(), Budget(120)
+        while not budget.spent():
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited: {self.output()}")
             try:
@@ -42,7 +59,9 @@ class Server:
                     return
             except httpx.HTTPError:
                 time.sleep(0.2)
-        raise RuntimeError(f"server did not start: {self.output()}")
+        self.stop()  # (not left running: the module's other servers and tests share this machine)
+        raise RuntimeError(f"server did not start in {time.monotonic() - started:.0f} s (load average "
+                           f"{os.getloadavg()[0]:.1f}): {self.output()}")
 
     def output(self) -> str:
         self.log.flush()
@@ -70,9 +89,9 @@ def metric(url: str, name: str) -> float:
 
 
 def wait_for(predicate, timeout: float = 20.0) -> bool:
-    """Poll ``predicate`` until it holds (True) or ``timeout`` seconds pass (False)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    """Poll ``predicate`` until it holds (True) or ``timeout`` seconds pass (False; counted as Budget counts)."""
+    budget = Budget(timeout)
+    while not budget.spent():
         if predicate():
             return True
         time.sleep(0.05)
