@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from mili import host_memory
 from mili.config import EngineConfig, ModelConfig
 from mili.errors import InvalidRequest
 from mili.host_copy import tensor_on
@@ -103,7 +104,7 @@ class CacheMemory:
     def _pages(self, shape: tuple[int, ...]) -> torch.Tensor | Int8Pages:
         if self.int8_pages:
             return Int8Pages.zeros(shape, self.device)
-        return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+        return host_memory.zeros(shape, self.kv_dtype, self.device)
 
     @property
     def max_pages_per_seq(self) -> int:

@@ -15,6 +15,7 @@ import logging
 
 import torch
 
+from mili import host_memory
 from mili.config import ModelConfig
 from mili.host_copy import tensor_on
 from mili.model.qwen3_5 import LinearAttentionShape, ssm_state_dtype
@@ -33,8 +34,8 @@ class RecurrentStateCache:
         rows += int(scratch)
         self.spare_rows = list(range(rows, rows + num_spare))
         rows += num_spare
-        self.caches = [(torch.zeros(rows, *shape.conv_state_shape(), dtype=dtype, device=device),
-                        torch.zeros(rows, *shape.ssm_state_shape(), dtype=self.ssm_dtype, device=device))
+        self.caches = [(host_memory.zeros((rows, *shape.conv_state_shape()), dtype, device),
+                        host_memory.zeros((rows, *shape.ssm_state_shape()), self.ssm_dtype, device))
                        for _ in range(self.num_layers)]
         self.num_slots, self.num_snapshots = num_slots, num_snapshots  # (the engine core's pools hand them out)
         self.device = device

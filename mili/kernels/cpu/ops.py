@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mili import host_memory
 from mili.kernels import reference
 from mili.kernels.cpu import abi, load
 
@@ -380,8 +381,7 @@ class Int8Pages:
 
     @classmethod
     def zeros(cls, shape: tuple[int, ...], device: torch.device | str = "cpu") -> Int8Pages:
-        return cls(torch.zeros(shape, dtype=torch.int8, device=device),
-                   torch.zeros(shape[:-1], dtype=torch.float32, device=device))
+        return cls(host_memory.zeros(shape, torch.int8, device), host_memory.zeros(shape[:-1], torch.float32, device))
 
     @staticmethod
     def row_bytes(head_dim: int) -> int:
