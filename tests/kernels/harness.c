@@ -1,12 +1,14 @@
 /* Every exported kernel of mili/kernels/cpu/kernels.c against a plain scalar C reference, on deterministic
- * pseudo-random inputs, for whichever ISA layer the compiler flags select (tests/unit/test_kernel_harness.py
- * builds and runs it once per ISA: natively on x86-64, under qemu-aarch64 for NEON).
+ * pseudo-random inputs, linked against one ISA's build of the kernels (tests/unit/test_kernel_harness.py links and
+ * runs it once per ISA: natively on x86-64 against the very library mili.kernels.cpu builds and loads, under
+ * qemu-aarch64 against an object of kernels.c cross-compiled with the library's flags for NEON).
  *
- *   cc -O3 <the ISA's flags> -fopenmp -DEXPECT_ISA='"avx2"' tests/kernels/harness.c -o harness -lm
- *   (-DHARNESS_AMX: the linear layers on AMX tiles, mili_use_amx(1); EXPECT_ISA "avx512")
+ *   cc -O1 -fopenmp -DEXPECT_ISA='"avx2"' tests/kernels/harness.c <the library: kernels_*.so> -o harness -lm
+ *   (-DHARNESS_AMX: the linear layers on AMX tiles, mili_use_amx(1); EXPECT_ISA "avx512"; -DINT_KERNELS=0: an
+ *   AVX-512 build without VNNI, whose int8 / int4 / int8g kernels are never called)
  *
- * The source is included whole, so its static helpers are visible and the harness is compiled with exactly the
- * flags of the library. The references are straightforward loops in double precision (no intrinsics) that
+ * It sees the kernels through their ABI alone (mili_kernels.h), as the engine does, and is compiled apart from them,
+ * without the ISA's flags. The references are straightforward loops in double precision (no intrinsics) that
  * follow each kernel's documented numerics: outputs rounded to bf16 to nearest even, and the intermediate bf16
  * roundings the kernels document (RMSNorm's normed value, SwiGLU's silu, attention's softmax weights, the GDN's
  * bf16 io); int8 / int4 / int8g layers quantize x to int8 per row (per row and group of K) symmetrically, scale =
@@ -18,10 +20,13 @@
  * rounding is beyond them (the harness was checked against such deliberate mutations of kernels.c).
  *
  * Prints one line per check ("ok ..." or "FAIL ..."), then "N passed, M failed"; exits 1 on any failure. */
-#include "../../mili/kernels/cpu/kernels.c"
+#include "../../mili/kernels/cpu/mili_kernels.h"
 
+#include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 
 #ifndef EXPECT_ISA
 #error "compile with -DEXPECT_ISA='\"avx2\"' (the name mili_isa() must return)"
@@ -30,10 +35,8 @@
 #define NT 2 /* OpenMP threads given to every kernel */
 
 /* AVX-512 without VNNI (Skylake-X): the library never calls its int8 / int4 / int8g kernels (their vpdpbusd would fault;
- * aten's run instead, see mili.kernels.cpu.int8_available), so neither does the harness. */
-#if defined(ISA_HAS_AMX) && !defined(__AVX512VNNI__)
-#define INT_KERNELS 0
-#else
+ * aten's run instead, see mili.kernels.cpu.int8_available), so neither does the harness: built with -DINT_KERNELS=0. */
+#ifndef INT_KERNELS
 #define INT_KERNELS 1
 #endif
 

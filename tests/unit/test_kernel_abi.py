@@ -43,12 +43,14 @@ def test_every_exported_function_is_declared_in_the_header(tmp_path):
 
 @needs_cc
 def test_descriptor_layouts_are_the_compilers(tmp_path):
-    """sizeof and every field's offsetof, printed by a C program over the header, equal the ctypes structures'."""
+    """sizeof and every field's offsetof, printed by a C program over the header, equal the ctypes structures', and
+    the enums' constants equal the reader's."""
     lines = ['#include <stddef.h>', '#include <stdio.h>', f'#include "{abi.HEADER}"', "int main(void) {"]
     for name in abi.STRUCTS:
         lines.append(f'  printf("{name} %zu\\n", sizeof({name}));')
         for field in abi.FIELDS[name]:
             lines.append(f'  printf("{name}.{field} %zu\\n", offsetof({name}, {field}));')
+    lines += [f'  printf("{name} %d\\n", (int){name});' for name in abi.CONSTANTS]
     lines += ["  return 0;", "}"]
     (tmp_path / "layout.c").write_text("\n".join(lines))
     subprocess.run([_cc(), str(tmp_path / "layout.c"), "-o", str(tmp_path / "layout")], check=True)
@@ -59,7 +61,8 @@ def test_descriptor_layouts_are_the_compilers(tmp_path):
         want[name] = str(ctypes.sizeof(struct))
         for field in abi.FIELDS[name]:
             want[f"{name}.{field}"] = str(getattr(struct, field).offset)
-    assert printed == want
+    want |= {name: str(value) for name, value in abi.CONSTANTS.items()}
+    assert printed == want and {"SCALES_F16", "SCALES_F32", "SCALES_K"} <= set(abi.CONSTANTS)
     assert set(abi.STRUCTS) == {"mili_lora_desc", "mili_linear_desc", "mili_layer_desc", "mili_kv_pages",
                                 "mili_seq_pages", "mili_decode_step", "mili_norm_rows", "mili_qk_heads",
                                 "mili_prefill_chunk", "mili_gdn_layer", "mili_gdn_step"} and len(want) > 90  # (each field read)
@@ -71,6 +74,8 @@ def test_the_reader_refuses_what_it_cannot_read():
         abi.parse_structs("typedef struct s { double x; } s;")
     with pytest.raises(ValueError, match="unknown argument type"):
         abi.parse_functions("void mili_f(double x);")
+    with pytest.raises(ValueError, match="write the enum constant's value"):
+        abi.parse_constants("enum { A = 0, B };")
     with pytest.raises(ValueError, match="keep one name"):
         abi.parse_structs("typedef struct a { int x; } b;")
     got = abi.parse_functions("int mili_f(const bf16 *x, int64_t n, float s, void *const *p);")

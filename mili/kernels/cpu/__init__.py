@@ -105,7 +105,7 @@ def _compile(cmd_head: list[str], source: Path, extra_key: str, suffix: str) -> 
     fd, tmp = tempfile.mkstemp(suffix=suffix, dir=target.parent)
     os.close(fd)
     cmd = cmd_head + [str(source), "-o", tmp]
-    done = subprocess.run(cmd + ["-lm"], capture_output=True, text=True)
+    done = subprocess.run(cmd + ([] if "-c" in cmd_head else ["-lm"]), capture_output=True, text=True)
     if done.returncode != 0:
         os.unlink(tmp)
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr.strip()[-2000:]}")
@@ -274,10 +274,21 @@ def compile_flags(isa: str, features: frozenset[str] | set[str] | None = None) -
     raise ValueError(f"no kernels for {isa!r}")
 
 
-def _build(isa: str, compiler: str) -> Path:
+def library(isa: str, features: frozenset[str] | set[str] | None = None) -> Path:
+    """The kernels' shared library for ``isa``, built on first use into the cache: the file ``load`` loads, or with
+    ``features`` the one a CPU with only those features builds (compile_flags'). RuntimeError if it can't be built."""
+    compiler = _compiler()
+    if compiler is None:
+        raise RuntimeError("no C compiler (set $CC or install gcc)")
     tune = ["-mtune=native"] if arch() == "x86_64" else []
-    cmd = [compiler, "-O3", *compile_flags(isa), *tune, "-fopenmp", "-shared", "-fPIC"]
+    cmd = [compiler, "-O3", *compile_flags(isa, features), *tune, "-fopenmp", "-shared", "-fPIC"]
     return _compile(cmd, SOURCE, "avx512" if isa == "amx" else isa, ".so")
+
+
+def cross_object(compiler: str, isa: str) -> Path:
+    """kernels.c compiled by ``compiler`` (a cross compiler) for another architecture's ``isa`` into an object file,
+    with the library's flags, cached as the libraries are: the kernel harness's aarch64 builds on x86-64."""
+    return _compile([compiler, "-O3", *compile_flags(isa), "-fopenmp", "-c"], SOURCE, isa, ".o")
 
 
 @functools.cache
@@ -290,11 +301,10 @@ def _load(isa: str) -> tuple[ctypes.CDLL | None, str]:
     why = runnable(isa)
     if why:
         return None, why
-    compiler = _compiler()
-    if compiler is None:
+    if _compiler() is None:
         return None, "no C compiler (set $CC or install gcc)"
     try:
-        path = _build(isa, compiler)
+        path = library(isa)
         if isa == "amx":  # the avx512 build, loaded from its own copy so that its AMX switch is its own
             copy = path.with_name(path.stem + "_amx.so")
             if not copy.is_file():

@@ -1,8 +1,10 @@
 """The CPU kernels' ABI as the Python side sees it, read from ``mili_kernels.h`` (the one place it is written; kernels.c
 includes the same header, so the compiler holds every definition to it): each exported function's ctypes argument and
-return types (:data:`FUNCTIONS`) and a ctypes structure per descriptor (:data:`STRUCTS`, by their C names).
+return types (:data:`FUNCTIONS`), a ctypes structure per descriptor (:data:`STRUCTS`, by their C names) and the
+named constants (:data:`CONSTANTS`).
 
-The header keeps to a small subset of C that this reads: ``typedef struct NAME { fields } NAME;`` with fields of the
+The header keeps to a small subset of C that this reads: ``enum { NAME = value, ... };`` with every value written,
+``typedef struct NAME { fields } NAME;`` with fields of the
 scalar types below, pointers, arrays of a constant length and the structs before them, and one prototype a
 declaration. Any pointer is ``c_void_p`` in a prototype (callers pass ``data_ptr()`` or ``ctypes.byref``); in a struct,
 a pointer to a struct is that structure's ``POINTER``, so a chain of descriptors holds its targets.
@@ -20,6 +22,7 @@ SCALARS = {"int64_t": ctypes.c_int64, "int32_t": ctypes.c_int32, "int": ctypes.c
            "uint8_t": ctypes.c_uint8, "int8_t": ctypes.c_int8, "uint16_t": ctypes.c_uint16, "bf16": ctypes.c_uint16}
 _STRUCT = re.compile(r"typedef\s+struct\s+(\w+)\s*\{(.*?)\}\s*(\w+)\s*;", re.S)
 _PROTO = re.compile(r"^\s*((?:const\s+)?\w+\s*\**)\s*(mili_\w+)\s*\(([^)]*)\)\s*;", re.M)
+_ENUM = re.compile(r"\benum\s*\{([^}]*)\}\s*;")
 _DECL = re.compile(r"^(?:const\s+)?(?:struct\s+)?(\w+)\s+(.*)$", re.S)
 
 
@@ -64,6 +67,18 @@ def parse_structs(text: str) -> dict[str, type]:
     return structs
 
 
+def parse_constants(text: str) -> dict[str, int]:
+    """name -> value of the header text's enums (comments stripped), each value written out."""
+    out = {}
+    for body in _ENUM.findall(text):
+        for item in filter(None, (i.strip() for i in body.split(","))):
+            m = re.fullmatch(r"(\w+)\s*=\s*(-?\d+)", item)
+            if m is None:
+                raise ValueError(f"mili_kernels.h: write the enum constant's value: {item!r}")
+            out[m.group(1)] = int(m.group(2))
+    return out
+
+
 def _argument(arg: str) -> object:
     arg = arg.strip()
     if "*" in arg:
@@ -97,6 +112,7 @@ def parse_functions(text: str) -> dict[str, tuple[object, list]]:
 _TEXT = _strip_comments(HEADER.read_text())
 STRUCTS: dict[str, type] = parse_structs(_TEXT)
 FUNCTIONS: dict[str, tuple[object, list]] = parse_functions(_TEXT)  # name -> (restype, argtypes)
+CONSTANTS: dict[str, int] = parse_constants(_TEXT)
 FIELDS: dict[str, list[str]] = {name: [f for f, _ in struct._fields_] for name, struct in STRUCTS.items()}
 
 

@@ -450,7 +450,6 @@ static void free_groups(grouped_x gx) {
  *    product is exact (an 11-bit mantissa times at most 8 bits), so these are the values, and the results the bits,
  *    of the SCALES_F32 form of d sc, at ~1 + 2 / sub bytes a group instead of 4. Q4_K's and Q5_K's scales are
  *    (d, sc) and their offsets (-dmin, m): -dmin m = -(dmin m) exactly; Q6_K's scales (d, sc) with sc signed. */
-enum { SCALES_F16 = 0, SCALES_F32 = 1, SCALES_K = 2 };
 typedef struct {
   int mode;       /* SCALES_F16, SCALES_F32 or SCALES_K */
   int64_t sub;    /* SCALES_K: groups per super-block */

@@ -1,9 +1,9 @@
 /* MILI's CPU kernels: their ABI, written once. kernels.c includes this header (so the compiler holds each
  * definition to its prototype here), and the Python side reads it (mili/kernels/cpu/abi.py): the ctypes argument and
- * return types of every function below and the ctypes structures of the descriptors, parsed from this text. Keep it
- * to what abi.py reads: the includes and the bf16 typedef, structs as `typedef struct NAME { fields } NAME;` with
- * fields of the scalar types, pointers, arrays of a constant length and the structs above them, and one prototype a
- * declaration. Each function's behaviour is described at its definition, in the family's file named here.
+ * return types of every function below, the ctypes structures of the descriptors and the enums' constants, parsed
+ * from this text. Keep it to what abi.py reads: the includes and the bf16 typedef, enums with each value written,
+ * structs as `typedef struct NAME { fields } NAME;` with fields of the scalar types, pointers, arrays of a constant
+ * length and the structs above them, and one prototype a declaration. Each function's behaviour is described at its definition, in the family's file named here.
  *
  * bf16 values are uint16_t (the top half of a float32). Every function takes the thread count to use. */
 #ifndef MILI_KERNELS_H
@@ -11,6 +11,9 @@
 #include <stdint.h>
 
 typedef uint16_t bf16;
+
+/* scale_mode's values (linear.c: the int4 and int8g kernels' scales) */
+enum { SCALES_F16 = 0, SCALES_F32 = 1, SCALES_K = 2 };
 
 /* -- descriptors ---------------------------------------------------------------------------------------------- */
 

@@ -137,7 +137,7 @@ def linear_int8(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, col
 # The int4 and int8g kernels' forms of scales and offsets (kernels.c, scale_form), told apart by the packed tensor's
 # dtype: float16 or float32 [N/16, groups, 16] (SCALES_F16, SCALES_F32), or uint8 [N/16, super-blocks, 32 + 16 sub]
 # (SCALES_K: per block of 16 rows and super-block of ``sub`` groups, the rows' fp16 d, then each group's int8 sc).
-SCALES_F16, SCALES_F32, SCALES_K = 0, 1, 2
+SCALES_F16, SCALES_F32, SCALES_K = (abi.CONSTANTS[name] for name in ("SCALES_F16", "SCALES_F32", "SCALES_K"))
 
 
 def pack_scales(values, scale_dtype: torch.dtype = torch.float32) -> torch.Tensor:
