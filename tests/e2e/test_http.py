@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
 
 import httpx
@@ -196,6 +197,11 @@ def test_demo_model_serves(tmp_path):
     from openai import OpenAI
 
     words = set((Path(__file__).resolve().parents[1] / "data" / "demo" / "words.txt").read_text().split())
+    from mili.kernels import cpu
+
+    (tmp_path / "cache" / "kernels").mkdir(parents=True)
+    if cpu.available():  # the kernels this machine has built (the engine's cache): the server finds them, not a compile
+        shutil.copy(cpu.library(cpu.isa()), tmp_path / "cache" / "kernels")
     s = Server("demo", env={"MILI_CACHE_DIR": str(tmp_path / "cache")}, log_dir=tmp_path)
     try:
         client = OpenAI(base_url=s.url + "/v1", api_key="unused")
