@@ -90,9 +90,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from mili.server.api_servers import serve_api_servers
 
         return serve_api_servers(args, EngineConfig(**engine_kwargs(args)), _api_server_main)
-    # the engine core loads the model in its own process; a checkpoint it cannot run fails here
-    engine = AsyncLLM(EngineConfig(**engine_kwargs(args)))
+    # the engine core loads the model in its own process (a checkpoint it cannot run fails here), while this one
+    # imports the HTTP side
+    engine = AsyncLLM(EngineConfig(**engine_kwargs(args)), while_loading=_import_http_side)
     return serve_http(args, engine)
+
+
+def _import_http_side() -> None:
+    """The server's modules (uvicorn, FastAPI and the routes: ~1 s), imported while the engine core loads the model
+    rather than after it."""
+    import uvicorn  # noqa: F401
+
+    import mili.server.app  # noqa: F401
 
 
 def _api_server_main(args, config, servers, sock, link) -> None:

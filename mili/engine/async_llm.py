@@ -53,10 +53,12 @@ class CoreLink(NamedTuple):
 
 
 class AsyncLLM:
-    def __init__(self, config: EngineConfig, core_in_thread: bool = False, link: CoreLink | None = None):
+    def __init__(self, config: EngineConfig, core_in_thread: bool = False, link: CoreLink | None = None,
+                 while_loading: Callable[[], object] | None = None):
         """Start the engine core (in a process; ``core_in_thread`` for tests) and wait until it has loaded
-        the model, or with ``link`` connect to a core another process started. Raises ModelLoadError /
-        InvalidRequest if it cannot."""
+        the model, or with ``link`` connect to a core another process started. ``while_loading``: the caller's
+        own start-up, run while the core loads (the server's modules). Raises ModelLoadError / InvalidRequest if it
+        cannot."""
         self.inputs = InputProcessor(config)  # fails fast on a bad checkpoint, before the core starts
         self.outputs = OutputProcessor(self.inputs.tokenizer)
         self._streams: dict[str, _Collector] = {}  # each request's outputs waiting for its consumer
@@ -91,6 +93,8 @@ class AsyncLLM:
                       f"ipc://{ipc}-out", os.getpid(), logging.getLogger("mili").getEffectiveLevel()))
         if self._owns_core:
             self._worker.start()
+        if while_loading is not None:
+            while_loading()
         self.info = wait_ready(self._from_core, self._worker)
         self.inputs.core_ready(self.info)  # (its batch limits, auto sized by its device, in self.config)
         self._task: asyncio.Task | None = None

@@ -288,3 +288,4 @@ def test_observe_each_is_observe_per_value():
     observe_each(each, values[250:])
     observe_each(each, [])
     assert generate_latest(registries[0]) == generate_latest(registries[1])
+
