@@ -22,6 +22,11 @@ import pytest
 
 from support.checkpoints import MOE_SHAPES, QWEN3_TOKENIZER, build_checkpoint, build_moe_checkpoint
 
+if os.environ.get("TRITON_INTERPRET") == "1":  # (the interpreter's per-call listing of tl's builtins, done once)
+    from support.triton_interpreter import install as _memoize_interpreter
+
+    _memoize_interpreter()
+
 
 def _built_once(root: Path, build: Callable[[Path, str], Path]) -> Callable[[str], Path]:
     """``get(kind)``: ``build(root / kind, kind)`` the first time a kind is asked for, the same folder after.
