@@ -6,45 +6,59 @@ the grid), the interpreter re-patches ``triton.language`` by listing the members
 builtins. The listing is the cost: measured under cProfile, 26 of the 62 s a float32 mixed-step run of the tiny
 checkpoint took (tests/unit/test_cuda_only_paths.py), for lists that never change.
 
-``install()`` replaces ``triton.runtime.interpreter._patch_builtin`` with one that lists each package's builtin
-names once (on the first call, made by a kernel launch before anything is patched) and then, as the original does,
-wraps each name whose current member is a builtin: members already wrapped (a helper's call inside a running
-kernel) are skipped, as the original skips them (all at once: a package's builtins are wrapped together by one
-launch and restored together when it ends, so its first name tells). Only a ``_patch_builtin(pkg, builder, scope)`` of that shape is
-replaced; another Triton's interpreter is left as it is. Tests only: MILI itself never runs the interpreter.
+``install()`` replaces the interpreter's ``_patch_builtin(pkg, builder, scope)`` with one that lists each package's
+builtin names once (on the first call, made by a kernel launch before anything is patched) and then, as the
+original does, wraps each name whose current member is a builtin: members already wrapped (a helper's call inside a
+running kernel) are skipped, as the original skips them (all at once: a package's builtins are wrapped together by
+one launch and restored together when it ends, so its first name tells). A Triton whose interpreter has no such
+function is left as it is. Tests only: MILI itself never runs the interpreter.
 """
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
+
+_MEMO: Callable | None = None  # the installed listing (its .original: Triton's own)
 
 
-def install() -> bool:
-    """Memoize the interpreter's builtin listing; True if installed (or already), False if left alone."""
-    try:
-        import triton.language as tl
-        from triton.runtime import interpreter
-    except ImportError:
-        return False
-    original = getattr(interpreter, "_patch_builtin", None)
-    if getattr(original, "memoized", False):
-        return True
-    if original is None or not hasattr(interpreter, "_patch_attr") or \
-            list(inspect.signature(original).parameters) != ["pkg", "builder", "scope"]:
-        return False
+def _memoized(original: Callable, patch_attr: Callable) -> Callable:
+    """``original`` (Triton's listing) memoized, or ``original`` itself where it is not of the known shape."""
+    global _MEMO
+    from triton.language.core import is_builtin
+
+    if getattr(original, "original", None) is not None:
+        return original  # (installed already)
+    if list(inspect.signature(original).parameters) != ["pkg", "builder", "scope"]:
+        return original
     names: dict[object, list[str]] = {}
 
-    def _patch_builtin(pkg, builder, scope):
+    def memo(pkg, builder, scope):
         if pkg not in names:
-            names[pkg] = [name for name, member in inspect.getmembers(pkg) if tl.core.is_builtin(member)]
+            names[pkg] = [name for name, member in inspect.getmembers(pkg) if is_builtin(member)]
         listed = names[pkg]
-        if listed and not tl.core.is_builtin(getattr(pkg, listed[0])):
+        if listed and not is_builtin(getattr(pkg, listed[0])):
             return  # (wrapped already: a package's builtins are wrapped together, and restored together)
         for name in listed:
             member = getattr(pkg, name)
-            if tl.core.is_builtin(member):
-                interpreter._patch_attr(pkg, name, member, builder, scope)
+            if is_builtin(member):
+                patch_attr(pkg, name, member, builder, scope)
 
-    _patch_builtin.memoized, _patch_builtin.original = True, original
-    interpreter._patch_builtin = _patch_builtin
-    return True
+    memo.original = original
+    _MEMO = memo
+    return memo
+
+
+def install() -> Callable | None:
+    """Memoize the interpreter's listing of tl's builtins: the installed listing (``.original``: Triton's own, which
+    takes the same arguments), or None where this Triton's interpreter was left alone."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return None
+    try:
+        # reach-in: the interpreter re-lists tl's builtins at every call (above), through this private function
+        interpreter._patch_builtin = _memoized(interpreter._patch_builtin, interpreter._patch_attr)
+    except AttributeError:  # (another Triton's interpreter)
+        return None
+    return _MEMO

@@ -4,6 +4,7 @@ of them to the fields, and the flags and config-file sections users already type
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import inspect
 import json
@@ -41,13 +42,37 @@ SERVER_FLAGS = {"--host": "127.0.0.1", "--port": 8000, "--served-model-name": No
                 "--reasoning-effort-budgets": "low=1024,medium=4096,high=16384", "--log-level": "info", "--config": None}
 
 
+_ADDED: dict[int, tuple] = {}  # id(parser) -> (the parser, kept alive: ids are not reused; its arguments as added)
+
+
+def _built_parser():
+    """build_parser(), each argument its parsers took recorded as it was added (argparse lists a parser's arguments
+    nowhere public; its add_argument and add_subparsers return each): --help's, and the subcommands' action."""
+    add_argument, add_subparsers = argparse.ArgumentParser.add_argument, argparse.ArgumentParser.add_subparsers
+
+    def recorded(add):
+        def call(self, *args, **kwargs):
+            action = add(self, *args, **kwargs)
+            _ADDED.setdefault(id(self), (self, []))[1].append(action)
+            return action
+        return call
+
+    argparse.ArgumentParser.add_argument, argparse.ArgumentParser.add_subparsers = map(recorded, (add_argument,
+                                                                                                  add_subparsers))
+    try:
+        parser = build_parser()
+    finally:
+        argparse.ArgumentParser.add_argument, argparse.ArgumentParser.add_subparsers = add_argument, add_subparsers
+    return parser
+
+
 def _arguments(parser) -> list:
-    """Every argument a parser takes (its actions, --help's among them)."""
-    return parser._actions  # reach-in: argparse lists a parser's arguments nowhere public
+    """Every argument a parser (made by _built_parser) takes, --help's among them."""
+    return _ADDED[id(parser)][1]
 
 
 def _subparser(name: str):
-    parser = build_parser()
+    parser = _built_parser()
     return parser, next(a for a in _arguments(parser) if hasattr(a, "choices") and isinstance(a.choices, dict)
                         ).choices[name]
 

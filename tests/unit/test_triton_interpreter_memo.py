@@ -1,6 +1,6 @@
 """tests/support/triton_interpreter.py (the suite's faster listing of tl's builtins under TRITON_INTERPRET) wraps
-exactly what Triton's own ``_patch_builtin`` wraps, in a fresh state and inside a running kernel, and a kernel
-calling a ``@triton.jit`` helper still computes under it."""
+exactly what Triton's own listing wraps, in a fresh state and inside a running kernel, and a kernel calling a
+``@triton.jit`` helper still computes under it."""
 
 from __future__ import annotations
 
@@ -14,30 +14,47 @@ if os.environ.get("TRITON_INTERPRET") != "1":  # (MILI_TEST_GPU=1: the kernels r
     pytest.skip("about Triton's interpreter: TRITON_INTERPRET is not 1", allow_module_level=True)
 
 import triton.language as tl  # noqa: E402
-from triton.runtime import interpreter  # noqa: E402
+from triton.language.core import tensor_descriptor_base  # noqa: E402
+from triton.runtime.interpreter import interpreter_builder  # noqa: E402
 
 from support.triton_interpreter import install  # noqa: E402
 
 
-def _wrapped(patch, pkg) -> tuple[list[str], interpreter._LangPatchScope]:
-    scope = interpreter._LangPatchScope()
-    patch(pkg, interpreter.interpreter_builder, scope)
-    return [name for _, name, _ in scope._changes], scope
+class Scope:
+    """What the listing is given to patch through (Triton's scope's one method): records each name it wraps, and
+    puts the members back on restore()."""
+
+    def __init__(self):
+        self.changes = []
+
+    def set_attr(self, obj, name, value):
+        self.changes.append((obj, name, getattr(obj, name)))
+        setattr(obj, name, value)
+
+    def restore(self):
+        while self.changes:
+            obj, name, value = self.changes.pop()
+            setattr(obj, name, value)
+
+
+def _wrapped(listing, pkg) -> tuple[list[str], Scope]:
+    scope = Scope()
+    listing(pkg, interpreter_builder, scope)
+    return [name for _, name, _ in scope.changes], scope
 
 
 def test_the_memoized_listing_wraps_what_tritons_own_wraps():
-    assert install()
-    memoized = interpreter._patch_builtin
-    original = memoized.original
-    for pkg in (tl, tl.tensor, tl.math, tl.core.tensor_descriptor_base):
-        theirs, scope = _wrapped(original, pkg)
+    memo = install()
+    assert memo is not None and memo.original is not memo
+    for pkg in (tl, tl.tensor, tl.math, tensor_descriptor_base):
+        theirs, scope = _wrapped(memo.original, pkg)
         scope.restore()
-        ours, scope = _wrapped(memoized, pkg)
+        ours, scope = _wrapped(memo, pkg)
         assert ours == theirs and len(ours) > 3, pkg
         # (inside a launch, everything is wrapped already: neither wraps anything again)
-        assert _wrapped(original, pkg)[0] == [] and _wrapped(memoized, pkg)[0] == []
+        assert _wrapped(memo.original, pkg)[0] == [] and _wrapped(memo, pkg)[0] == []
         scope.restore()
-        again, scope = _wrapped(memoized, pkg)  # (restored: builtins again, wrapped again)
+        again, scope = _wrapped(memo, pkg)  # (restored: builtins again, wrapped again)
         scope.restore()
         assert again == theirs
 
@@ -54,7 +71,7 @@ def _helper_kernel(X, Y, N: tl.constexpr):
 
 
 def test_a_kernel_with_a_helper_computes_under_it():
-    assert install()
+    assert install() is not None
     x = torch.arange(16, dtype=torch.float32)
     y = torch.empty_like(x)
     for _ in range(2):  # (the second launch: the listing is the memoized one)
