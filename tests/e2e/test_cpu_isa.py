@@ -107,11 +107,11 @@ def test_the_kernels_on_an_emulated_avx2_only_cpu(tmp_path):
     there, and a bf16 product on the kernels is torch's (to bf16's rounding). On a machine that is such a CPU
     (AVX2 its best path) the same script runs natively: the same checks, without a minute of emulation."""
     env = {name: value for name, value in os.environ.items() if name != "MILI_CPU_ISA"} | {"MILI_CACHE_DIR": str(tmp_path)}
-    prefix = qemu_haswell()
-    if cpu.best_isa() == "avx2":  # (natively, the AVX2 library this machine has built: found, not compiled again)
-        prefix = []
+    native = cpu.best_isa() == "avx2"
+    if native:  # (the AVX2 library this machine has built: found, not compiled again)
         (tmp_path / "kernels").mkdir()
         shutil.copy(cpu.library("avx2"), tmp_path / "kernels")
+    prefix = [] if native else qemu_haswell()  # (natively, neither qemu nor MILI_SKIP_CROSS_TESTS is asked)
     done = subprocess.run([*prefix, sys.executable, "-c", EMULATED], env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -88,7 +88,7 @@ def check(targets: list[str], full: bool, jobs: int, broken: bool = False) -> li
     from mili.kernels.triton.launch import TARGETS
 
     configs = [v for k, v in json.loads(CONFIGS.read_text()).items() if not k.startswith("_")]
-    work, seen = [], set()
+    work, on_sm80 = [], set()
     for target in targets:
         spec = TARGETS[target]
         found = inventory.launches(configs, spec, full)
@@ -97,9 +97,10 @@ def check(targets: list[str], full: bool, jobs: int, broken: bool = False) -> li
             # both lower tl.dot to the same mma (measured: the same shared memory each time, registers within a
             # few). sm_89 compiles what differs: its FP8 launches and the tiles its smaller shared memory picks.
             same = (launch.kernel, launch.phase, launch.config())
-            if not full and target == "sm_89" and "sm_80" in targets and same in seen:
+            if not full and target == "sm_89" and same in on_sm80:
                 continue
-            seen.add(same)
+            if target == "sm_80":
+                on_sm80.add(same)
             work.append((target, spec, launch))
     if broken:
         work.append(("sm_80", TARGETS["sm_80"], broken_launch()))
