@@ -85,7 +85,9 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from mili.engine.async_llm import AsyncLLM
+    from mili.engine.core_start import prefork
 
+    prefork()  # the engine core's process, forked before this one starts a thread: it shares these imports
     if server_config(args).api_server_count > 1:  # one engine core, several API processes on one port
         from mili.server.api_servers import serve_api_servers
 

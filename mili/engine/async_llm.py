@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import multiprocessing
 import os
 import tempfile
 import threading
@@ -84,15 +83,12 @@ class AsyncLLM:
             self.core = EngineCore(config, self.inputs.model_config, self.inputs.model_path)
             self._worker = threading.Thread(target=run_core, args=(lambda: self.core, f"ipc://{ipc}-in",
                                             f"ipc://{ipc}-out"), name="mili-engine-core", daemon=True)
-        else:
-            from mili.engine.core_process import core_process_main
-
-            self._worker = multiprocessing.get_context("spawn").Process(
-                target=core_process_main, name="mili-engine-core", daemon=False,
-                args=(config, self.inputs.model_config, self.inputs.model_path, f"ipc://{ipc}-in",
-                      f"ipc://{ipc}-out", os.getpid(), logging.getLogger("mili").getEffectiveLevel()))
-        if self._owns_core:
             self._worker.start()
+        else:
+            from mili.engine.core_start import start_core
+
+            self._worker = start_core(config, self.inputs.model_config, self.inputs.model_path, f"ipc://{ipc}-in",
+                                      f"ipc://{ipc}-out", os.getpid(), logging.getLogger("mili").getEffectiveLevel())
         if while_loading is not None:
             while_loading()
         self.info = wait_ready(self._from_core, self._worker)

@@ -213,6 +213,7 @@ def core_process_main(config: EngineConfig, model_config: ModelConfig, model_pat
                       log_level: int, control_address: str | None = None) -> None:
     """The engine core process: dies with its parent, leaves SIGINT/SIGTERM to it (it drains, then says)."""
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger().setLevel(log_level)  # (forked: the handler is the parent's, basicConfig did nothing)
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

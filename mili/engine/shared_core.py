@@ -14,12 +14,13 @@ one prefix cache, and sends each request's outputs back to the process that adde
 from __future__ import annotations
 
 import logging
-import multiprocessing
+import os
 
 import zmq
 
 from mili.config import EngineConfig
 from mili.engine.async_llm import CoreLink, ipc_prefix, wait_ready
+from mili.engine.core_start import start_core
 from mili.engine.input_processor import InputProcessor
 from mili.engine.messages import ClientGone, Dead, Shutdown, encode, output_decoder
 
@@ -28,8 +29,6 @@ class SharedCore:
     def __init__(self, config: EngineConfig, num_clients: int):
         """Start the engine core for ``num_clients`` API processes and wait until it has loaded the model
         (raises ModelLoadError / InvalidRequest if it cannot, as ``AsyncLLM`` does)."""
-        from mili.engine.core_process import core_process_main
-
         inputs = InputProcessor(config)  # fails fast on a bad checkpoint, before the core starts
         base = ipc_prefix()
         self.prefixes = [f"{base}-api{i}" for i in range(num_clients)]
@@ -38,13 +37,10 @@ class SharedCore:
         self._control.bind(f"ipc://{base}-control-in")
         self._events = self._ctx.socket(zmq.PULL)
         self._events.bind(f"ipc://{base}-control-out")
-        self.process = multiprocessing.get_context("spawn").Process(
-            target=core_process_main, name="mili-engine-core", daemon=False,
-            args=(config, inputs.model_config, inputs.model_path,
-                  [f"ipc://{p}-in" for p in self.prefixes] + [f"ipc://{base}-control-in"],
-                  [f"ipc://{p}-out" for p in self.prefixes], multiprocessing.current_process().pid,
-                  logging.getLogger("mili").getEffectiveLevel(), f"ipc://{base}-control-out"))
-        self.process.start()
+        self.process = start_core(config, inputs.model_config, inputs.model_path,
+                                  [f"ipc://{p}-in" for p in self.prefixes] + [f"ipc://{base}-control-in"],
+                                  [f"ipc://{p}-out" for p in self.prefixes], os.getpid(),
+                                  logging.getLogger("mili").getEffectiveLevel(), f"ipc://{base}-control-out")
         self.model_path = inputs.model_path
         self.info = wait_ready(self._events, self.process)
 

@@ -101,3 +101,17 @@ def test_stop_string_found_by_the_api_stops_the_core(server, stream):
     # not 900: the core stops within a few steps of the API's finding (a few more where the API process runs late,
     # as after CI's VM resumed from a pause with its page cache dropped: 4 more once)
     assert readings[-1] - before <= usage["completion_tokens"] + 32, (readings[-1] - before, usage)
+
+
+def test_the_core_runs_in_the_fork(random_model, tmp_path):
+    """`mili serve`'s core is the forked process: its command line is the server's own."""
+    s = Server(random_model, log_dir=tmp_path)
+    try:
+        pid = httpx.get(s.url + "/health").json()["engine_core_pid"]
+        with open(f"/proc/{pid}/cmdline", "rb") as f, open(f"/proc/{s.proc.pid}/cmdline", "rb") as g:
+            assert f.read() == g.read()
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "x", "max_tokens": 3}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    finally:
+        assert s.stop() == 0, s.output()
+    assert wait_for(lambda: process_gone(pid), 10)
