@@ -702,7 +702,7 @@ def parent(args) -> int:
                 args.model = found["0"]["path"]
             rows.update(found)
             took.append(f"{name} {time.monotonic() - group_start:.0f} s")
-    table = [f"| row | measurement | result | detail |", "|---|---|---|---|"]
+    table = ["| row | measurement | result | detail |", "|---|---|---|---|"]
     for rid, label in row_order(args.tiny):
         r = rows[rid]
         value = fmt(r["value"]) + (f" {r['unit']}" if isinstance(r["value"], (int, float)) and r["unit"] else "")

@@ -26,7 +26,7 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 def causal_conv1d(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence: x [L, C] after the state [C, K - 1] (its previous inputs, zeros at the start); weight
     [C, K]. Returns (silu(conv) [L, C] in x's dtype, the new state [C, K - 1])."""
-    length, k = x.shape[0], weight.shape[-1]
+    k = weight.shape[-1]
     window = torch.cat([conv_state.to(weight.dtype), x.t().to(weight.dtype)], dim=-1)  # [C, K - 1 + L]
     out = F.conv1d(window[None], weight[:, None, :], groups=weight.shape[0])[0]  # [C, L]
     return F.silu(out).t().to(x.dtype), window[:, -(k - 1):]

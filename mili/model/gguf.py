@@ -414,7 +414,7 @@ def hf_names(arch: str, num_layers: int, num_experts: int, mtp_layers: int = 0) 
     return out
 
 
-def _untile(n: int, num_k_heads: int, head_dim: int) -> "torch.Tensor":
+def _untile(n: int, num_k_heads: int, head_dim: int):
     """For each of ``n`` value rows in HF's order (grouped by key head: [k0's v0, v1, .., k1's v0, ..]) the row
     that holds it in llama.cpp's tiled order ([v0 of each key head, v1 of each, ..])."""
     import torch

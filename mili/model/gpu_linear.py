@@ -26,7 +26,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from mili.kernels.triton import gemv, quant_gemm
-from mili.kernels.triton.quant_gemm import fp8_activations
 from mili.model import quant
 from mili.model.checks import WeightQuant
 from mili.model.cpu_linear import Fp8Linear, _SwappedLinear

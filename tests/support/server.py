@@ -13,6 +13,8 @@ from pathlib import Path
 
 import httpx
 
+HERE = Path(__file__).parent
+
 
 class Budget:
     """``seconds`` of waiting, counted as this machine runs: a gap longer than ``GAP`` between two looks (the VM
@@ -48,8 +50,11 @@ class Server:
         # MILI_TEST_API_SERVER_COUNT=2: every server test runs with that many API processes
         if os.environ.get("MILI_TEST_API_SERVER_COUNT") and "--api-server-count" not in args:
             cmd += ["--api-server-count", os.environ["MILI_TEST_API_SERVER_COUNT"]]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "MILI_NO_PROGRESS": "1", **(env or {})})
+        if env is None and _forks().ready():  # forked off support.forkserver: the same process, its imports done
+            self.proc = _forks().start(cmd[3:], {**os.environ, "MILI_NO_PROGRESS": "1"}, self.log_path)
+        else:
+            self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                         env={**os.environ, "MILI_NO_PROGRESS": "1", **(env or {})})
         started, budget = time.monotonic(), Budget(120)
         while not budget.spent():
             if self.proc.poll() is not None:
@@ -78,6 +83,75 @@ class Server:
                 self.proc.wait()
         self.log.flush()
         return self.proc.returncode
+
+
+class _ForkServer:
+    """support.forkserver's process, one per test process, started by its first server: it forks each server whose
+    environment is the one it was started in (the imports it did then were made under that environment)."""
+
+    def __init__(self):
+        self.env = dict(os.environ)
+        code = f"import sys; sys.path.insert(0, {str(HERE.parent)!r}); import support.forkserver as f; f.serve_forks()"
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, env=self.env)
+        self.lock = threading.Lock()
+
+    def ready(self) -> bool:
+        return self.proc.poll() is None and dict(os.environ) == self.env
+
+    def ask(self, request: dict) -> dict:
+        import json
+
+        with self.lock:
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+            reply = self.proc.stdout.readline()
+        if not reply:
+            raise RuntimeError(f"the fork server exited ({self.proc.wait()})")
+        return json.loads(reply)
+
+    def start(self, argv: list[str], env: dict, log: Path) -> "ForkedProcess":
+        reply = self.ask({"start": argv, "env": env, "log": str(log), "cwd": os.getcwd()})
+        if "error" in reply:
+            raise RuntimeError(reply["error"])
+        return ForkedProcess(self, reply["pid"], argv)
+
+
+class ForkedProcess:
+    """What the tests use of Popen (pid, returncode, poll, wait, send_signal, kill) for a process the fork server
+    started. Its pid cannot be reused while the tests can still signal it: the fork server reaps it only when a
+    poll or wait here finds it ended."""
+
+    def __init__(self, forks: _ForkServer, pid: int, argv: list[str]):
+        self.forks, self.pid, self.args, self.returncode = forks, pid, argv, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self.forks.ask({"wait": self.pid, "timeout": 0})["code"]
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self.returncode = self.forks.ask({"wait": self.pid, "timeout": timeout})["code"]
+            if self.returncode is None:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+_fork_server: list[_ForkServer] = []
+
+
+def _forks() -> _ForkServer:
+    if not _fork_server:
+        _fork_server.append(_ForkServer())
+    return _fork_server[0]
 
 
 def metric(url: str, name: str) -> float:

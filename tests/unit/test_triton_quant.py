@@ -148,10 +148,10 @@ def test_layers_compute_the_dequantized_weights():
 
 def test_which_layer_each_device_gets():
     bf16, f32 = torch.bfloat16, torch.float32
-    assert gpu_linear.fp8_activations("cuda", (9, 0), bf16) and gpu_linear.fp8_activations("cuda", (8, 9), bf16)
-    assert not gpu_linear.fp8_activations("cuda", (8, 0), bf16)  # A100: no FP8, weight-only
-    assert not gpu_linear.fp8_activations("cuda", (9, 0), f32)  # float32 models: weight-only
-    assert gpu_linear.fp8_activations("cpu", None, bf16)  # TRITON_INTERPRET runs an H100's path
+    assert qg.fp8_activations("cuda", (9, 0), bf16) and qg.fp8_activations("cuda", (8, 9), bf16)
+    assert not qg.fp8_activations("cuda", (8, 0), bf16)  # A100: no FP8, weight-only
+    assert not qg.fp8_activations("cuda", (9, 0), f32)  # float32 models: weight-only
+    assert qg.fp8_activations("cpu", None, bf16)  # TRITON_INTERPRET runs an H100's path
     k = 256
     block = quant.Fp8Parts(*_fp8_weight(128, k, (128, 128)), (128, 128))
     channel = quant.fp8_parts(*_fp8_weight(128, k, (1, k)), None)
