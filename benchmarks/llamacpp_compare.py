@@ -207,10 +207,17 @@ def run_llama_depth(bin_dir: Path, model: Path, depth: int, args) -> tuple[float
     best = (0.0, "")
     for cache, fa in (c.split(":") for c in args.llama_caches):
         # (--no-warmup: llama-bench's warm-up run would prefill the whole depth a second time)
-        out = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(model), "-p", "0", "-n", str(args.output_len),
-                              "-d", str(depth), "-ctk", cache, "-ctv", cache, "-fa", fa, "-t", str(args.threads),
-                              "-r", str(args.repeat), "--no-warmup", "-o", "json"],
-                             check=True, capture_output=True, text=True).stdout
+        cmd = [str(bin_dir / "llama-bench"), "-m", str(model), "-p", "0", "-n", str(args.output_len), "-d", str(depth),
+               "-ctk", cache, "-ctv", cache, "-fa", fa, "-t", str(args.threads), "-r", str(args.repeat), "--no-warmup",
+               "-o", "json"]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            why = f"signal {-done.returncode}" if done.returncode < 0 else f"exit code {done.returncode}"
+            hint = (" (llama.cpp's AMX matmul is known to crash on Sapphire Rapids: its issue 20824)"
+                    if "amx" in cpu_flags() and done.returncode < 0 else "")
+            raise SystemExit(f"llama-bench died ({why}){hint}: {' '.join(cmd)}\n{done.stderr[-2000:]}\n"
+                             "rerun with --skip-llama to measure MILI alone")
+        out = done.stdout
         best = max(best, (json.loads(out)[0]["avg_ts"], f"{cache} cache, fa {fa}"))
     return best
 
