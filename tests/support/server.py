@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 import signal
 import socket
@@ -45,16 +47,17 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = (log_dir or Path(model).parent) / f"server-{self.port}.log"
         self.log = open(self.log_path, "w")
-        cmd = [sys.executable, "-m", "mili.cli", "serve", str(model), "--port", str(self.port),
-               "--served-model-name", "test", "--dtype", "float32", "--max-model-len", "1024", *args]
+        argv = ["serve", str(model), "--port", str(self.port), "--served-model-name", "test", "--dtype", "float32",
+                "--max-model-len", "1024", *args]
         # MILI_TEST_API_SERVER_COUNT=2: every server test runs with that many API processes
         if os.environ.get("MILI_TEST_API_SERVER_COUNT") and "--api-server-count" not in args:
-            cmd += ["--api-server-count", os.environ["MILI_TEST_API_SERVER_COUNT"]]
+            argv += ["--api-server-count", os.environ["MILI_TEST_API_SERVER_COUNT"]]
+        run_env = {**os.environ, "MILI_NO_PROGRESS": "1", **(env or {})}
         if env is None and _forks().ready():  # forked off support.forkserver: the same process, its imports done
-            self.proc = _forks().start(cmd[3:], {**os.environ, "MILI_NO_PROGRESS": "1"}, self.log_path)
+            self.proc = _forks().start(argv, run_env, self.log_path)
         else:
-            self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                         env={**os.environ, "MILI_NO_PROGRESS": "1", **(env or {})})
+            self.proc = subprocess.Popen([sys.executable, "-m", "mili.cli", *argv], stdout=self.log,
+                                         stderr=subprocess.STDOUT, env=run_env)
         started, budget = time.monotonic(), Budget(120)
         while not budget.spent():
             if self.proc.poll() is not None:
@@ -100,8 +103,6 @@ class _ForkServer:
         return self.proc.poll() is None and dict(os.environ) == self.env
 
     def ask(self, request: dict) -> dict:
-        import json
-
         with self.lock:
             self.proc.stdin.write(json.dumps(request) + "\n")
             self.proc.stdin.flush()
@@ -145,13 +146,9 @@ class ForkedProcess:
         self.send_signal(signal.SIGKILL)
 
 
-_fork_server: list[_ForkServer] = []
-
-
+@functools.cache
 def _forks() -> _ForkServer:
-    if not _fork_server:
-        _fork_server.append(_ForkServer())
-    return _fork_server[0]
+    return _ForkServer()
 
 
 def metric(url: str, name: str) -> float:
