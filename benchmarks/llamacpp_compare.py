@@ -33,8 +33,8 @@ llama.cpp's best of its f16 and q8_0 caches with flash attention off and on (``-
 needs flash attention), all on the bf16 weights (``--depth-weights Q8_0``: both engines on the same Q8_0 GGUF file,
 MILI through its GGUF loader). MILI prefills each depth once (the prompt then stays in its
 prefix cache, so each round decodes after it without prefilling again); llama-bench decodes at ``-d``. The roofline
-is the copy bandwidth over the bytes a step reads: the weights and the K/V of every earlier token (MILI: its pages'
-bytes, int8's scales included). ``--skip-llama`` measures MILI alone (no llama.cpp build). ``--synthetic`` skips
+is the copy bandwidth (the mean of a copy just before and one just after each MILI run: this VM's rate moves within a
+round) over the bytes a step reads: the weights and the K/V of every earlier token (MILI: its pages' bytes, int8's scales included). ``--skip-llama`` measures MILI alone (no llama.cpp build). ``--synthetic`` skips
 MILI's prefill (minutes at 16k on two cores): each step runs as the runner runs a batch-1 decode (the C decode layers,
 the head, the argmax) over pages filled with random K/V, at the depth's position; a step costs the same whatever the
 pages hold::
@@ -278,7 +278,9 @@ def depth_compare(spec: str, bin_dir: Path | None, args) -> None:
     rows = []
     for depth in args.depths:
         prompt = random_prompt(depth, 0)
-        got, step, engines = {"bf16": [], "int8": [], "llama": [], "bw": []}, {}, {}
+        # (bw: the mean of copies measured just before and just after each MILI run, that run's roofline: this VM's
+        # rate moves over minutes)
+        got, step, engines = {"bf16": [], "int8": [], "llama": [], "bw": {"bf16": [], "int8": []}}, {}, {}
         tokens = depth + args.output_len + 32
         for kv in ("bf16", "int8"):
             engines[kv] = LLMEngine(EngineConfig(
@@ -289,23 +291,24 @@ def depth_compare(spec: str, bin_dir: Path | None, args) -> None:
             parts = step_bytes(engines[kv].core.runner, depth + args.output_len // 2)  # (the decode's middle step)
             step[kv] = parts["weights"] + parts["kv"]
         for r in range(args.rounds):
-            got["bw"].append(memory_bandwidth())
             for kv in (("bf16", "int8") if r % 2 == 0 else ("int8", "bf16")):
+                before = memory_bandwidth()
                 if args.synthetic:
                     got[kv].append(synthetic_decode(engines[kv], depth, args.output_len))
-                    continue
-                decode = []  # [seconds, tokens] of the steps after the first token
-                _run(engines[kv], [prompt], [args.output_len], decode)
-                got[kv].append(decode[1] / decode[0])
+                else:
+                    decode = []  # [seconds, tokens] of the steps after the first token
+                    _run(engines[kv], [prompt], [args.output_len], decode)
+                    got[kv].append(decode[1] / decode[0])
+                got["bw"][kv].append((before + memory_bandwidth()) / 2)
             if bin_dir is not None and not args.skip_llama:
                 got["llama"].append(run_llama_depth(bin_dir, weights, depth, args))
         del engines
         gc.collect()
-        b16, i8, bw = got["bf16"], got["int8"], got["bw"]
+        b16, i8, bw = got["bf16"], got["int8"], got["bw"]["bf16"] + got["bw"]["int8"]
         row = [str(depth), spread(b16, "{:.1f}"), spread(i8, "{:.1f}"),
                spread([i / b for i, b in zip(i8, b16)], unit="x"),
-               spread([100 * x * step["bf16"] / c for x, c in zip(b16, bw)], "{:.0f}", "%"),
-               spread([100 * x * step["int8"] / c for x, c in zip(i8, bw)], "{:.0f}", "%"),
+               spread([100 * x * step["bf16"] / c for x, c in zip(b16, got["bw"]["bf16"])], "{:.0f}", "%"),
+               spread([100 * x * step["int8"] / c for x, c in zip(i8, got["bw"]["int8"])], "{:.0f}", "%"),
                f"{step['bf16'] / 1e9:.3f} / {step['int8'] / 1e9:.3f}"]
         if got["llama"]:
             llama = [t for t, _ in got["llama"]]
@@ -314,7 +317,7 @@ def depth_compare(spec: str, bin_dir: Path | None, args) -> None:
         rows.append(row)
     how = "steps run by hand over random pages (--synthetic)" if args.synthetic else "after a prefilled prompt"
     print(f"\n{spec} (random weights, {'bf16' if args.depth_weights == 'BF16' else 'the same Q8_0 file'}): batch-1 decode of {args.output_len} tokens after each depth ({how}), "
-          f"{args.threads} threads, {args.rounds} rounds; copy {spread([b / 1e9 for b in got['bw']], '{:.1f}')} GB/s "
+          f"{args.threads} threads, {args.rounds} rounds; copy {spread([b / 1e9 for b in bw], '{:.1f}')} GB/s "
           f"(the last depth's); {machine()}; {cpu_model()}, {cpu_flags()}; "
           f"MILI_CPU_ISA={os.environ.get('MILI_CPU_ISA') or '(unset)'}")
     headers = ["depth", "MILI bf16 pages tok/s", "MILI int8 pages tok/s", "int8 / bf16", "bf16, of roofline",
