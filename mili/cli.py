@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -22,21 +23,32 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return options.values_from(args, EngineConfig)
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
+@contextlib.contextmanager
+def _offline(kwargs: dict):
+    """The offline engine of a one-shot command (generate, embed, rerank), its tensor-parallel ranks stopped when the
+    command is done: under torchrun they would otherwise only see rank 0's group close under them."""
     from mili.llm import LLM
+
+    llm = LLM(kwargs.pop("model"), **kwargs)
+    try:
+        yield llm
+    finally:
+        llm.engine.shutdown()
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
     from mili.sampling_params import SamplingParams
 
-    kwargs = engine_kwargs(args)
-    llm = LLM(kwargs.pop("model"), **kwargs)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.sample_seed, stop=args.stop or None)
     prompts = args.prompt or ["Hello, my name is"]
-    if args.chat:
-        kw = {"enable_thinking": args.thinking}
-        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params,
-                        chat_template_kwargs=kw, use_tqdm=False)
-    else:
-        outs = llm.generate(prompts, params, use_tqdm=False)
+    with _offline(engine_kwargs(args)) as llm:
+        if args.chat:
+            kw = {"enable_thinking": args.thinking}
+            outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params,
+                            chat_template_kwargs=kw, use_tqdm=False)
+        else:
+            outs = llm.generate(prompts, params, use_tqdm=False)
     for prompt, out in zip(prompts, outs):
         if len(prompts) > 1:
             print(f"--- {prompt!r}")
@@ -46,13 +58,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_embed(args: argparse.Namespace) -> int:
     """Embeddings of the texts, for a quick look: each one's size and first values, then their cosine similarities."""
-    from mili.llm import LLM
-
     kwargs = engine_kwargs(args)
     kwargs["task"] = "embed" if kwargs.get("task", "auto") == "auto" else kwargs["task"]
-    llm = LLM(kwargs.pop("model"), **kwargs)
     texts = args.text or ["Hello, my name is"]
-    outs = llm.embed(texts, dimensions=args.dimensions, instruction=args.instruction, use_tqdm=False)
+    with _offline(kwargs) as llm:
+        outs = llm.embed(texts, dimensions=args.dimensions, instruction=args.instruction, use_tqdm=False)
     vectors = [o.outputs.embedding for o in outs]
     for i, (text, v) in enumerate(zip(texts, vectors)):
         head = ", ".join(f"{x:+.4f}" for x in v[:6])
@@ -66,13 +76,11 @@ def cmd_embed(args: argparse.Namespace) -> int:
 
 def cmd_rerank(args: argparse.Namespace) -> int:
     """The documents ranked by a reranker's relevance score for the query."""
-    from mili.llm import LLM
-
     kwargs = engine_kwargs(args)
     kwargs["task"] = "rerank" if kwargs.get("task", "auto") == "auto" else kwargs["task"]
-    llm = LLM(kwargs.pop("model"), **kwargs)
     documents = args.document or []
-    outs = llm.score(args.query, documents, instruction=args.instruction, use_tqdm=False)
+    with _offline(kwargs) as llm:
+        outs = llm.score(args.query, documents, instruction=args.instruction, use_tqdm=False)
     for rank, i in enumerate(sorted(range(len(outs)), key=lambda i: -outs[i].outputs.score), 1):
         print(f"{rank}. {outs[i].outputs.score:.4f}  [{i}] {documents[i][:80]!r}")
     return 0
@@ -278,11 +286,15 @@ def _torchrun(args: argparse.Namespace, rank: int) -> int:
         raise InvalidRequest(f"--tensor-parallel-size {args.tensor_parallel_size} differs from torchrun's "
                              f"WORLD_SIZE {world}", param="tensor_parallel_size")
     args.tensor_parallel_size = world
+    from mili.runtime.parallel import leave_group, worker_main
+
     if rank == 0:
-        return args.func(args)
+        try:
+            return args.func(args)
+        finally:
+            leave_group()
     from mili.engine.input_processor import InputProcessor
     from mili.runtime.model_runner import ModelRunner
-    from mili.runtime.parallel import worker_main
 
     config = EngineConfig(**engine_kwargs(args))
     inputs = InputProcessor(config)  # the checkpoint's config, refused here as on rank 0 if MILI can't run it

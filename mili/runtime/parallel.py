@@ -69,6 +69,15 @@ def init_group(rank: int, size: int, address: str, device: torch.device) -> None
                             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
 
 
+def leave_group() -> None:
+    """Leave this process's group, if it joined one (torchrun's rank 0, its command done): gloo's threads are joined
+    here, in order. Left to the interpreter's exit, their teardown could abort the process (std::terminate: SIGABRT,
+    1 run in 8 of `mili generate` under torchrun on a 2-core machine), which torchrun reports as a failed rank. The
+    other ranks see the group close and exit (worker_main)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def start_workers(runner_class, config, model_config, path: str) -> tuple[list, str]:
     """Start ranks 1..N-1 of ``config.tensor_parallel_size`` on this node, each running ``worker_main(runner_class,
     config, model_config, path, rank, address, parent_pid)``; (their processes, the group's address)."""
