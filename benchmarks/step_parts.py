@@ -5,9 +5,12 @@ weights' part: the linears, norms and head). The same Q8_0 GGUF file of the Qwen
 ``--depth-weights Q8_0`` (built with llama.cpp's quantizer on first use), random K/V in the pages, a copy measured
 before each round; the roofline is the bytes a step reads over the copy rate.
 
-    python benchmarks/step_parts.py [--depth 16384] [--kv int8|bf16] [--rounds 4] [--threads 2]
+    python benchmarks/step_parts.py [--depth 16384] [--kv int8|bf16] [--rounds 4] [--threads 2] [--cycles 25]
 
-Each part: 8 calls a round after one warm call, the rounds' median and range in ms.
+Each part: 8 calls a round after one warm call, the rounds' median and range in ms. Then the whole step against
+the copy in the same moments (this VM's bandwidth moves from one minute to the next): ``--cycles`` cycles of two
+whole steps and one copy (1 GiB, read + write, as ``mili bench``'s roofline), the steps' total rate over the
+copies', three times.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ def main() -> None:
     p.add_argument("--kv", choices=["int8", "bf16"], default="int8")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--cycles", type=int, default=25, help="interleaved cycles of two steps and one copy")
     p.add_argument("--llama-cpp-python", default="0.3.36", help="the sdist whose llama-quantize makes the Q8_0 file")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -103,6 +107,25 @@ def main() -> None:
           f"threads, {args.rounds} rounds; copy {copy / 1e9:.1f} GB/s ({min(copies) / 1e9:.1f}-"
           f"{max(copies) / 1e9:.1f}); {machine()}; {cpu_flags()}")
     print_table("a decode step's parts", ["part", "ms (median, range)", "GB read", "of the copy roofline"], rows)
+    src = torch.ones(1 << 28)  # (1 GiB of float32)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    rows = []
+    with torch.inference_mode():
+        for rep in range(3):
+            steps = copies = 0.0
+            for _ in range(args.cycles):
+                start = time.perf_counter()
+                calls["whole step"]()
+                calls["whole step"]()
+                middle = time.perf_counter()
+                dst.copy_(src)
+                steps, copies = steps + middle - start, copies + time.perf_counter() - middle
+            step_rate, copy_rate = 2 * args.cycles * gb["whole step"] / steps, args.cycles * 2 * (1 << 30) / copies
+            rows.append([str(rep + 1), f"{steps / (2 * args.cycles) * 1e3:.1f}", f"{step_rate / 1e9:.1f}",
+                         f"{copy_rate / 1e9:.1f}", f"{100 * step_rate / copy_rate:.0f}%"])
+    print_table(f"the whole step and the copy interleaved ({args.cycles} cycles of two steps and one 1 GiB copy)",
+                ["run", "step ms (mean)", "step GB/s", "copy GB/s", "of the copy roofline"], rows)
 
 
 if __name__ == "__main__":
