@@ -34,7 +34,8 @@ needs flash attention), all on the bf16 weights (``--depth-weights Q8_0``: both 
 MILI through its GGUF loader). MILI prefills each depth once (the prompt then stays in its
 prefix cache, so each round decodes after it without prefilling again); llama-bench decodes at ``-d``. The roofline
 is the copy bandwidth (the mean of a copy just before and one just after each MILI run: this VM's rate moves within a
-round) over the bytes a step reads: the weights and the K/V of every earlier token (MILI: its pages' bytes, int8's scales included). ``--skip-llama`` measures MILI alone (no llama.cpp build). ``--synthetic`` skips
+round) over the bytes a step reads: the weights and the K/V of every earlier token (MILI: its pages' bytes, int8's
+scales included). ``--skip-llama`` measures MILI alone (no llama.cpp build). ``--synthetic`` skips
 MILI's prefill (minutes at 16k on two cores): each step runs as the runner runs a batch-1 decode (the C decode layers,
 the head, the argmax) over pages filled with random K/V, at the depth's position; a step costs the same whatever the
 pages hold::
@@ -222,13 +223,24 @@ def run_llama_depth(bin_dir: Path, model: Path, depth: int, args) -> tuple[float
     return best
 
 
+def synthetic_batch(depth: int, page_size: int):
+    """One sequence's batch-1 decode step at position ``depth``, its context on pages 0.. in order."""
+    from mili.model.batch import ForwardBatch
+
+    pages, i32 = -(-(depth + 1) // page_size), dict(dtype=torch.int32)
+    return ForwardBatch(input_ids=torch.tensor([11]), positions=torch.tensor([depth]),
+                        slot_mapping=torch.tensor([depth]), page_table=torch.arange(pages)[None], query_lens=[1],
+                        context_lens=[depth + 1], num_decodes=1, logits_indices=torch.tensor([0]),
+                        context_lens_t=torch.tensor([depth + 1], **i32), query_lens_t=torch.tensor([1], **i32),
+                        query_start_t=torch.tensor([0], **i32))
+
+
 def synthetic_decode(engine: LLMEngine, depth: int, steps: int) -> float:
     """Decode tok/s of ``steps`` batch-1 decode steps at ``depth`` tokens, run as the model runner runs one (the C
     decode layers over the pages, the head, the argmax) without the engine around it, over pages holding random K/V
     (filled here: untouched zero pages would all read one shared page)."""
     from mili.kernels.cpu import ops
     from mili.kernels.cpu.ops import Int8Pages
-    from mili.model.batch import ForwardBatch
 
     parts = engine.core.runner.parts
     page_size = parts.kv_caches[0][0].shape[2]
@@ -242,12 +254,7 @@ def synthetic_decode(engine: LLMEngine, depth: int, steps: int) -> float:
                 cache.scales[:pages] = torch.rand(cache.scales[:pages].shape, generator=g) / 64
             else:
                 cache[:pages] = torch.randn(cache[:pages].shape, generator=g).to(cache.dtype)
-    i32 = dict(dtype=torch.int32)
-    batch = ForwardBatch(input_ids=torch.tensor([11]), positions=torch.tensor([depth]),
-                         slot_mapping=torch.tensor([depth]), page_table=torch.arange(pages)[None], query_lens=[1],
-                         context_lens=[depth + 1], num_decodes=1, logits_indices=torch.tensor([0]),
-                         context_lens_t=torch.tensor([depth + 1], **i32), query_lens_t=torch.tensor([1], **i32),
-                         query_start_t=torch.tensor([0], **i32))
+    batch = synthetic_batch(depth, page_size)
     assert parts.cpu_decode is not None and parts.cpu_decode.available, "the fused C decode step does not run"
 
     def step() -> None:

@@ -22,23 +22,12 @@ import time
 
 import torch
 from common import machine, print_table, qwen3_checkpoint
-from llamacpp_compare import cpu_flags, gguf, llama_cpp, synthetic_decode
+from llamacpp_compare import cpu_flags, gguf, llama_cpp, synthetic_batch, synthetic_decode
 
 from mili.config import EngineConfig
 from mili.engine.llm_engine import LLMEngine
 from mili.kernels.cpu import ops
-from mili.model.batch import ForwardBatch
 from mili.tools.bench import memory_bandwidth, step_bytes
-
-
-def batch_at(depth: int, page_size: int) -> ForwardBatch:
-    """One sequence's decode step at position ``depth`` over pages 0.. in order (llamacpp_compare's synthetic step)."""
-    pages, i32 = -(-(depth + 1) // page_size), dict(dtype=torch.int32)
-    return ForwardBatch(input_ids=torch.tensor([11]), positions=torch.tensor([depth]),
-                        slot_mapping=torch.tensor([depth]), page_table=torch.arange(pages)[None], query_lens=[1],
-                        context_lens=[depth + 1], num_decodes=1, logits_indices=torch.tensor([0]),
-                        context_lens_t=torch.tensor([depth + 1], **i32), query_lens_t=torch.tensor([1], **i32),
-                        query_start_t=torch.tensor([0], **i32))
 
 
 def main() -> None:
@@ -61,7 +50,7 @@ def main() -> None:
     synthetic_decode(engine, args.depth, 1)  # (fills the pages with random K/V)
     fused, kv = parts.cpu_decode, parts.kv_caches
     page_size = kv[0][0].shape[2]
-    deep, shallow = batch_at(args.depth, page_size), batch_at(0, page_size)
+    deep, shallow = synthetic_batch(args.depth, page_size), synthetic_batch(0, page_size)
     cfg = parts.model_config
     hq, d = cfg.num_attention_heads, cfg.head_dim
     g = torch.Generator().manual_seed(0)
@@ -113,16 +102,16 @@ def main() -> None:
     rows = []
     with torch.inference_mode():
         for rep in range(3):
-            steps = copies = 0.0
+            step_s = copy_s = 0.0  # (the cycles' seconds in the steps and in the copies)
             for _ in range(args.cycles):
                 start = time.perf_counter()
                 calls["whole step"]()
                 calls["whole step"]()
                 middle = time.perf_counter()
                 dst.copy_(src)
-                steps, copies = steps + middle - start, copies + time.perf_counter() - middle
-            step_rate, copy_rate = 2 * args.cycles * gb["whole step"] / steps, args.cycles * 2 * (1 << 30) / copies
-            rows.append([str(rep + 1), f"{steps / (2 * args.cycles) * 1e3:.1f}", f"{step_rate / 1e9:.1f}",
+                step_s, copy_s = step_s + middle - start, copy_s + time.perf_counter() - middle
+            step_rate, copy_rate = 2 * args.cycles * gb["whole step"] / step_s, args.cycles * 2 * (1 << 30) / copy_s
+            rows.append([str(rep + 1), f"{step_s / (2 * args.cycles) * 1e3:.1f}", f"{step_rate / 1e9:.1f}",
                          f"{copy_rate / 1e9:.1f}", f"{100 * step_rate / copy_rate:.0f}%"])
     print_table(f"the whole step and the copy interleaved ({args.cycles} cycles of two steps and one 1 GiB copy)",
                 ["run", "step ms (mean)", "step GB/s", "copy GB/s", "of the copy roofline"], rows)

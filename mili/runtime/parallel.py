@@ -73,7 +73,8 @@ def leave_group() -> None:
     """Leave this process's group, if it joined one (torchrun's rank 0, its command done): gloo's threads are joined
     here, in order. Left to the interpreter's exit, their teardown could abort the process (std::terminate: SIGABRT,
     1 run in 8 of `mili generate` under torchrun on a 2-core machine), which torchrun reports as a failed rank. The
-    other ranks see the group close and exit (worker_main)."""
+    other ranks were told to stop by the engine's shutdown; where the command failed before it, they see the group
+    close and exit (worker_main)."""
     if dist.is_initialized():
         dist.destroy_process_group()
 
