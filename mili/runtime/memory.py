@@ -87,7 +87,7 @@ class CacheMemory:
             vision_budget.check_host_memory(num_pages * bytes_per_page)
         shape_of = getattr(attention, "kv_cache_shape", TorchAttentionBackend.kv_cache_shape)
         shape = shape_of(num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
-        self.kv_caches = [(self._pages(shape), self._pages(shape)) for _ in range(num_layers)]
+        self.kv_caches = [(self._pages(shape), self._pages(shape, v=True)) for _ in range(num_layers)]
         states = self.states
         self.layout = CacheLayout(num_pages, page_size, self.max_model_len,
                                   states.num_slots if states else 0, states.num_snapshots if states else 0,
@@ -101,9 +101,9 @@ class CacheMemory:
         """--kv-cache-dtype int8 (MILI's CPU kernels): each layer's K and V are ``Int8Pages``."""
         return self.kv_dtype == torch.int8
 
-    def _pages(self, shape: tuple[int, ...]) -> torch.Tensor | Int8Pages:
-        if self.int8_pages:
-            return Int8Pages.zeros(shape, self.device)
+    def _pages(self, shape: tuple[int, ...], v: bool = False) -> torch.Tensor | Int8Pages:
+        if self.int8_pages:  # (K's and V's layouts differ: v says which)
+            return Int8Pages.zeros(shape, self.device, v)
         return host_memory.zeros(shape, self.kv_dtype, self.device)
 
     @property

@@ -379,6 +379,9 @@ def plan(config: EngineConfig, model_config: ModelConfig, device: DeviceInfo) ->
     kernels_off = ("not on the CPU" if not on_cpu else off or ("cpu_kernels is off" if not config.cpu_kernels else
                                                                 f"no CPU kernels: {device.cpu_kernels_why}"))
     kv_dtype = _kv_dtype(config, attention, dtype, device, kernels_off)
+    if kv_dtype == torch.int8 and model_config.head_dim % 2:  # (the int8 pages keep a row's values in pairs)
+        raise InvalidRequest(f"--kv-cache-dtype int8 needs an even head_dim, not {model_config.head_dim}",
+                             param="kv_cache_dtype")
     if attention is AttentionBackend.TRITON and on_cuda:
         check_device(device.spec, dtype, kv_dtype == torch.float8_e4m3fn)
 

@@ -581,8 +581,18 @@ static void ref_decode_attention(const bf16 *q, int64_t ldq, const bf16 *kc, con
   }
 }
 
-/* int8 pages (--kv-cache-dtype int8): values [pages][Hkv][page_size][D] int8 beside scales [pages][Hkv][page_size]
- * float32. A row: scale = amax / 127 (0 where amax is 0), q = x * (1 / scale) rounded to nearest even. */
+/* int8 pages (--kv-cache-dtype int8): values [pages][Hkv][page_size x D] int8 beside scales [pages][Hkv][page_size]
+ * float32. A row: scale = amax / 127 (0 where amax is 0), q = x * (1 / scale) rounded to nearest even. The scale of
+ * position p (kv head h) is at kv_at(...) / D; its value d at kv8_at: within the (page, head)'s run of page_size x D
+ * bytes, K's rows in blocks of 16 (the last of page_size % 16) as [D / 2][m][2], V's rows two by two as [D][2], an
+ * odd page's last V row alone. */
+static int64_t kv8_at(const int64_t *page_table, int64_t ldp, int64_t b, int64_t p, int64_t h, int64_t Hkv, int64_t ps,
+                      int64_t D, int v, int64_t d) {
+  const int64_t run = kv_at(page_table, ldp, b, p - p % ps, h, Hkv, ps, D), r = p % ps;
+  if (v) return run + (r % 2 == 0 && r + 1 == ps ? r * D + d : (r / 2) * 2 * D + 2 * d + r % 2);
+  const int64_t b0 = r - r % 16, m = ps - b0 < 16 ? ps - b0 : 16;
+  return run + b0 * D + (d / 2) * 2 * m + 2 * (r - b0) + d % 2;
+}
 static float ref_quantize_kv_row(const bf16 *x, int64_t D, int8_t *q) {
   float amax = 0.0f;
   for (int64_t d = 0; d < D; d++)
@@ -591,22 +601,34 @@ static float ref_quantize_kv_row(const bf16 *x, int64_t D, int8_t *q) {
   for (int64_t d = 0; d < D; d++) q[d] = (int8_t)nearbyintf(h_bf2f(x[d]) * inv);
   return scale;
 }
+/* the row (its scale's index) whose value byte i of the int8 pages is: kv8_at undone */
+static int64_t kv8_row(int64_t i, int64_t ps, int64_t D, int v) {
+  const int64_t first = i / (ps * D) * ps, o = i % (ps * D);
+  if (v) return first + (ps % 2 && o >= (ps - 1) * D ? ps - 1 : o / (2 * D) * 2 + o % 2);
+  const int64_t b0 = o / (16 * D) * 16, m = ps - b0 < 16 ? ps - b0 : 16;
+  return first + b0 + (o - b0 * D) % (2 * m) / 2;
+}
 static void ref_store_kv_int8(const bf16 *k, int64_t ldk, const bf16 *v, int64_t ldv, int8_t *kc, float *ks, int8_t *vc,
                               float *vs, const int64_t *slots, int64_t T, int64_t Hkv, int64_t D, int64_t ps) {
+  int8_t *q = xalloc(D);
   for (int64_t t = 0; t < T; t++) {
     if (slots[t] < 0) continue;
+    const int64_t page = slots[t] / ps; /* (as a one-page table) */
     for (int64_t h = 0; h < Hkv; h++) {
-      const int64_t r = (slots[t] / ps * Hkv + h) * ps + slots[t] % ps;
-      ks[r] = ref_quantize_kv_row(k + t * ldk + h * D, D, kc + r * D);
-      vs[r] = ref_quantize_kv_row(v + t * ldv + h * D, D, vc + r * D);
+      const int64_t r = (page * Hkv + h) * ps + slots[t] % ps;
+      ks[r] = ref_quantize_kv_row(k + t * ldk + h * D, D, q);
+      for (int64_t d = 0; d < D; d++) kc[kv8_at(&page, 1, 0, slots[t] % ps, h, Hkv, ps, D, 0, d)] = q[d];
+      vs[r] = ref_quantize_kv_row(v + t * ldv + h * D, D, q);
+      for (int64_t d = 0; d < D; d++) vc[kv8_at(&page, 1, 0, slots[t] % ps, h, Hkv, ps, D, 1, d)] = q[d];
     }
   }
+  free(q);
 }
 
 /* Decode attention over int8 pages, want/tol [B][Hq][D]: softmax(scale q.k) over the dequantized values (q x scale),
  * the weights unrounded. The kernel's error: the scores' (q as int16, at most half a step of amax / 32767 an element,
- * times sum |k|; a few float32 ulps of sum |q k|), the sums' (2e-6 + 6e-8 ctx of sum |w v|) and, where the ISA layer
- * multiplies V in int16 (ISA_HAS_PV_I16), the weights' (times the row's V scale, as int16: at most half a step of
+ * times sum |k|; a few float32 ulps of sum |q k|), the sums' (2e-6 + 6e-8 ctx of sum |w v|) and the weights' (V is
+ * multiplied in int16: the weights times the row's V scale, as int16: at most half a step of
  * their largest / 32767 each, times |v|). */
 static void ref_decode_attention_int8(const bf16 *q, int64_t ldq, const int8_t *kc, const float *ks, const int8_t *vc,
                                       const float *vs, const int64_t *page_table, int64_t ldp, const int64_t *lens,
@@ -627,7 +649,8 @@ static void ref_decode_attention_int8(const bf16 *q, int64_t ldq, const int8_t *
         const int64_t at = kv_at(page_table, ldp, b, p, h, Hkv, ps, D);
         double dot = 0, mag = 0, kmag = 0;
         for (int64_t d = 0; d < D; d++) {
-          const double kd = (double)kc[at + d] * ks[at / D], x = (double)h_bf2f(q[b * ldq + hq * D + d]) * kd;
+          const double kd = (double)kc[kv8_at(page_table, ldp, b, p, h, Hkv, ps, D, 0, d)] * ks[at / D];
+          const double x = (double)h_bf2f(q[b * ldq + hq * D + d]) * kd;
           dot += x, mag += fabs(x), kmag += fabs(kd);
         }
         s[p] = dot * scale;
@@ -644,8 +667,9 @@ static void ref_decode_attention_int8(const bf16 *q, int64_t ldq, const int8_t *
         double acc = 0, err = 0;
         for (int64_t p = 0; p < ctx; p++) {
           const int64_t at = kv_at(page_table, ldp, b, p, h, Hkv, ps, D);
-          const double vv = (double)vc[at + d] * vs[at / D];
-          acc += w[p] * vv, err += w[p] * fabs(vv) * (2 * ds[p] + 2e-6 + 6e-8 * ctx) + wmax / 65534 * abs(vc[at + d]);
+          const int8_t vq = vc[kv8_at(page_table, ldp, b, p, h, Hkv, ps, D, 1, d)];
+          const double vv = (double)vq * vs[at / D];
+          acc += w[p] * vv, err += w[p] * fabs(vv) * (2 * ds[p] + 2e-6 + 6e-8 * ctx) + wmax / 65534 * abs(vq);
         }
         want[(b * Hq + hq) * D + d] = acc / sum;
         if (tol) tol[(b * Hq + hq) * D + d] = tol_bf16(acc / sum, err / sum);
@@ -969,6 +993,15 @@ static void test_store_kv_int8(int64_t T, int64_t Hkv, int64_t D, int64_t ps) {
   acc_bytes_exact(&a, vs, vsr, sizeof(float) * rows);
   verdict(&a, "store_kv_int8 T=%lld Hkv=%lld D=%lld page_size=%lld: values and scales exact (slots < 0 skipped)",
           (long long)T, (long long)Hkv, (long long)D, (long long)ps);
+  acc_init(&a); /* the layout's two directions agree: each value's place names its row */
+  for (int64_t page = 0; page < pages; page++)
+    for (int64_t r = 0; r < ps; r++)
+      for (int64_t h = 0; h < Hkv; h++)
+        for (int64_t d = 0; d < D; d++)
+          for (int v8 = 0; v8 < 2; v8++)
+            acc_bits(&a, 0, (uint16_t)kv8_row(kv8_at(&page, 1, 0, r, h, Hkv, ps, D, v8, d), ps, D, v8),
+                     (uint16_t)((page * Hkv + h) * ps + r));
+  verdict(&a, "int8 pages' layout, page_size=%lld D=%lld: kv8_row undoes kv8_at", (long long)ps, (long long)D);
   /* the gather: every token of two sequences over the same pages, dequantized bf16(q x scale) exactly */
   const int64_t lens[2] = {T, T / 2 + 1};
   int64_t npages, ldp;
@@ -976,24 +1009,29 @@ static void test_store_kv_int8(int64_t T, int64_t Hkv, int64_t D, int64_t ps) {
   for (int64_t i = 0; i < 2 * ldp; i++) table[i] %= pages;
   bf16 *out = xalloc(sizeof(bf16) * 2 * T * Hkv * D), *want = xalloc(sizeof(bf16) * 2 * T * Hkv * D);
   const mili_seq_pages seqs = {table, ldp, lens, 2};
-  mili_gather_kv_int8(&kv, 0, &seqs, T, out, NT);
-  for (int64_t b = 0; b < 2; b++)
-    for (int64_t p = 0; p < T; p++)
-      for (int64_t h = 0; h < Hkv; h++) {
-        const int64_t at = kv_at(table, ldp, b, p, h, Hkv, ps, D);
-        for (int64_t d = 0; d < D; d++) want[((b * T + p) * Hkv + h) * D + d] = h_f2bf((float)kc[at + d] * ks[at / D]);
-      }
-  acc_init(&a);
-  acc_bf16_exact(&a, out, want, 2 * T * Hkv * D);
-  verdict(&a, "gather_kv_int8 T=%lld Hkv=%lld D=%lld page_size=%lld: dequantized exactly", (long long)T, (long long)Hkv,
-          (long long)D, (long long)ps);
+  for (int which = 0; which < 2; which++) {
+    mili_gather_kv_int8(&kv, which, &seqs, T, out, NT);
+    const int8_t *c = which ? vc : kc;
+    const float *sc = which ? vs : ks;
+    for (int64_t b = 0; b < 2; b++)
+      for (int64_t p = 0; p < T; p++)
+        for (int64_t h = 0; h < Hkv; h++) {
+          const int64_t at = kv_at(table, ldp, b, p, h, Hkv, ps, D);
+          for (int64_t d = 0; d < D; d++)
+            want[((b * T + p) * Hkv + h) * D + d] = h_f2bf((float)c[kv8_at(table, ldp, b, p, h, Hkv, ps, D, which, d)] * sc[at / D]);
+        }
+    acc_init(&a);
+    acc_bf16_exact(&a, out, want, 2 * T * Hkv * D);
+    verdict(&a, "gather_kv_int8 (%s) T=%lld Hkv=%lld D=%lld page_size=%lld: dequantized exactly", which ? "V" : "K",
+            (long long)T, (long long)Hkv, (long long)D, (long long)ps);
+  }
   free(x), free(kc), free(vc), free(kr), free(vr), free(ks), free(vs), free(ksr), free(vsr), free(slots);
   free(table), free(out), free(want);
 }
 
 /* int8 pages of B sequences (make_pages' table): random rows (values, scales of 2^-7..2^-5) at each sequence's
  * positions, garbage (127, scale 30) everywhere else, so a kernel reading beyond a context disagrees. */
-static void fill_cache_int8(int8_t *cache, float *scales, int64_t npages, int64_t Hkv, int64_t ps, int64_t D,
+static void fill_cache_int8(int8_t *cache, float *scales, int v, int64_t npages, int64_t Hkv, int64_t ps, int64_t D,
                             const int64_t *table, int64_t ldp, int64_t B, const int64_t *lens) {
   memset(cache, 127, npages * Hkv * ps * D);
   for (int64_t i = 0; i < npages * Hkv * ps; i++) scales[i] = 30.0f;
@@ -1001,7 +1039,7 @@ static void fill_cache_int8(int8_t *cache, float *scales, int64_t npages, int64_
     for (int64_t p = 0; p < lens[b]; p++)
       for (int64_t h = 0; h < Hkv; h++) {
         const int64_t at = kv_at(table, ldp, b, p, h, Hkv, ps, D);
-        for (int64_t d = 0; d < D; d++) cache[at + d] = (int8_t)rng_int(-127, 127);
+        for (int64_t d = 0; d < D; d++) cache[kv8_at(table, ldp, b, p, h, Hkv, ps, D, v, d)] = (int8_t)rng_int(-127, 127);
         scales[at / D] = rng_uniform(1.0f / 128, 1.0f / 32);
       }
 }
@@ -1015,8 +1053,8 @@ static void test_decode_attention_int8(int64_t B, const int64_t *lens, int64_t H
   int8_t *kc = xalloc(rows * D), *vc = xalloc(rows * D);
   float *ks = xalloc(sizeof(float) * rows), *vs = xalloc(sizeof(float) * rows);
   bf16 *q = xalloc(sizeof(bf16) * B * ldq), *out = xalloc(sizeof(bf16) * (B * Hq * D + 32));
-  fill_cache_int8(kc, ks, npages, Hkv, ps, D, table, ldp, B, lens);
-  fill_cache_int8(vc, vs, npages, Hkv, ps, D, table, ldp, B, lens);
+  fill_cache_int8(kc, ks, 0, npages, Hkv, ps, D, table, ldp, B, lens);
+  fill_cache_int8(vc, vs, 1, npages, Hkv, ps, D, table, ldp, B, lens);
   fill_bf(q, B * ldq, -2.0f, 2.0f);
   fill_u16(out, B * Hq * D + 32, 0x7fc1);
   const float scale = 1.0f / sqrtf((float)D);
@@ -1108,8 +1146,8 @@ static void decode_layer_case(int kind, int64_t group, int mode, int sym, int fi
   for (int i = 0; i < 3; i++) {
     kq[i] = xalloc(nc), vq[i] = xalloc(nc), ksc[i] = xalloc(sizeof(float) * nrows), vsc[i] = xalloc(sizeof(float) * nrows);
     if (i == 0) {
-      fill_cache_int8(kq[0], ksc[0], npages, Hkv, ps, D, table, ldp, T, prev);
-      fill_cache_int8(vq[0], vsc[0], npages, Hkv, ps, D, table, ldp, T, prev);
+      fill_cache_int8(kq[0], ksc[0], 0, npages, Hkv, ps, D, table, ldp, T, prev);
+      fill_cache_int8(vq[0], vsc[0], 1, npages, Hkv, ps, D, table, ldp, T, prev);
     } else {
       memcpy(kq[i], kq[0], nc), memcpy(vq[i], vq[0], nc);
       memcpy(ksc[i], ksc[0], sizeof(float) * nrows), memcpy(vsc[i], vsc[0], sizeof(float) * nrows);
@@ -1234,10 +1272,11 @@ static void decode_layer_case(int kind, int64_t group, int mode, int sym, int fi
   Acc c;
   acc_init(&c);
   for (int64_t i = 0; i < nc; i++) { /* the new K/V rows: rounded differences only (int8: dequantized) */
-    const double kg = kv8 ? kq[0][i] * (double)ksc[0][i / D] : h_bf2f(kc[0][i]);
-    const double kw = kv8 ? kq[2][i] * (double)ksc[2][i / D] : h_bf2f(kc[2][i]);
-    const double vg = kv8 ? vq[0][i] * (double)vsc[0][i / D] : h_bf2f(vc[0][i]);
-    const double vw = kv8 ? vq[2][i] * (double)vsc[2][i / D] : h_bf2f(vc[2][i]);
+    const int64_t kr = kv8_row(i, ps, D, 0), vr = kv8_row(i, ps, D, 1); /* (the rows byte i is of) */
+    const double kg = kv8 ? kq[0][i] * (double)ksc[0][kr] : h_bf2f(kc[0][i]);
+    const double kw = kv8 ? kq[2][i] * (double)ksc[2][kr] : h_bf2f(kc[2][i]);
+    const double vg = kv8 ? vq[0][i] * (double)vsc[0][vr] : h_bf2f(vc[0][i]);
+    const double vw = kv8 ? vq[2][i] * (double)vsc[2][vr] : h_bf2f(vc[2][i]);
     acc_add(&c, i, kg, kw, fabs(kw) / 32 + 0.02);
     acc_add(&c, nc + i, vg, vw, fabs(vw) / 32 + 0.02);
   }

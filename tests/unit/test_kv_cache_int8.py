@@ -60,7 +60,7 @@ def _pool(num_pages: int, hkv: int, page_size: int, d: int, tokens: int, seed: i
     v = torch.randn(tokens, hkv, d, generator=g).to(BF16)
     k[min(3, tokens - 1), 0] = 0  # a row of zeros: scale 0
     slots = torch.randperm(num_pages * page_size, generator=g)[:tokens]
-    pages = [Int8Pages.zeros((num_pages, hkv, page_size, d)) for _ in range(2)]
+    pages = [Int8Pages.zeros((num_pages, hkv, page_size, d), v=v) for v in (False, True)]
     ops.store_kv(k, v, *pages, slots)
     return k, v, *pages, slots
 
@@ -70,34 +70,54 @@ def _row(slots: torch.Tensor, h: int, hkv: int, page_size: int) -> torch.Tensor:
 
 
 @needs_kernels
-@pytest.mark.parametrize("d", [128, 64, 24])
-def test_store_quantizes_each_row_as_the_reference(isa, d):
+@pytest.mark.parametrize("d,page_size", [(128, 16), (64, 16), (24, 16), (64, 5), (32, 20)])
+def test_store_quantizes_each_row_as_the_reference(isa, d, page_size):
     """Each (token, kv head) row: scale = amax / 127 and round(x / scale) exactly as torch computes them, at the row's
-    place in the head-major pages (D 24: a tail shorter than a vector); a slot < 0 writes nothing; the dequantized
-    gather is bf16(q x scale) exactly."""
-    hkv, page_size = 2, 16
-    k, v, k_pages, v_pages, slots = _pool(9, hkv, page_size, d, 70, seed=d)
+    place in the head-major pages (D 24: a tail shorter than a vector; page sizes 5 and 20: a K block shorter than 16
+    rows, an odd page's last V row alone), the layout undone by ``rows``; a slot < 0 writes nothing; the dequantized
+    gather of K and of V is bf16(q x scale) exactly."""
+    hkv = 2
+    k, v, k_pages, v_pages, slots = _pool(9, hkv, page_size, d, 70 if page_size == 16 else 9 * page_size - 3, seed=d)
     for x, pages in ((k, k_pages), (v, v_pages)):
         q, scale = quantize_kv_rows(x)
         for h in range(hkv):
             rows = _row(slots, h, hkv, page_size)
-            assert torch.equal(pages.values.view(-1, d)[rows], q[:, h])
+            assert torch.equal(pages.rows().view(-1, d)[rows], q[:, h])
             assert torch.equal(pages.scales.view(-1)[rows], scale[:, h])
         assert (q.abs() <= 127).all() and (scale[3, 0] == 0 if x is k else True)
     padded = Int8Pages.zeros((2, hkv, page_size, d))
-    ops.store_kv(k[:2], v[:2], padded, Int8Pages.zeros((2, hkv, page_size, d)), torch.tensor([-1, 5]))
-    assert padded.values.view(-1, d)[_row(torch.tensor([5]), 0, hkv, page_size)].any()
+    ops.store_kv(k[:2], v[:2], padded, Int8Pages.zeros((2, hkv, page_size, d), v=True), torch.tensor([-1, 5]))
+    assert padded.rows().view(-1, d)[_row(torch.tensor([5]), 0, hkv, page_size)].any()
     assert int((padded.scales != 0).sum()) == hkv  # the -1 slot wrote nothing
     # two sequences' first 37 tokens over their pages, dequantized
+    n = 37 if page_size == 16 else 3 * page_size - 1
     table = torch.tensor([[3, 0, 5], [1, 2, 8]])
-    got = ops.gather_pages(k_pages, table, 37)
-    want = torch.empty(2, 37, hkv, d, dtype=BF16)
-    for b in range(2):
-        for p in range(37):
-            page = table[b, p // page_size]
-            want[b, p] = (k_pages.values[page, :, p % page_size].float()
-                          * k_pages.scales[page, :, p % page_size, None]).to(BF16)
-    assert torch.equal(got, want)
+    for pages in (k_pages, v_pages):
+        got = ops.gather_pages(pages, table, n)
+        want = torch.empty(2, n, hkv, d, dtype=BF16)
+        for b in range(2):
+            for p in range(n):
+                page = table[b, p // page_size]
+                want[b, p] = (pages.rows()[page, :, p % page_size].float()
+                              * pages.scales[page, :, p % page_size, None]).to(BF16)
+        assert torch.equal(got, want)
+
+
+def test_the_layout_in_bytes():
+    """The int8 pages' layout as kernels.c states it, spelled out for one page of 20 rows (a block of 16 and one of 4;
+    V's 10 pairs) and one of 5 (V's last row alone): ``rows`` reads value d of row r where the text says it is."""
+    d = 4
+    for page_size in (20, 5):
+        values = torch.arange(page_size * d, dtype=torch.int64).remainder(127).to(torch.int8).view(1, 1, page_size, d)
+        k, v = Int8Pages(values, torch.zeros(1, 1, page_size)).rows(), Int8Pages(values, None, v=True).rows()
+        flat = values.view(-1)
+        for r in range(page_size):
+            b = r // 16 * 16
+            m = min(16, page_size - b)
+            for i in range(d):
+                assert k[0, 0, r, i] == flat[b * d + i // 2 * 2 * m + 2 * (r - b) + i % 2]
+                lone = r % 2 == 0 and r + 1 == page_size
+                assert v[0, 0, r, i] == flat[r * d + i if lone else r // 2 * 2 * d + 2 * i + r % 2]
 
 
 def _reference_decode(q, k_pages: Int8Pages, v_pages: Int8Pages, table, context_lens, scale):
@@ -105,8 +125,8 @@ def _reference_decode(q, k_pages: Int8Pages, v_pages: Int8Pages, table, context_
     out = []
     for b, ctx in enumerate(context_lens):
         pages = table[b, :-(-ctx // k_pages.shape[2])]
-        k, v = ((c.values[pages].float() * c.scales[pages][..., None]).transpose(1, 2).reshape(-1, *c.shape[1::2])[:ctx]
-                for c in (k_pages, v_pages))  # [ctx, Hkv, D]
+        k, v = ((c.rows()[pages].float() * c.scales[pages][..., None]).transpose(1, 2)
+                .reshape(-1, *c.shape[1::2])[:ctx] for c in (k_pages, v_pages))  # [ctx, Hkv, D]
         o = F.scaled_dot_product_attention(q[b, :, None].float(), k.transpose(0, 1), v.transpose(0, 1), scale=scale,
                                            enable_gqa=True)
         out.append(o[:, 0])
@@ -114,17 +134,20 @@ def _reference_decode(q, k_pages: Int8Pages, v_pages: Int8Pages, table, context_
 
 
 @needs_kernels
-@pytest.mark.parametrize("hq,hkv", [(4, 2), (4, 4), (8, 1), (10, 2), (6, 2), (16, 8)])
-@pytest.mark.parametrize("d", [64, 128])
-def test_decode_attention_reads_int8_pages(isa, hq, hkv, d):
+@pytest.mark.parametrize("hq,hkv,d,page_size", [(hq, hkv, d, 16) for hq, hkv in [(4, 2), (4, 4), (8, 1), (10, 2),
+                                                                                  (6, 2), (16, 8)] for d in (64, 128)]
+                         + [(6, 2, 64, 5), (4, 1, 128, 20), (10, 2, 64, 100), (16, 8, 128, 1)])
+def test_decode_attention_reads_int8_pages(isa, hq, hkv, d, page_size):
     """Every group size (1, 2, 3, 5, 8), both head sizes, contexts of 1, 17 (a partial block), 300 and 600 tokens
     (two and three of the kernel's 256-position tasks, their softmaxes combined) over scattered pages: within the
-    output's bf16 rounding (and q's int16 step) of the float32 reference over the same dequantized values."""
-    page_size, num_pages = 16, 40
-    g = torch.Generator().manual_seed(hq * 10 + hkv + d)
+    output's bf16 rounding (and q's int16 step) of the float32 reference over the same dequantized values. Page sizes
+    5, 20, 100 and 1: K blocks shorter than 16 rows, odd pages' last V rows alone, tasks that start inside a block or
+    a V pair."""
+    num_pages = 640 // page_size
+    g = torch.Generator().manual_seed(hq * 10 + hkv + d + page_size)
     _, _, k_pages, v_pages, _ = _pool(num_pages, hkv, page_size, d, num_pages * page_size, seed=hq + d)
     context_lens = [1, 17, 300, 600]
-    table = torch.stack([torch.randperm(num_pages, generator=g)[:38] for _ in context_lens])
+    table = torch.stack([torch.randperm(num_pages, generator=g)[:-(-600 // page_size)] for _ in context_lens])
     q = torch.randn(4, hq, d, generator=g).to(BF16)
     assert ops.decode_attention_supported(q, k_pages)
     got = ops.decode_attention(q, k_pages, v_pages, table, context_lens, d ** -0.5)

@@ -70,24 +70,15 @@ static inline vi vi_set1(int32_t x) { VI2(_mm256_set1_epi32(x), _mm256_set1_epi3
 static inline vi vi_load(const int32_t *p) {
   VI2(_mm256_loadu_si256((const __m256i *)p), _mm256_loadu_si256((const __m256i *)(p + 8)));
 }
+static inline void vi_store(int32_t *p, vi x) {
+  _mm256_storeu_si256((__m256i *)p, x.a);
+  _mm256_storeu_si256((__m256i *)(p + 8), x.b);
+}
 static inline vi vi_load_i8(const int8_t *p) {
   VI2(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)), _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8))));
 }
 
-/* acc += the products of 32 int8 k (widened) and 32 int16 q, in pairs (lane i of a half: k[2i] q[2i] + k[2i+1] q[2i+1]):
- * only the lanes' total is meant (the int8 pages' q . k, kernels.c). vpmaddwd: |k q| pairs stay within int32. */
-static inline vi dot_i8_i16x32(vi acc, const int8_t *k, const int16_t *q) {
-  const __m256i k0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)k));
-  const __m256i k1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(k + 16)));
-  VI2(_mm256_add_epi32(acc.a, _mm256_madd_epi16(k0, _mm256_loadu_si256((const __m256i *)q))),
-      _mm256_add_epi32(acc.b, _mm256_madd_epi16(k1, _mm256_loadu_si256((const __m256i *)(q + 16)))));
-}
-#define ISA_HAS_PV_I16 1
-/* The int8 pages' P V (kv_int8.c, span_values; see isa_avx512.h's): acc[g] (int32 [D], in pair order) += sum over
- * the m <= 16 rows at v (row i at v + i D) of w[g][i] V[i], the weights int16 (w[g] at w + g ldw). Two rows at a time:
- * their values widened to int16 and interleaved by vpunpck{l,h}wd, against the broadcast weight pair in vpmaddwd (with
- * AVX-VNNI, vpdpwssd). 32 values a pass: "lo" sums of 16 (two registers: values 0-3, 8-11 and 16-19, 24-27), then
- * "hi" sums (4 more each), at acc + 32 c; pv_i16_finish puts them in order. */
+/* acc + the pairwise int16 products of a and b (vpmaddwd; with AVX-VNNI, vpdpwssd: the add in one) */
 static inline __attribute__((always_inline)) __m256i dp_i16(__m256i acc, __m256i a, __m256i b) {
 #if defined(__AVXVNNI__)
   return _mm256_dpwssd_avx_epi32(acc, a, b);
@@ -97,73 +88,25 @@ static inline __attribute__((always_inline)) __m256i dp_i16(__m256i acc, __m256i
   return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
 #endif
 }
-static inline __attribute__((always_inline)) void pv_i16_cols(const int8_t *v, int64_t m, int64_t D, int64_t d0,
-                                                              const int16_t *w, int64_t ldw, const int G, int32_t *acc) {
-  __m256i s[2][4]; /* per head: lo (0-15), lo (16-31), hi (0-15), hi (16-31) */
-  for (int g = 0; g < G; g++)
-    for (int c = 0; c < 4; c++) s[g][c] = _mm256_loadu_si256((const __m256i *)(acc + g * D + d0 + 8 * c));
-  for (int64_t i = 0; i < m; i += 2) {
-    const int8_t *ra = v + i * D + d0, *rb = i + 1 < m ? ra + D : ra;
-    const __m256i a0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)ra));
-    const __m256i a1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(ra + 16)));
-    const __m256i b0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)rb));
-    const __m256i b1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(rb + 16)));
-    const __m256i l0 = _mm256_unpacklo_epi16(a0, b0), l1 = _mm256_unpacklo_epi16(a1, b1);
-    const __m256i h0 = _mm256_unpackhi_epi16(a0, b0), h1 = _mm256_unpackhi_epi16(a1, b1);
-    for (int g = 0; g < G; g++) {
-      int32_t pair = (uint16_t)w[g * ldw + i];
-      if (i + 1 < m) memcpy(&pair, w + g * ldw + i, 4);
-      const __m256i wp = _mm256_set1_epi32(pair);
-      s[g][0] = dp_i16(s[g][0], l0, wp);
-      s[g][1] = dp_i16(s[g][1], l1, wp);
-      s[g][2] = dp_i16(s[g][2], h0, wp);
-      s[g][3] = dp_i16(s[g][3], h1, wp);
-    }
-  }
-  for (int g = 0; g < G; g++)
-    for (int c = 0; c < 4; c++) _mm256_storeu_si256((__m256i *)(acc + g * D + d0 + 8 * c), s[g][c]);
+/* The int8 pages' products (kv_int8.c): 32 int8 widened to int16, as 16 pairs (values 2i, 2i + 1: pair i), in two
+ * registers of 8 pairs */
+typedef struct { __m256i a, b; } vw;
+static inline vw vw_load_i8(const int8_t *p) {
+  return (vw){_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p)),
+              _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 16)))};
 }
-/* G <= 4 heads, two at a time (their 8 sums and the 4 interleaved rows in 16 registers), 32 values a pass */
-static inline __attribute__((always_inline)) void pv_i16_block(const int8_t *v, int64_t m, int64_t D, const int16_t *w,
-                                                               int64_t ldw, const int G, int32_t *acc) {
-  for (int64_t d0 = 0; d0 < D; d0 += 32) {
-    if (G >= 2) pv_i16_cols(v, m, D, d0, w, ldw, 2, acc);
-    else pv_i16_cols(v, m, D, d0, w, ldw, 1, acc);
-    if (G == 4) pv_i16_cols(v, m, D, d0, w + 2 * ldw, ldw, 2, acc + 2 * D);
-    else if (G == 3) pv_i16_cols(v, m, D, d0, w + 2 * ldw, ldw, 1, acc + 2 * D);
-  }
+/* lane i of acc + pair i of x . (pair's low int16, its high int16); |products| stay within int32 */
+static inline vi vi_dp_pairs(vi acc, vw x, int32_t pair) {
+  const __m256i w = _mm256_set1_epi32(pair);
+  VI2(dp_i16(acc.a, x.a, w), dp_i16(acc.b, x.b, w));
 }
-/* out [D] (float32, in order) = acc (pv_i16_block's pair order) x scale */
-static inline void pv_i16_finish(const int32_t *acc, int64_t D, float scale, float *out) {
-  const __m256 s = _mm256_set1_ps(scale);
-  for (int64_t d = 0; d < D; d += 32)
-    for (int c = 0; c < 2; c++) { /* lo, hi of values 16 c .. 16 c + 15 */
-      const __m256i lo = _mm256_loadu_si256((const __m256i *)(acc + d + 8 * c));
-      const __m256i hi = _mm256_loadu_si256((const __m256i *)(acc + d + 16 + 8 * c));
-      _mm256_storeu_ps(out + d + 16 * c, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_permute2x128_si256(lo, hi, 0x20)), s));
-      _mm256_storeu_ps(out + d + 16 * c + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_permute2x128_si256(lo, hi, 0x31)), s));
-    }
-}
+#define KV_QK_HEADS 2 /* query heads a pass of q . k (two sums each), and P V's sums in registers (16 ymm) */
+#define KV_PV_SUMS 4
 /* the first n (<= 16 of) lanes' low 16 bits at p */
 static inline void vi_store_i16_n(int16_t *p, vi x, int64_t n) {
   int16_t t[16];
   _mm256_storeu_si256((__m256i *)t, _mm256_permute4x64_epi64(_mm256_packs_epi32(x.a, x.b), 0xd8));
   memcpy(p, t, sizeof(int16_t) * (n < 16 ? n : 16));
-}
-#define ISA_HAS_HSUM16 1
-/* lane r = the sum of acc[r]'s 16 lanes: each row's halves added, then a transposing tree over the 16 eight-lane sums
- * (pairs interleaved and added within 128-bit lanes, pairs of those, then the two 128-bit lanes). */
-static inline vi vi_hsum16(const vi *acc) {
-  __m256i t1[8], t2[4];
-  for (int i = 0; i < 8; i++) {
-    const __m256i x = _mm256_add_epi32(acc[2 * i].a, acc[2 * i].b), y = _mm256_add_epi32(acc[2 * i + 1].a, acc[2 * i + 1].b);
-    t1[i] = _mm256_add_epi32(_mm256_unpacklo_epi32(x, y), _mm256_unpackhi_epi32(x, y));
-  }
-  for (int i = 0; i < 4; i++)
-    t2[i] = _mm256_add_epi32(_mm256_unpacklo_epi64(t1[2 * i], t1[2 * i + 1]), _mm256_unpackhi_epi64(t1[2 * i], t1[2 * i + 1]));
-  /* t2[i]: 128-bit lane L holds rows 4i .. 4i+3, each the sum of its lane L: the lanes across pairs of registers */
-  VI2(_mm256_add_epi32(_mm256_permute2x128_si256(t2[0], t2[1], 0x20), _mm256_permute2x128_si256(t2[0], t2[1], 0x31)),
-      _mm256_add_epi32(_mm256_permute2x128_si256(t2[2], t2[3], 0x20), _mm256_permute2x128_si256(t2[2], t2[3], 0x31)));
 }
 static inline vi vi_add(vi x, vi y) { VI2(_mm256_add_epi32(x.a, y.a), _mm256_add_epi32(x.b, y.b)); }
 static inline vi vi_sub(vi x, vi y) { VI2(_mm256_sub_epi32(x.a, y.a), _mm256_sub_epi32(x.b, y.b)); }

@@ -43,10 +43,9 @@ static inline vf vf_scale2(vf a, vf n) { return _mm512_scalef_ps(a, n); } /* a 2
 static inline vi vi_zero(void) { return _mm512_setzero_si512(); }
 static inline vi vi_set1(int32_t a) { return _mm512_set1_epi32(a); }
 static inline vi vi_load(const int32_t *p) { return _mm512_loadu_si512(p); }
+static inline void vi_store(int32_t *p, vi a) { _mm512_storeu_si512(p, a); }
 static inline vi vi_load_i8(const int8_t *p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }
 
-/* acc += the products of 32 int8 k (widened) and 32 int16 q, in pairs: only the lanes' total is meant (the int8
- * pages' q . k, kernels.c). */
 /* acc + the pairwise int16 products of a and b (vpdpwssd with AVX-512 VNNI: vpmaddwd and the add in one) */
 static inline __m512i dp_i16(__m512i acc, __m512i a, __m512i b) {
 #ifdef __AVX512VNNI__
@@ -55,25 +54,13 @@ static inline __m512i dp_i16(__m512i acc, __m512i a, __m512i b) {
   return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
 #endif
 }
-static inline vi dot_i8_i16x32(vi acc, const int8_t *k, const int16_t *q) {
-  return dp_i16(acc, _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)k)), _mm512_loadu_si512(q));
-}
-#define ISA_HAS_HSUM16 1
-/* lane r = the sum of acc[r]'s 16 lanes: a transposing tree (pairs of rows interleaved and added within 128-bit lanes,
- * then pairs of those, then the lanes across registers), 45 instructions for 16 rows. */
-static inline vi vi_hsum16(const vi *acc) {
-  __m512i t1[8], t2[4];
-  for (int i = 0; i < 8; i++) /* lane L: rows 2i, 2i+1 interleaved, each a sum of 2 of its 4 */
-    t1[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(acc[2 * i], acc[2 * i + 1]),
-                             _mm512_unpackhi_epi32(acc[2 * i], acc[2 * i + 1]));
-  for (int i = 0; i < 4; i++) /* lane L: rows 4i .. 4i+3, each the sum of its lane L */
-    t2[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(t1[2 * i], t1[2 * i + 1]),
-                             _mm512_unpackhi_epi64(t1[2 * i], t1[2 * i + 1]));
-  /* rows 0-3 (t2[0]) and 4-7 (t2[1]): lanes (0 + 1, 2 + 3) of each; then the pairs' sums in order */
-  const __m512i a = _mm512_add_epi32(_mm512_shuffle_i32x4(t2[0], t2[1], 0x88), _mm512_shuffle_i32x4(t2[0], t2[1], 0xdd));
-  const __m512i b = _mm512_add_epi32(_mm512_shuffle_i32x4(t2[2], t2[3], 0x88), _mm512_shuffle_i32x4(t2[2], t2[3], 0xdd));
-  return _mm512_add_epi32(_mm512_shuffle_i32x4(a, b, 0x88), _mm512_shuffle_i32x4(a, b, 0xdd));
-}
+/* The int8 pages' products (kv_int8.c): 32 int8 widened to int16, as 16 pairs (values 2i, 2i + 1: pair i) */
+typedef __m512i vw;
+static inline vw vw_load_i8(const int8_t *p) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)p)); }
+/* lane i of acc + pair i of x . (pair's low int16, its high int16) */
+static inline vi vi_dp_pairs(vi acc, vw x, int32_t pair) { return dp_i16(acc, x, _mm512_set1_epi32(pair)); }
+#define KV_QK_HEADS 4 /* query heads a pass of q . k (two sums each), and P V's sums in registers (32 zmm) */
+#define KV_PV_SUMS 16
 static inline vi vi_add(vi a, vi b) { return _mm512_add_epi32(a, b); }
 static inline vi vi_sub(vi a, vi b) { return _mm512_sub_epi32(a, b); }
 static inline vi vi_shl(vi a, int n) { return _mm512_slli_epi32(a, n); }
@@ -215,70 +202,9 @@ static inline __attribute__((always_inline)) void pv_slice(const uint16_t *v, co
     }
 }
 
-#define ISA_HAS_PV_I16 1
-/* The int8 pages' P V (kv_int8.c, span_values): acc[g] (int32 [D], in pair order) += sum over the m <= 16 rows at v
- * (row i at v + i D) of w[g][i] V[i], the weights int16 (w[g] at w + g ldw). Two rows at a time: their values
- * widened to int16 and interleaved by vpunpck{l,h}wd are vpdpwssd's operands against the broadcast pair (w[g][i],
- * w[g][i + 1]) (an odd m's last row pairs with itself at weight 0), so one instruction takes 32 multiply-adds (in
- * float32: 16, after two conversions a row). Lane i of a chunk's "lo" sums (at acc + 32 c) holds value 8 (i / 4) +
- * i % 4 of its 32, of its "hi" sums (at + 16) 4 more: pv_i16_finish puts them in order. NC chunks of 32 values from
- * d0, G x NC <= 8 (the sums in registers). */
-static inline __attribute__((always_inline)) void pv_i16_cols(const int8_t *v, int64_t m, int64_t D, int64_t d0,
-                                                              const int16_t *w, int64_t ldw, const int G, const int NC,
-                                                              int32_t *acc) {
-  __m512i lo[8], hi[8];
-  for (int g = 0; g < G; g++)
-    for (int c = 0; c < NC; c++) {
-      lo[g * NC + c] = _mm512_loadu_si512(acc + g * D + d0 + 32 * c);
-      hi[g * NC + c] = _mm512_loadu_si512(acc + g * D + d0 + 32 * c + 16);
-    }
-  for (int64_t i = 0; i < m; i += 2) {
-    const int8_t *ra = v + i * D + d0, *rb = i + 1 < m ? ra + D : ra;
-    __m512i il[4], ih[4];
-    for (int c = 0; c < NC; c++) {
-      const __m512i a = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(ra + 32 * c)));
-      const __m512i b = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(rb + 32 * c)));
-      il[c] = _mm512_unpacklo_epi16(a, b);
-      ih[c] = _mm512_unpackhi_epi16(a, b);
-    }
-    for (int g = 0; g < G; g++) {
-      int32_t pair = (uint16_t)w[g * ldw + i];
-      if (i + 1 < m) memcpy(&pair, w + g * ldw + i, 4);
-      const __m512i wp = _mm512_set1_epi32(pair);
-      for (int c = 0; c < NC; c++) {
-        lo[g * NC + c] = dp_i16(lo[g * NC + c], il[c], wp);
-        hi[g * NC + c] = dp_i16(hi[g * NC + c], ih[c], wp);
-      }
-    }
-  }
-  for (int g = 0; g < G; g++)
-    for (int c = 0; c < NC; c++) {
-      _mm512_storeu_si512(acc + g * D + d0 + 32 * c, lo[g * NC + c]);
-      _mm512_storeu_si512(acc + g * D + d0 + 32 * c + 16, hi[g * NC + c]);
-    }
-}
-/* G <= 4 heads: 128 values a pass for up to 2 heads, 64 for 3 or 4 (the 2 x G x NC sums in 16 registers) */
-static inline __attribute__((always_inline)) void pv_i16_block(const int8_t *v, int64_t m, int64_t D, const int16_t *w,
-                                                               int64_t ldw, const int G, int32_t *acc) {
-  const int NC = G <= 2 ? 4 : 2;
-  int64_t d0 = 0;
-  for (; d0 + 32 * NC <= D; d0 += 32 * NC) pv_i16_cols(v, m, D, d0, w, ldw, G, NC, acc);
-  for (; d0 < D; d0 += 32) pv_i16_cols(v, m, D, d0, w, ldw, G, 1, acc);
-}
 /* the first n (<= 16 of) lanes' low 16 bits at p */
 static inline void vi_store_i16_n(int16_t *p, vi a, int64_t n) {
   _mm256_mask_storeu_epi16(p, n >= 16 ? 0xffff : (__mmask16)((1u << n) - 1), _mm512_cvtepi32_epi16(a));
-}
-/* out [D] (float32, in order) = acc (pv_i16_block's pair order) x scale */
-static inline void pv_i16_finish(const int32_t *acc, int64_t D, float scale, float *out) {
-  const __m512 s = _mm512_set1_ps(scale);
-  for (int64_t d = 0; d < D; d += 32) {
-    __m512 first, second;
-    pair_order(_mm512_cvtepi32_ps(_mm512_loadu_si512(acc + d)), _mm512_cvtepi32_ps(_mm512_loadu_si512(acc + d + 16)),
-               &first, &second);
-    _mm512_storeu_ps(out + d, _mm512_mul_ps(first, s));
-    _mm512_storeu_ps(out + d + 16, _mm512_mul_ps(second, s));
-  }
 }
 
 #define ISA_HAS_ARGMAX 1

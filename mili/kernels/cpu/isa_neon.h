@@ -53,6 +53,7 @@ static inline vf vf_scale2(vf x, vf n) { VF4(vmulq_f32(x.v[i_], pow2_4(n.v[i_]))
 static inline vi vi_zero(void) { VI4(vdupq_n_s32(0)); }
 static inline vi vi_set1(int32_t x) { VI4(vdupq_n_s32(x)); }
 static inline vi vi_load(const int32_t *p) { VI4(vld1q_s32(p + 4 * i_)); }
+static inline void vi_store(int32_t *p, vi x) { for (int i = 0; i < 4; i++) vst1q_s32(p + 4 * i, x.v[i]); }
 static inline vi vi_load_i8(const int8_t *p) {
   const int8x16_t b = vld1q_s8(p);
   const int16x8_t lo = vmovl_s8(vget_low_s8(b)), hi = vmovl_s8(vget_high_s8(b));
@@ -64,26 +65,33 @@ static inline vi vi_load_i8(const int8_t *p) {
   return r;
 }
 
-/* acc += the products of 32 int8 k (widened) and 32 int16 q: only the lanes' total is meant (the int8 pages' q . k,
- * kernels.c). */
-static inline vi dot_i8_i16x32(vi acc, const int8_t *k, const int16_t *q) {
-  for (int h = 0; h < 2; h++) {
-    const int8x16_t b = vld1q_s8(k + 16 * h);
-    const int16x8_t lo = vmovl_s8(vget_low_s8(b)), hi = vmovl_s8(vget_high_s8(b));
-    const int16x8_t q0 = vld1q_s16(q + 16 * h), q1 = vld1q_s16(q + 16 * h + 8);
-    acc.v[2 * h] = vmlal_s16(acc.v[2 * h], vget_low_s16(lo), vget_low_s16(q0));
-    acc.v[2 * h + 1] = vmlal_high_s16(acc.v[2 * h + 1], lo, q0);
-    acc.v[2 * h] = vmlal_s16(acc.v[2 * h], vget_low_s16(hi), vget_low_s16(q1));
-    acc.v[2 * h + 1] = vmlal_high_s16(acc.v[2 * h + 1], hi, q1);
-  }
-  return acc;
+/* The int8 pages' products (kv_int8.c): 32 int8 widened to int16, as 16 pairs (values 2i, 2i + 1: pair i), in four
+ * registers of 4 pairs */
+typedef struct { int16x8_t v[4]; } vw;
+static inline vw vw_load_i8(const int8_t *p) {
+  const int8x16_t a = vld1q_s8(p), b = vld1q_s8(p + 16);
+  return (vw){{vmovl_s8(vget_low_s8(a)), vmovl_high_s8(a), vmovl_s8(vget_low_s8(b)), vmovl_high_s8(b)}};
 }
+/* lane i of acc + pair i of x . (pair's low int16, its high int16): the products widened (smull), then each pair's
+ * two added (addp) */
+static inline vi vi_dp_pairs(vi acc, vw x, int32_t pair) {
+  const int16x8_t w = vreinterpretq_s16_s32(vdupq_n_s32(pair));
+  VI4(vaddq_s32(acc.v[i_], vpaddq_s32(vmull_s16(vget_low_s16(x.v[i_]), vget_low_s16(w)), vmull_high_s16(x.v[i_], w))));
+}
+#define KV_QK_HEADS 2 /* query heads a pass of q . k (two sums each), and P V's sums in registers (32 q registers) */
+#define KV_PV_SUMS 4
 static inline vi vi_add(vi x, vi y) { VI4(vaddq_s32(x.v[i_], y.v[i_])); }
 static inline vi vi_sub(vi x, vi y) { VI4(vsubq_s32(x.v[i_], y.v[i_])); }
 static inline vi vi_shl(vi x, int n) { VI4(vshlq_s32(x.v[i_], vdupq_n_s32(n))); }
 static inline vi vi_sra(vi x, int n) { VI4(vshlq_s32(x.v[i_], vdupq_n_s32(-n))); }
 static inline vf vi_to_vf(vi x) { VF4(vcvtq_f32_s32(x.v[i_])); }
 static inline vi vf_to_vi(vf x) { VI4(vcvtnq_s32_f32(x.v[i_])); } /* nearest even */
+/* the first n (<= 16 of) lanes' low 16 bits at p */
+static inline void vi_store_i16_n(int16_t *p, vi x, int64_t n) {
+  int16_t t[16];
+  for (int i = 0; i < 4; i++) vst1_s16(t + 4 * i, vmovn_s32(x.v[i]));
+  memcpy(p, t, sizeof(int16_t) * (n < 16 ? n : 16));
+}
 static inline int32_t vi_reduce_add(vi x) {
   return vaddvq_s32(vaddq_s32(vaddq_s32(x.v[0], x.v[1]), vaddq_s32(x.v[2], x.v[3])));
 }

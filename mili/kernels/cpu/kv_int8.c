@@ -1,15 +1,53 @@
 /* -- int8 pages (--kv-cache-dtype int8) ---------------------------------------------------------------------
- * A layer's K (and V) pages as int8 values [pages, Hkv, page_size, D] (head-major, as the bf16 pages) beside
- * float32 scales [pages, Hkv, page_size]: one symmetric scale per (token, kv head) row, amax / 127, its values
- * round(x / scale) (x times 1 / scale, nearest even) in -127..127; a row of zeros has scale 0. A row is quantized
- * once, when stored: nothing is requantized as a page fills. A row of D values is D + 4 bytes (132 at D = 128, 0.52
- * of bf16's), so a decode step streams about half the bytes. Row r = (page x Hkv + head) x page_size + offset holds
- * its values at r x D and its scale at r. The decode kernel reads the rows as they are (q . k in int32 against int16
- * queries, V widened to float32 a tile of rows at a time); a prefill chunk's context is gathered dequantized to bf16
- * (gather_kv_int8) for the prefill kernel. */
+ * A layer's K (and V) pages as int8 values [pages, Hkv, page_size x D] beside float32 scales [pages, Hkv, page_size]:
+ * one symmetric scale per (token, kv head) row, amax / 127, its values round(x / scale) (x times 1 / scale, nearest
+ * even) in -127..127; a row of zeros has scale 0. A row is quantized once, when stored: nothing is requantized as a
+ * page fills. A row of D values is D + 4 bytes (132 at D = 128, 0.52 of bf16's), so a decode step streams about half
+ * the bytes. The scale of in-page row r of kv head h sits at (page x Hkv + h) x page_size + r; that (page, head)'s
+ * page_size x D values are one run, laid out for the decode kernel's products (both exact in int32, with no sum
+ * across a vector's lanes):
+ * - K: the run's rows in blocks of 16 (the last one of page_size % 16, if any): a block of m rows holds its values
+ *   pair by pair, [D / 2][m][2], so 32 bytes are one value pair of 16 rows, and vpdpwssd against a broadcast pair
+ *   of the query gives 16 rows' partial dot products, one a lane (k_value_at);
+ * - V: the run's rows two by two, interleaved: rows 2i and 2i + 1 as [D][2], so 32 bytes are 16 values of the two
+ *   rows, and vpdpwssd against the broadcast pair of their weights adds both into 16 outputs; an odd page_size's last
+ *   row alone, [D] (v_value_at).
+ * The decode kernel reads the runs as they are (q . k against int16 queries, P V with int16 weights); a prefill
+ * chunk's context is gathered dequantized to bf16 (gather_kv_int8) for the prefill kernel; ops.int8_page_rows is
+ * the layout's torch form. */
 
 static inline int64_t kv_row(int64_t slot, int64_t h, int64_t Hkv, int64_t page_size) {
   return (slot / page_size * Hkv + h) * page_size + slot % page_size;
+}
+
+/* where, in its run, K's value d of in-page row r is, and V's (the layout above) */
+static inline int64_t k_value_at(int64_t r, int64_t d, int64_t D, int64_t page_size) {
+  const int64_t b = r / 16 * 16, m = page_size - b < 16 ? page_size - b : 16;
+  return b * D + d / 2 * 2 * m + 2 * (r - b) + d % 2;
+}
+static inline int64_t v_value_at(int64_t r, int64_t d, int64_t D, int64_t page_size) {
+  return r % 2 == 0 && r + 1 == page_size ? r * D + d : r / 2 * 2 * D + 2 * d + r % 2;
+}
+
+/* row r's D values (int8) from its run, K's (v 0) or V's (1), and into it: D / 2 pairs 2 m apart (K), D values 2
+ * apart (V, a pair's row) or D in a row (an odd page's last V row). D even. */
+static inline void kv_values_io(int8_t *run, int v, int64_t r, int64_t D, int64_t page_size, int8_t *row, int store) {
+  if (v && r % 2 == 0 && r + 1 == page_size) {
+    if (store) memcpy(run + r * D, row, D);
+    else memcpy(row, run + r * D, D);
+    return;
+  }
+  int8_t *at = run + (v ? v_value_at(r, 0, D, page_size) : k_value_at(r, 0, D, page_size));
+  if (v) {
+    for (int64_t d = 0; d < D; d++)
+      if (store) at[2 * d] = row[d];
+      else row[d] = at[2 * d];
+  } else {
+    const int64_t step = k_value_at(r, 2, D, page_size) - k_value_at(r, 0, D, page_size); /* (2 m) */
+    for (int64_t p = 0; p < D / 2; p++)
+      if (store) memcpy(at + step * p, row + 2 * p, 2);
+      else memcpy(row + 2 * p, at + step * p, 2);
+  }
 }
 
 /* x [D] bf16 -> q [D] int8 and its scale (any D). */
@@ -45,7 +83,7 @@ static inline void dequantize_kv_row(const int8_t *q, float scale, int64_t D, bf
 }
 
 /* k, v [T, Hkv, D] (token strides ldk, ldv; bf16) quantized into the int8 pages at flat slots (page x page_size +
- * offset); slot < 0 is skipped (padding). */
+ * offset); slot < 0 is skipped (padding). D even. */
 static void store_kv_int8(const bf16 *k, int64_t ldk, const bf16 *v, int64_t ldv, int8_t *k_cache, float *k_scales,
                         int8_t *v_cache, float *v_scales, const int64_t *slots, int64_t T, int64_t Hkv, int64_t D,
                         int64_t page_size, int nthreads) {
@@ -53,23 +91,28 @@ static void store_kv_int8(const bf16 *k, int64_t ldk, const bf16 *v, int64_t ldv
   for (int64_t t = 0; t < T; t++)
     for (int64_t h = 0; h < Hkv; h++) {
       if (slots[t] < 0) continue;
-      const int64_t r = kv_row(slots[t], h, Hkv, page_size);
-      quantize_kv_row(k + t * ldk + h * D, D, k_cache + r * D, k_scales + r);
-      quantize_kv_row(v + t * ldv + h * D, D, v_cache + r * D, v_scales + r);
+      const int64_t r = kv_row(slots[t], h, Hkv, page_size), off = slots[t] % page_size, run = (r - off) * D;
+      int8_t q[D];
+      quantize_kv_row(k + t * ldk + h * D, D, q, k_scales + r);
+      kv_values_io(k_cache + run, 0, off, D, page_size, q, 1);
+      quantize_kv_row(v + t * ldv + h * D, D, q, v_scales + r);
+      kv_values_io(v_cache + run, 1, off, D, page_size, q, 1);
     }
 }
 
 /* out [B, n, Hkv, D] bf16: the first n tokens of each of B sequences' int8 pages (page_table [B, ldp]),
- * dequantized (a prefill chunk's context, and the torch fallback's). Any D. */
-static void gather_kv_int8(const int8_t *cache, const float *scales, const int64_t *page_table, int64_t ldp, int64_t B,
-                         int64_t n, int64_t Hkv, int64_t D, int64_t page_size, bf16 *out, int nthreads) {
+ * dequantized (a prefill chunk's context, and the torch fallback's), K (v 0) or V (1). */
+static void gather_kv_int8(const int8_t *cache, const float *scales, int v, const int64_t *page_table, int64_t ldp,
+                         int64_t B, int64_t n, int64_t Hkv, int64_t D, int64_t page_size, bf16 *out, int nthreads) {
 #pragma omp parallel for num_threads(nthreads) collapse(2) schedule(static) if (B * n * Hkv >= 256)
   for (int64_t b = 0; b < B; b++)
     for (int64_t p = 0; p < n; p++) {
-      const int64_t page = page_table[b * ldp + p / page_size];
+      const int64_t page = page_table[b * ldp + p / page_size], off = p % page_size;
       for (int64_t h = 0; h < Hkv; h++) {
-        const int64_t r = (page * Hkv + h) * page_size + p % page_size;
-        dequantize_kv_row(cache + r * D, scales[r], D, out + ((b * n + p) * Hkv + h) * D);
+        const int64_t r = (page * Hkv + h) * page_size + off;
+        int8_t q[D];
+        kv_values_io((int8_t *)cache + (r - off) * D, v, off, D, page_size, q, 0);
+        dequantize_kv_row(q, scales[r], D, out + ((b * n + p) * Hkv + h) * D);
       }
     }
 }
@@ -84,173 +127,192 @@ static float quantize_q16(const bf16 *q, int64_t D, int16_t *q16) {
   return scale;
 }
 
-#ifndef ISA_HAS_HSUM16
-/* lane r of the result = the sum of acc[r]'s lanes (16 rows' dot products at once; the ISA layers that have
- * a transposing tree define their own) */
-static inline vi vi_hsum16(const vi *acc) {
-  int32_t t[16];
-  for (int r = 0; r < 16; r++) t[r] = vi_reduce_add(acc[r]);
-  return vi_load(t);
-}
-#endif
-
-/* s[i] = q16 . (row i's int8 values), exactly in int32 (|dot| <= 127 x 32767 x D: D <= 512 stays within int32), for
- * the n <= 16 consecutive rows at k (row i at k + i D), as one vector (lane i: row i; lanes past n are 0). The 16
- * rows' sums stay in registers and are reduced together (vi_hsum16: a transposing tree, not one horizontal sum a
- * row). D % 32 == 0. */
-static inline __attribute__((always_inline)) vi qk_int8_block(const int16_t *q16, int64_t D, const int8_t *k,
-                                                              int64_t n) {
-  vi acc[16];
-  for (int i = 0; i < 16; i++) acc[i] = vi_zero();
-  for (int64_t i = 0; i < n; i++)
-    for (int64_t d = 0; d < D; d += 32) acc[i] = dot_i8_i16x32(acc[i], k + i * D + d, q16 + d);
-  return vi_hsum16(acc);
-}
-
-#ifndef ISA_HAS_PV_I16
-/* acc[g] [D] += sum_i w[g][i] V[i] for G heads (w[g] at w + 16 g), the n <= 16 consecutive rows at v (row i at
- * v + i D) widened to float32 in registers, 64 values at a time (each row's bytes widened once for the G heads, the
- * G x 4 sums held). D % 32 == 0. */
-static inline __attribute__((always_inline)) void pv_int8_block(const int8_t *v, int64_t n, int64_t D, const float *w,
-                                                                const int G, float *acc) {
-  int64_t d = 0;
-  for (; d + 64 <= D; d += 64) {
-    vf a[4][4];
-    for (int g = 0; g < G; g++)
-      for (int c = 0; c < 4; c++) a[g][c] = vf_load(acc + g * D + d + 16 * c);
-    for (int64_t i = 0; i < n; i++) {
-      const int8_t *r = v + i * D + d;
-      vf x[4];
-      for (int c = 0; c < 4; c++) x[c] = vi_to_vf(vi_load_i8(r + 16 * c));
-      for (int g = 0; g < G; g++) {
-        const vf wi = vf_set1(w[16 * g + i]);
-        for (int c = 0; c < 4; c++) a[g][c] = vf_fmadd(x[c], wi, a[g][c]);
-      }
+/* The q . k of one K block of 16 rows (k: [D / 2][16][2], the layout above) for G <= KV_QK_HEADS query heads (q16
+ * [G][D]): dots[g] lane i = q16[g] . row i, exactly in int32 (|dot| <= 127 x 32767 x D: D <= 512 stays within
+ * int32). Each pair of values of the 16 rows is widened once for the G heads; two sums a head (even and odd pairs)
+ * keep vpdpwssd's latency covered. D % 4 == 0. */
+static inline __attribute__((always_inline)) void qk_block16(const int8_t *k, const int16_t *q16, int64_t D, const int G,
+                                                             vi *dots) {
+  vi a[KV_QK_HEADS], b[KV_QK_HEADS];
+  for (int g = 0; g < G; g++) a[g] = b[g] = vi_zero();
+  for (int64_t p = 0; p < D / 2; p += 2) {
+    const vw x = vw_load_i8(k + 32 * p), y = vw_load_i8(k + 32 * p + 32);
+    for (int g = 0; g < G; g++) {
+      int32_t q0, q1; /* (the query's values 2p, 2p + 1 and 2p + 2, 2p + 3 as int16 pairs) */
+      memcpy(&q0, q16 + g * D + 2 * p, 4);
+      memcpy(&q1, q16 + g * D + 2 * p + 2, 4);
+      a[g] = vi_dp_pairs(a[g], x, q0);
+      b[g] = vi_dp_pairs(b[g], y, q1);
     }
-    for (int g = 0; g < G; g++)
-      for (int c = 0; c < 4; c++) vf_store(acc + g * D + d + 16 * c, a[g][c]);
   }
-  for (; d < D; d += 32) {
-    vf a[4][2];
-    for (int g = 0; g < G; g++)
-      for (int c = 0; c < 2; c++) a[g][c] = vf_load(acc + g * D + d + 16 * c);
-    for (int64_t i = 0; i < n; i++) {
-      const int8_t *r = v + i * D + d;
-      const vf x0 = vi_to_vf(vi_load_i8(r)), x1 = vi_to_vf(vi_load_i8(r + 16));
-      for (int g = 0; g < G; g++) {
-        const vf wi = vf_set1(w[16 * g + i]);
-        a[g][0] = vf_fmadd(x0, wi, a[g][0]);
-        a[g][1] = vf_fmadd(x1, wi, a[g][1]);
-      }
+  for (int g = 0; g < G; g++) dots[g] = vi_add(a[g], b[g]);
+}
+
+/* acc[g] [D] (int32) += the pairs of rows of one V run (v: its interleaved pairs, pair i at v + 2 D i) from pair i0 to
+ * i1, each pair times its two weights (an int32 of two int16: w[g][i], pair i's at w + g ldw + 2 i), for G heads:
+ * the G x NC sums of NC x 16 values in registers, d0 onwards. */
+static inline __attribute__((always_inline)) void pv_pairs_cols(const int8_t *v, int64_t i0, int64_t i1, int64_t D,
+                                                                int64_t d0, const int16_t *w, int64_t ldw,
+                                                                const int G, const int NC, int32_t *acc) {
+  vi s[KV_PV_SUMS];
+  for (int g = 0; g < G; g++)
+    for (int c = 0; c < NC; c++) s[g * NC + c] = vi_load(acc + g * D + d0 + 16 * c);
+  for (int64_t i = i0; i < i1; i++) {
+    int32_t wp[KV_PV_SUMS];
+    for (int g = 0; g < G; g++) memcpy(wp + g, w + g * ldw + 2 * i, 4);
+    for (int c = 0; c < NC; c++) {
+      const vw x = vw_load_i8(v + 2 * D * i + 2 * (d0 + 16 * c));
+      for (int g = 0; g < G; g++) s[g * NC + c] = vi_dp_pairs(s[g * NC + c], x, wp[g]);
     }
-    for (int g = 0; g < G; g++)
-      for (int c = 0; c < 2; c++) vf_store(acc + g * D + d + 16 * c, a[g][c]);
+  }
+  for (int g = 0; g < G; g++)
+    for (int c = 0; c < NC; c++) vi_store(acc + g * D + d0 + 16 * c, s[g * NC + c]);
+}
+/* each (G, NC) a function of its own (inlined into one, GCC's register allocation spilled the sums) */
+#define PV_FN(g_, nc_)                                                                                             \
+  static __attribute__((noinline)) void pv_cols_##g_##_##nc_(const int8_t *v, int64_t i0, int64_t i1, int64_t D,   \
+                                                             int64_t d0, const int16_t *w, int64_t ldw,           \
+                                                             int32_t *acc) {                                      \
+    pv_pairs_cols(v, i0, i1, D, d0, w, ldw, g_, nc_, acc);                                                         \
+  }
+#if KV_PV_SUMS >= 16
+PV_FN(1, 8) PV_FN(2, 8) PV_FN(3, 4) PV_FN(4, 4)
+#endif
+PV_FN(1, 4) PV_FN(2, 2) PV_FN(3, 1) PV_FN(4, 1) PV_FN(1, 2) PV_FN(2, 1) PV_FN(1, 1)
+#undef PV_FN
+
+/* the same for 1 <= G <= 4 heads, all of D (D % 16 == 0): as many values a pass as the sums' registers hold */
+static inline void pv_pairs(const int8_t *v, int64_t i0, int64_t i1, int64_t D, const int16_t *w, int64_t ldw, int G,
+                            int32_t *acc) {
+  for (int64_t d0 = 0; d0 < D;) {
+#define PV_CASE(g_, nc_)                                             \
+  if (G == g_ && d0 + 16 * nc_ <= D) {                               \
+    pv_cols_##g_##_##nc_(v, i0, i1, D, d0, w, ldw, acc), d0 += 16 * nc_; \
+    continue;                                                        \
+  }
+#if KV_PV_SUMS >= 16
+    PV_CASE(1, 8) PV_CASE(2, 8) PV_CASE(3, 4) PV_CASE(4, 4)
+#endif
+    PV_CASE(1, 4) PV_CASE(2, 2) PV_CASE(3, 1) PV_CASE(4, 1) PV_CASE(1, 2) PV_CASE(2, 1) PV_CASE(1, 1)
+#undef PV_CASE
   }
 }
-#endif
-
 
 /* A decode task's share of the int8 pages: positions p0 .. p0 + n of one sequence (its page table row at pages), all
- * heads. The rows of page j's head h are (pages[j] Hkv + h) page_size + i; a call walks them as blocks of up to 16
- * consecutive rows (within a page and the task's positions), body seeing h (the kv head), row (the block's first),
- * pos (its first position, from p0) and m (its rows). The hardware's prefetchers follow these runs (each page's
- * K, or V, is Hkv x page_size rows in one piece): software prefetches here made the kernel 1.4x slower. */
+ * heads. The hardware's prefetchers follow each page's K (then V) as one piece of Hkv runs: software prefetches
+ * made the kernel slower. */
 typedef struct {
   const int64_t *pages;
   int64_t p0, n, Hkv, page_size;
 } kv_span;
 
-#define FOR_EACH_BLOCK(sp, row, pos, m, body)                                                                   \
-  for (int64_t j = (sp).p0 / (sp).page_size, end = (sp).p0 + (sp).n; j * (sp).page_size < end; j++) {           \
-    const int64_t lo_ = j * (sp).page_size > (sp).p0 ? j * (sp).page_size : (sp).p0;                            \
-    const int64_t hi_ = (j + 1) * (sp).page_size < end ? (j + 1) * (sp).page_size : end;                        \
-    for (int64_t h = 0; h < (sp).Hkv; h++)                                                                      \
-      for (int64_t pos = lo_ - (sp).p0; pos < hi_ - (sp).p0; pos += 16) {                                       \
-        const int64_t m = hi_ - (sp).p0 - pos < 16 ? hi_ - (sp).p0 - pos : 16;                                  \
-        const int64_t row = ((sp).pages[j] * (sp).Hkv + h) * (sp).page_size + ((sp).p0 + pos) % (sp).page_size; \
-        body;                                                                                                   \
-      }                                                                                                         \
+/* For each page j the span touches, in order: its in-page rows lo .. hi within the span, pos0 the span's position of
+ * in-page row 0 (negative on a first page the span starts inside). */
+#define FOR_EACH_PAGE(sp, j, lo, hi, pos0, ...) /* (the body: __VA_ARGS__, commas and all) */              \
+  for (int64_t j = (sp).p0 / (sp).page_size, end_ = (sp).p0 + (sp).n; j * (sp).page_size < end_; j++) {     \
+    const int64_t pos0 = j * (sp).page_size - (sp).p0, lo = pos0 < 0 ? -pos0 : 0;                            \
+    const int64_t hi = (j + 1) * (sp).page_size < end_ ? (sp).page_size : end_ - j * (sp).page_size;         \
+    __VA_ARGS__                                                                                               \
   }
 
 /* scores [Hq][L] (from the span's first position) = q . k x the row's scale x the query's (qscale, which holds the
- * softmax scale too), the queries q16 [Hq][D] int16. */
+ * softmax scale too), the queries q16 [Hq][D] int16: each K block of 16 rows (a shorter last block of a page copied
+ * into 16 zero rows first) for KV_QK_HEADS query heads a pass, the lanes within the span stored. */
 static void span_scores(const kv_span sp, const int16_t *q16, const float *qscale, const int8_t *k_cache,
                         const float *k_scales, int64_t G, int64_t D, int64_t L, float *scores) {
-  FOR_EACH_BLOCK(sp, row, pos, m, {
-    const vf ks = vf_load_n(k_scales + row, m, 0.0f);
-    for (int64_t g = 0; g < G; g++) {
-      const int64_t hq = h * G + g;
-      const vi dots = qk_int8_block(q16 + hq * D, D, k_cache + row * D, m);
-      vf_store_n(scores + hq * L + pos, vf_mul(vi_to_vf(dots), vf_mul(ks, vf_set1(qscale[hq]))), m);
+  const int64_t ps = sp.page_size;
+  FOR_EACH_PAGE(sp, j, lo, hi, pos0, {
+    for (int64_t h = 0; h < sp.Hkv; h++) {
+      const int64_t run = (sp.pages[j] * sp.Hkv + h) * ps; /* (the row of in-page row 0) */
+      for (int64_t b = lo / 16 * 16; b < hi; b += 16) {
+        const int64_t m = ps - b < 16 ? ps - b : 16, r0 = lo > b ? lo - b : 0, r1 = (hi < b + m ? hi : b + m) - b;
+        const int8_t *k = k_cache + (run + b) * D;
+        int8_t padded[16 * 512];
+        if (m < 16) {
+          memset(padded, 0, 16 * D);
+          for (int64_t p = 0; p < D / 2; p++) memcpy(padded + 32 * p, k + 2 * m * p, 2 * m);
+          k = padded;
+        }
+        const vf ks = vf_load_n(k_scales + run + b, m, 0.0f);
+        for (int64_t g0 = 0; g0 < G; g0 += KV_QK_HEADS) {
+          const int64_t gn = G - g0 < KV_QK_HEADS ? G - g0 : KV_QK_HEADS, hq0 = h * G + g0;
+          vi dots[KV_QK_HEADS];
+          switch (gn) {
+            case 1: qk_block16(k, q16 + hq0 * D, D, 1, dots); break;
+#if KV_QK_HEADS >= 4
+            case 3: qk_block16(k, q16 + hq0 * D, D, 3, dots); break;
+            case 4: qk_block16(k, q16 + hq0 * D, D, 4, dots); break;
+#endif
+            default: qk_block16(k, q16 + hq0 * D, D, 2, dots); break;
+          }
+          for (int64_t g = 0; g < gn; g++) {
+            const vf sc = vf_mul(vi_to_vf(dots[g]), vf_mul(ks, vf_set1(qscale[hq0 + g])));
+            float *dst = scores + (hq0 + g) * L + pos0 + b; /* (lane 0's position; lanes r0 .. r1 are the span's) */
+            if (r0 == 0) {
+              vf_store_n(dst, sc, r1);
+            } else {
+              float t[16];
+              vf_store(t, sc);
+              memcpy(dst + r0, t + r0, sizeof(float) * (r1 - r0));
+            }
+          }
+        }
+      }
     }
   })
 }
 
-#ifdef ISA_HAS_PV_I16
 /* acc [Hq][D] (float32) = sum over the span's rows of w V, w the softmax's numerators in scores [Hq][L] times each
  * row's V scale: quantized to int16 per head (its largest weight at 32767; the step is below bf16's rounding of the
- * largest) and multiplied with V's rows in int32, two rows a pair (pv_i16_block; |sum| <= L x 32767 x 127 stays
- * within int32 for L <= 512), then scaled back (pv_i16_finish). Scratch: wq int16 [Hq][L], acc32 [Hq][D],
- * wscale [Hq]. */
+ * largest) into wq [Hq][L + 2] (a zero on either side of the span's weights: a V pair half outside the span weighs
+ * 0) and multiplied with V's row pairs in int32 (pv_pairs; |sum| <= L x 32767 x 127 stays within int32 for L <= 512),
+ * then scaled back. Scratch: wq, acc32 [Hq][D], wscale [Hq]. */
 static void span_values(const kv_span sp, float *scores, const int8_t *v_cache, const float *v_scales, int64_t Hq,
                         int64_t G, int64_t D, int64_t L, int16_t *wq, int32_t *acc32, float *wscale, float *acc) {
-  FOR_EACH_BLOCK(sp, row, pos, m, {
-    const vf vs = vf_load_n(v_scales + row, m, 0.0f);
-    for (int64_t g = 0; g < G; g++) {
-      float *w = scores + (h * G + g) * L + pos;
-      vf_store_n(w, vf_mul(vf_load_n(w, m, 0.0f), vs), m);
+  const int64_t ps = sp.page_size, ldw = L + 2;
+  FOR_EACH_PAGE(sp, j, lo, hi, pos0, {
+    for (int64_t h = 0; h < sp.Hkv; h++) {
+      const float *vs = v_scales + (sp.pages[j] * sp.Hkv + h) * ps;
+      for (int64_t g = 0; g < G; g++) {
+        float *w = scores + (h * G + g) * L + pos0;
+        for (int64_t r = lo; r < hi; r += 16)
+          vf_store_n(w + r, vf_mul(vf_load_n(w + r, hi - r, 0.0f), vf_load_n(vs + r, hi - r, 0.0f)), hi - r);
+      }
     }
   })
   for (int64_t hq = 0; hq < Hq; hq++) {
     const float *w = scores + hq * L;
+    int16_t *row = wq + hq * ldw + 1;
     vf mx = vf_zero();
     for (int64_t i = 0; i < sp.n; i += 16) mx = vf_max(mx, vf_load_n(w + i, sp.n - i, 0.0f));
     const float top = vf_reduce_max(mx), inv = top > 0.0f ? 32767.0f / top : 0.0f;
-    for (int64_t i = 0; i < sp.n; i += 16) vi_store_i16_n(wq + hq * L + i, vf_to_vi(vf_mul(vf_load_n(w + i, sp.n - i, 0.0f), vf_set1(inv))), sp.n - i);
+    for (int64_t i = 0; i < sp.n; i += 16) vi_store_i16_n(row + i, vf_to_vi(vf_mul(vf_load_n(w + i, sp.n - i, 0.0f), vf_set1(inv))), sp.n - i);
+    row[-1] = row[sp.n] = 0;
     wscale[hq] = top / 32767.0f;
   }
   memset(acc32, 0, sizeof(int32_t) * Hq * D);
-  FOR_EACH_BLOCK(sp, row, pos, m, {
-    const int8_t *v = v_cache + row * D;
-    for (int64_t g0 = 0; g0 < G; g0 += 4) { /* (blocks of up to 4 heads: their sums in registers) */
-      const int16_t *w = wq + (h * G + g0) * L + pos;
-      int32_t *a = acc32 + (h * G + g0) * D;
-      switch (G - g0 < 4 ? G - g0 : 4) {
-        case 1: pv_i16_block(v, m, D, w, L, 1, a); break;
-        case 2: pv_i16_block(v, m, D, w, L, 2, a); break;
-        case 3: pv_i16_block(v, m, D, w, L, 3, a); break;
-        default: pv_i16_block(v, m, D, w, L, 4, a); break;
+  FOR_EACH_PAGE(sp, j, lo, hi, pos0, {
+    const int64_t i0 = lo / 2, i1 = (hi + 1) / 2 < ps / 2 ? (hi + 1) / 2 : ps / 2; /* (the pairs within the span) */
+    for (int64_t h = 0; h < sp.Hkv; h++) {
+      const int8_t *v = v_cache + (sp.pages[j] * sp.Hkv + h) * ps * D;
+      for (int64_t g0 = 0; g0 < G; g0 += 4) {
+        const int gn = G - g0 < 4 ? (int)(G - g0) : 4;
+        const int64_t hq0 = h * G + g0;
+        if (i1 > i0) pv_pairs(v + 2 * D * i0, 0, i1 - i0, D, wq + hq0 * ldw + 1 + pos0 + 2 * i0, ldw, gn, acc32 + hq0 * D);
+        if (ps % 2 && hi == ps) { /* an odd page's last row, alone: as a pair with a zero row at weight 0 */
+          int8_t pair[2 * 512];
+          int16_t w[8];
+          for (int64_t d = 0; d < D; d++) pair[2 * d] = v[(ps - 1) * D + d], pair[2 * d + 1] = 0;
+          for (int g = 0; g < gn; g++) w[2 * g] = wq[(hq0 + g) * ldw + 1 + pos0 + ps - 1], w[2 * g + 1] = 0;
+          pv_pairs(pair, 0, 1, D, w, 2, gn, acc32 + hq0 * D);
+        }
       }
     }
   })
-  for (int64_t hq = 0; hq < Hq; hq++) pv_i16_finish(acc32 + hq * D, D, wscale[hq], acc + hq * D);
+  for (int64_t hq = 0; hq < Hq; hq++)
+    for (int64_t d = 0; d < D; d += 16)
+      vf_store(acc + hq * D + d, vf_mul(vi_to_vf(vi_load(acc32 + hq * D + d)), vf_set1(wscale[hq])));
 }
-#else
-/* acc [Hq][D] (float32) = sum over the span's rows of w V, w the softmax's numerators in scores [Hq][L] times each
- * row's V scale, V's rows widened to float32 (pv_int8_block). */
-static void span_values(const kv_span sp, float *scores, const int8_t *v_cache, const float *v_scales, int64_t Hq,
-                        int64_t G, int64_t D, int64_t L, int16_t *wq, int32_t *acc32, float *wscale, float *acc) {
-  (void)wq, (void)acc32, (void)wscale;
-  memset(acc, 0, sizeof(float) * Hq * D);
-  float w[64];
-  FOR_EACH_BLOCK(sp, row, pos, m, {
-    const vf vs = vf_load_n(v_scales + row, m, 0.0f);
-    const int8_t *v = v_cache + row * D;
-    for (int64_t g0 = 0; g0 < G; g0 += 4) { /* (blocks of up to 4 heads: their sums in registers) */
-      const int64_t gb = G - g0 < 4 ? G - g0 : 4;
-      for (int64_t g = 0; g < gb; g++) /* (each weight times its row's V scale) */
-        vf_store(w + 16 * g, vf_mul(vf_load_n(scores + (h * G + g0 + g) * L + pos, m, 0.0f), vs));
-      float *a = acc + (h * G + g0) * D;
-      switch (gb) {
-        case 1: pv_int8_block(v, m, D, w, 1, a); break;
-        case 2: pv_int8_block(v, m, D, w, 2, a); break;
-        case 3: pv_int8_block(v, m, D, w, 3, a); break;
-        default: pv_int8_block(v, m, D, w, 4, a); break;
-      }
-    }
-  })
-}
-#endif
 
 #define KV_CHUNK 256 /* positions a decode task: a sequence's chunks run on any thread (at most 512: span_values) */
 
@@ -258,7 +320,7 @@ static void span_values(const kv_span sp, float *scores, const int8_t *v_cache, 
  * like flash decoding: a task is one sequence's chunk of KV_CHUNK positions for all its heads, so it reads each
  * page's K, then each page's V, as one run of Hkv x page_size rows (read head by head, the runs would be a page's
  * share, page_size x D bytes, Hkv runs apart). Per task: the queries as int16 (a scale per head: quantize_q16); the
- * scores of blocks of up to 16 rows of a page and kv head in int32 against the group's queries (span_scores); the
+ * scores of K's blocks of 16 rows of a page and kv head in int32 against the group's queries (span_scores); the
  * chunk's softmax in float32 (its own maximum); V's weighted sum (span_values). Then per sequence and head, the
  * chunks' sums rescaled to the largest maximum M and added: sum_c exp(m_c - M) acc_c / sum_c exp(m_c - M) s_c. The
  * chunks are fixed by the positions, not the threads: the result does not depend on the thread count. Each K and V
@@ -276,7 +338,7 @@ static void decode_attention_int8(const bf16 *q, int64_t ldq, const int8_t *k_ca
 #pragma omp parallel num_threads(nthreads) if (ntasks > 1)
   {
     float *scores = malloc(sizeof(float) * (Hq * L + 2 * Hq)), *qscale = scores + Hq * L, *wscale = qscale + Hq;
-    int16_t *q16 = malloc(sizeof(int16_t) * (Hq * D + Hq * L)), *wq = q16 + Hq * D;
+    int16_t *q16 = malloc(sizeof(int16_t) * (Hq * D + Hq * (L + 2))), *wq = q16 + Hq * D;
     int32_t *acc32 = malloc(sizeof(int32_t) * Hq * D);
     int64_t quantized = -1; /* (the sequence whose queries q16 holds) */
 #pragma omp for schedule(dynamic)
@@ -350,6 +412,6 @@ void mili_decode_attention(const bf16 *q, int64_t ldq, int64_t Hq, float scale, 
 
 void mili_gather_kv_int8(const mili_kv_pages *kv, int which, const mili_seq_pages *seqs, int64_t n, bf16 *out,
                          int nthreads) {
-  gather_kv_int8(which ? kv->v : kv->k, which ? kv->v_scales : kv->k_scales, seqs->page_table, seqs->ldp, seqs->B, n,
+  gather_kv_int8(which ? kv->v : kv->k, which ? kv->v_scales : kv->k_scales, which, seqs->page_table, seqs->ldp, seqs->B, n,
                  kv->kv_heads, kv->head_dim, kv->page_size, out, nthreads);
 }

@@ -369,19 +369,23 @@ class CpuOps:
 # -- attention (the pool's pages head-major: [pages, Hkv, page_size, D], see kernels.c) ----------------
 @dataclass(frozen=True)
 class Int8Pages:
-    """One layer's K (or V) pages as ``--kv-cache-dtype int8`` holds them: ``values`` int8 [pages, Hkv, page_size, D]
-    (head-major, as the bf16 pages) beside ``scales`` float32 [pages, Hkv, page_size], one symmetric scale per
-    (token, kv head) row: amax / 127, the row's values round(x / scale) (kernels.c, "int8 pages";
-    :func:`quantize_kv_rows` is its torch form). The store, the decode attention (its fused layer's too) and the
-    gather of a prefill chunk's context take them in place of a bf16 page tensor."""
+    """One layer's K (or V: ``v``) pages as ``--kv-cache-dtype int8`` holds them: ``values`` int8, [pages, Hkv,
+    page_size, D] bytes (head-major, as the bf16 pages; within each page and kv head, the decode kernel's layout:
+    K's rows in blocks of 16 stored value pair by value pair, V's rows interleaved two by two, kernels.c "int8 pages";
+    :meth:`rows` undoes it) beside ``scales`` float32 [pages, Hkv, page_size], one symmetric scale per (token, kv
+    head) row: amax / 127, the row's values round(x / scale) (:func:`quantize_kv_rows` is its torch form). The store,
+    the decode attention (its fused layer's too) and the gather of a prefill chunk's context take them in place of a
+    bf16 page tensor."""
 
     values: torch.Tensor
     scales: torch.Tensor
+    v: bool = False
     dtype = torch.int8
 
     @classmethod
-    def zeros(cls, shape: tuple[int, ...], device: torch.device | str = "cpu") -> Int8Pages:
-        return cls(host_memory.zeros(shape, torch.int8, device), host_memory.zeros(shape[:-1], torch.float32, device))
+    def zeros(cls, shape: tuple[int, ...], device: torch.device | str = "cpu", v: bool = False) -> Int8Pages:
+        return cls(host_memory.zeros(shape, torch.int8, device), host_memory.zeros(shape[:-1], torch.float32, device),
+                   v)
 
     @staticmethod
     def row_bytes(head_dim: int) -> int:
@@ -395,6 +399,19 @@ class Int8Pages:
     @property
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.values, self.scales
+
+    def rows(self) -> torch.Tensor:
+        """The values as rows, [pages, Hkv, page_size, D] with each row's D values in order: the layout undone. K: a
+        block of m <= 16 rows is [D / 2][m][2]; V: rows 2i and 2i + 1 are [D][2], an odd page's last row [D]."""
+        p, hkv, ps, d = self.values.shape
+        run = self.values.reshape(p, hkv, ps * d)
+        if self.v:
+            n = ps // 2 * 2
+            out = run[..., :n * d].reshape(p, hkv, ps // 2, d, 2).transpose(-1, -2).reshape(p, hkv, n, d)
+            return torch.cat([out, run[..., n * d:].reshape(p, hkv, ps - n, d)], 2)
+        blocks = [(b, min(16, ps - b)) for b in range(0, ps, 16)]
+        return torch.cat([run[..., b * d:(b + m) * d].reshape(p, hkv, d // 2, m, 2).transpose(2, 3)
+                          .reshape(p, hkv, m, d) for b, m in blocks], 2)
 
 
 def quantize_kv_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -444,8 +461,8 @@ def gather_pages(cache: torch.Tensor | Int8Pages, page_table: torch.Tensor, num_
         table = page_table.to(torch.int64).contiguous()
         out = torch.empty(table.shape[0], num_tokens, hkv, d, dtype=BF16)
         seqs = SeqPages(table.data_ptr(), table.stride(0), None, table.shape[0])  # (the gather reads no lengths)
-        _lib().mili_gather_kv_int8(ctypes.byref(kv_pages(cache, cache)), 0, ctypes.byref(seqs), num_tokens,
-                                   out.data_ptr(), _threads())
+        _lib().mili_gather_kv_int8(ctypes.byref(kv_pages(cache, cache)), int(cache.v), ctypes.byref(seqs),
+                                   num_tokens, out.data_ptr(), _threads())
         return out
     num_pages = -(-num_tokens // cache.shape[2])
     pages = cache.index_select(0, page_table[:, :num_pages].reshape(-1))  # [B * n, Hkv, page, D]
