@@ -216,14 +216,16 @@ typedef struct {
   }
 
 /* scores [Hq][L] (from the span's first position) = q . k x the row's scale x the query's (qscale, which holds the
- * softmax scale too), the queries q16 [Hq][D] int16: each K block of 16 rows (a shorter last block of a page copied
+ * softmax scale too), and vsc [Hkv][L] the rows' V scales, the queries q16 [Hq][D] int16: each K block of 16 rows (a shorter last block of a page copied
  * into 16 zero rows first) for KV_QK_HEADS query heads a pass, the lanes within the span stored. */
 static void span_scores(const kv_span sp, const int16_t *q16, const float *qscale, const int8_t *k_cache,
-                        const float *k_scales, int64_t G, int64_t D, int64_t L, float *scores) {
+                        const float *k_scales, const float *v_scales, int64_t G, int64_t D, int64_t L, float *scores,
+                        float *vsc) {
   const int64_t ps = sp.page_size;
   FOR_EACH_PAGE(sp, j, lo, hi, pos0, {
     for (int64_t h = 0; h < sp.Hkv; h++) {
       const int64_t run = (sp.pages[j] * sp.Hkv + h) * ps; /* (the row of in-page row 0) */
+      memcpy(vsc + h * L + pos0 + lo, v_scales + run + lo, sizeof(float) * (hi - lo));
       for (int64_t b = lo / 16 * 16; b < hi; b += 16) {
         const int64_t m = ps - b < 16 ? ps - b : 16, r0 = lo > b ? lo - b : 0, r1 = (hi < b + m ? hi : b + m) - b;
         const int8_t *k = k_cache + (run + b) * D;
@@ -262,33 +264,45 @@ static void span_scores(const kv_span sp, const int16_t *q16, const float *qscal
   })
 }
 
-/* acc [Hq][D] (float32) = sum over the span's rows of w V, w the softmax's numerators in scores [Hq][L] times each
- * row's V scale: quantized to int16 per head (its largest weight at 32767; the step is below bf16's rounding of the
- * largest) into wq [Hq][L + 2] (a zero on either side of the span's weights: a V pair half outside the span weighs
- * 0) and multiplied with V's row pairs in int32 (pv_pairs; |sum| <= L x 32767 x 127 stays within int32 for L <= 512),
- * then scaled back. Scratch: wq, acc32 [Hq][D], wscale [Hq]. */
-static void span_values(const kv_span sp, float *scores, const int8_t *v_cache, const float *v_scales, int64_t Hq,
-                        int64_t G, int64_t D, int64_t L, int16_t *wq, int32_t *acc32, float *wscale, float *acc) {
-  const int64_t ps = sp.page_size, ldw = L + 2;
-  FOR_EACH_PAGE(sp, j, lo, hi, pos0, {
-    for (int64_t h = 0; h < sp.Hkv; h++) {
-      const float *vs = v_scales + (sp.pages[j] * sp.Hkv + h) * ps;
-      for (int64_t g = 0; g < G; g++) {
-        float *w = scores + (h * G + g) * L + pos0;
-        for (int64_t r = lo; r < hi; r += 16)
-          vf_store_n(w + r, vf_mul(vf_load_n(w + r, hi - r, 0.0f), vf_load_n(vs + r, hi - r, 0.0f)), hi - r);
-      }
-    }
-  })
+/* The chunk's softmax and P V: per head, its maximum m (max[hq]), e = exp(s - m) and their total (total[hq]); the
+ * weights w = e x the row's V scale (vsc, span_scores'), quantized to int16 per head (its largest weight at 32767;
+ * the step is below bf16's rounding of the largest) into wq [Hq][L + 2] (a zero on either side of the span's
+ * weights: a V pair half outside the span weighs 0); acc [Hq][D] (float32) = sum over the span's rows of w V, with V's
+ * row pairs in int32 (pv_pairs; |sum| <= L x 32767 x 127 stays within int32 for L <= 512), scaled back. Scratch:
+ * scores (overwritten by the weights), wq, acc32 [Hq][D], wscale [Hq]. */
+static void span_values(const kv_span sp, float *scores, const float *vsc, const int8_t *v_cache, int64_t Hq,
+                        int64_t G, int64_t D, int64_t L, int16_t *wq, int32_t *acc32, float *wscale, float *max,
+                        float *total, float *acc) {
+  const int64_t ps = sp.page_size, ldw = L + 2, n = sp.n;
   for (int64_t hq = 0; hq < Hq; hq++) {
-    const float *w = scores + hq * L;
+    float *w = scores + hq * L;
+    const float *vs = vsc + hq / G * L;
+    vf mx = vf_set1(-INFINITY), sum = vf_zero(), wmx = vf_zero();
+    for (int64_t i = 0; i < n; i += 16) mx = vf_max(mx, vf_load_n(w + i, n - i, -INFINITY));
+    max[hq] = vf_reduce_max(mx);
+    const vf top = vf_set1(max[hq]);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) { /* (the sums in exp_shifted_max's order) */
+      const vf e = vf_exp(vf_sub(vf_load(w + i), top)), x = vf_mul(e, vf_load(vs + i));
+      sum = vf_add(sum, e);
+      wmx = vf_max(wmx, x);
+      vf_store(w + i, x);
+    }
+    float t = vf_reduce_add(sum);
+    if (n - i) {
+      float e[16];
+      vf_store(e, vf_exp(vf_sub(vf_load_n(w + i, n - i, 0.0f), top)));
+      const vf x = vf_mul(vf_load_n(e, n - i, 0.0f), vf_load_n(vs + i, n - i, 0.0f));
+      wmx = vf_max(wmx, x);
+      vf_store_n(w + i, x, n - i);
+      for (int64_t k = 0; k < n - i; k++) t += e[k];
+    }
+    total[hq] = t;
+    const float wtop = vf_reduce_max(wmx), inv = wtop > 0.0f ? 32767.0f / wtop : 0.0f;
     int16_t *row = wq + hq * ldw + 1;
-    vf mx = vf_zero();
-    for (int64_t i = 0; i < sp.n; i += 16) mx = vf_max(mx, vf_load_n(w + i, sp.n - i, 0.0f));
-    const float top = vf_reduce_max(mx), inv = top > 0.0f ? 32767.0f / top : 0.0f;
-    for (int64_t i = 0; i < sp.n; i += 16) vi_store_i16_n(row + i, vf_to_vi(vf_mul(vf_load_n(w + i, sp.n - i, 0.0f), vf_set1(inv))), sp.n - i);
-    row[-1] = row[sp.n] = 0;
-    wscale[hq] = top / 32767.0f;
+    for (int64_t k = 0; k < n; k += 16) vi_store_i16_n(row + k, vf_to_vi(vf_mul(vf_load_n(w + k, n - k, 0.0f), vf_set1(inv))), n - k);
+    row[-1] = row[n] = 0;
+    wscale[hq] = wtop / 32767.0f;
   }
   memset(acc32, 0, sizeof(int32_t) * Hq * D);
   FOR_EACH_PAGE(sp, j, lo, hi, pos0, {
@@ -337,7 +351,8 @@ static void decode_attention_int8(const bf16 *q, int64_t ldq, const int8_t *k_ca
   float *partial = malloc(sizeof(float) * ntasks * Hq * (D + 2)); /* per task and head: D sums, maximum, total */
 #pragma omp parallel num_threads(nthreads) if (ntasks > 1)
   {
-    float *scores = malloc(sizeof(float) * (Hq * L + 2 * Hq)), *qscale = scores + Hq * L, *wscale = qscale + Hq;
+    float *scores = malloc(sizeof(float) * (Hq * L + Hkv * L + 2 * Hq)), *vsc = scores + Hq * L;
+    float *qscale = vsc + Hkv * L, *wscale = qscale + Hq;
     int16_t *q16 = malloc(sizeof(int16_t) * (Hq * D + Hq * (L + 2))), *wq = q16 + Hq * D;
     int32_t *acc32 = malloc(sizeof(int32_t) * Hq * D);
     int64_t quantized = -1; /* (the sequence whose queries q16 holds) */
@@ -351,17 +366,14 @@ static void decode_attention_int8(const bf16 *q, int64_t ldq, const int8_t *k_ca
         for (int64_t hq = 0; hq < Hq; hq++) qscale[hq] = quantize_q16(q + b * ldq + hq * D, D, q16 + hq * D) * scale;
         quantized = b;
       }
-      span_scores(sp, q16, qscale, k_cache, k_scales, G, D, L, scores);
+      span_scores(sp, q16, qscale, k_cache, k_scales, v_scales, G, D, L, scores, vsc);
       float *part = partial + task * Hq * (D + 2);
-      for (int64_t hq = 0; hq < Hq; hq++) /* the chunk's softmax: its maximum, exp(s - max), their total */
-        part[Hq * D + Hq + hq] = exp_shifted_max(scores + hq * L, sp.n, part + Hq * D + hq);
-      span_values(sp, scores, v_cache, v_scales, Hq, G, D, L, wq, acc32, wscale, part);
+      span_values(sp, scores, vsc, v_cache, Hq, G, D, L, wq, acc32, wscale, part + Hq * D, part + Hq * D + Hq, part);
     }
     free(scores);
     free(q16);
     free(acc32);
-  }
-#pragma omp parallel for num_threads(nthreads) collapse(2) schedule(static) if (B * Hq >= 8)
+#pragma omp for collapse(2) schedule(static) /* (after the tasks' barrier, in the same team: one fork a call) */
   for (int64_t b = 0; b < B; b++)
     for (int64_t hq = 0; hq < Hq; hq++) { /* the chunks rescaled to the largest maximum and added */
       float top = -INFINITY, total = 0.0f;
@@ -384,6 +396,7 @@ static void decode_attention_int8(const bf16 *q, int64_t ldq, const int8_t *k_ca
         vf_store_bf16(out + (b * Hq + hq) * D + d, o);
       }
     }
+  }
   free(partial);
   free(first);
 }
