@@ -47,6 +47,31 @@ def test_a_pool_is_resident_only_where_written():
     assert int(view[0, 0]) == 2
 
 
+def _smaps_of(address: int) -> dict[str, str]:
+    """This process's /proc/self/smaps fields for the mapping that holds ``address``."""
+    fields, inside = {}, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside:
+            fields[head.rstrip(":")] = line.split(None, 1)[1] if " " in line.strip() else ""
+    return fields
+
+
+def test_a_pool_is_advised_for_huge_pages():
+    """The mapping is private (not shmem, which gets no huge pages by default) and advised MADV_HUGEPAGE: the kernel
+    marks it eligible (THPeligible 1) wherever transparent huge pages are on at all (``madvise`` or ``always``), and
+    where they are off it is the machine's choice (THPeligible 0)."""
+    pool = host_memory.zeros((64, 1 << 20), torch.uint8)
+    pool[:16] = 1
+    fields = _smaps_of(pool.data_ptr())
+    assert "hg" in fields["VmFlags"].split() and "sh" not in fields["VmFlags"].split(), fields["VmFlags"]
+    enabled = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    assert fields["THPeligible"].strip() == ("0" if "[never]" in enabled else "1"), (enabled, fields)
+
+
 def test_other_devices_get_torch_zeros():
     """Off the CPU (a GPU's pools; the meta device here) the pool is torch.zeros' own, past 1 MiB too."""
     got = host_memory.zeros((1024, 1024), torch.float32, "meta")
