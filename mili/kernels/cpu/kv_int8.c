@@ -148,16 +148,16 @@ static inline __attribute__((always_inline)) void qk_block16(const int8_t *k, co
   for (int g = 0; g < G; g++) dots[g] = vi_add(a[g], b[g]);
 }
 
-/* acc[g] [D] (int32) += the pairs of rows of one V run (v: its interleaved pairs, pair i at v + 2 D i) from pair i0 to
- * i1, each pair times its two weights (an int32 of two int16: w[g][i], pair i's at w + g ldw + 2 i), for G heads:
- * the G x NC sums of NC x 16 values in registers, d0 onwards. */
-static inline __attribute__((always_inline)) void pv_pairs_cols(const int8_t *v, int64_t i0, int64_t i1, int64_t D,
-                                                                int64_t d0, const int16_t *w, int64_t ldw,
-                                                                const int G, const int NC, int32_t *acc) {
+/* acc[g] [D] (int32) += the first n pairs of rows of one V run (v: its interleaved pairs, pair i at v + 2 D i), each
+ * pair times its two weights (an int32 of two int16: w[g][i], pair i's at w + g ldw + 2 i), for G heads: the G x NC
+ * sums of NC x 16 values in registers, d0 onwards. */
+static inline __attribute__((always_inline)) void pv_pairs_cols(const int8_t *v, int64_t n, int64_t D, int64_t d0,
+                                                                const int16_t *w, int64_t ldw, const int G,
+                                                                const int NC, int32_t *acc) {
   vi s[KV_PV_SUMS];
   for (int g = 0; g < G; g++)
     for (int c = 0; c < NC; c++) s[g * NC + c] = vi_load(acc + g * D + d0 + 16 * c);
-  for (int64_t i = i0; i < i1; i++) {
+  for (int64_t i = 0; i < n; i++) {
     int32_t wp[KV_PV_SUMS];
     for (int g = 0; g < G; g++) memcpy(wp + g, w + g * ldw + 2 * i, 4);
     for (int c = 0; c < NC; c++) {
@@ -168,39 +168,39 @@ static inline __attribute__((always_inline)) void pv_pairs_cols(const int8_t *v,
   for (int g = 0; g < G; g++)
     for (int c = 0; c < NC; c++) vi_store(acc + g * D + d0 + 16 * c, s[g * NC + c]);
 }
-/* each (G, NC) a function of its own (inlined into one, GCC's register allocation spilled the sums) */
-#define PV_FN(g_, nc_)                                                                                             \
-  static __attribute__((noinline)) void pv_cols_##g_##_##nc_(const int8_t *v, int64_t i0, int64_t i1, int64_t D,   \
-                                                             int64_t d0, const int16_t *w, int64_t ldw,           \
-                                                             int32_t *acc) {                                      \
-    pv_pairs_cols(v, i0, i1, D, d0, w, ldw, g_, nc_, acc);                                                         \
-  }
+/* The (G, NC) shapes pv_pairs takes, widest first for each G: each a function of its own (inlined into one, GCC's
+ * register allocation spilled the sums and the pass ran 1.4x slower). */
 #if KV_PV_SUMS >= 16
-PV_FN(1, 8) PV_FN(2, 8) PV_FN(3, 4) PV_FN(4, 4)
+#define PV_WIDE_SHAPES(X) X(1, 8) X(2, 8) X(3, 4) X(4, 4)
+#else
+#define PV_WIDE_SHAPES(X)
 #endif
-PV_FN(1, 4) PV_FN(2, 2) PV_FN(3, 1) PV_FN(4, 1) PV_FN(1, 2) PV_FN(2, 1) PV_FN(1, 1)
+#define PV_SHAPES(X) PV_WIDE_SHAPES(X) X(1, 4) X(2, 2) X(3, 1) X(4, 1) X(1, 2) X(2, 1) X(1, 1)
+#define PV_FN(g_, nc_)                                                                                           \
+  static __attribute__((noinline)) void pv_cols_##g_##_##nc_(const int8_t *v, int64_t n, int64_t D, int64_t d0, \
+                                                             const int16_t *w, int64_t ldw, int32_t *acc) {     \
+    pv_pairs_cols(v, n, D, d0, w, ldw, g_, nc_, acc);                                                            \
+  }
+PV_SHAPES(PV_FN)
 #undef PV_FN
 
 /* the same for 1 <= G <= 4 heads, all of D (D % 16 == 0): as many values a pass as the sums' registers hold */
-static inline void pv_pairs(const int8_t *v, int64_t i0, int64_t i1, int64_t D, const int16_t *w, int64_t ldw, int G,
+static inline void pv_pairs(const int8_t *v, int64_t n, int64_t D, const int16_t *w, int64_t ldw, int G,
                             int32_t *acc) {
   for (int64_t d0 = 0; d0 < D;) {
-#define PV_CASE(g_, nc_)                                             \
-  if (G == g_ && d0 + 16 * nc_ <= D) {                               \
-    pv_cols_##g_##_##nc_(v, i0, i1, D, d0, w, ldw, acc), d0 += 16 * nc_; \
-    continue;                                                        \
+#define PV_CASE(g_, nc_)                                               \
+  if (G == g_ && d0 + 16 * nc_ <= D) {                                 \
+    pv_cols_##g_##_##nc_(v, n, D, d0, w, ldw, acc), d0 += 16 * nc_;    \
+    continue;                                                          \
   }
-#if KV_PV_SUMS >= 16
-    PV_CASE(1, 8) PV_CASE(2, 8) PV_CASE(3, 4) PV_CASE(4, 4)
-#endif
-    PV_CASE(1, 4) PV_CASE(2, 2) PV_CASE(3, 1) PV_CASE(4, 1) PV_CASE(1, 2) PV_CASE(2, 1) PV_CASE(1, 1)
+    PV_SHAPES(PV_CASE)
 #undef PV_CASE
   }
 }
 
 /* A decode task's share of the int8 pages: positions p0 .. p0 + n of one sequence (its page table row at pages), all
- * heads. The hardware's prefetchers follow each page's K (then V) as one piece of Hkv runs: software prefetches
- * made the kernel slower. */
+ * heads. The hardware's prefetchers follow each page's K (then V) as one piece of Hkv runs: software prefetches of
+ * the next page's runs made no difference (2026-12-04; in the row-major kernel of 2026-11 they cost 1.4x). */
 typedef struct {
   const int64_t *pages;
   int64_t p0, n, Hkv, page_size;
@@ -216,8 +216,9 @@ typedef struct {
   }
 
 /* scores [Hq][L] (from the span's first position) = q . k x the row's scale x the query's (qscale, which holds the
- * softmax scale too), and vsc [Hkv][L] the rows' V scales, the queries q16 [Hq][D] int16: each K block of 16 rows (a shorter last block of a page copied
- * into 16 zero rows first) for KV_QK_HEADS query heads a pass, the lanes within the span stored. */
+ * softmax scale too), the queries q16 [Hq][D] int16, and vsc [Hkv][L] the rows' V scales (for span_values): each K
+ * block of 16 rows (a shorter last block of a page copied into 16 zero rows first) for KV_QK_HEADS query heads a
+ * pass, the lanes within the span stored. */
 static void span_scores(const kv_span sp, const int16_t *q16, const float *qscale, const int8_t *k_cache,
                         const float *k_scales, const float *v_scales, int64_t G, int64_t D, int64_t L, float *scores,
                         float *vsc) {
@@ -282,7 +283,7 @@ static void span_values(const kv_span sp, float *scores, const float *vsc, const
     max[hq] = vf_reduce_max(mx);
     const vf top = vf_set1(max[hq]);
     int64_t i = 0;
-    for (; i + 16 <= n; i += 16) { /* (the sums in exp_shifted_max's order) */
+    for (; i + 16 <= n; i += 16) { /* (exp_shifted_max's loop and order, the V scales and the weights' maximum in the same pass) */
       const vf e = vf_exp(vf_sub(vf_load(w + i), top)), x = vf_mul(e, vf_load(vs + i));
       sum = vf_add(sum, e);
       wmx = vf_max(wmx, x);
@@ -312,13 +313,13 @@ static void span_values(const kv_span sp, float *scores, const float *vsc, const
       for (int64_t g0 = 0; g0 < G; g0 += 4) {
         const int gn = G - g0 < 4 ? (int)(G - g0) : 4;
         const int64_t hq0 = h * G + g0;
-        if (i1 > i0) pv_pairs(v + 2 * D * i0, 0, i1 - i0, D, wq + hq0 * ldw + 1 + pos0 + 2 * i0, ldw, gn, acc32 + hq0 * D);
+        if (i1 > i0) pv_pairs(v + 2 * D * i0, i1 - i0, D, wq + hq0 * ldw + 1 + pos0 + 2 * i0, ldw, gn, acc32 + hq0 * D);
         if (ps % 2 && hi == ps) { /* an odd page's last row, alone: as a pair with a zero row at weight 0 */
           int8_t pair[2 * 512];
           int16_t w[8];
           for (int64_t d = 0; d < D; d++) pair[2 * d] = v[(ps - 1) * D + d], pair[2 * d + 1] = 0;
           for (int g = 0; g < gn; g++) w[2 * g] = wq[(hq0 + g) * ldw + 1 + pos0 + ps - 1], w[2 * g + 1] = 0;
-          pv_pairs(pair, 0, 1, D, w, 2, gn, acc32 + hq0 * D);
+          pv_pairs(pair, 1, D, w, 2, gn, acc32 + hq0 * D);
         }
       }
     }
