@@ -12,7 +12,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 PAGES = [README, *sorted((ROOT / "docs").rglob("*.md"))]
-TEST_COMMAND = 'pip install torch==2.13.0 && pip install -e ".[test]" && python -m pytest -q -n 2'
+TEST_COMMAND = ('pip install torch==2.13.0 && pip install -e ".[test]" -c requirements/test.lock'
+                ' && python -m pytest -q -n 2')
 SERVE_COMMAND = "pip install torch==2.13.0 && pip install -e . && mili serve"
 
 
@@ -53,7 +54,9 @@ def test_the_readme_commands_are_ci_s():
     text = README.read_text()
     assert TEST_COMMAND in text and SERVE_COMMAND in text
     ci = (ROOT / ".ci" / "run").read_text()
-    assert TEST_COMMAND.replace("pip install ", "pip install -q ") in ci
+    install, _, pytest = TEST_COMMAND.rpartition(" && ")  # (CI checks the install against the lock in between)
+    assert install.replace("pip install ", "pip install -q ") in ci
+    assert ci.rstrip().splitlines()[-1].startswith(pytest + " "), "the pytest line is CI's last"
 
 
 def test_the_readme_links_resolve():

@@ -6,6 +6,7 @@ through the engine. (Their speed is a GPU's to measure: benchmarks/gemv_ab.py.)"
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -189,21 +190,47 @@ def test_gemv_matches_linear_in_float32(m, n, k, bias):
     torch.testing.assert_close(tg.gemv(x, w, b).double(), want, atol=2e-5, rtol=1e-5)
 
 
+@contextlib.contextmanager
+def float32_reductions():
+    """torch's 16-bit matmuls reduced in float32 inside, the flags put back after through torch's own setters.
+    (Not monkeypatch: torch serves these flags through `__getattr__`, so pytest 9.2 records them as missing and its
+    undo fails on `delattr`.)"""
+    matmul = torch.backends.cuda.matmul
+    flags = ("allow_bf16_reduced_precision_reduction", "allow_fp16_reduced_precision_reduction")
+    saved = {flag: getattr(matmul, flag) for flag in flags}
+    try:
+        for flag in flags:
+            setattr(matmul, flag, False)
+        yield
+    finally:
+        for flag, value in saved.items():
+            setattr(matmul, flag, value)
+
+
+def test_float32_reductions_puts_the_flags_back():
+    matmul = torch.backends.cuda.matmul
+    before = (matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction)
+    assert before == (True, True)  # torch's defaults
+    with float32_reductions():
+        assert (matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction) == (
+            False, False)
+    assert (matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction) == before
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m", [1, 4, 8])
 @pytest.mark.parametrize("n,k", [SPLIT, WHOLE])
-def test_gemv_matches_linear_in_16_bits(dtype, m, n, k, monkeypatch):
+def test_gemv_matches_linear_in_16_bits(dtype, m, n, k):
     """The float32 sums (+ bias) rounded once: torch's 16-bit linear within one rounding. (On a GPU torch lets
     cuBLAS reduce 16-bit products in 16 bits by default: an H200 then parted by 0.047 on one output; the
     comparison with torch asks it for float32 reductions.)"""
-    for flag in ("allow_bf16_reduced_precision_reduction", "allow_fp16_reduced_precision_reduction"):
-        monkeypatch.setattr(torch.backends.cuda.matmul, flag, False)
     x, w, b = _gemv_case(m, n, k, dtype, True, seed=10 + m)
     want = F.linear(x.float(), w.float(), b.float())  # the exact-ish sum, then one rounding to compare with
     got = tg.gemv(x, w, b)
     assert got.dtype == dtype and got.shape == (m, n)
     torch.testing.assert_close(got.float(), want.to(dtype).float(), atol=1e-3, rtol=2 ** -7)
-    torch.testing.assert_close(got.float(), F.linear(x, w, b).float(), atol=1e-3, rtol=2 ** -6)
+    with float32_reductions():
+        torch.testing.assert_close(got.float(), F.linear(x, w, b).float(), atol=1e-3, rtol=2 ** -6)
 
 
 def test_gemv_rows_do_not_depend_on_the_batch_and_runs_repeat():
