@@ -17,14 +17,6 @@ from support.server import Server, openai_client
 HERE = Path(__file__).parent
 
 
-def pytest_collection_modifyitems(items) -> None:
-    """Each server module's tests on one xdist worker (``--dist loadgroup``, pyproject.toml): its module-scoped
-    servers then start once, where ``load`` would spread the tests over both workers and start each server twice."""
-    for item in items:
-        if Path(item.path).parent == HERE:
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
-
-
 @pytest.fixture(scope="session")
 def random_model(qwen3_checkpoint) -> Path:
     """A random Qwen3 on the real vocabulary and tokenizer (its replies are gibberish, but real token ids)."""
